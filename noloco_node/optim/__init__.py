@@ -1,0 +1,1 @@
+"""Optimizer math: pure torch. Must not import grpc, hivemind, asyncio or transformers."""

@@ -1,0 +1,71 @@
+"""Inner optimization: Adam, per-stage gradient clipping, warmup + cosine schedule. Pure torch."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class InnerSchedule:
+    """Linear warmup to lr_max, then cosine to lr_max * min_lr_ratio at total_steps (reference §3)."""
+
+    lr_max: float
+    warmup_steps: int
+    total_steps: int
+    min_lr_ratio: float = 0.1
+
+    def lr_at(self, step: int) -> float:
+        """LR used by inner step `step` (1-based), exactly as the reference's scheduler."""
+        if step < 1:
+            raise ValueError(f"inner steps count from 1, got {step}")
+        elapsed = step - 1
+        lr_min = self.lr_max * self.min_lr_ratio
+        if elapsed < self.warmup_steps:
+            return self.lr_max * (elapsed + 1) / self.warmup_steps
+        if elapsed < self.total_steps:
+            progress = (elapsed - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps)
+            return lr_min + 0.5 * (1.0 + math.cos(math.pi * progress)) * (self.lr_max - lr_min)
+        return lr_min
+
+
+class InnerOptimizer:
+    """Adam on one stage's parameters, stepped on the node's own inner-step counter.
+
+    One inner step = clip this stage's accumulated gradients to `clip_norm`, set the LR for the
+    step, step Adam, zero the gradients. Adam moments are never reset or averaged by outer steps.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[nn.Parameter],
+        schedule: InnerSchedule,
+        *,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        clip_norm: float = 1.0,
+    ) -> None:
+        self.params = [p for p in params if p.requires_grad]
+        self.schedule = schedule
+        self.clip_norm = clip_norm
+        self.adam = torch.optim.Adam(
+            self.params, lr=schedule.lr_at(1), betas=betas, eps=eps, weight_decay=weight_decay
+        )
+        self.step_count = 0
+
+    def step(self) -> tuple[float, float]:
+        """Take one inner step; returns (lr used, gradient norm before clipping)."""
+        lr = self.schedule.lr_at(self.step_count + 1)
+        for group in self.adam.param_groups:
+            group["lr"] = lr
+        grads = [p for p in self.params if p.grad is not None]
+        norm = float(torch.nn.utils.clip_grad_norm_(grads, self.clip_norm)) if grads else 0.0
+        self.adam.step()
+        self.adam.zero_grad(set_to_none=True)
+        self.step_count += 1
+        return lr, norm

@@ -1,0 +1,116 @@
+"""Outer-optimizer state of one stage: slow weights phi and outer momentum m per parameter.
+
+phi and m are kept in float32 (or float64 when the parameters are) even when theta is bf16 on a
+GPU, so many small outer updates do not vanish in bf16 rounding. This module maps the per-tensor
+math of `outer.py` over a stage's named parameters; it knows nothing of networking.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+from torch import Tensor, nn
+
+from noloco_node.optim.outer import diloco_step, noloco_step
+
+PeerGroupSnapshot = Mapping[str, tuple[Tensor | None, Tensor]]
+"""One peer's snapshot: parameter name -> (phi or None, theta)."""
+
+
+def _master_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class OuterState:
+    """phi and m for every parameter of a stage, plus the outer round counter.
+
+    The parameters passed in are the live fast weights theta; applying an outer step writes the
+    new phi into them (theta <- phi) in place, leaving any inner optimizer's moments untouched.
+    """
+
+    def __init__(self, named_params: Iterable[tuple[str, nn.Parameter]], *, alpha: float, beta: float,
+                 gamma: float | None = None) -> None:
+        self.params: dict[str, nn.Parameter] = dict(named_params)
+        if not self.params:
+            raise ValueError("OuterState needs at least one parameter")
+        self.alpha, self.beta = alpha, beta
+        self.gamma = beta if gamma is None else gamma
+        with torch.no_grad():
+            self.phi = {n: p.detach().to(_master_dtype(p.dtype), copy=True) for n, p in self.params.items()}
+        self.momentum = {n: torch.zeros_like(v) for n, v in self.phi.items()}
+        self.round = 0
+
+    @property
+    def needs_slow_weights(self) -> bool:
+        """True when gamma != beta, so peers must exchange phi as well as theta."""
+        return self.gamma != self.beta
+
+    def snapshot(self) -> dict[str, tuple[Tensor | None, Tensor]]:
+        """This replica's frozen snapshot: name -> (phi if needed else None, theta in master dtype)."""
+        with torch.no_grad():
+            return {
+                name: (self.phi[name].clone() if self.needs_slow_weights else None,
+                       p.detach().to(self.phi[name].dtype, copy=True))
+                for name, p in self.params.items()
+            }
+
+    def delta_norm(self) -> float:
+        """||theta - phi|| over all parameters (used to bound received snapshots)."""
+        with torch.no_grad():
+            total = sum(float((p.detach().to(self.phi[n].dtype) - self.phi[n]).pow(2).sum()) for n, p in self.params.items())
+        return total ** 0.5
+
+    def apply_noloco(self, peers: list[PeerGroupSnapshot], own: Mapping[str, Tensor] | None = None) -> None:
+        """Apply the NoLoCo step with the given peer snapshots (empty list = solo step).
+
+        Args:
+            peers: one mapping per other group member, covering every parameter.
+            own: this replica's theta as it went on the wire (for identical group means on both
+                sides); defaults to the live theta.
+        """
+        for name in self.params:
+            missing = [i for i, peer in enumerate(peers) if name not in peer]
+            if missing:
+                raise KeyError(f"peer snapshots {missing} lack parameter {name!r}")
+        with torch.no_grad():
+            for name, param in self.params.items():
+                theta = own[name] if own is not None else param.detach()
+                new_phi, new_m = noloco_step(
+                    self.phi[name], theta, self.momentum[name], [peer[name] for peer in peers],
+                    alpha=self.alpha, beta=self.beta, gamma=self.gamma,
+                )
+                self._commit(name, new_phi, new_m)
+        self.round += 1
+
+    def apply_diloco(self, theta_mean: Mapping[str, Tensor]) -> None:
+        """Apply the DiLoCo step given the all-replica mean of theta for every parameter."""
+        with torch.no_grad():
+            for name in self.params:
+                new_phi, new_m = diloco_step(self.phi[name], self.momentum[name], theta_mean[name],
+                                             alpha=self.alpha, beta=self.beta)
+                self._commit(name, new_phi, new_m)
+        self.round += 1
+
+    def _commit(self, name: str, new_phi: Tensor, new_m: Tensor) -> None:
+        self.phi[name] = new_phi
+        self.momentum[name] = new_m
+        self.params[name].data.copy_(new_phi)
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """Flat tensors for checkpoints and state transfer: 'phi/<name>' and 'momentum/<name>'."""
+        flat = {f"phi/{n}": t for n, t in self.phi.items()}
+        flat.update({f"momentum/{n}": t for n, t in self.momentum.items()})
+        return flat
+
+    def load_state_dict(self, flat: Mapping[str, Tensor], *, round_index: int) -> None:
+        """Load phi and m (as from `state_dict`) and set theta <- phi."""
+        with torch.no_grad():
+            for name in self.params:
+                for kind, store in (("phi", self.phi), ("momentum", self.momentum)):
+                    source = flat[f"{kind}/{name}"]
+                    if source.shape != store[name].shape:
+                        raise ValueError(f"{kind}/{name}: shape {tuple(source.shape)}, expected {tuple(store[name].shape)}")
+                    store[name] = source.to(store[name].dtype, copy=True)
+                self.params[name].data.copy_(self.phi[name])
+        self.round = round_index
