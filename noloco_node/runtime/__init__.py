@@ -1,0 +1,1 @@
+"""Process-level plumbing shared by every layer: allocator settings, logging, events."""
