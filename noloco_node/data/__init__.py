@@ -1,0 +1,1 @@
+"""Corpora, tokenizer and packed training sequences. Knows datasets/tokenizers, not peers."""
