@@ -1,0 +1,2 @@
+"""Command-line entry points. Modules here import torch, transformers and hivemind only inside
+`run`, so `noloco-node --help` answers instantly."""

@@ -1,0 +1,52 @@
+"""`noloco-node` entry point: subcommands, logging, and error-to-exit-code mapping.
+
+Exit codes: 0 success, 2 a bad config or flag (the message names the field and the fix),
+1 anything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from noloco_node import __version__
+from noloco_node.cli import config_cmd, demo
+from noloco_node.config import ConfigError
+
+COMMANDS = (demo, config_cmd)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="noloco-node", description="A NoLoCo peer node: pipeline stages with random "
+                                     "routing and pairwise outer steps, no all-reduce.")
+    parser.add_argument("--version", action="version", version=f"noloco-node {__version__}")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for command in COMMANDS:
+        command.register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from noloco_node.runtime.logging import setup_logging
+
+    setup_logging(args.log_level)
+    try:
+        return int(args.run(args) or 0)
+    except ConfigError as exc:
+        print(f"noloco-node: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("noloco-node: interrupted", file=sys.stderr)
+        return 130
+    except ValueError as exc:
+        # Data and tokenizer problems raise ValueError naming the config field (data.path, ...).
+        if str(exc).split(":", 1)[0] in {"data.path", "data.tokenizer", "data"}:
+            print(f"noloco-node: {exc}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,361 @@
+"""One typed config per node: frozen dataclasses per section, from TOML, overridable by flags.
+
+Sources, lowest to highest precedence: defaults, a TOML file (`--config node.toml`), then
+`--set section.field=value` flags (and the CLI's shortcut flags, which become the same overrides).
+Every error names the field and says how to fix it. Imports the standard library only, so
+`noloco-node --help` stays instant.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import tomllib
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+METHODS = ("noloco", "diloco", "dp", "none")
+CODECS = ("none", "bf16", "int8")
+# Reference hyperparameters per method (noloco-reference.md section 1): H, alpha, beta.
+METHOD_DEFAULTS = {"noloco": (50, 0.5, 0.7), "diloco": (100, 0.3, 0.7), "dp": (1, 0.0, 0.0), "none": (1, 0.0, 0.0)}
+
+
+class ConfigError(ValueError):
+    """A bad config value. `field` is dotted (`outer.alpha`); the message includes the fix."""
+
+    def __init__(self, field_name: str, problem: str, fix: str) -> None:
+        self.field, self.problem, self.fix = field_name, problem, fix
+        super().__init__(f"config field '{field_name}': {problem}. Fix: {fix}")
+
+    def within(self, section: str) -> ConfigError:
+        return ConfigError(f"{section}.{self.field}", self.problem, self.fix)
+
+
+def _require(ok: bool, name: str, problem: str, fix: str) -> None:
+    if not ok:
+        raise ConfigError(name, problem, fix)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunConfig:
+    run_id: str = "local"
+    """Namespaces every DHT key; peers of different runs never talk to each other."""
+    seed: int = 0
+    """Initial weights (phi_0) and data order derive from it; part of the manifest hash."""
+
+    def __post_init__(self) -> None:
+        _require(bool(self.run_id) and "/" not in self.run_id, "run_id", f"{self.run_id!r} is empty or contains '/'",
+                 "use letters, digits, '-' or '_'")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelConfig:
+    hidden_size: int = 128
+    intermediate_size: int = 352
+    num_layers: int = 4
+    num_heads: int = 4
+    seq_len: int = 128
+    """Tokens per training sequence."""
+    attn_implementation: str = "sdpa"
+    """'sdpa' or 'eager'; the causal mask is always passed explicitly."""
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "seq_len"):
+            _require(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}", "use a positive integer")
+        _require(self.hidden_size % self.num_heads == 0, "num_heads",
+                 f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}",
+                 "choose num_heads that divides hidden_size")
+        _require(self.attn_implementation in ("sdpa", "eager"), "attn_implementation",
+                 f"unknown value {self.attn_implementation!r}", "use 'sdpa' or 'eager'")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DataConfig:
+    path: str | None = None
+    """File, directory or glob of .txt/.json(l)(.gz)/.parquet; None = the embedded KJV corpus."""
+    text_field: str = "text"
+    tokenizer: str | None = None
+    """tokenizer.json path, local tokenizer dir or cached HF name; None = train a BPE on the corpus."""
+    vocab_size: int = 4096
+    """Vocabulary of the BPE trained when tokenizer is None."""
+    holdout_fraction: float = 0.02
+    """Share of documents held out for validation (chosen by a hash of the text)."""
+    cache_dir: str = "~/.cache/noloco-node"
+
+    def __post_init__(self) -> None:
+        _require(self.vocab_size >= 258, "vocab_size", f"must be >= 258 (256 bytes + 2 specials), got {self.vocab_size}",
+                 "use e.g. 4096")
+        _require(0.0 <= self.holdout_fraction < 1.0, "holdout_fraction", f"must be in [0, 1), got {self.holdout_fraction}",
+                 "use e.g. 0.02")
+
+    @property
+    def cache_path(self) -> Path:
+        return Path(self.cache_dir).expanduser()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PipelineConfig:
+    num_stages: int = 2
+    stage: int = 0
+    """The stage this node serves."""
+    batch_size: int = 8
+    """B: sequences whose gradients one inner step accumulates, per replica."""
+    microbatch_size: int = 1
+    """Sequences per routed microbatch (the reference uses 1)."""
+    max_in_flight: int = 8
+    """Microbatches a node holds saved inputs for at once; beyond it, senders get BUSY."""
+
+    def __post_init__(self) -> None:
+        _require(self.num_stages >= 1, "num_stages", f"must be >= 1, got {self.num_stages}", "use a positive integer")
+        _require(0 <= self.stage < self.num_stages, "stage", f"{self.stage} is outside 0..{self.num_stages - 1}",
+                 "pick a stage index below num_stages")
+        _require(self.batch_size >= 1 and self.microbatch_size >= 1, "batch_size",
+                 "batch_size and microbatch_size must be >= 1", "use positive integers")
+        _require(self.batch_size % self.microbatch_size == 0, "microbatch_size",
+                 f"batch_size {self.batch_size} is not a multiple of microbatch_size {self.microbatch_size}",
+                 "make batch_size a multiple of microbatch_size")
+        _require(self.max_in_flight >= 1, "max_in_flight", f"must be >= 1, got {self.max_in_flight}", "use e.g. 8")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class InnerConfig:
+    lr: float = 6e-4
+    """Peak Adam learning rate."""
+    warmup_steps: int = 1000
+    total_steps: int = 25000
+    """Cosine decays to lr * min_lr_ratio at this inner step."""
+    min_lr_ratio: float = 0.1
+    clip_norm: float = 1.0
+    """Gradient clipping over this stage's own parameters."""
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+    def __post_init__(self) -> None:
+        _require(self.lr > 0, "lr", f"must be > 0, got {self.lr}", "use e.g. 6e-4")
+        _require(self.warmup_steps >= 1, "warmup_steps", f"must be >= 1, got {self.warmup_steps}", "use e.g. 1000")
+        _require(self.total_steps >= self.warmup_steps, "total_steps",
+                 f"{self.total_steps} is below warmup_steps {self.warmup_steps}", "raise total_steps or lower warmup_steps")
+        _require(0.0 <= self.min_lr_ratio <= 1.0, "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}", "use 0.1")
+        _require(self.clip_norm > 0, "clip_norm", f"must be > 0, got {self.clip_norm}", "use 1.0")
+        for name in ("beta1", "beta2"):
+            _require(0.0 <= getattr(self, name) < 1.0, name, f"must be in [0, 1), got {getattr(self, name)}", "use 0.9 / 0.999")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OuterConfig:
+    method: str = "noloco"
+    """noloco (pairwise), diloco (all-reduce), dp (gradient all-reduce every step) or none."""
+    inner_steps_per_outer: int | None = None
+    """H; None = the method's reference default (noloco 50, diloco 100)."""
+    alpha: float | None = None
+    """Outer momentum; None = reference default (noloco 0.5, diloco 0.3)."""
+    beta: float | None = None
+    """Outer learning rate; None = 0.7."""
+    gamma: float | None = None
+    """NoLoCo local-averaging coefficient; None = beta (then only fast weights travel)."""
+    codec: str = "bf16"
+    """Wire codec of outer snapshots: none, bf16 or int8."""
+
+    def __post_init__(self) -> None:
+        _require(self.method in METHODS, "method", f"unknown method {self.method!r}", f"use one of {', '.join(METHODS)}")
+        h, alpha, beta = METHOD_DEFAULTS[self.method]
+        for name, default in (("inner_steps_per_outer", h), ("alpha", alpha), ("beta", beta)):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, default)
+        if self.gamma is None:
+            object.__setattr__(self, "gamma", self.beta)
+        _require(self.inner_steps_per_outer >= 1, "inner_steps_per_outer", f"must be >= 1, got {self.inner_steps_per_outer}",
+                 "use e.g. 50")
+        _require(0.0 <= self.alpha < 1.0, "alpha", f"must be in [0, 1), got {self.alpha}", "use 0.5 (noloco) or 0.3 (diloco)")
+        _require(self.beta >= 0.0, "beta", f"must be >= 0, got {self.beta}", "use 0.7")
+        _require(self.codec in CODECS, "codec", f"unknown codec {self.codec!r}", f"use one of {', '.join(CODECS)}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NetworkConfig:
+    host: str = "127.0.0.1"
+    """Address the gRPC server binds."""
+    port: int = 0
+    """gRPC port; 0 = any free port."""
+    announce_addr: str | None = None
+    """host:port peers should dial; None = host:bound port."""
+    initial_peers: tuple[str, ...] = ()
+    """Multiaddrs of DHT peers to bootstrap from."""
+    dht_port: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("port", "dht_port"):
+            _require(0 <= getattr(self, name) <= 65535, name, f"{getattr(self, name)} is not a TCP port", "use 0..65535")
+        if self.announce_addr is not None:
+            host, _, port = self.announce_addr.rpartition(":")
+            _require(bool(host) and port.isdigit(), "announce_addr", f"{self.announce_addr!r} is not host:port",
+                     "use e.g. 203.0.113.7:31337")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TimeoutsConfig:
+    rpc_s: float = 30.0
+    """Deadline of one Forward/Backward call."""
+    connect_s: float = 5.0
+    startup_s: float = 30.0
+    """How long to wait for the DHT bootstrap before failing with a clear error."""
+    match_s: float = 5.0
+    """How long an outer step may look for a partner before the solo step."""
+    heartbeat_s: float = 10.0
+    record_ttl_s: float = 30.0
+    saved_input_ttl_s: float = 120.0
+    """Saved forward inputs expire after this, so a lost downstream peer cannot leak memory."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            _require(getattr(self, f.name) > 0, f.name, f"must be > 0 seconds, got {getattr(self, f.name)}",
+                     "use a positive number of seconds")
+        _require(self.record_ttl_s > self.heartbeat_s, "record_ttl_s",
+                 f"{self.record_ttl_s} must exceed heartbeat_s {self.heartbeat_s}", "use about 3x heartbeat_s")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NodeConfig:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    inner: InnerConfig = field(default_factory=InnerConfig)
+    outer: OuterConfig = field(default_factory=OuterConfig)
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+    timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
+
+    def __post_init__(self) -> None:
+        _require(self.model.num_layers >= self.pipeline.num_stages, "pipeline.num_stages",
+                 f"{self.pipeline.num_stages} stages but only {self.model.num_layers} decoder layers (model.num_layers)",
+                 "use at most model.num_layers stages, or more layers")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def manifest_hash(self, *extra: str) -> str:
+        """Hash of what every peer of a run must agree on (model, layout, seed, optimizer, data
+        tokenization); `extra` adds runtime facts such as the tokenizer's hash."""
+        d = self.to_dict()
+        manifest = {"run": d["run"], "model": d["model"], "num_stages": d["pipeline"]["num_stages"],
+                    "inner": d["inner"], "outer": d["outer"], "vocab_size": d["data"]["vocab_size"], "extra": list(extra)}
+        return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:16]
+
+
+SECTIONS: dict[str, type] = typing.get_type_hints(NodeConfig)
+
+
+def _suggest(name: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(name, options, n=1)
+    return f"did you mean '{close[0]}'? " if close else ""
+
+
+def _coerce(value: Any, annotation: Any, name: str) -> Any:
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "")):
+            if type(None) in args:
+                return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(value, inner[0], name)
+    if origin is tuple:
+        items = value.split(",") if isinstance(value, str) else list(value)
+        return tuple(_coerce(v.strip() if isinstance(v, str) else v, args[0], name) for v in items if v != "")
+    try:
+        if annotation is bool:
+            if isinstance(value, bool):
+                return value
+            if str(value).lower() in ("true", "1", "yes", "on"):
+                return True
+            if str(value).lower() in ("false", "0", "no", "off"):
+                return False
+            raise ValueError
+        if annotation is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(value)
+        if annotation is float:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        if annotation is str:
+            if not isinstance(value, (str, int, float)):
+                raise ValueError
+            return str(value)
+    except (TypeError, ValueError):
+        kind = getattr(annotation, "__name__", str(annotation))
+        raise ConfigError(name, f"expected {kind}, got {value!r}", f"give a {kind} value") from None
+    return value
+
+
+def _build_section(section: str, cls: type, values: Mapping[str, Any]) -> Any:
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in values.items():
+        if key not in hints:
+            raise ConfigError(f"{section}.{key}", "unknown field",
+                              f"{_suggest(key, list(hints))}valid fields: {', '.join(hints)}")
+        kwargs[key] = _coerce(value, hints[key], f"{section}.{key}")
+    try:
+        return cls(**kwargs)
+    except ConfigError as exc:
+        raise exc.within(section) from None
+
+
+def build_config(values: Mapping[str, Mapping[str, Any]] | None = None) -> NodeConfig:
+    """NodeConfig from nested {section: {field: value}}; values may be strings (from flags)."""
+    values = values or {}
+    sections = {}
+    for section, content in values.items():
+        if section not in SECTIONS:
+            raise ConfigError(section, "unknown section", f"{_suggest(section, list(SECTIONS))}sections: {', '.join(SECTIONS)}")
+        if not isinstance(content, Mapping):
+            raise ConfigError(section, f"expected a table, got {content!r}", f"write it as [{section}] with fields below")
+    for section, cls in SECTIONS.items():
+        sections[section] = _build_section(section, cls, values.get(section, {}))
+    return NodeConfig(**sections)
+
+
+def parse_overrides(pairs: list[str]) -> dict[str, dict[str, str]]:
+    """['outer.alpha=0.5', ...] -> {'outer': {'alpha': '0.5'}}."""
+    nested: dict[str, dict[str, str]] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        section, dot, name = key.strip().partition(".")
+        if not sep or not dot or not name:
+            raise ConfigError(key or pair, f"override {pair!r} is not section.field=value", "write e.g. --set outer.alpha=0.5")
+        nested.setdefault(section, {})[name] = value.strip()
+    return nested
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | Mapping[str, Mapping[str, Any]] = (),
+                *, base: Mapping[str, Mapping[str, Any]] | None = None) -> NodeConfig:
+    """Defaults, then `base` (a command's own defaults), then the TOML file at `path`, then
+    `overrides` (flags win)."""
+    values: dict[str, dict[str, Any]] = {k: dict(v) for k, v in (base or {}).items()}
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                for section, content in tomllib.load(f).items():
+                    if isinstance(content, dict) and isinstance(values.get(section), dict):
+                        values[section].update(content)
+                    else:
+                        values[section] = content
+        except FileNotFoundError:
+            raise ConfigError("--config", f"no such file {str(path)!r}", "pass the path of an existing TOML file") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError("--config", f"{path} is not valid TOML ({exc})", "fix the TOML syntax at that line") from None
+    extra = overrides if isinstance(overrides, Mapping) else parse_overrides(list(overrides))
+    for section, content in extra.items():
+        base = values.setdefault(section, {})
+        if isinstance(base, dict):
+            base.update(content)
+    return build_config(values)

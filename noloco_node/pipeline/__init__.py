@@ -1,0 +1,1 @@
+"""Microbatch routing and inner training across pipeline stages."""

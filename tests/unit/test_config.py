@@ -1,0 +1,62 @@
+"""Config: defaults per method, file + flag precedence, and errors that name the field and fix."""
+
+import pytest
+
+from noloco_node.config import ConfigError, NodeConfig, load_config
+
+
+def test_method_defaults_follow_the_reference():
+    noloco = load_config().outer
+    assert (noloco.inner_steps_per_outer, noloco.alpha, noloco.beta, noloco.gamma) == (50, 0.5, 0.7, 0.7)
+    diloco = load_config(overrides=["outer.method=diloco"]).outer
+    assert (diloco.inner_steps_per_outer, diloco.alpha, diloco.beta) == (100, 0.3, 0.7)
+    inner = NodeConfig().inner
+    assert (inner.lr, inner.warmup_steps, inner.total_steps, inner.min_lr_ratio, inner.clip_norm) == (6e-4, 1000, 25000, 0.1, 1.0)
+
+
+def test_file_then_flags_precedence(tmp_path):
+    path = tmp_path / "node.toml"
+    path.write_text('[outer]\nalpha = 0.4\ncodec = "int8"\n[network]\ninitial_peers = ["/ip4/127.0.0.1/tcp/1/p2p/X"]\n')
+    config = load_config(path, ["outer.alpha=0.45"], base={"outer": {"alpha": 0.1, "beta": 0.6}})
+    assert config.outer.alpha == 0.45 and config.outer.codec == "int8" and config.outer.beta == 0.6
+    assert config.network.initial_peers == ("/ip4/127.0.0.1/tcp/1/p2p/X",)
+
+
+@pytest.mark.parametrize("overrides,field,fix", [
+    (["outer.alpha=abc"], "outer.alpha", "float"),
+    (["outer.alfa=0.3"], "outer.alfa", "did you mean 'alpha'"),
+    (["outer.alpha=1.5"], "outer.alpha", "0.5"),
+    (["outer.method=fedavg"], "outer.method", "noloco"),
+    (["pipeline.stage=4"], "pipeline.stage", "below num_stages"),
+    (["pipeline.num_stages=9"], "pipeline.num_stages", "model.num_layers"),
+    (["model.num_heads=3"], "model.num_heads", "divides hidden_size"),
+    (["timeouts.rpc_s=-1"], "timeouts.rpc_s", "positive"),
+    (["netwrk.port=1"], "netwrk", "did you mean 'network'"),
+    (["network.announce_addr=nowhere"], "network.announce_addr", "host:port"),
+    (["alpha=0.5"], "alpha", "section.field=value"),
+])
+def test_bad_values_name_field_and_fix(overrides, field, fix):
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=overrides)
+    assert info.value.field == field
+    assert fix in str(info.value)
+
+
+def test_bad_file(tmp_path):
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[outer\nalpha=1")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)
+    typed = tmp_path / "typed.toml"
+    typed.write_text("[pipeline]\nbatch_size = 2.5\n")
+    with pytest.raises(ConfigError, match="pipeline.batch_size"):
+        load_config(typed)
+
+
+def test_manifest_hash_tracks_run_defining_fields_only():
+    base = NodeConfig()
+    assert base.manifest_hash() == load_config(overrides=["network.port=1234", "pipeline.stage=1"]).manifest_hash()
+    assert base.manifest_hash() != load_config(overrides=["outer.alpha=0.4"]).manifest_hash()
+    assert base.manifest_hash() != base.manifest_hash("tokenizer:abc")
