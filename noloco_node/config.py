@@ -110,6 +110,10 @@ class PipelineConfig:
     """Sequences per routed microbatch (the reference uses 1)."""
     max_in_flight: int = 8
     """Microbatches a node holds saved inputs for at once; beyond it, senders get BUSY."""
+    activation_codec: str = "bf16"
+    """Wire codec of activations and their gradients: none (exact fp32), bf16 or int8."""
+    deterministic: bool = False
+    """Debug/oracle mode: microbatches issued one at a time in data order, no shuffling."""
 
     def __post_init__(self) -> None:
         _require(self.num_stages >= 1, "num_stages", f"must be >= 1, got {self.num_stages}", "use a positive integer")
@@ -121,6 +125,8 @@ class PipelineConfig:
                  f"batch_size {self.batch_size} is not a multiple of microbatch_size {self.microbatch_size}",
                  "make batch_size a multiple of microbatch_size")
         _require(self.max_in_flight >= 1, "max_in_flight", f"must be >= 1, got {self.max_in_flight}", "use e.g. 8")
+        _require(self.activation_codec in CODECS, "activation_codec", f"unknown codec {self.activation_codec!r}",
+                 f"use one of {', '.join(CODECS)}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -213,6 +219,8 @@ class TimeoutsConfig:
     record_ttl_s: float = 30.0
     saved_input_ttl_s: float = 120.0
     """Saved forward inputs expire after this, so a lost downstream peer cannot leak memory."""
+    microbatch_s: float = 60.0
+    """Stage 0 re-issues a microbatch whose gradient has not returned within this time."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

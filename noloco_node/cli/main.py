@@ -1,7 +1,7 @@
 """`noloco-node` entry point: subcommands, logging, and error-to-exit-code mapping.
 
 Exit codes: 0 success, 2 a bad config or flag (the message names the field and the fix),
-1 anything else.
+3 the DHT could not be joined through the initial peers, 1 anything else.
 """
 
 from __future__ import annotations
@@ -10,10 +10,11 @@ import argparse
 import sys
 
 from noloco_node import __version__
-from noloco_node.cli import config_cmd, demo
+from noloco_node.cli import bootstrap, config_cmd, demo, join
 from noloco_node.config import ConfigError
+from noloco_node.errors import BootstrapError, NodeError
 
-COMMANDS = (demo, config_cmd)
+COMMANDS = (join, bootstrap, demo, config_cmd)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"noloco-node: {exc}", file=sys.stderr)
         return 2
+    except NodeError as exc:
+        print(f"noloco-node: {exc.explain()}", file=sys.stderr)
+        return 3 if isinstance(exc, BootstrapError) else 1
     except KeyboardInterrupt:
         print("noloco-node: interrupted", file=sys.stderr)
         return 130

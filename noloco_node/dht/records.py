@@ -1,0 +1,57 @@
+"""The stage record every node publishes, and the validators that guard it.
+
+Key `noloco_{run_id}_stage_{s}` (hivemind's SchemaValidator prefix + field), subkey = the
+writer's RSA public-key marker, so hivemind's RSASignatureValidator lets a peer write only its own
+subkey; the value is schema-validated with strict types before any node stores it.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Dict, Optional
+
+import pydantic.v1 as pydantic
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
+
+STATUSES = ("joining", "serving", "matching", "leaving")
+
+
+class StageRecord(pydantic.BaseModel):
+    """What a node announces about itself (DESIGN.md section 3)."""
+
+    peer_id: pydantic.StrictStr
+    address: pydantic.StrictStr
+    stage: pydantic.conint(strict=True, ge=0)
+    inner_step: pydantic.conint(strict=True, ge=0)
+    outer_round: pydantic.conint(strict=True, ge=0)
+    status: pydantic.StrictStr
+    tokens_per_s: pydantic.confloat(strict=True, ge=0.0)
+    version: pydantic.StrictStr
+    manifest_hash: pydantic.StrictStr
+    run_id: pydantic.StrictStr
+    updated_at: pydantic.StrictFloat
+
+    class Config:
+        extra = pydantic.Extra.forbid
+
+    @pydantic.validator("status")
+    def _known_status(cls, value: str) -> str:
+        if value not in STATUSES:
+            raise ValueError(f"unknown status {value!r}")
+        return value
+
+
+def key_prefix(run_id: str) -> str:
+    return "noloco_" + re.sub(r"[^A-Za-z0-9_]", "_", run_id)
+
+
+def stage_key(run_id: str, stage: int) -> str:
+    return f"{key_prefix(run_id)}_stage_{stage}"
+
+
+def make_validators(run_id: str, num_stages: int, signer: RSASignatureValidator) -> list:
+    """Signature validator (own subkey only) + schema validator for this run's stage keys."""
+    fields = {f"stage_{s}": (Optional[Dict[BytesWithPublicKey, StageRecord]], None) for s in range(num_stages)}
+    schema = pydantic.create_model(f"RunSchema_{num_stages}", **fields)
+    return [signer, SchemaValidator(schema, allow_extra_keys=False, prefix=key_prefix(run_id))]

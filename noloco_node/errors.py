@@ -1,0 +1,48 @@
+"""Errors a node reports: each carries a short code, a message and a hint that says what to do.
+
+`rpc/status.py` is the only place that maps these to and from gRPC status codes.
+"""
+
+from __future__ import annotations
+
+
+class NodeError(Exception):
+    code = "node-error"
+    hint = ""
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        super().__init__(message)
+        if hint is not None:
+            self.hint = hint
+
+    def explain(self) -> str:
+        return f"{self}" + (f"\n  fix: {self.hint}" if self.hint else "")
+
+
+class PeerBusy(NodeError):
+    code = "peer-busy"
+    hint = "the peer's in-flight window is full; try another replica"
+
+
+class PeerUnavailable(NodeError):
+    code = "peer-unavailable"
+    hint = "the peer did not answer; it is banned for a while and another replica is tried"
+
+
+class InvalidPayload(NodeError):
+    code = "invalid-payload"
+
+
+class ProtocolMismatch(NodeError):
+    code = "protocol-mismatch"
+    hint = "every peer of a run needs the same run_id, config manifest and software version"
+
+
+class UnknownMicrobatch(NodeError):
+    code = "unknown-microbatch"
+
+
+class BootstrapError(NodeError):
+    code = "bootstrap-failed"
+    hint = ("check that the bootstrap peer is running and that --initial-peers is the exact multiaddr it printed "
+            "(/ip4/HOST/tcp/PORT/p2p/PEER_ID), and that the port is open")

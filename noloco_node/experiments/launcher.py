@@ -1,0 +1,135 @@
+"""LocalSwarm: a bootstrap peer and D replicas x P stages as separate `noloco-node` processes on
+127.0.0.1. Readiness comes from files the processes write, never from sleeps; stopping is SIGTERM,
+then SIGKILL after a grace period, by pid. Used by `noloco-node demo` and the integration tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class NodeProcess:
+    stage: int
+    replica: int
+    proc: subprocess.Popen
+    ready_file: Path
+    log_file: Path
+    info: dict = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return f"stage{self.stage}/replica{self.replica}"
+
+
+class LocalSwarm:
+    def __init__(self, out_dir: Path, *, overrides: list[str], threads: int = 1, startup_timeout_s: float = 60.0) -> None:
+        self.out_dir = Path(out_dir)
+        self.overrides, self.threads, self.startup_timeout_s = overrides, threads, startup_timeout_s
+        self.bootstrap: subprocess.Popen | None = None
+        self.maddr: str | None = None
+        self.nodes: list[NodeProcess] = []
+        (self.out_dir / "logs").mkdir(parents=True, exist_ok=True)
+        (self.out_dir / "ready").mkdir(parents=True, exist_ok=True)
+        (self.out_dir / "nodes").mkdir(parents=True, exist_ok=True)
+
+    def _env(self) -> dict:
+        env = dict(os.environ)
+        env.update(OMP_NUM_THREADS=str(self.threads), MKL_NUM_THREADS=str(self.threads), TOKENIZERS_PARALLELISM="false",
+                   HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONUNBUFFERED="1")
+        return env
+
+    def _cmd(self, *args: str) -> list[str]:
+        sets = [a for o in self.overrides for a in ("--set", o)]
+        return [sys.executable, "-m", "noloco_node", *args[:1], *sets, *args[1:]]
+
+    def start_bootstrap(self) -> str:
+        maddr_file = self.out_dir / "bootstrap.maddr"
+        log = open(self.out_dir / "logs" / "bootstrap.log", "w")
+        self.bootstrap = subprocess.Popen(
+            self._cmd("bootstrap", "--identity", str(self.out_dir / "bootstrap.key"), "--maddr-file", str(maddr_file)),
+            stdout=log, stderr=subprocess.STDOUT, env=self._env(), start_new_session=True)
+        deadline = time.monotonic() + self.startup_timeout_s
+        while not maddr_file.exists():
+            if self.bootstrap.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"bootstrap peer did not start; see {self.out_dir / 'logs' / 'bootstrap.log'}")
+            time.sleep(0.05)
+        self.maddr = maddr_file.read_text().split()[0]
+        return self.maddr
+
+    def start_node(self, stage: int, replica: int, *extra: str) -> NodeProcess:
+        assert self.maddr is not None, "start_bootstrap() first"
+        name = f"stage{stage}-r{replica}"
+        ready = self.out_dir / "ready" / f"{name}.json"
+        ready.unlink(missing_ok=True)
+        log_path = self.out_dir / "logs" / f"{name}.log"
+        log = open(log_path, "a")
+        proc = subprocess.Popen(
+            self._cmd("join", "--stage", str(stage), "--initial-peers", self.maddr, "--threads", str(self.threads),
+                      "--out", str(self.out_dir / "nodes"), "--ready-file", str(ready), *extra),
+            stdout=log, stderr=subprocess.STDOUT, env=self._env(), start_new_session=True)
+        node = NodeProcess(stage, replica, proc, ready, log_path)
+        self.nodes.append(node)
+        return node
+
+    def wait_ready(self, nodes: list[NodeProcess] | None = None) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        for node in nodes or self.nodes:
+            while not node.ready_file.exists():
+                if node.proc.poll() is not None:
+                    raise RuntimeError(f"{node.label} exited with {node.proc.returncode}; see {node.log_file}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{node.label} not ready in {self.startup_timeout_s} s; see {node.log_file}")
+                time.sleep(0.05)
+            node.info = json.loads(node.ready_file.read_text())
+
+    def wait_exit(self, nodes: list[NodeProcess], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for node in nodes:
+            remaining = max(0.1, deadline - time.monotonic())
+            try:
+                node.proc.wait(timeout=remaining)
+            except subprocess.TimeoutExpired:
+                raise TimeoutError(f"{node.label} still running after {timeout_s:.0f} s; see {node.log_file}") from None
+
+    @staticmethod
+    def terminate(proc: subprocess.Popen, grace_s: float = 15.0) -> int | None:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+        return proc.returncode
+
+    def kill(self, node: NodeProcess) -> None:
+        node.proc.kill()
+        node.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            self.terminate(node.proc)
+        if self.bootstrap is not None:
+            self.terminate(self.bootstrap)
+
+    def node_stats(self) -> dict[str, dict]:
+        """Stats files the nodes wrote on exit, keyed by peer id."""
+        out = {}
+        for path in sorted((self.out_dir / "nodes").glob("stage*.json")):
+            stats = json.loads(path.read_text())
+            out[stats["peer_id"]] = stats
+        return out
+
+    def __enter__(self) -> LocalSwarm:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,231 @@
+"""The composition root: builds a node's parts from its config and wires them together.
+
+    config -> tokenizer, model stage, inner optimizer -> StageWorker (compute thread)
+           -> NodeServer (gRPC Stage + health) and StageClient
+           -> PeerDirectory (hivemind DHT in this event loop) -> StageRuntime -> Stage0Driver
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from noloco_node import __version__
+from noloco_node.config import NodeConfig
+from noloco_node.dht.directory import DirectoryIdentity, PeerDirectory
+from noloco_node.dht.records import StageRecord
+from noloco_node.model.stage import build_stage, llama_config
+from noloco_node.optim.inner import InnerOptimizer, InnerSchedule
+from noloco_node.pipeline.driver import Stage0Driver
+from noloco_node.pipeline.ports import Hop, MicrobatchKey, Peer
+from noloco_node.pipeline.router import Bans, Router
+from noloco_node.pipeline.runtime import StageRuntime, StageShape
+from noloco_node.pipeline.worker import StageWorker
+from noloco_node.rpc.server import NodeServer
+from noloco_node.rpc.stage_service import StageClient, StageServicer
+from noloco_node.runtime.compute import ComputeThread
+from noloco_node.runtime.memory import tune_allocator
+from noloco_node.wire.v1 import stage_pb2
+
+log = logging.getLogger(__name__)
+
+
+class GrpcStageTransport:
+    """pipeline.ports.StageTransport over rpc.StageClient."""
+
+    def __init__(self, client: StageClient) -> None:
+        self.client = client
+
+    @staticmethod
+    def _id(key: MicrobatchKey) -> stage_pb2.MicrobatchId:
+        return stage_pb2.MicrobatchId(origin_peer=key.origin, sequence=key.sequence, attempt=key.attempt)
+
+    async def forward(self, peer: Peer, *, key, route, target_stage, activations, labels) -> None:
+        hops = [stage_pb2.Hop(peer_id=h.peer_id, address=h.address, stage=h.stage) for h in route]
+        await self.client.forward(peer.address, microbatch=self._id(key), route=hops, target_stage=target_stage,
+                                  activations=activations, labels=labels)
+
+    async def backward(self, address, *, key, target_stage, grad, loss, num_tokens) -> None:
+        await self.client.backward(address, microbatch=self._id(key), target_stage=target_stage, grad=grad,
+                                   loss=loss, num_tokens=num_tokens)
+
+
+class DhtReplicas:
+    """pipeline.ports.ReplicaDirectory over the DHT directory."""
+
+    def __init__(self, directory: PeerDirectory) -> None:
+        self.directory = directory
+
+    async def replicas(self, stage: int) -> list[Peer]:
+        return [Peer(r.peer_id, r.address) for r in await self.directory.replicas(stage)]
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    return hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest()[:16]
+
+
+class Node:
+    def __init__(self, config: NodeConfig, *, out_dir: Path | None = None, save_weights: bool = False) -> None:
+        self.config, self.out_dir, self.save_weights = config, out_dir, save_weights
+        self.sequential = config.pipeline.deterministic
+        self.microbatch_timeout_s = config.timeouts.microbatch_s
+        self.stage_index = config.pipeline.stage
+        self.compute = ComputeThread()
+        self.started_at = time.monotonic()
+        self.status = "joining"
+        self._background: set[asyncio.Task] = set()
+        self.driver: Stage0Driver | None = None
+
+    async def start(self) -> None:
+        cfg = self.config
+        tune_allocator()
+        from noloco_node.data.corpus import resolve_corpus
+        from noloco_node.data.tokenizer import load_tokenizer
+
+        self.corpus = resolve_corpus(cfg.data.path, cache_dir=cfg.data.cache_path, text_field=cfg.data.text_field)
+        self.tokenizer = load_tokenizer(cfg.data.tokenizer, self.corpus, vocab_size=cfg.data.vocab_size,
+                                        cache_dir=cfg.data.cache_path)
+        self.manifest_hash = cfg.manifest_hash(f"tokenizer:{tokenizer_fingerprint(self.tokenizer)}")
+        m = cfg.model
+        llama = llama_config(vocab_size=len(self.tokenizer), hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
+                             num_layers=m.num_layers, num_heads=m.num_heads, max_seq_len=m.seq_len,
+                             attn_implementation=m.attn_implementation)
+        self.stage = build_stage(llama, seed=cfg.run.seed, stage_index=self.stage_index, num_stages=cfg.pipeline.num_stages)
+        inner = cfg.inner
+        schedule = InnerSchedule(lr_max=inner.lr, warmup_steps=inner.warmup_steps, total_steps=inner.total_steps,
+                                 min_lr_ratio=inner.min_lr_ratio)
+        optimizer = InnerOptimizer(self.stage.parameters(), schedule, betas=(inner.beta1, inner.beta2), eps=inner.eps,
+                                   weight_decay=inner.weight_decay, clip_norm=inner.clip_norm)
+        self.worker = StageWorker(self.stage, optimizer, batch_size=cfg.pipeline.batch_size,
+                                  saved_ttl_s=cfg.timeouts.saved_input_ttl_s, auto_step=self.stage_index != 0)
+
+        self.server = NodeServer(cfg.network.host, cfg.network.port)
+        self.client = StageClient(run_id=cfg.run.run_id, manifest_hash=self.manifest_hash, codec=cfg.pipeline.activation_codec,
+                                  timeout_s=cfg.timeouts.rpc_s)
+        self.directory = await PeerDirectory.start(
+            DirectoryIdentity(cfg.run.run_id, self.manifest_hash, __version__, cfg.pipeline.num_stages),
+            initial_peers=list(cfg.network.initial_peers), host=cfg.network.host, port=cfg.network.dht_port,
+            startup_timeout_s=cfg.timeouts.startup_s)
+        self.peer_id = self.directory.peer_id
+        shape = StageShape(stage=self.stage_index, num_stages=cfg.pipeline.num_stages, hidden_size=m.hidden_size,
+                           seq_len=m.seq_len, microbatch_size=cfg.pipeline.microbatch_size, vocab_size=len(self.tokenizer))
+        self.bans = Bans()
+        self.runtime = StageRuntime(
+            shape=shape, worker=self.worker, compute=self.compute, transport=GrpcStageTransport(self.client),
+            directory=DhtReplicas(self.directory), router=Router(self.bans, random.Random(self.peer_id)),
+            me=Hop(self.peer_id, "", self.stage_index), max_in_flight=cfg.pipeline.max_in_flight,
+            send_deadline_s=cfg.timeouts.rpc_s)
+        max_bytes = cfg.pipeline.microbatch_size * m.seq_len * m.hidden_size * 4
+        self.servicer = StageServicer(self.runtime, run_id=cfg.run.run_id, manifest_hash=self.manifest_hash,
+                                      max_payload_bytes=max_bytes)
+        self.server.add_stage(self.servicer)
+        port = await self.server.start()
+        self.address = cfg.network.announce_addr or f"{cfg.network.host}:{port}"
+        self.runtime.me = Hop(self.peer_id, self.address, self.stage_index)
+        self.status = "serving"
+        await self.announce()
+        self._spawn(self._heartbeat())
+        log.info("stage %d serving at %s (peer %s, manifest %s)", self.stage_index, self.address, self.peer_id, self.manifest_hash)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def record(self) -> StageRecord:
+        elapsed = max(1e-6, time.monotonic() - self.started_at)
+        return StageRecord(peer_id=self.peer_id, address=self.address, stage=self.stage_index,
+                           inner_step=self.worker.inner_steps, outer_round=0, status=self.status,
+                           tokens_per_s=float(self.worker.tokens_total / elapsed), version=__version__,
+                           manifest_hash=self.manifest_hash, run_id=self.config.run.run_id, updated_at=time.time())
+
+    async def announce(self) -> None:
+        await self.directory.announce(self.record(), ttl_s=self.config.timeouts.record_ttl_s)
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.timeouts.heartbeat_s)
+            try:
+                await self.announce()
+                await self.runtime.expire_saved()
+            except Exception:  # noqa: BLE001 - a failed heartbeat is retried next period
+                log.exception("heartbeat failed")
+
+    async def wait_for_replicas(self, count: int, timeout_s: float) -> None:
+        """Block until every stage shows at least `count` live replicas (or raise TimeoutError)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            sizes = [len(await self.directory.replicas(s, fresh=True)) for s in range(self.config.pipeline.num_stages)]
+            if min(sizes) >= count:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"replicas per stage {sizes}, waited for {count} each")
+            await asyncio.sleep(0.25)
+
+    async def train(self, steps: int) -> None:
+        """Stage 0 only: run `steps` inner steps over this replica's data shard."""
+        from noloco_node.data.loader import PackedSequences, ShardSpec
+
+        cfg = self.config
+        replicas = await self.directory.replicas(0, fresh=True)
+        ids = sorted(r.peer_id for r in replicas)
+        shard = ShardSpec(shard_index=ids.index(self.peer_id) if self.peer_id in ids else 0, num_shards=max(1, len(ids)))
+        batches = PackedSequences(self.corpus, self.tokenizer, seq_len=cfg.model.seq_len, shard=shard,
+                                  holdout_fraction=cfg.data.holdout_fraction, seed=cfg.run.seed,
+                                  shuffle_buffer=0 if self.sequential else 1000).batches(cfg.pipeline.batch_size)
+        self.driver = Stage0Driver(self.runtime, batches, microbatch_size=cfg.pipeline.microbatch_size,
+                                   microbatch_timeout_s=self.microbatch_timeout_s, sequential=self.sequential)
+        await self.driver.run(steps)
+
+    def stats(self) -> dict:
+        s = self.runtime.stats
+        out = {"peer_id": self.peer_id, "stage": self.stage_index, "address": self.address,
+               "inner_steps": self.worker.inner_steps, "sequences": self.worker.sequences_total,
+               "tokens": self.worker.tokens_total, "forwards_received": dict(s.forwards_received),
+               "forwards_sent": s.forwards_sent, "backwards_sent": s.backwards_sent, "send_failures": s.send_failures,
+               "dropped_here": s.dropped_here, "expired": s.expired, "busy_answers": s.busy_answers,
+               "bytes_sent": self.client.bytes_sent, "rejected": dict(self.servicer.rejected),
+               "saved_inputs": len(self.worker.saved), "bans": self.bans.total}
+        if self.driver is not None:
+            c = self.driver.counters
+            out["microbatches"] = {"issued": c.issued, "completed": c.completed, "reissued": c.reissued, "dropped": c.dropped}
+            out["losses"] = self.driver.log.losses
+            out["lrs"] = self.driver.log.lrs
+        return out
+
+    async def stop(self, grace_s: float = 2.0) -> None:
+        """Drain, withdraw the DHT record, write stats (and weights), shut everything down."""
+        self.status = "leaving"
+        await self.runtime.drain(grace_s)
+        try:
+            await asyncio.wait_for(self.announce(), timeout=2.0)
+        except Exception:  # noqa: BLE001 - leaving anyway; the record expires by TTL
+            pass
+        for task in list(self._background):
+            task.cancel()
+        if self.out_dir is not None:
+            self.write_outputs(self.out_dir)
+        await self.server.stop(grace_s)
+        await self.client.close()
+        await self.directory.shutdown()
+        self.compute.shutdown()
+
+    def write_outputs(self, out_dir: Path) -> None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        name = f"stage{self.stage_index}-{self.peer_id[-8:]}"
+        tmp = out_dir / f".{name}.json.tmp{os.getpid()}"
+        tmp.write_text(json.dumps(self.stats(), indent=1))
+        os.replace(tmp, out_dir / f"{name}.json")
+        if self.save_weights:
+            from safetensors.torch import save_file
+
+            save_file({k: v.detach().contiguous() for k, v in self.stage.state_dict().items()},
+                      str(out_dir / f"{name}.safetensors"))

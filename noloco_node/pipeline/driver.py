@@ -1,0 +1,103 @@
+"""Stage 0 drives training: it reads its data shard, issues microbatches into the pipeline,
+waits for their gradients, re-issues any that are lost, and takes the inner step per batch.
+
+Counters: `issued` counts distinct microbatches; each one ends `completed` or, after
+`max_attempts`, `dropped` (reported, never silent), so issued == completed + dropped at the end.
+`reissued` counts extra attempts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+
+from torch import Tensor
+
+from noloco_node.pipeline.ports import Hop, MicrobatchKey
+from noloco_node.pipeline.runtime import StageRuntime, Ticket
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DriverCounters:
+    issued: int = 0
+    completed: int = 0
+    reissued: int = 0
+    dropped: int = 0
+
+
+@dataclass
+class DriverLog:
+    losses: list[float] = field(default_factory=list)  # per completed microbatch, in completion order
+    step_times: list[float] = field(default_factory=list)
+    lrs: list[float] = field(default_factory=list)
+
+
+class Stage0Driver:
+    def __init__(self, runtime: StageRuntime, batches: Iterator[tuple[Tensor, Tensor]], *, microbatch_size: int,
+                 microbatch_timeout_s: float, max_attempts: int = 5, sequential: bool = False) -> None:
+        self.runtime, self.batches = runtime, batches
+        self.microbatch_size = microbatch_size
+        self.timeout_s, self.max_attempts, self.sequential = microbatch_timeout_s, max_attempts, sequential
+        self.counters = DriverCounters()
+        self.log = DriverLog()
+        self._pending: dict[MicrobatchKey, asyncio.Future] = {}
+        self._sequence = 0
+        runtime.on_stage0_backward = self._on_backward
+
+    def _on_backward(self, key: MicrobatchKey, loss: float) -> None:
+        future = self._pending.get(key)
+        if future is not None and not future.done():
+            future.set_result(loss)
+
+    async def run(self, steps: int, on_inner_step: Callable[[int], Awaitable[None]] | None = None) -> None:
+        for _ in range(steps):
+            inputs, labels = next(self.batches)
+            micro = [(inputs[i:i + self.microbatch_size], labels[i:i + self.microbatch_size])
+                     for i in range(0, inputs.shape[0], self.microbatch_size)]
+            if self.sequential:
+                for mb in micro:
+                    await self._complete(*mb)
+            else:
+                await asyncio.gather(*(self._complete(*mb) for mb in micro))
+            lr = await self.runtime.compute.run(self.runtime.worker.step)
+            self.log.lrs.append(lr)
+            self.log.step_times.append(time.monotonic())
+            if on_inner_step is not None:
+                # Hook for the outer step (the sync layer): called after every inner step.
+                await on_inner_step(self.runtime.worker.inner_steps)
+
+    async def _complete(self, inputs: Tensor, labels: Tensor) -> None:
+        sequence = self._sequence
+        self._sequence += 1
+        self.counters.issued += 1
+        me = self.runtime.me
+        for attempt in range(self.max_attempts):
+            if attempt:
+                self.counters.reissued += 1
+            key = MicrobatchKey(me.peer_id, sequence, attempt)
+            future = asyncio.get_running_loop().create_future()
+            self._pending[key] = future
+            try:
+                output = await self.runtime.compute.run(self.runtime.worker.forward, key, inputs)
+                route = [Hop(me.peer_id, me.address, 0)]
+                self.runtime.in_flight[key] = Ticket(key=key, route=route)  # admits the gradient's Backward
+                sent = await self.runtime.send_forward(key, route, output, labels)
+                if sent:
+                    loss = await asyncio.wait_for(asyncio.shield(future), timeout=self.timeout_s)
+                    self.counters.completed += 1
+                    self.log.losses.append(loss)
+                    return
+                log.info("microbatch %d attempt %d found no stage-1 replica; re-issuing", sequence, attempt)
+            except asyncio.TimeoutError:
+                log.info("microbatch %d attempt %d got no gradient within %.0f s; re-issuing", sequence, attempt, self.timeout_s)
+            finally:
+                self._pending.pop(key, None)
+                self.runtime.in_flight.pop(key, None)
+                await self.runtime.compute.run(self.runtime.worker.drop, key)
+        self.counters.dropped += 1
+        log.warning("microbatch %d dropped after %d attempts", sequence, self.max_attempts)

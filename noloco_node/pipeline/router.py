@@ -1,0 +1,53 @@
+"""Next-hop choice: a uniformly random live replica of the next stage, minus banned peers.
+
+A peer that fails a call is banned locally with exponential backoff (1 s, 2 s, 4 s ... up to
+`max_ban_s`), independent of what the DHT says; a success clears its record.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+from noloco_node.pipeline.ports import Peer
+
+
+@dataclass
+class _Ban:
+    until: float
+    strikes: int
+
+
+class Bans:
+    def __init__(self, *, base_s: float = 1.0, max_ban_s: float = 60.0, clock=time.monotonic) -> None:
+        self.base_s, self.max_ban_s, self.clock = base_s, max_ban_s, clock
+        self._bans: dict[str, _Ban] = {}
+        self.total = 0
+
+    def ban(self, peer_id: str) -> float:
+        strikes = self._bans[peer_id].strikes + 1 if peer_id in self._bans else 1
+        duration = min(self.max_ban_s, self.base_s * 2 ** (strikes - 1))
+        self._bans[peer_id] = _Ban(until=self.clock() + duration, strikes=strikes)
+        self.total += 1
+        return duration
+
+    def is_banned(self, peer_id: str) -> bool:
+        ban = self._bans.get(peer_id)
+        return ban is not None and self.clock() < ban.until
+
+    def clear(self, peer_id: str) -> None:
+        self._bans.pop(peer_id, None)
+
+    def active(self) -> int:
+        return sum(1 for peer in self._bans if self.is_banned(peer))
+
+
+class Router:
+    def __init__(self, bans: Bans, rng: random.Random | None = None) -> None:
+        self.bans = bans
+        self.rng = rng or random.Random()
+
+    def pick(self, candidates: list[Peer], exclude: set[str] = frozenset()) -> Peer | None:
+        usable = [p for p in candidates if p.peer_id not in exclude and not self.bans.is_banned(p.peer_id)]
+        return self.rng.choice(usable) if usable else None

@@ -1,0 +1,230 @@
+"""StageRuntime: the microbatch lifecycle of DESIGN.md section 5 for one node.
+
+It implements rpc's StageHandler: admits Forward/Backward calls (shape checks, bounded in-flight
+window, BUSY back-pressure), queues compute on the compute thread, and pushes results on: the
+forward to a random live replica of the next stage (retrying others, banning failures), the
+gradient back to the recorded upstream hop. Stage 0's completions go to the driver.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable
+
+from torch import Tensor
+
+from noloco_node.codec import TensorSpec
+from noloco_node.errors import InvalidPayload, NodeError, PeerBusy, ProtocolMismatch, UnknownMicrobatch
+from noloco_node.pipeline.ports import Hop, MicrobatchKey, Peer, ReplicaDirectory, StageTransport
+from noloco_node.pipeline.router import Router
+from noloco_node.pipeline.worker import StageWorker
+from noloco_node.runtime.compute import ComputeThread
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageShape:
+    stage: int
+    num_stages: int
+    hidden_size: int
+    seq_len: int
+    microbatch_size: int
+    vocab_size: int
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+
+@dataclass
+class Ticket:
+    key: MicrobatchKey
+    route: list[Hop]
+    labels: Tensor | None = None
+    loss: float = 0.0
+    num_tokens: int = 0
+
+
+@dataclass
+class RuntimeStats:
+    forwards_received: Counter = field(default_factory=Counter)  # upstream peer id -> count
+    forwards_sent: int = 0
+    backwards_sent: int = 0
+    send_failures: int = 0
+    dropped_here: int = 0
+    expired: int = 0
+    busy_answers: int = 0
+
+
+class StageRuntime:
+    def __init__(self, *, shape: StageShape, worker: StageWorker, compute: ComputeThread, transport: StageTransport,
+                 directory: ReplicaDirectory, router: Router, me: Hop, max_in_flight: int, send_deadline_s: float,
+                 on_stage0_backward: Callable[[MicrobatchKey, float], None] | None = None) -> None:
+        self.shape, self.worker, self.compute = shape, worker, compute
+        self.transport, self.directory, self.router, self.me = transport, directory, router, me
+        self.max_in_flight, self.send_deadline_s = max_in_flight, send_deadline_s
+        self.on_stage0_backward = on_stage0_backward
+        self.in_flight: dict[MicrobatchKey, Ticket] = {}
+        self.stats = RuntimeStats()
+        self.accepting = True
+        self._tasks: set[asyncio.Task] = set()
+
+    # ---- rpc.StageHandler -------------------------------------------------------------
+    def admit_forward(self, header, spec: TensorSpec) -> Ticket:
+        s = self.shape
+        if header.target_stage != s.stage or s.is_first:
+            raise ProtocolMismatch(f"this node serves stage {s.stage}, not stage {header.target_stage}")
+        if spec.dtype != "float32" or len(spec.shape) != 3:
+            raise InvalidPayload(f"activations must be float32 [batch, seq, hidden], got {spec.dtype}{list(spec.shape)}")
+        b, t, h = spec.shape
+        if not (1 <= b <= s.microbatch_size and 1 <= t <= s.seq_len and h == s.hidden_size):
+            raise InvalidPayload(f"activations shape {list(spec.shape)} does not fit [<= {s.microbatch_size}, "
+                                 f"<= {s.seq_len}, {s.hidden_size}]")
+        if len(header.labels) != b * t:
+            raise InvalidPayload(f"{len(header.labels)} labels for {b * t} positions")
+        if any(not 0 <= label < s.vocab_size for label in header.labels):
+            raise InvalidPayload(f"labels outside the vocabulary 0..{s.vocab_size - 1}")
+        if not header.route or header.route[-1].stage != s.stage - 1 or not header.route[-1].address:
+            raise InvalidPayload("route must end with a hop of the previous stage and its address")
+        key = MicrobatchKey(header.microbatch.origin_peer, header.microbatch.sequence, header.microbatch.attempt)
+        if key in self.in_flight:
+            raise InvalidPayload(f"microbatch {key} is already in flight here")
+        if not self.accepting or len(self.in_flight) >= self.max_in_flight:
+            self.stats.busy_answers += 1
+            raise PeerBusy(f"{len(self.in_flight)}/{self.max_in_flight} microbatches in flight")
+        import torch
+
+        route = [Hop(h.peer_id, h.address, h.stage) for h in header.route]
+        ticket = Ticket(key=key, route=route, labels=torch.tensor(list(header.labels), dtype=torch.int64).view(b, t))
+        self.in_flight[key] = ticket
+        return ticket
+
+    def release_forward(self, ticket: Ticket) -> None:
+        self.in_flight.pop(ticket.key, None)
+
+    async def accept_forward(self, ticket: Ticket, activations: Tensor) -> None:
+        self.stats.forwards_received[ticket.route[-1].peer_id] += 1
+        self._spawn(self._serve_forward(ticket, activations))
+
+    def admit_backward(self, header, spec: TensorSpec) -> Ticket:
+        if header.target_stage != self.shape.stage:
+            raise ProtocolMismatch(f"this node serves stage {self.shape.stage}, not stage {header.target_stage}")
+        key = MicrobatchKey(header.microbatch.origin_peer, header.microbatch.sequence, header.microbatch.attempt)
+        ticket = self.in_flight.get(key)
+        expected = self.worker.output_shape(key)
+        if ticket is None or expected is None:
+            raise UnknownMicrobatch(f"no saved input for microbatch {key} (expired or never seen)")
+        if spec.dtype != "float32" or spec.shape != expected:
+            raise InvalidPayload(f"gradient {spec.dtype}{list(spec.shape)} does not match the output float32{list(expected)}")
+        ticket.loss, ticket.num_tokens = float(header.loss), int(header.num_tokens)
+        return ticket
+
+    async def accept_backward(self, ticket: Ticket, grad: Tensor) -> None:
+        self._spawn(self._serve_backward(ticket, grad))
+
+    # ---- lifecycle --------------------------------------------------------------------
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _release(self, key: MicrobatchKey) -> None:
+        self.in_flight.pop(key, None)
+
+    async def _serve_forward(self, ticket: Ticket, activations: Tensor) -> None:
+        key = ticket.key
+        try:
+            if self.shape.is_last:
+                grad, loss, tokens = await self.compute.run(self.worker.forward_backward_last, activations, ticket.labels)
+                self._release(key)
+                await self._send_backward(ticket.route[-1], key, grad, loss, tokens)
+                return
+            output = await self.compute.run(self.worker.forward, key, activations)
+            if not await self.send_forward(key, ticket.route + [self.me], output, ticket.labels):
+                await self.compute.run(self.worker.drop, key)
+                self._release(key)
+                self.stats.dropped_here += 1
+        except Exception:  # noqa: BLE001 - top of a task: log, free the slot, keep serving
+            log.exception("forward of %s failed", key)
+            await self.compute.run(self.worker.drop, key)
+            self._release(key)
+
+    async def _serve_backward(self, ticket: Ticket, grad: Tensor) -> None:
+        key = ticket.key
+        try:
+            grad_input = await self.compute.run(self.worker.backward, key, grad)
+        except KeyError:
+            log.warning("saved input of %s expired before its backward", key)
+            self._release(key)
+            return
+        self._release(key)
+        if self.shape.is_first:
+            if self.on_stage0_backward is not None:
+                self.on_stage0_backward(key, ticket.loss)
+            return
+        await self._send_backward(ticket.route[-1], key, grad_input, ticket.loss, ticket.num_tokens)
+
+    async def send_forward(self, key: MicrobatchKey, route: list[Hop], output: Tensor, labels: Tensor) -> bool:
+        """Push to a random live replica of the next stage, retrying others until the deadline."""
+        deadline = time.monotonic() + self.send_deadline_s
+        tried: set[str] = set()
+        delay = 0.05
+        while time.monotonic() < deadline:
+            candidates = await self.directory.replicas(self.shape.stage + 1)
+            peer = self.router.pick(candidates, exclude=tried)
+            if peer is None:
+                tried.clear()  # everyone was tried once (or is banned): wait a little, then cycle again
+                await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+                delay = min(1.0, delay * 2)
+                continue
+            try:
+                await self.transport.forward(peer, key=key, route=route, target_stage=self.shape.stage + 1,
+                                             activations=output, labels=labels)
+                self.router.bans.clear(peer.peer_id)
+                self.stats.forwards_sent += 1
+                return True
+            except PeerBusy:
+                tried.add(peer.peer_id)
+            except NodeError as exc:
+                tried.add(peer.peer_id)
+                self.stats.send_failures += 1
+                duration = self.router.bans.ban(peer.peer_id)
+                log.info("forward of %s to %s failed (%s); banned for %.0f s", key, peer.peer_id[-8:], exc, duration)
+        log.warning("no replica of stage %d took microbatch %s within %.0f s", self.shape.stage + 1, key, self.send_deadline_s)
+        return False
+
+    async def _send_backward(self, upstream: Hop, key: MicrobatchKey, grad: Tensor, loss: float, tokens: int) -> None:
+        try:
+            await self.transport.backward(upstream.address, key=key, target_stage=upstream.stage, grad=grad,
+                                          loss=loss, num_tokens=tokens)
+            self.stats.backwards_sent += 1
+        except NodeError as exc:
+            # The upstream hop holds the saved input; without it the microbatch is lost and
+            # stage 0 re-issues it after its timeout.
+            self.stats.send_failures += 1
+            log.info("backward of %s to %s failed: %s", key, upstream.peer_id[-8:], exc)
+
+    async def expire_saved(self) -> int:
+        expired = await self.compute.run(self.worker.expire)
+        for key in expired:
+            self._release(key)
+        self.stats.expired += len(expired)
+        return len(expired)
+
+    async def drain(self, timeout_s: float) -> None:
+        """Stop admitting and wait (bounded) for the work in flight to finish."""
+        self.accepting = False
+        deadline = time.monotonic() + timeout_s
+        while (self._tasks or self.in_flight) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for task in list(self._tasks):
+            task.cancel()

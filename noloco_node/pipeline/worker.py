@@ -1,0 +1,103 @@
+"""Stage compute for one node, run on its compute thread: forward without a graph and save the
+input; on backward, recompute from the saved input with grad enabled (stage-level activation
+checkpointing, as the reference), backpropagate, accumulate, and step the inner optimizer every
+`batch_size` sequences. Saved inputs expire after a TTL so a lost peer cannot leak memory.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Hashable
+
+import torch
+from torch import Tensor
+
+from noloco_node.model.stage import LlamaStage
+from noloco_node.optim.inner import InnerOptimizer
+
+
+@dataclass
+class Saved:
+    inputs: Tensor
+    created: float
+
+
+class StageWorker:
+    """Not thread-safe by design: every method runs on the node's single compute thread."""
+
+    def __init__(self, stage: LlamaStage, inner: InnerOptimizer, *, batch_size: int, saved_ttl_s: float,
+                 auto_step: bool, clock=time.monotonic) -> None:
+        self.stage, self.inner = stage, inner
+        self.batch_size, self.saved_ttl_s, self.auto_step = batch_size, saved_ttl_s, auto_step
+        self.clock = clock
+        self.saved: dict[Hashable, Saved] = {}
+        self.sequences_since_step = 0
+        self.sequences_total = 0
+        self.tokens_total = 0
+        self.last_lr = 0.0
+
+    def forward(self, key: Hashable, inputs: Tensor) -> Tensor:
+        """Forward without a graph; keeps `inputs` for the backward's recompute."""
+        self.saved[key] = Saved(inputs, self.clock())
+        with torch.no_grad():
+            return self.stage(inputs)
+
+    def forward_backward_last(self, inputs: Tensor, labels: Tensor) -> tuple[Tensor, float, int]:
+        """Last stage: loss (token mean, scaled by b/B for accumulation), backward; returns
+        (grad w.r.t. inputs, unscaled loss, tokens)."""
+        x = inputs.detach().requires_grad_()
+        loss = LlamaStage.loss(self.stage(x), labels)
+        (loss * (inputs.shape[0] / self.batch_size)).backward()
+        self._count(inputs.shape[0], labels.numel())
+        return x.grad, float(loss.detach()), labels.numel()
+
+    def backward(self, key: Hashable, grad_output: Tensor) -> Tensor | None:
+        """Recompute from the saved input and backpropagate `grad_output`; returns the input
+        gradient, or None on stage 0 (whose input is token ids)."""
+        saved = self.saved.pop(key)
+        inputs = saved.inputs
+        if self.stage.is_first:
+            self.stage(inputs).backward(grad_output)
+            grad_input = None
+        else:
+            x = inputs.detach().requires_grad_()
+            self.stage(x).backward(grad_output)
+            grad_input = x.grad
+        self._count(inputs.shape[0], inputs.shape[0] * inputs.shape[1])
+        return grad_input
+
+    def _count(self, sequences: int, tokens: int) -> None:
+        self.sequences_since_step += sequences
+        self.sequences_total += sequences
+        self.tokens_total += tokens
+        # Step before the caller sends the input gradient on: the gradient is already computed,
+        # and the upstream stage must not issue the next batch before this stage has stepped.
+        if self.auto_step and self.sequences_since_step >= self.batch_size:
+            self.step()
+
+    def step(self) -> float:
+        self.last_lr, _ = self.inner.step()
+        self.sequences_since_step = max(0, self.sequences_since_step - self.batch_size)
+        return self.last_lr
+
+    def output_shape(self, key: Hashable) -> tuple[int, ...] | None:
+        saved = self.saved.get(key)
+        if saved is None:
+            return None
+        return tuple(saved.inputs.shape[:2]) + (self.stage.config.hidden_size,)
+
+    def drop(self, key: Hashable) -> bool:
+        return self.saved.pop(key, None) is not None
+
+    def expire(self) -> list[Hashable]:
+        """Drop saved inputs older than the TTL; returns their keys."""
+        cutoff = self.clock() - self.saved_ttl_s
+        old = [k for k, s in self.saved.items() if s.created < cutoff]
+        for key in old:
+            del self.saved[key]
+        return old
+
+    @property
+    def inner_steps(self) -> int:
+        return self.inner.step_count

@@ -1,0 +1,38 @@
+"""A grpc.aio server with the node's services and standard health checking on one port."""
+
+from __future__ import annotations
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from noloco_node.rpc.stage_service import GRPC_OPTIONS, StageServicer
+from noloco_node.wire.v1 import stage_pb2_grpc
+
+STAGE_SERVICE = "noloco.wire.v1.Stage"
+
+
+class NodeServer:
+    """Owns the grpc.aio server; `start` binds and returns the port actually bound."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.server = grpc.aio.server(options=GRPC_OPTIONS)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.host, self.requested_port = host, port
+        self.port: int | None = None
+
+    def add_stage(self, servicer: StageServicer) -> None:
+        stage_pb2_grpc.add_StageServicer_to_server(servicer, self.server)
+
+    async def start(self) -> int:
+        self.port = self.server.add_insecure_port(f"{self.host}:{self.requested_port}")
+        if self.port == 0:
+            raise OSError(f"could not bind gRPC port {self.host}:{self.requested_port} (in use? set network.port)")
+        await self.server.start()
+        for service in ("", STAGE_SERVICE):
+            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        return self.port
+
+    async def stop(self, grace_s: float = 2.0) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)

@@ -1,0 +1,177 @@
+"""Stage.Forward / Stage.Backward servers and client.
+
+The servicer validates in this order, before it allocates or computes: run identity
+(FAILED_PRECONDITION), tensor header (INVALID_ARGUMENT), the handler's shape and admission
+checks (INVALID_ARGUMENT / RESOURCE_EXHAUSTED / NOT_FOUND), then the payload: chunk order, exact
+length, decodability and finite values (INVALID_ARGUMENT). A rejected call never disturbs the
+node: the handler releases what it reserved and the next request is served as usual.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+import grpc
+import torch
+from torch import Tensor
+
+from noloco_node.codec import DTYPES, CodecError, TensorSpec, decode_into
+from noloco_node.errors import InvalidPayload, NodeError, ProtocolMismatch
+from noloco_node.rpc.status import error_from_rpc, status_of
+from noloco_node.rpc.tensors import PayloadReceiver, encode_tensor, header_to_spec, iter_chunks
+from noloco_node.wire.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
+
+log = logging.getLogger(__name__)
+
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", 8 << 20),
+    ("grpc.max_receive_message_length", 8 << 20),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
+
+class StageHandler(Protocol):
+    """What the Stage service needs from the pipeline (implemented in pipeline/)."""
+
+    def admit_forward(self, header: stage_pb2.ForwardHeader, spec: TensorSpec) -> Any:
+        """Check shapes against the stage and reserve a window slot; raise NodeError to refuse."""
+
+    def release_forward(self, ticket: Any) -> None:
+        """Give back a slot whose payload never arrived intact."""
+
+    async def accept_forward(self, ticket: Any, activations: Tensor) -> None:
+        """Take the validated activations; must return quickly (compute happens off the RPC)."""
+
+    def admit_backward(self, header: stage_pb2.BackwardHeader, spec: TensorSpec) -> Any:
+        """Check the gradient against the saved microbatch; raise NodeError to refuse."""
+
+    async def accept_backward(self, ticket: Any, grad: Tensor) -> None:
+        """Take the validated gradient; must return quickly."""
+
+
+async def _receive(messages: AsyncIterator, spec: TensorSpec, max_bytes: int) -> tuple[Tensor, int]:
+    receiver = PayloadReceiver(spec, max_bytes=max_bytes)
+    async for message in messages:
+        if message.WhichOneof("kind") != "chunk":
+            raise InvalidPayload("a second header arrived inside a stream; expected payload chunks")
+        receiver.add(message.chunk)
+    payload = receiver.finish()
+    out = torch.empty(spec.shape, dtype=DTYPES[spec.dtype])
+    try:
+        decode_into(spec, payload, out)
+    except CodecError as exc:
+        raise InvalidPayload(str(exc)) from None
+    if out.is_floating_point() and not torch.isfinite(out).all():
+        raise InvalidPayload("payload holds non-finite values")
+    return out, len(payload)
+
+
+class StageServicer(stage_pb2_grpc.StageServicer):
+    def __init__(self, handler: StageHandler, *, run_id: str, manifest_hash: str, max_payload_bytes: int) -> None:
+        self.handler = handler
+        self.run_id, self.manifest_hash = run_id, manifest_hash
+        self.max_payload_bytes = max_payload_bytes
+        self.rejected: dict[str, int] = {}
+
+    def _check_run(self, run: tensor_pb2.RunIdentity) -> None:
+        if run.run_id != self.run_id or run.manifest_hash != self.manifest_hash:
+            raise ProtocolMismatch(f"request for run {run.run_id!r}/{run.manifest_hash!r}; this node serves "
+                                   f"{self.run_id!r}/{self.manifest_hash!r}")
+
+    async def _first(self, messages: AsyncIterator, kind: str):
+        try:
+            first = await messages.__anext__()
+        except StopAsyncIteration:
+            raise InvalidPayload("empty stream: expected a header first") from None
+        if first.WhichOneof("kind") != "header":
+            raise InvalidPayload(f"stream starts with {first.WhichOneof('kind')!r}; expected a {kind} header")
+        return first.header
+
+    async def _abort(self, context: grpc.aio.ServicerContext, method: str, error: NodeError) -> None:
+        code = status_of(error)
+        self.rejected[code.name] = self.rejected.get(code.name, 0) + 1
+        log.debug("%s rejected with %s: %s", method, code.name, error)
+        await context.abort(code, str(error))
+
+    async def Forward(self, request_iterator, context):
+        ticket = None
+        try:
+            header = await self._first(request_iterator, "forward")
+            self._check_run(header.run)
+            spec = header_to_spec(header.activations)
+            ticket = self.handler.admit_forward(header, spec)
+            tensor, size = await _receive(request_iterator, spec, self.max_payload_bytes)
+            accepted, ticket = ticket, None
+            await self.handler.accept_forward(accepted, tensor)
+            return stage_pb2.StageAck(bytes_received=size)
+        except NodeError as error:
+            if ticket is not None:
+                self.handler.release_forward(ticket)
+            await self._abort(context, "Forward", error)
+        except BaseException:
+            if ticket is not None:
+                self.handler.release_forward(ticket)
+            raise
+
+    async def Backward(self, request_iterator, context):
+        try:
+            header = await self._first(request_iterator, "backward")
+            self._check_run(header.run)
+            spec = header_to_spec(header.grad)
+            ticket = self.handler.admit_backward(header, spec)
+            tensor, size = await _receive(request_iterator, spec, self.max_payload_bytes)
+            await self.handler.accept_backward(ticket, tensor)
+            return stage_pb2.StageAck(bytes_received=size)
+        except NodeError as error:
+            await self._abort(context, "Backward", error)
+
+
+class StageClient:
+    """Sends activations and gradients to other nodes; one cached channel per address."""
+
+    def __init__(self, *, run_id: str, manifest_hash: str, codec: str, timeout_s: float) -> None:
+        self.run = tensor_pb2.RunIdentity(run_id=run_id, manifest_hash=manifest_hash)
+        self.codec, self.timeout_s = codec, timeout_s
+        self._channels: dict[str, tuple[grpc.aio.Channel, stage_pb2_grpc.StageStub]] = {}
+        self.bytes_sent = 0
+
+    def _stub(self, address: str) -> stage_pb2_grpc.StageStub:
+        if address not in self._channels:
+            channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+            self._channels[address] = (channel, stage_pb2_grpc.StageStub(channel))
+        return self._channels[address][1]
+
+    async def forward(self, address: str, *, microbatch: stage_pb2.MicrobatchId, route: list[stage_pb2.Hop],
+                      target_stage: int, activations: Tensor, labels: Tensor) -> None:
+        tensor_header, payload = encode_tensor(activations, self.codec)
+        header = stage_pb2.ForwardHeader(run=self.run, microbatch=microbatch, route=route, activations=tensor_header,
+                                         labels=labels.reshape(-1).tolist(), target_stage=target_stage)
+        messages = [stage_pb2.ForwardMessage(header=header)]
+        messages += [stage_pb2.ForwardMessage(chunk=c) for c in iter_chunks(payload)]
+        await self._call(address, "Forward", messages)
+        self.bytes_sent += len(payload)
+
+    async def backward(self, address: str, *, microbatch: stage_pb2.MicrobatchId, target_stage: int, grad: Tensor,
+                       loss: float, num_tokens: int) -> None:
+        tensor_header, payload = encode_tensor(grad, self.codec)
+        header = stage_pb2.BackwardHeader(run=self.run, microbatch=microbatch, grad=tensor_header, loss=loss,
+                                          num_tokens=num_tokens, target_stage=target_stage)
+        messages = [stage_pb2.BackwardMessage(header=header)]
+        messages += [stage_pb2.BackwardMessage(chunk=c) for c in iter_chunks(payload)]
+        await self._call(address, "Backward", messages)
+        self.bytes_sent += len(payload)
+
+    async def _call(self, address: str, method: str, messages: list) -> None:
+        stub = self._stub(address)
+        try:
+            await getattr(stub, method)(iter(messages), timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc, address) from None
+
+    async def close(self) -> None:
+        for channel, _ in self._channels.values():
+            await channel.close()
+        self._channels.clear()

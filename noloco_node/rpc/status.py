@@ -1,0 +1,37 @@
+"""The one place that maps node errors to gRPC status codes and back."""
+
+from __future__ import annotations
+
+import grpc
+
+from noloco_node.errors import (InvalidPayload, NodeError, PeerBusy, PeerUnavailable, ProtocolMismatch,
+                                UnknownMicrobatch)
+
+TO_STATUS: dict[type[NodeError], grpc.StatusCode] = {
+    PeerBusy: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    InvalidPayload: grpc.StatusCode.INVALID_ARGUMENT,
+    ProtocolMismatch: grpc.StatusCode.FAILED_PRECONDITION,
+    UnknownMicrobatch: grpc.StatusCode.NOT_FOUND,
+    PeerUnavailable: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+def status_of(error: NodeError) -> grpc.StatusCode:
+    for cls in type(error).__mro__:
+        if cls in TO_STATUS:
+            return TO_STATUS[cls]
+    return grpc.StatusCode.INTERNAL
+
+
+def error_from_rpc(exc: grpc.aio.AioRpcError, peer: str) -> NodeError:
+    """A client-side AioRpcError as the node error the caller can act on."""
+    code, detail = exc.code(), exc.details() or ""
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return PeerBusy(f"{peer}: {detail}")
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidPayload(f"{peer} rejected our payload: {detail}")
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+        return ProtocolMismatch(f"{peer}: {detail}")
+    if code == grpc.StatusCode.NOT_FOUND:
+        return UnknownMicrobatch(f"{peer}: {detail}")
+    return PeerUnavailable(f"{peer}: {code.name} {detail}".strip())

@@ -1,0 +1,90 @@
+"""Tensors <-> wire messages: header conversion, chunking, and a receiver that validates the
+declared size before allocating and checks chunk order and length while receiving."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+
+from torch import Tensor
+
+from noloco_node.codec import CodecError, TensorSpec, encode, expected_payload_bytes
+from noloco_node.errors import InvalidPayload
+from noloco_node.wire.v1 import tensor_pb2
+
+CHUNK_BYTES = 1 << 20  # 1 MiB: best for grpc streams on this machine (transport.md)
+_CODEC_TO_PB = {"none": tensor_pb2.CODEC_NONE, "bf16": tensor_pb2.CODEC_BF16, "int8": tensor_pb2.CODEC_INT8_BLOCKWISE}
+_CODEC_FROM_PB = {v: k for k, v in _CODEC_TO_PB.items()}
+_DTYPE_TO_PB = {"float32": tensor_pb2.DTYPE_FLOAT32, "float64": tensor_pb2.DTYPE_FLOAT64,
+                "bfloat16": tensor_pb2.DTYPE_BFLOAT16, "float16": tensor_pb2.DTYPE_FLOAT16, "int64": tensor_pb2.DTYPE_INT64}
+_DTYPE_FROM_PB = {v: k for k, v in _DTYPE_TO_PB.items()}
+
+
+def spec_to_header(spec: TensorSpec, name: str = "") -> tensor_pb2.TensorHeader:
+    return tensor_pb2.TensorHeader(name=name, dtype=_DTYPE_TO_PB[spec.dtype], shape=list(spec.shape),
+                                   codec=_CODEC_TO_PB[spec.codec], block_size=spec.block_size,
+                                   payload_bytes=spec.payload_bytes)
+
+
+def header_to_spec(header: tensor_pb2.TensorHeader) -> TensorSpec:
+    """Raises InvalidPayload for an unknown codec or dtype, or an inconsistent payload size."""
+    if header.codec not in _CODEC_FROM_PB:
+        raise InvalidPayload(f"unknown codec {header.codec}")
+    if header.dtype not in _DTYPE_FROM_PB:
+        raise InvalidPayload(f"unknown dtype {header.dtype}")
+    if len(header.shape) > 8:
+        raise InvalidPayload(f"tensor rank {len(header.shape)} is too large")
+    spec = TensorSpec(dtype=_DTYPE_FROM_PB[header.dtype], shape=tuple(int(d) for d in header.shape),
+                      codec=_CODEC_FROM_PB[header.codec], block_size=int(header.block_size),
+                      payload_bytes=int(header.payload_bytes))
+    try:
+        expected = expected_payload_bytes(spec)
+    except CodecError as exc:
+        raise InvalidPayload(str(exc)) from None
+    if spec.payload_bytes != expected:
+        raise InvalidPayload(f"header declares {spec.payload_bytes} payload bytes; {spec.codec}/{spec.dtype}{list(spec.shape)} needs {expected}")
+    return spec
+
+
+def encode_tensor(tensor: Tensor, codec: str, name: str = "") -> tuple[tensor_pb2.TensorHeader, bytes]:
+    spec, payload = encode(tensor, codec)
+    return spec_to_header(spec, name), payload
+
+
+def iter_chunks(payload: bytes, chunk_bytes: int = CHUNK_BYTES) -> Iterator[tensor_pb2.TensorChunk]:
+    view = memoryview(payload)
+    for index, start in enumerate(range(0, len(payload), chunk_bytes)):
+        yield tensor_pb2.TensorChunk(index=index, data=bytes(view[start:start + chunk_bytes]))
+
+
+class PayloadReceiver:
+    """Collects the chunks of one tensor into a buffer preallocated from the validated spec."""
+
+    def __init__(self, spec: TensorSpec, *, max_bytes: int) -> None:
+        if spec.payload_bytes > max_bytes:
+            raise InvalidPayload(f"declared payload of {spec.payload_bytes} bytes exceeds this node's limit of {max_bytes}")
+        self.spec = spec
+        self.buffer = bytearray(spec.payload_bytes)
+        self.received = 0
+        self.next_index = 0
+        self.digest = hashlib.sha256()
+
+    def add(self, chunk: tensor_pb2.TensorChunk) -> None:
+        if chunk.index != self.next_index:
+            raise InvalidPayload(f"chunk {chunk.index} arrived where chunk {self.next_index} was expected")
+        end = self.received + len(chunk.data)
+        if end > len(self.buffer):
+            raise InvalidPayload(f"chunks exceed the declared {len(self.buffer)} payload bytes")
+        self.buffer[self.received:end] = chunk.data
+        self.digest.update(chunk.data)
+        self.received = end
+        self.next_index += 1
+
+    @property
+    def complete(self) -> bool:
+        return self.received == len(self.buffer)
+
+    def finish(self) -> bytearray:
+        if not self.complete:
+            raise InvalidPayload(f"stream ended after {self.received} of {len(self.buffer)} payload bytes (truncated)")
+        return self.buffer
