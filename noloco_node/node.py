@@ -170,8 +170,9 @@ class Node:
                 raise TimeoutError(f"replicas per stage {sizes}, waited for {count} each")
             await asyncio.sleep(0.25)
 
-    async def train(self, steps: int) -> None:
-        """Stage 0 only: run `steps` inner steps over this replica's data shard."""
+    async def train(self, steps: int, on_inner_step=None) -> None:
+        """Stage 0 only: run `steps` inner steps over this replica's data shard; `on_inner_step(step)`
+        is awaited after each (the outer step hooks in here)."""
         from noloco_node.data.loader import PackedSequences, ShardSpec
 
         cfg = self.config
@@ -183,7 +184,7 @@ class Node:
                                   shuffle_buffer=0 if self.sequential else 1000).batches(cfg.pipeline.batch_size)
         self.driver = Stage0Driver(self.runtime, batches, microbatch_size=cfg.pipeline.microbatch_size,
                                    microbatch_timeout_s=self.microbatch_timeout_s, sequential=self.sequential)
-        await self.driver.run(steps)
+        await self.driver.run(steps, on_inner_step)
 
     def stats(self) -> dict:
         s = self.runtime.stats

@@ -1,10 +1,14 @@
-"""`noloco-node demo`: train D replicas x P stages of a tiny Llama on the embedded corpus."""
+"""`noloco-node demo`: a local swarm on 127.0.0.1 (a bootstrap peer and D replicas x P stages as
+separate processes) trains a tiny Llama on the embedded corpus and writes `--out/summary.json`.
+`--local` runs the same algorithm in one process instead (no network)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
+import time
 from pathlib import Path
 
 from noloco_node.cli.common import add_config_flags, resolve_config
@@ -13,19 +17,20 @@ log = logging.getLogger(__name__)
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("demo", help="train a tiny model on the embedded corpus and write a summary",
-                              description=__doc__)
+    p = subparsers.add_parser("demo", help="train a tiny model on a local swarm and write a summary", description=__doc__)
     add_config_flags(p)
-    p.add_argument("--steps", type=int, default=60, help="inner steps (default 60)")
+    p.add_argument("--steps", type=int, default=40, help="inner steps (default 40)")
     p.add_argument("--stages", type=int, help="pipeline stages P (default 2)")
     p.add_argument("--replicas", type=int, default=2, help="replicas per stage D (default 2)")
     p.add_argument("--method", choices=["noloco", "diloco", "dp", "none"], help="outer method (default noloco)")
-    p.add_argument("--out", default="runs/demo", help="output folder for summary.json (default runs/demo)")
+    p.add_argument("--out", default="runs/demo", help="output folder (default runs/demo)")
+    p.add_argument("--local", action="store_true", help="run all replicas and stages in this process")
+    p.add_argument("--timeout", type=float, default=1800, help="give up on the swarm after this many seconds")
     p.set_defaults(run=run)
 
 
 def demo_defaults(steps: int) -> dict[str, dict]:
-    """Settings that make a CPU demo learn visibly in a minute; a config file or --set wins."""
+    """Settings that make a CPU demo learn visibly in a minute or two; a config file or --set wins."""
     return {
         "pipeline": {"batch_size": 8, "microbatch_size": 4},
         "inner": {"lr": 3e-3, "warmup_steps": max(1, steps // 10), "total_steps": max(1, steps)},
@@ -33,36 +38,85 @@ def demo_defaults(steps: int) -> dict[str, dict]:
     }
 
 
+def _prepare_tokenizer(config) -> int:
+    """Train/cache the tokenizer once here so node processes only load it."""
+    from noloco_node.data.corpus import resolve_corpus
+    from noloco_node.data.tokenizer import load_tokenizer
+
+    corpus = resolve_corpus(config.data.path, cache_dir=config.data.cache_path, text_field=config.data.text_field)
+    return len(load_tokenizer(config.data.tokenizer, corpus, vocab_size=config.data.vocab_size, cache_dir=config.data.cache_path))
+
+
 def run(args: argparse.Namespace) -> int:
     if args.steps < 1 or args.replicas < 1:
         raise SystemExit("demo: --steps and --replicas must be >= 1")
-    config = resolve_config(args, base=demo_defaults(args.steps),
-                            flags={"pipeline": {"num_stages": args.stages}, "outer": {"method": args.method}})
-    import torch
+    flags = {"pipeline": {"num_stages": args.stages}, "outer": {"method": args.method}}
+    config = resolve_config(args, base=demo_defaults(args.steps), flags=flags)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    summary = _run_local(config, args) if args.local else _run_swarm(config, args, out)
+    summary["config"] = config.to_dict()
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    mb = summary.get("microbatches")
+    print(f"{summary['mode']} demo, method {summary['method']}: D={summary['replicas']} x P={summary['stages']}, "
+          f"{summary['inner_steps']} inner steps, {summary['tokens_per_s']:.0f} tok/s")
+    print(f"train loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f}" + (f"; microbatches {mb}" if mb else ""))
+    print(f"wrote {out / 'summary.json'}")
+    return 0
 
+
+def _run_local(config, args) -> dict:
     from noloco_node.data.corpus import resolve_corpus
     from noloco_node.data.tokenizer import load_tokenizer
     from noloco_node.pipeline.local import run_local
     from noloco_node.runtime.logging import ProgressLine
 
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     corpus = resolve_corpus(config.data.path, cache_dir=config.data.cache_path, text_field=config.data.text_field)
-    tokenizer = load_tokenizer(config.data.tokenizer, corpus, vocab_size=config.data.vocab_size,
-                               cache_dir=config.data.cache_path)
-    log.info("demo: %s, D=%d replicas x P=%d stages, %d inner steps, corpus %s, vocab %d",
-             config.outer.method, args.replicas, config.pipeline.num_stages, args.steps, corpus.name, len(tokenizer))
+    tokenizer = load_tokenizer(config.data.tokenizer, corpus, vocab_size=config.data.vocab_size, cache_dir=config.data.cache_path)
     progress = ProgressLine()
     summary = run_local(config, num_replicas=args.replicas, steps=args.steps, corpus=corpus, tokenizer=tokenizer,
                         progress=lambda i, n, loss: progress.update(f"step {i}/{n}  loss {loss:.3f}"))
     progress.close()
-    summary["config"] = config.to_dict()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    print(f"method {summary['method']}: D={summary['replicas']} x P={summary['stages']}, {summary['inner_steps']} inner steps, "
-          f"{summary['tokens_per_s']:.0f} tok/s")
-    print(f"train loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f}; "
-          f"validation loss {summary['val_loss_first']:.3f} -> {summary['val_loss_last']:.3f}")
-    print(f"outer steps {summary['outer']}, replica spread {summary['replica_spread_last']:.2e}")
-    print(f"wrote {out / 'summary.json'}")
-    return 0
+    return summary
+
+
+def _run_swarm(config, args, out: Path) -> dict:
+    from noloco_node.experiments.launcher import LocalSwarm
+    from noloco_node.experiments.summary import summarize_swarm
+    from noloco_node.runtime.logging import ProgressLine
+
+    _prepare_tokenizer(config)
+    stages, replicas = config.pipeline.num_stages, args.replicas
+    threads = max(1, (os.cpu_count() or 1) // (stages * replicas))
+    overrides = [f"{section}.{name}={_flat(value)}" for section, fields in config.to_dict().items()
+                 for name, value in fields.items() if section not in ("network",) and value is not None
+                 and not (section == "pipeline" and name == "stage")]
+    for stale in (out / "nodes").glob("*.json") if (out / "nodes").exists() else []:
+        stale.unlink()
+    progress = ProgressLine()
+    start = time.monotonic()
+    with LocalSwarm(out, overrides=overrides, threads=threads, startup_timeout_s=config.timeouts.startup_s + 30) as swarm:
+        swarm.start_bootstrap()
+        servers = [swarm.start_node(s, r) for s in range(1, stages) for r in range(replicas)]
+        swarm.wait_ready(servers)
+        drivers = [swarm.start_node(0, r, "--steps", str(args.steps), "--wait-replicas", str(replicas)) for r in range(replicas)]
+        swarm.wait_ready(drivers)
+        deadline = start + args.timeout
+        while any(d.proc.poll() is None for d in drivers):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"demo did not finish within {args.timeout:.0f} s; logs in {out / 'logs'}")
+            steps = [json.loads(d.ready_file.read_text()).get("inner_step", 0) for d in drivers]
+            progress.update(f"inner steps {min(steps)}/{args.steps} ({time.monotonic() - start:.0f} s)")
+            time.sleep(0.5)
+        progress.close()
+        failed = [d.label for d in drivers if d.proc.returncode != 0]
+        if failed:
+            raise RuntimeError(f"{', '.join(failed)} failed; see {out / 'logs'}")
+        swarm.stop()
+        return summarize_swarm(swarm, method=config.outer.method, steps=args.steps, wall_s=time.monotonic() - start)
+
+
+def _flat(value) -> str:
+    if isinstance(value, (list, tuple)):
+        return ",".join(str(v) for v in value)
+    return str(value)

@@ -54,16 +54,21 @@ async def _serve(config, args: argparse.Namespace) -> int:
     node = Node(config, out_dir=Path(args.out) if args.out else None, save_weights=args.save_weights)
     await node.start()
     setup_logging(logging.getLevelName(logging.getLogger().level), prefix=f"{node.peer_id[-6:]} s{node.stage_index}")
-    if args.ready_file:
-        tmp = f"{args.ready_file}.tmp{os.getpid()}"
-        Path(tmp).write_text(json.dumps({"peer_id": node.peer_id, "address": node.address, "stage": node.stage_index,
-                                         "maddrs": await node.directory.visible_maddrs()}))
-        os.replace(tmp, args.ready_file)
+    maddrs = await node.directory.visible_maddrs()
+
+    async def report(inner_step: int = 0) -> None:
+        if args.ready_file:
+            tmp = f"{args.ready_file}.tmp{os.getpid()}"
+            Path(tmp).write_text(json.dumps({"peer_id": node.peer_id, "address": node.address, "stage": node.stage_index,
+                                             "maddrs": maddrs, "inner_step": inner_step}))
+            os.replace(tmp, args.ready_file)
+
+    await report()
     try:
         if node.stage_index == 0 and args.steps > 0:
             await _race(node.wait_for_replicas(args.wait_replicas, config.timeouts.startup_s), stop)
             if not stop.is_set():
-                await _race(node.train(args.steps), stop)
+                await _race(node.train(args.steps, on_inner_step=report), stop)
         else:
             await stop.wait()
     finally:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from noloco_node.rpc.stage_service import GRPC_OPTIONS, StageServicer
-from noloco_node.wire.v1 import stage_pb2_grpc
+from noloco_node.wire.v1 import stage_pb2
 
 STAGE_SERVICE = "noloco.wire.v1.Stage"
 
@@ -22,7 +25,17 @@ class NodeServer:
         self.port: int | None = None
 
     def add_stage(self, servicer: StageServicer) -> None:
-        stage_pb2_grpc.add_StageServicer_to_server(servicer, self.server)
+        # Registered by hand (not with the generated helper) so undecodable bytes reach the
+        # servicer as None and get INVALID_ARGUMENT instead of gRPC's generic INTERNAL.
+        handlers = {
+            "Forward": grpc.stream_unary_rpc_method_handler(
+                servicer.Forward, request_deserializer=_lenient(stage_pb2.ForwardMessage.FromString),
+                response_serializer=stage_pb2.StageAck.SerializeToString),
+            "Backward": grpc.stream_unary_rpc_method_handler(
+                servicer.Backward, request_deserializer=_lenient(stage_pb2.BackwardMessage.FromString),
+                response_serializer=stage_pb2.StageAck.SerializeToString),
+        }
+        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(STAGE_SERVICE, handlers),))
 
     async def start(self) -> int:
         self.port = self.server.add_insecure_port(f"{self.host}:{self.requested_port}")
@@ -36,3 +49,12 @@ class NodeServer:
     async def stop(self, grace_s: float = 2.0) -> None:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
+
+
+def _lenient(parse: Callable[[bytes], object]) -> Callable[[bytes], object | None]:
+    def deserialize(data: bytes) -> object | None:
+        try:
+            return parse(data)
+        except DecodeError:
+            return None
+    return deserialize

@@ -55,6 +55,8 @@ class StageHandler(Protocol):
 async def _receive(messages: AsyncIterator, spec: TensorSpec, max_bytes: int) -> tuple[Tensor, int]:
     receiver = PayloadReceiver(spec, max_bytes=max_bytes)
     async for message in messages:
+        if message is None:
+            raise InvalidPayload("undecodable message in the stream")
         if message.WhichOneof("kind") != "chunk":
             raise InvalidPayload("a second header arrived inside a stream; expected payload chunks")
         receiver.add(message.chunk)
@@ -86,6 +88,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             first = await messages.__anext__()
         except StopAsyncIteration:
             raise InvalidPayload("empty stream: expected a header first") from None
+        if first is None:
+            raise InvalidPayload("undecodable first message: expected a header")
         if first.WhichOneof("kind") != "header":
             raise InvalidPayload(f"stream starts with {first.WhichOneof('kind')!r}; expected a {kind} header")
         return first.header

@@ -1,0 +1,87 @@
+"""The pipeline's oracle: deterministic mode (one replica per stage, microbatches in order, exact
+fp32 activations) over gRPC between separate processes equals training the whole
+LlamaForCausalLM in one process: same per-microbatch losses and same weights after 5 steps."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from noloco_node.data.loader import PackedSequences, ShardSpec
+from noloco_node.model.split import stage_layer_ranges
+from noloco_node.model.stage import LlamaStage, build_full_model, llama_config
+from noloco_node.optim.inner import InnerOptimizer, InnerSchedule
+
+from .conftest import prepare_tokenizer, tiny_overrides
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+STEPS = 5
+
+
+def stage_of(name: str, num_layers: int, num_stages: int) -> int:
+    if name.startswith("model.embed_tokens"):
+        return 0
+    if name.startswith(("model.norm", "lm_head")):
+        return num_stages - 1
+    layer = int(name.split(".")[2])
+    return next(s for s, r in enumerate(stage_layer_ranges(num_layers, num_stages)) if layer in r)
+
+
+def train_whole_model(config, corpus, tokenizer, steps):
+    m, inner = config.model, config.inner
+    model = build_full_model(llama_config(vocab_size=len(tokenizer), hidden_size=m.hidden_size,
+                                          intermediate_size=m.intermediate_size, num_layers=m.num_layers,
+                                          num_heads=m.num_heads, max_seq_len=m.seq_len), config.run.seed)
+    schedule = InnerSchedule(lr_max=inner.lr, warmup_steps=inner.warmup_steps, total_steps=inner.total_steps,
+                             min_lr_ratio=inner.min_lr_ratio)
+    num_stages = config.pipeline.num_stages
+    groups = [[p for n, p in model.named_parameters() if stage_of(n, m.num_layers, num_stages) == s] for s in range(num_stages)]
+    optimizers = [InnerOptimizer(g, schedule, clip_norm=inner.clip_norm) for g in groups]  # clipping per stage
+    batches = PackedSequences(corpus, tokenizer, seq_len=m.seq_len, shard=ShardSpec(), holdout_fraction=0.0,
+                              seed=config.run.seed, shuffle_buffer=0).batches(config.pipeline.batch_size)
+    micro, batch_size = config.pipeline.microbatch_size, config.pipeline.batch_size
+    losses = []
+    for _ in range(steps):
+        inputs, labels = next(batches)
+        for i in range(0, batch_size, micro):
+            loss = LlamaStage.loss(model(input_ids=inputs[i:i + micro]).logits, labels[i:i + micro])
+            (loss * (micro / batch_size)).backward()
+            losses.append(loss.item())
+        for optimizer in optimizers:
+            optimizer.step()
+    return losses, model.state_dict()
+
+
+@pytest.mark.parametrize("num_stages", [2, 3])
+def test_pipeline_over_grpc_equals_whole_model(num_stages, tmp_path, make_swarm):
+    overrides = tiny_overrides(tmp_path, **{"pipeline.num_stages": num_stages, "pipeline.deterministic": "true",
+                                            "pipeline.activation_codec": "none"})
+    config, corpus, tokenizer = prepare_tokenizer(overrides)
+    swarm = make_swarm(overrides)
+    servers = [swarm.start_node(s, 0, "--save-weights") for s in range(1, num_stages)]
+    swarm.wait_ready(servers)
+    driver = swarm.start_node(0, 0, "--steps", str(STEPS), "--save-weights")
+    swarm.wait_exit([driver], timeout_s=150)
+    assert driver.proc.returncode == 0, driver.log_file.read_text()[-3000:]
+    swarm.stop()
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the nodes ran with one thread each
+    try:
+        ref_losses, ref_weights = train_whole_model(config, corpus, tokenizer, STEPS)
+    finally:
+        torch.set_num_threads(threads)
+
+    stats = swarm.node_stats()
+    [stage0] = [s for s in stats.values() if s["stage"] == 0]
+    assert stage0["microbatches"] == {"issued": 10, "completed": 10, "reissued": 0, "dropped": 0}
+    torch.testing.assert_close(torch.tensor(stage0["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+
+    seen = set()
+    for path in sorted((swarm.out_dir / "nodes").glob("*.safetensors")):
+        for name, tensor in load_file(str(path)).items():
+            ref = ref_weights[name]
+            rel = float((tensor.double() - ref.double()).norm() / ref.double().norm())
+            assert rel <= 1e-5, f"{path.name}:{name} differs by {rel:.2e} (relative)"
+            seen.add(name)
+    assert seen == set(ref_weights), "the stages together must hold exactly the whole model"
+    assert all(s["inner_steps"] == STEPS for s in stats.values())
