@@ -60,7 +60,8 @@ async def _serve(config, args: argparse.Namespace) -> int:
         if args.ready_file:
             tmp = f"{args.ready_file}.tmp{os.getpid()}"
             Path(tmp).write_text(json.dumps({"peer_id": node.peer_id, "address": node.address, "stage": node.stage_index,
-                                             "maddrs": maddrs, "inner_step": inner_step}))
+                                             "maddrs": maddrs, "inner_step": inner_step,
+                                             "manifest_hash": node.manifest_hash, "run_id": config.run.run_id}))
             os.replace(tmp, args.ready_file)
 
     await report()

@@ -1,0 +1,70 @@
+"""D=2 replicas x P=2 stages as processes: loss falls, routing mixes replicas, counters balance;
+and a stage-1 replica killed with SIGKILL mid-run: the survivor finishes, lost work is re-issued."""
+
+import json
+import time
+
+import pytest
+
+from noloco_node.experiments.summary import summarize_swarm
+
+from .conftest import prepare_tokenizer, tiny_overrides
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+
+def test_two_by_two_trains_and_routes_everywhere(tmp_path, make_swarm):
+    steps = 30
+    overrides = tiny_overrides(tmp_path, **{"pipeline.batch_size": 8, "inner.total_steps": steps})
+    prepare_tokenizer(overrides)
+    swarm = make_swarm(overrides)
+    servers = [swarm.start_node(1, r) for r in range(2)]
+    swarm.wait_ready(servers)
+    drivers = [swarm.start_node(0, r, "--steps", str(steps), "--wait-replicas", "2") for r in range(2)]
+    swarm.wait_ready(drivers)
+    swarm.wait_exit(drivers, timeout_s=200)
+    assert all(d.proc.returncode == 0 for d in drivers)
+    swarm.stop()
+    summary = summarize_swarm(swarm, method="none", steps=steps, wall_s=1.0)
+
+    mb = summary["microbatches"]
+    assert mb["issued"] == 2 * steps * 4 and mb["dropped"] == 0
+    assert mb["issued"] == mb["completed"] + mb["dropped"]
+    assert summary["loss_last"] < summary["loss_first"] - 1.0, summary
+    for replica, received in summary["routes"].items():
+        assert set(received) == {"stage0/replica0", "stage0/replica1"}, (replica, received)
+    assert all(n["saved_inputs"] == 0 for n in summary["nodes"].values())
+
+
+def test_sigkill_of_a_stage1_replica_is_survived(tmp_path, make_swarm):
+    steps = 30
+    overrides = tiny_overrides(tmp_path, **{"pipeline.batch_size": 8, "inner.total_steps": steps,
+                                            "timeouts.microbatch_s": 3.0})
+    prepare_tokenizer(overrides)
+    swarm = make_swarm(overrides)
+    victim, survivor = (swarm.start_node(1, r) for r in range(2))
+    swarm.wait_ready([victim, survivor])
+    driver = swarm.start_node(0, 0, "--steps", str(steps), "--wait-replicas", "1")
+    swarm.wait_ready([driver])
+    deadline = time.monotonic() + 120
+    while json.loads(driver.ready_file.read_text()).get("inner_step", 0) < 5:
+        assert time.monotonic() < deadline and driver.proc.poll() is None, "driver made no progress"
+        time.sleep(0.05)
+    swarm.kill(victim)
+    swarm.wait_exit([driver], timeout_s=200)
+    assert driver.proc.returncode == 0, driver.log_file.read_text()[-3000:]
+    swarm.stop()
+
+    stats = swarm.node_stats()
+    [stage0] = [s for s in stats.values() if s["stage"] == 0]
+    mb = stage0["microbatches"]
+    assert stage0["inner_steps"] == steps
+    # Every microbatch completed: those that were in flight on the dead replica can only have
+    # completed through a re-issue, and at least one was in flight when it died.
+    assert mb["issued"] == mb["completed"] + mb["dropped"] == steps * 4
+    assert mb["dropped"] == 0 and mb["reissued"] >= 1
+    survivor_id = survivor.info["peer_id"]
+    assert stats[survivor_id]["sequences"] > 0
+    assert victim.info["peer_id"] not in stats  # it never wrote stats: it was killed
+    log = driver.log_file.read_text()
+    assert "re-issuing" in log
