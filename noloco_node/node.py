@@ -200,6 +200,7 @@ class Node:
             out["microbatches"] = {"issued": c.issued, "completed": c.completed, "reissued": c.reissued, "dropped": c.dropped}
             out["losses"] = self.driver.log.losses
             out["lrs"] = self.driver.log.lrs
+            out["step_times"] = self.driver.log.step_times
         return out
 
     async def stop(self, grace_s: float = 2.0) -> None:

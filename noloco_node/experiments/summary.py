@@ -30,5 +30,6 @@ def summarize_swarm(swarm: LocalSwarm, *, method: str, steps: int, wall_s: float
         "replicas": len(drivers), "inner_steps": min((d["inner_steps"] for d in drivers), default=0),
         "requested_steps": steps, "tokens": tokens, "wall_s": wall_s, "tokens_per_s": tokens / wall_s if wall_s > 0 else 0.0,
         "loss_first": _mean(firsts), "loss_last": _mean(lasts), "microbatches": counters, "routes": routes,
-        "nodes": {labels.get(p, p): {k: v for k, v in s.items() if k not in ("losses", "lrs")} for p, s in stats.items()},
+        "nodes": {labels.get(p, p): {k: v for k, v in s.items() if k not in ("losses", "lrs", "step_times")}
+                  for p, s in stats.items()},
     }

@@ -83,7 +83,8 @@ class Stage0Driver:
             future = asyncio.get_running_loop().create_future()
             self._pending[key] = future
             try:
-                output = await self.runtime.compute.run(self.runtime.worker.forward, key, inputs)
+                # Stage 0 steps only between batches, so it keeps the graph instead of recomputing.
+                output = await self.runtime.compute.run(self.runtime.worker.forward, key, inputs, keep_graph=True)
                 route = [Hop(me.peer_id, me.address, 0)]
                 self.runtime.in_flight[key] = Ticket(key=key, route=route)  # admits the gradient's Backward
                 sent = await self.runtime.send_forward(key, route, output, labels)

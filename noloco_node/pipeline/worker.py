@@ -21,6 +21,7 @@ from noloco_node.optim.inner import InnerOptimizer
 class Saved:
     inputs: Tensor
     created: float
+    output: Tensor | None = None  # the autograd graph, when kept instead of recomputed
 
 
 class StageWorker:
@@ -37,9 +38,15 @@ class StageWorker:
         self.tokens_total = 0
         self.last_lr = 0.0
 
-    def forward(self, key: Hashable, inputs: Tensor) -> Tensor:
-        """Forward without a graph; keeps `inputs` for the backward's recompute."""
-        self.saved[key] = Saved(inputs, self.clock())
+    def forward(self, key: Hashable, inputs: Tensor, *, keep_graph: bool = False) -> Tensor:
+        """Forward without a graph, keeping `inputs` for the backward's recompute; or, with
+        `keep_graph`, keep the autograd graph instead (only safe when no inner step can happen
+        before this microbatch's backward, as on stage 0, whose driver steps between batches)."""
+        saved = Saved(inputs, self.clock())
+        self.saved[key] = saved
+        if keep_graph:
+            saved.output = self.stage(inputs)
+            return saved.output.detach()
         with torch.no_grad():
             return self.stage(inputs)
 
@@ -57,7 +64,10 @@ class StageWorker:
         gradient, or None on stage 0 (whose input is token ids)."""
         saved = self.saved.pop(key)
         inputs = saved.inputs
-        if self.stage.is_first:
+        if saved.output is not None:
+            saved.output.backward(grad_output)
+            grad_input = None if self.stage.is_first else inputs.grad
+        elif self.stage.is_first:
             self.stage(inputs).backward(grad_output)
             grad_input = None
         else:
