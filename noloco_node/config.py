@@ -231,6 +231,18 @@ class TimeoutsConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class FaultsConfig:
+    """Fault injection for tests and chaos experiments; all off by default."""
+
+    delay_before_forward_s: float = 0.0
+    """Sleep this long before computing each received forward (makes work sit in flight)."""
+
+    def __post_init__(self) -> None:
+        _require(self.delay_before_forward_s >= 0, "delay_before_forward_s",
+                 f"must be >= 0, got {self.delay_before_forward_s}", "use 0 to disable")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class NodeConfig:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -240,6 +252,7 @@ class NodeConfig:
     outer: OuterConfig = field(default_factory=OuterConfig)
     network: NetworkConfig = field(default_factory=NetworkConfig)
     timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
 
     def __post_init__(self) -> None:
         _require(self.model.num_layers >= self.pipeline.num_stages, "pipeline.num_stages",

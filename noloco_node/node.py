@@ -122,7 +122,7 @@ class Node:
             shape=shape, worker=self.worker, compute=self.compute, transport=GrpcStageTransport(self.client),
             directory=DhtReplicas(self.directory), router=Router(self.bans, random.Random(self.peer_id)),
             me=Hop(self.peer_id, "", self.stage_index), max_in_flight=cfg.pipeline.max_in_flight,
-            send_deadline_s=cfg.timeouts.rpc_s)
+            send_deadline_s=cfg.timeouts.rpc_s, delay_before_forward_s=cfg.faults.delay_before_forward_s)
         max_bytes = cfg.pipeline.microbatch_size * m.seq_len * m.hidden_size * 4
         self.servicer = StageServicer(self.runtime, run_id=cfg.run.run_id, manifest_hash=self.manifest_hash,
                                       max_payload_bytes=max_bytes)
@@ -201,6 +201,7 @@ class Node:
             out["losses"] = self.driver.log.losses
             out["lrs"] = self.driver.log.lrs
             out["step_times"] = self.driver.log.step_times
+            out["reissued_sequences"] = self.driver.log.reissued_sequences
         return out
 
     async def stop(self, grace_s: float = 2.0) -> None:

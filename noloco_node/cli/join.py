@@ -27,7 +27,8 @@ def register(subparsers) -> None:
     p.add_argument("--threads", type=int, help="torch threads for this process (default: all cores)")
     p.add_argument("--out", help="write this node's stats (and weights with --save-weights) here on exit")
     p.add_argument("--save-weights", action="store_true")
-    p.add_argument("--ready-file", help="write {peer_id, address, stage} here once serving (for launchers)")
+    p.add_argument("--ready-file", help="write {peer_id, address, stage, inner_step, in_flight} here once serving, "
+                   "refreshed every 0.1 s (for launchers and tests)")
     p.set_defaults(run=run)
 
 
@@ -56,15 +57,23 @@ async def _serve(config, args: argparse.Namespace) -> int:
     setup_logging(logging.getLevelName(logging.getLogger().level), prefix=f"{node.peer_id[-6:]} s{node.stage_index}")
     maddrs = await node.directory.visible_maddrs()
 
-    async def report(inner_step: int = 0) -> None:
+    async def report(_step: int = 0) -> None:
         if args.ready_file:
+            in_flight = [[k.origin, k.sequence, k.attempt] for k in list(node.runtime.in_flight)]
             tmp = f"{args.ready_file}.tmp{os.getpid()}"
             Path(tmp).write_text(json.dumps({"peer_id": node.peer_id, "address": node.address, "stage": node.stage_index,
-                                             "maddrs": maddrs, "inner_step": inner_step,
-                                             "manifest_hash": node.manifest_hash, "run_id": config.run.run_id}))
+                                             "maddrs": maddrs, "inner_step": node.worker.inner_steps,
+                                             "in_flight": in_flight, "manifest_hash": node.manifest_hash,
+                                             "run_id": config.run.run_id}))
             os.replace(tmp, args.ready_file)
 
+    async def report_periodically() -> None:
+        while True:
+            await asyncio.sleep(0.1)
+            await report()
+
     await report()
+    reporter = asyncio.create_task(report_periodically()) if args.ready_file else None
     try:
         if node.stage_index == 0 and args.steps > 0:
             await _race(node.wait_for_replicas(args.wait_replicas, config.timeouts.startup_s), stop)
@@ -73,6 +82,8 @@ async def _serve(config, args: argparse.Namespace) -> int:
         else:
             await stop.wait()
     finally:
+        if reporter is not None:
+            reporter.cancel()
         await node.stop()
     return 0
 

@@ -35,6 +35,7 @@ class DriverLog:
     losses: list[float] = field(default_factory=list)  # per completed microbatch, in completion order
     step_times: list[float] = field(default_factory=list)
     lrs: list[float] = field(default_factory=list)
+    reissued_sequences: list[int] = field(default_factory=list)
 
 
 class Stage0Driver:
@@ -76,9 +77,11 @@ class Stage0Driver:
         self._sequence += 1
         self.counters.issued += 1
         me = self.runtime.me
+        lost_on: set[str] = set()  # first hops that lost an attempt: re-issues prefer others
         for attempt in range(self.max_attempts):
             if attempt:
                 self.counters.reissued += 1
+                self.log.reissued_sequences.append(sequence)
             key = MicrobatchKey(me.peer_id, sequence, attempt)
             future = asyncio.get_running_loop().create_future()
             self._pending[key] = future
@@ -87,8 +90,9 @@ class Stage0Driver:
                 output = await self.runtime.compute.run(self.runtime.worker.forward, key, inputs, keep_graph=True)
                 route = [Hop(me.peer_id, me.address, 0)]
                 self.runtime.in_flight[key] = Ticket(key=key, route=route)  # admits the gradient's Backward
-                sent = await self.runtime.send_forward(key, route, output, labels)
-                if sent:
+                sent = await self.runtime.send_forward(key, route, output, labels, avoid=frozenset(lost_on))
+                if sent is not None:
+                    lost_on.add(sent)
                     loss = await asyncio.wait_for(asyncio.shield(future), timeout=self.timeout_s)
                     self.counters.completed += 1
                     self.log.losses.append(loss)

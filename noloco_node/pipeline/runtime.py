@@ -68,11 +68,13 @@ class RuntimeStats:
 class StageRuntime:
     def __init__(self, *, shape: StageShape, worker: StageWorker, compute: ComputeThread, transport: StageTransport,
                  directory: ReplicaDirectory, router: Router, me: Hop, max_in_flight: int, send_deadline_s: float,
-                 on_stage0_backward: Callable[[MicrobatchKey, float], None] | None = None) -> None:
+                 on_stage0_backward: Callable[[MicrobatchKey, float], None] | None = None,
+                 delay_before_forward_s: float = 0.0) -> None:
         self.shape, self.worker, self.compute = shape, worker, compute
         self.transport, self.directory, self.router, self.me = transport, directory, router, me
         self.max_in_flight, self.send_deadline_s = max_in_flight, send_deadline_s
         self.on_stage0_backward = on_stage0_backward
+        self.delay_before_forward_s = delay_before_forward_s  # fault injection (faults.*)
         self.in_flight: dict[MicrobatchKey, Ticket] = {}
         self.stats = RuntimeStats()
         self.accepting = True
@@ -143,13 +145,15 @@ class StageRuntime:
     async def _serve_forward(self, ticket: Ticket, activations: Tensor) -> None:
         key = ticket.key
         try:
+            if self.delay_before_forward_s > 0:
+                await asyncio.sleep(self.delay_before_forward_s)
             if self.shape.is_last:
                 grad, loss, tokens = await self.compute.run(self.worker.forward_backward_last, activations, ticket.labels)
                 self._release(key)
                 await self._send_backward(ticket.route[-1], key, grad, loss, tokens)
                 return
             output = await self.compute.run(self.worker.forward, key, activations)
-            if not await self.send_forward(key, ticket.route + [self.me], output, ticket.labels):
+            if await self.send_forward(key, ticket.route + [self.me], output, ticket.labels) is None:
                 await self.compute.run(self.worker.drop, key)
                 self._release(key)
                 self.stats.dropped_here += 1
@@ -173,10 +177,15 @@ class StageRuntime:
             return
         await self._send_backward(ticket.route[-1], key, grad_input, ticket.loss, ticket.num_tokens)
 
-    async def send_forward(self, key: MicrobatchKey, route: list[Hop], output: Tensor, labels: Tensor) -> bool:
-        """Push to a random live replica of the next stage, retrying others until the deadline."""
+    async def send_forward(self, key: MicrobatchKey, route: list[Hop], output: Tensor, labels: Tensor,
+                           avoid: frozenset[str] = frozenset()) -> str | None:
+        """Push to a random live replica of the next stage, retrying others until the deadline.
+
+        Replicas in `avoid` (those that already lost this microbatch) are skipped while any other
+        is available. Returns the peer id that accepted it, or None.
+        """
         deadline = time.monotonic() + self.send_deadline_s
-        tried: set[str] = set()
+        tried: set[str] = set(avoid)
         delay = 0.05
         while time.monotonic() < deadline:
             candidates = await self.directory.replicas(self.shape.stage + 1)
@@ -191,7 +200,7 @@ class StageRuntime:
                                              activations=output, labels=labels)
                 self.router.bans.clear(peer.peer_id)
                 self.stats.forwards_sent += 1
-                return True
+                return peer.peer_id
             except PeerBusy:
                 tried.add(peer.peer_id)
             except NodeError as exc:
@@ -200,7 +209,7 @@ class StageRuntime:
                 duration = self.router.bans.ban(peer.peer_id)
                 log.info("forward of %s to %s failed (%s); banned for %.0f s", key, peer.peer_id[-8:], exc, duration)
         log.warning("no replica of stage %d took microbatch %s within %.0f s", self.shape.stage + 1, key, self.send_deadline_s)
-        return False
+        return None
 
     async def _send_backward(self, upstream: Hop, key: MicrobatchKey, grad: Tensor, loss: float, tokens: int) -> None:
         try:

@@ -37,20 +37,27 @@ def test_two_by_two_trains_and_routes_everywhere(tmp_path, make_swarm):
 
 
 def test_sigkill_of_a_stage1_replica_is_survived(tmp_path, make_swarm):
-    steps = 30
+    steps = 20
     overrides = tiny_overrides(tmp_path, **{"pipeline.batch_size": 8, "inner.total_steps": steps,
-                                            "timeouts.microbatch_s": 3.0})
+                                            "timeouts.microbatch_s": 2.0})
     prepare_tokenizer(overrides)
     swarm = make_swarm(overrides)
-    victim, survivor = (swarm.start_node(1, r) for r in range(2))
+    # The victim sits on every forward far longer than the microbatch timeout, so whatever it
+    # holds when it dies can only finish through a re-issue.
+    victim = swarm.start_node(1, 0, "--set", "faults.delay_before_forward_s=60")
+    survivor = swarm.start_node(1, 1)
     swarm.wait_ready([victim, survivor])
     driver = swarm.start_node(0, 0, "--steps", str(steps), "--wait-replicas", "1")
     swarm.wait_ready([driver])
     deadline = time.monotonic() + 120
-    while json.loads(driver.ready_file.read_text()).get("inner_step", 0) < 5:
-        assert time.monotonic() < deadline and driver.proc.poll() is None, "driver made no progress"
-        time.sleep(0.05)
+    while True:
+        status = json.loads(victim.ready_file.read_text())
+        if status["in_flight"] and json.loads(driver.ready_file.read_text())["inner_step"] >= 2:
+            break
+        assert time.monotonic() < deadline and driver.proc.poll() is None, "victim never held a microbatch"
+        time.sleep(0.02)
     swarm.kill(victim)
+    held = {sequence for _, sequence, _ in status["in_flight"]}
     swarm.wait_exit([driver], timeout_s=200)
     assert driver.proc.returncode == 0, driver.log_file.read_text()[-3000:]
     swarm.stop()
@@ -59,12 +66,8 @@ def test_sigkill_of_a_stage1_replica_is_survived(tmp_path, make_swarm):
     [stage0] = [s for s in stats.values() if s["stage"] == 0]
     mb = stage0["microbatches"]
     assert stage0["inner_steps"] == steps
-    # Every microbatch completed: those that were in flight on the dead replica can only have
-    # completed through a re-issue, and at least one was in flight when it died.
-    assert mb["issued"] == mb["completed"] + mb["dropped"] == steps * 4
-    assert mb["dropped"] == 0 and mb["reissued"] >= 1
-    survivor_id = survivor.info["peer_id"]
-    assert stats[survivor_id]["sequences"] > 0
-    assert victim.info["peer_id"] not in stats  # it never wrote stats: it was killed
-    log = driver.log_file.read_text()
-    assert "re-issuing" in log
+    assert mb["issued"] == mb["completed"] + mb["dropped"] == steps * 4 and mb["dropped"] == 0
+    assert held and held <= set(stage0["reissued_sequences"]), (held, stage0["reissued_sequences"])
+    assert mb["reissued"] == len(stage0["reissued_sequences"]) >= len(held)
+    assert stats[survivor.info["peer_id"]]["sequences"] > 0
+    assert victim.info["peer_id"] not in stats  # killed: it never wrote stats
