@@ -16,6 +16,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
 from hivemind.dht.validation import CompositeValidator
 from hivemind.p2p import P2PDaemonError
+from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
 
 from noloco_node.dht.records import StageRecord, make_validators, stage_key
@@ -51,7 +52,8 @@ class PeerDirectory:
                     port: int = 0, identity_path: str | None = None, startup_timeout_s: float = 30.0,
                     client_mode: bool = False) -> PeerDirectory:
         """Start the DHT node; raises BootstrapError with a fix when the initial peers cannot be reached."""
-        signer = RSASignatureValidator()
+        # Own key per directory (not hivemind's process-wide one): the subkey is this node's identity.
+        signer = RSASignatureValidator(RSAPrivateKey())
         validator = CompositeValidator(make_validators(identity.run_id, identity.num_stages, signer))
         try:
             node = await asyncio.wait_for(DHTNode.create(

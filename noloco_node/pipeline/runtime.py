@@ -13,7 +13,7 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Awaitable, Callable
 
 from torch import Tensor
 
@@ -75,6 +75,9 @@ class StageRuntime:
         self.max_in_flight, self.send_deadline_s = max_in_flight, send_deadline_s
         self.on_stage0_backward = on_stage0_backward
         self.delay_before_forward_s = delay_before_forward_s  # fault injection (faults.*)
+        # Awaited after each inner step this runtime's compute took (stages > 0; stage 0's driver
+        # steps itself): where the outer step hooks in.
+        self.on_inner_step: Callable[[int], Awaitable[None]] | None = None
         self.in_flight: dict[MicrobatchKey, Ticket] = {}
         self.stats = RuntimeStats()
         self.accepting = True
@@ -148,8 +151,10 @@ class StageRuntime:
             if self.delay_before_forward_s > 0:
                 await asyncio.sleep(self.delay_before_forward_s)
             if self.shape.is_last:
+                before = self.worker.inner_steps
                 grad, loss, tokens = await self.compute.run(self.worker.forward_backward_last, activations, ticket.labels)
                 self._release(key)
+                await self._after_compute(before)
                 await self._send_backward(ticket.route[-1], key, grad, loss, tokens)
                 return
             output = await self.compute.run(self.worker.forward, key, activations)
@@ -164,6 +169,7 @@ class StageRuntime:
 
     async def _serve_backward(self, ticket: Ticket, grad: Tensor) -> None:
         key = ticket.key
+        before = self.worker.inner_steps
         try:
             grad_input = await self.compute.run(self.worker.backward, key, grad)
         except KeyError:
@@ -171,11 +177,16 @@ class StageRuntime:
             self._release(key)
             return
         self._release(key)
+        await self._after_compute(before)
         if self.shape.is_first:
             if self.on_stage0_backward is not None:
                 self.on_stage0_backward(key, ticket.loss)
             return
         await self._send_backward(ticket.route[-1], key, grad_input, ticket.loss, ticket.num_tokens)
+
+    async def _after_compute(self, steps_before: int) -> None:
+        if self.on_inner_step is not None and self.worker.inner_steps > steps_before:
+            await self.on_inner_step(self.worker.inner_steps)
 
     async def send_forward(self, key: MicrobatchKey, route: list[Hop], output: Tensor, labels: Tensor,
                            avoid: frozenset[str] = frozenset()) -> str | None:
