@@ -86,6 +86,12 @@ def _run_swarm(config, args, out: Path) -> dict:
     from noloco_node.runtime.logging import ProgressLine
 
     _prepare_tokenizer(config)
+    if config.outer.method != "none":
+        # The networked outer step (pairing, exchange) is not built yet; say so rather than
+        # label independent replicas as NoLoCo.
+        log.warning("the swarm has no outer step yet: replicas of a stage train independently (method none); "
+                    "use --local for %s in one process", config.outer.method)
+    method = "none"
     stages, replicas = config.pipeline.num_stages, args.replicas
     threads = max(1, (os.cpu_count() or 1) // (stages * replicas))
     overrides = [f"{section}.{name}={_flat(value)}" for section, fields in config.to_dict().items()
@@ -113,7 +119,7 @@ def _run_swarm(config, args, out: Path) -> dict:
         if failed:
             raise RuntimeError(f"{', '.join(failed)} failed; see {out / 'logs'}")
         swarm.stop()
-        return summarize_swarm(swarm, method=config.outer.method, steps=args.steps, wall_s=time.monotonic() - start)
+        return summarize_swarm(swarm, method=method, steps=args.steps, wall_s=time.monotonic() - start)
 
 
 def _flat(value) -> str:
