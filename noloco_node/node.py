@@ -68,6 +68,17 @@ class DhtReplicas:
         return [Peer(r.peer_id, r.address) for r in await self.directory.replicas(stage)]
 
 
+class DhtMatching:
+    """sync.noloco.MatchingDirectory over the DHT directory (always a fresh lookup)."""
+
+    def __init__(self, directory: PeerDirectory) -> None:
+        self.directory = directory
+
+    async def matching(self, stage: int, round_index: int) -> list[Peer]:
+        return [Peer(r.peer_id, r.address) for r in await self.directory.replicas(stage, fresh=True)
+                if r.status == "matching" and r.outer_round == round_index]
+
+
 def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest()[:16]
 
@@ -216,9 +227,12 @@ class Node:
             task.cancel()
         if self.out_dir is not None:
             self.write_outputs(self.out_dir)
-        await self.server.stop(grace_s)
-        await self.client.close()
-        await self.directory.shutdown()
+        for name, step in (("server", self.server.stop(grace_s)), ("client", self.client.close()),
+                           ("dht", self.directory.shutdown())):
+            try:
+                await asyncio.wait_for(step, timeout=grace_s + 5)
+            except asyncio.TimeoutError:
+                log.warning("shutdown of the %s timed out; exiting anyway", name)
         self.compute.shutdown()
 
     def write_outputs(self, out_dir: Path) -> None:

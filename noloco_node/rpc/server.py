@@ -9,7 +9,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from noloco_node.rpc.stage_service import GRPC_OPTIONS, StageServicer
-from noloco_node.wire.v1 import stage_pb2
+from noloco_node.wire.v1 import outer_pb2_grpc, stage_pb2
 
 STAGE_SERVICE = "noloco.wire.v1.Stage"
 
@@ -36,6 +36,9 @@ class NodeServer:
                 response_serializer=stage_pb2.StageAck.SerializeToString),
         }
         self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(STAGE_SERVICE, handlers),))
+
+    def add_outer(self, servicer) -> None:
+        outer_pb2_grpc.add_OuterServicer_to_server(servicer, self.server)
 
     async def start(self) -> int:
         self.port = self.server.add_insecure_port(f"{self.host}:{self.requested_port}")

@@ -1,0 +1,222 @@
+"""Outer.Exchange: the pairwise snapshot exchange on one bidirectional stream.
+
+Order on the stream (both directions run concurrently, so neither side can block the other on
+flow control): initiator sends a PairRequest, responder answers a PairReply; on ACCEPT each side
+sends a SnapshotManifest, then per tensor a TensorHeader and its chunks, and, once it has
+received the partner's whole payload, a Receipt with the SHA-256 of what it received. A side
+succeeds only when the partner's receipt matches the hash of what it sent. Everything is checked
+against the expected tensor list before anything is allocated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from dataclasses import dataclass
+from typing import Protocol
+
+import grpc
+import torch
+from torch import Tensor
+
+from noloco_node.codec import DTYPES, CodecError, TensorSpec, decode_into
+from noloco_node.errors import InvalidPayload, NodeError, PeerBusy, PeerUnavailable, ProtocolMismatch
+from noloco_node.rpc.stage_service import GRPC_OPTIONS
+from noloco_node.rpc.status import status_of
+from noloco_node.rpc.tensors import PayloadReceiver, header_to_spec, iter_chunks, spec_to_header
+from noloco_node.wire.v1 import outer_pb2, outer_pb2_grpc, tensor_pb2
+
+log = logging.getLogger(__name__)
+ACCEPT = outer_pb2.PairReply.ACCEPT
+
+
+@dataclass(frozen=True)
+class EncodedSnapshot:
+    """A frozen snapshot as it goes on the wire: (name, spec, payload) per tensor, in order."""
+
+    tensors: list[tuple[str, TensorSpec, bytes]]
+
+    @property
+    def sha256(self) -> bytes:
+        digest = hashlib.sha256()
+        for _, _, payload in self.tensors:
+            digest.update(payload)
+        return digest.digest()
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(len(p) for _, _, p in self.tensors)
+
+
+@dataclass(frozen=True)
+class ExpectedTensor:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+class OuterHandler(Protocol):
+    """What the Outer service needs from the sync layer."""
+
+    def decide(self, request: outer_pb2.PairRequest) -> outer_pb2.PairReply:
+        """Accept (and reserve this round for) or refuse a pairing request; never blocks."""
+
+    def frozen(self) -> tuple[EncodedSnapshot, list[ExpectedTensor], str]:
+        """The snapshot to send, the tensors expected back, and the codec they must use."""
+
+    async def finish(self, peer_id: str, received: dict[str, Tensor] | None, reason: str) -> None:
+        """Called once per accepted session: with the partner's tensors, or None on failure."""
+
+
+async def exchange_snapshots(read, write, mine: EncodedSnapshot, expected: list[ExpectedTensor], codec: str,
+                             max_bytes: int) -> dict[str, Tensor]:
+    """Send `mine` and receive the partner's snapshot concurrently; returns the decoded tensors
+    once both receipts check out. Raises InvalidPayload / PeerUnavailable otherwise."""
+    received_all = asyncio.Event()
+    received_hash: list[bytes] = []
+
+    async def send() -> None:
+        await write(outer_pb2.ExchangeMessage(manifest=outer_pb2.SnapshotManifest(
+            num_tensors=len(mine.tensors), payload_bytes=mine.payload_bytes)))
+        for name, spec, payload in mine.tensors:
+            await write(outer_pb2.ExchangeMessage(tensor=spec_to_header(spec, name)))
+            for chunk in iter_chunks(payload):
+                await write(outer_pb2.ExchangeMessage(chunk=chunk))
+        await received_all.wait()
+        await write(outer_pb2.ExchangeMessage(receipt=outer_pb2.Receipt(sha256=received_hash[0])))
+
+    async def next_message(kind: str):
+        message = await read()
+        if message is grpc.aio.EOF or message is None:
+            raise PeerUnavailable(f"stream ended while waiting for {kind}")
+        if message.WhichOneof("kind") == "abort":
+            raise PeerUnavailable(f"partner aborted: {message.abort.reason}")
+        if message.WhichOneof("kind") != kind:
+            raise InvalidPayload(f"expected {kind}, got {message.WhichOneof('kind')}")
+        return getattr(message, kind)
+
+    async def receive() -> dict[str, Tensor]:
+        manifest = await next_message("manifest")
+        if manifest.num_tensors != len(expected):
+            raise InvalidPayload(f"snapshot has {manifest.num_tensors} tensors, expected {len(expected)}")
+        digest, out = hashlib.sha256(), {}
+        budget = max_bytes
+        for want in expected:
+            header = await next_message("tensor")
+            spec = header_to_spec(header)
+            if header.name != want.name or spec.shape != want.shape or spec.dtype != want.dtype or spec.codec != codec:
+                raise InvalidPayload(f"tensor {header.name!r} {spec.dtype}{list(spec.shape)}/{spec.codec} does not match "
+                                     f"{want.name!r} {want.dtype}{list(want.shape)}/{codec}")
+            receiver = PayloadReceiver(spec, max_bytes=budget)
+            while not receiver.complete:
+                receiver.add(await next_message("chunk"))
+            budget -= spec.payload_bytes
+            payload = receiver.finish()
+            digest.update(payload)
+            tensor = torch.empty(spec.shape, dtype=DTYPES[spec.dtype])
+            try:
+                decode_into(spec, payload, tensor)
+            except CodecError as exc:
+                raise InvalidPayload(str(exc)) from None
+            out[want.name] = tensor
+        received_hash.append(digest.digest())
+        received_all.set()
+        receipt = await next_message("receipt")
+        if receipt.sha256 != mine.sha256:
+            raise InvalidPayload("partner's receipt does not match what we sent")
+        return out
+
+    sender = asyncio.create_task(send())
+    try:
+        result = await receive()
+        await sender
+        return result
+    finally:
+        if not sender.done():
+            sender.cancel()
+
+
+class OuterServicer(outer_pb2_grpc.OuterServicer):
+    def __init__(self, handler: OuterHandler, *, run_id: str, manifest_hash: str, stage: int, max_bytes: int,
+                 timeout_s: float) -> None:
+        self.handler = handler
+        self.run_id, self.manifest_hash, self.stage = run_id, manifest_hash, stage
+        self.max_bytes, self.timeout_s = max_bytes, timeout_s
+
+    async def Exchange(self, request_iterator, context):
+        first = await context.read()
+        if first is grpc.aio.EOF or first is None or first.WhichOneof("kind") != "request":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Exchange must start with a PairRequest")
+        request = first.request
+        if request.run.run_id != self.run_id or request.run.manifest_hash != self.manifest_hash or request.stage != self.stage:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"this node serves run {self.run_id}/{self.manifest_hash} stage {self.stage}")
+        reply = self.handler.decide(request)
+        await context.write(outer_pb2.ExchangeMessage(reply=reply))
+        if reply.decision != ACCEPT:
+            return
+        mine, expected, codec = self.handler.frozen()
+        try:
+            received = await asyncio.wait_for(
+                exchange_snapshots(context.read, context.write, mine, expected, codec, self.max_bytes), self.timeout_s)
+        except (NodeError, asyncio.TimeoutError, grpc.aio.AioRpcError) as exc:
+            await self.handler.finish(request.peer_id, None, _reason(exc))
+            if isinstance(exc, NodeError):
+                await context.abort(status_of(exc), str(exc))
+            return
+        await self.handler.finish(request.peer_id, received, "paired")
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, asyncio.TimeoutError):
+        return "timed_out"
+    if isinstance(exc, InvalidPayload):
+        return "rejected"
+    return "failed"
+
+
+class OuterClient:
+    def __init__(self, *, run_id: str, manifest_hash: str, max_bytes: int) -> None:
+        self.run = tensor_pb2.RunIdentity(run_id=run_id, manifest_hash=manifest_hash)
+        self.max_bytes = max_bytes
+        self._channels: dict[str, tuple[grpc.aio.Channel, outer_pb2_grpc.OuterStub]] = {}
+        self.bytes_sent = 0
+
+    def _stub(self, address: str) -> outer_pb2_grpc.OuterStub:
+        if address not in self._channels:
+            channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+            self._channels[address] = (channel, outer_pb2_grpc.OuterStub(channel))
+        return self._channels[address][1]
+
+    async def exchange(self, address: str, request: outer_pb2.PairRequest, mine: EncodedSnapshot,
+                       expected: list[ExpectedTensor], codec: str, timeout_s: float) -> dict[str, Tensor]:
+        """Propose a pair and, if accepted, exchange snapshots. Raises PeerBusy when refused."""
+        request.run.CopyFrom(self.run)
+        call = self._stub(address).Exchange(timeout=timeout_s)
+        try:
+            await call.write(outer_pb2.ExchangeMessage(request=request))
+            reply_message = await call.read()
+            if reply_message is grpc.aio.EOF or reply_message.WhichOneof("kind") != "reply":
+                raise PeerUnavailable(f"{address} closed the exchange without a reply")
+            reply = reply_message.reply
+            if reply.decision == outer_pb2.PairReply.MISMATCH:
+                raise ProtocolMismatch(f"{address}: {reply.reason}")
+            if reply.decision != ACCEPT:
+                raise PeerBusy(f"{address}: {outer_pb2.PairReply.Decision.Name(reply.decision)} {reply.reason}".strip())
+            received = await exchange_snapshots(call.read, call.write, mine, expected, codec, self.max_bytes)
+            self.bytes_sent += mine.payload_bytes
+            await call.done_writing()
+            await call.read()  # EOF once the partner has read our receipt and closed its side
+            return received
+        except grpc.aio.AioRpcError as exc:
+            call.cancel()
+            raise PeerUnavailable(f"{address}: {exc.code().name} {exc.details() or ''}".strip()) from None
+        except BaseException:
+            call.cancel()
+            raise
+
+    async def close(self) -> None:
+        for channel, _ in self._channels.values():
+            await channel.close()
+        self._channels.clear()

@@ -1,0 +1,201 @@
+"""NoLoCo outer step over the network: pair with one random replica of the stage, exchange
+snapshots, apply the pair update; anything else ends in the solo step. No global barrier.
+
+Pairing (PAIR-v1, noloco-reference.md section 11.3): at its boundary a node freezes its snapshot
+and marks itself `matching` for round r in the DHT. With probability 1/2 it proposes at once,
+else after a short passive wait. A node is in at most one pair per round: while its own proposal
+is pending it refuses others, except the crossing case (A->B and B->A at once), which both sides
+resolve the same way: the session proposed by the smaller peer id wins. Received snapshots are
+validated (finite, within a distance bound) before use; a bad one is rejected, its sender banned,
+and the node takes the solo step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from torch import Tensor
+
+from noloco_node.errors import InvalidPayload, NodeError, PeerBusy
+from noloco_node.optim.state import OuterState
+from noloco_node.pipeline.ports import Peer
+from noloco_node.pipeline.router import Bans
+from noloco_node.rpc.outer_service import OuterClient
+from noloco_node.runtime.compute import ComputeThread
+from noloco_node.sync.snapshot import check_snapshot, freeze
+from noloco_node.wire.v1 import outer_pb2
+
+log = logging.getLogger(__name__)
+Reply = outer_pb2.PairReply
+
+
+class MatchingDirectory(Protocol):
+    async def matching(self, stage: int, round_index: int) -> list[Peer]:
+        """Replicas of `stage` that announce `matching` for `round_index` (fresh lookup)."""
+
+
+@dataclass
+class OuterCounters:
+    rounds: int = 0
+    paired: int = 0
+    solo: int = 0
+    rejected: int = 0
+    timed_out: int = 0
+    history: list[dict] = field(default_factory=list)  # one entry per round: round, outcome, partner, seconds
+
+
+async def _wait(event: asyncio.Event, timeout_s: float) -> None:
+    if timeout_s > 0:
+        try:
+            await asyncio.wait_for(event.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            pass
+
+
+class NoLoCoSync:
+    def __init__(self, state: OuterState, *, client: OuterClient, directory: MatchingDirectory,
+                 compute: ComputeThread, peer_id: str, stage: int, codec: str, match_s: float,
+                 max_distance_ratio: float, bans: Bans, set_status: Callable[[str, int], Awaitable[None]],
+                 rng: random.Random | None = None) -> None:
+        self.state, self.client, self.directory, self.compute = state, client, directory, compute
+        self.peer_id, self.stage, self.codec = peer_id, stage, codec
+        self.match_s, self.max_distance_ratio = match_s, max_distance_ratio
+        self.bans, self.set_status = bans, set_status
+        self.rng = rng or random.Random()
+        self.counters = OuterCounters()
+        self.round: int | None = None
+        self.matching = False
+        self.partner: str | None = None
+        self.outgoing: str | None = None
+        self.done = asyncio.Event()  # the round's update has been applied
+        self.claimed = False  # a completion (pair or solo) is under way for this round
+        self._frozen = None
+
+    # ---- responder side (rpc.OuterHandler) ------------------------------------------------
+    def decide(self, request: outer_pb2.PairRequest) -> outer_pb2.PairReply:
+        def reply(decision, reason="", wait_s=0.0):
+            return Reply(decision=decision, reason=reason, wait_s=wait_s, peer_id=self.peer_id)
+
+        if request.send_slow_weights != self.state.needs_slow_weights:
+            return reply(Reply.MISMATCH, "gamma/beta settings differ")
+        if not self.matching or self.round is None:
+            return reply(Reply.BUSY, "not matching")
+        if request.round != self.round:
+            return reply(Reply.WAIT if request.round > self.round else Reply.BUSY, f"at round {self.round}")
+        if self.partner is not None or self.claimed:
+            return reply(Reply.BUSY, "already paired this round")
+        if self.bans.is_banned(request.peer_id):
+            return reply(Reply.BUSY, "banned")
+        if self.outgoing is not None and not (self.outgoing == request.peer_id and request.peer_id < self.peer_id):
+            return reply(Reply.BUSY, "own proposal pending")
+        self.partner = request.peer_id
+        return reply(Reply.ACCEPT)
+
+    def frozen(self):
+        snapshot, _, expected = self._frozen
+        return snapshot, expected, self.codec
+
+    async def finish(self, peer_id: str, received: dict[str, Tensor] | None, reason: str) -> None:
+        await self._complete(peer_id, received, reason)
+
+    # ---- the round ------------------------------------------------------------------------
+    async def outer_step(self, inner_step: int, round_index: int) -> str:
+        """Run one outer round; returns its outcome ('paired' or 'solo')."""
+        start = time.monotonic()
+        self.round, self.partner, self.outgoing = round_index, None, None
+        self.done = asyncio.Event()
+        self.claimed = False
+        self._outcome = ("solo", None)
+        self._frozen = await self.compute.run(freeze, self.state, self.codec)
+        self.matching = True
+        await self.set_status("matching", round_index)
+        deadline = start + self.match_s
+        if self.rng.random() < 0.5:
+            await _wait(self.done, min(0.2 * self.match_s, deadline - time.monotonic()))
+        tried: set[str] = set()
+        while not self.done.is_set() and time.monotonic() < deadline:
+            if self.partner is not None:  # an accepted incoming session is running
+                await _wait(self.done, deadline - time.monotonic())
+                continue
+            candidates = [p for p in await self.directory.matching(self.stage, round_index)
+                          if p.peer_id != self.peer_id and p.peer_id not in tried and not self.bans.is_banned(p.peer_id)]
+            if not candidates:
+                await _wait(self.done, min(0.1, deadline - time.monotonic()))
+                continue
+            await self._propose(self.rng.choice(candidates), inner_step, deadline, tried)
+        if self.partner is not None and not self.done.is_set():
+            # A session we accepted is still streaming: give it its own deadline, then give up.
+            await _wait(self.done, self.match_s)
+        if not self.claimed:
+            await self._complete(None, None, "no partner")
+        await self.done.wait()
+        self.matching = False
+        outcome, partner = self._outcome
+        self.counters.rounds += 1
+        self.counters.history.append({"round": round_index, "outcome": outcome, "partner": partner,
+                                      "seconds": time.monotonic() - start})
+        await self.set_status("serving", round_index + 1)
+        return outcome
+
+    async def _propose(self, peer: Peer, inner_step: int, deadline: float, tried: set[str]) -> None:
+        tried.add(peer.peer_id)
+        self.outgoing = peer.peer_id
+        request = outer_pb2.PairRequest(stage=self.stage, round=self.round, inner_step=inner_step, peer_id=self.peer_id,
+                                        nonce=os.urandom(8), send_slow_weights=self.state.needs_slow_weights)
+        snapshot, _, expected = self._frozen
+        try:
+            received = await self.client.exchange(peer.address, request, snapshot, expected, self.codec,
+                                                  timeout_s=max(0.1, deadline - time.monotonic()))
+        except PeerBusy:
+            return
+        except InvalidPayload as exc:
+            self.partner = peer.peer_id
+            log.warning("round %d: snapshot from %s rejected: %s", self.round, peer.peer_id[-8:], exc)
+            await self._complete(peer.peer_id, None, "rejected")
+            return
+        except NodeError as exc:
+            self.bans.ban(peer.peer_id)
+            self.counters.timed_out += 1
+            log.info("round %d: exchange with %s failed: %s", self.round, peer.peer_id[-8:], exc)
+            return
+        finally:
+            self.outgoing = None
+        self.partner = peer.peer_id
+        await self._complete(peer.peer_id, received, "paired")
+
+    async def _complete(self, peer_id: str | None, received: dict[str, Tensor] | None, reason: str) -> None:
+        """Apply exactly one update per round: the pair step with a valid snapshot, else solo."""
+        if self.claimed:
+            return
+        self.claimed = True  # first completion wins; claimed before awaiting so no second one runs
+        if received is not None:
+            problem = check_snapshot(self.state, received, max_distance_ratio=self.max_distance_ratio)
+            if problem is not None:
+                log.warning("round %d: snapshot from %s rejected: %s", self.round, (peer_id or "?")[-8:], problem)
+                received, reason = None, "rejected"
+        if reason == "rejected":
+            self.counters.rejected += 1
+            if peer_id is not None:
+                self.bans.ban(peer_id)
+        elif reason == "timed_out" and peer_id is not None:
+            self.counters.timed_out += 1
+        if received is not None:
+            _, own_wire, _ = self._frozen
+            peer = {name: (None, tensor) for name, tensor in received.items()}
+            await self.compute.run(self.state.apply_noloco, [peer], own_wire)
+            self.counters.paired += 1
+            self._outcome = ("paired", peer_id)
+            log.info("round %d: paired with %s", self.round, peer_id[-8:])
+        else:
+            await self.compute.run(self.state.apply_noloco, [])
+            self.counters.solo += 1
+            self._outcome = ("solo", None)
+            log.info("round %d: solo step (%s)", self.round, reason)
+        self.done.set()
