@@ -169,6 +169,8 @@ class OuterConfig:
     """NoLoCo local-averaging coefficient; None = beta (then only fast weights travel)."""
     codec: str = "bf16"
     """Wire codec of outer snapshots: none, bf16 or int8."""
+    max_distance_ratio: float = 10.0
+    """Reject a partner's snapshot farther from our slow weights than this many times our own drift."""
 
     def __post_init__(self) -> None:
         _require(self.method in METHODS, "method", f"unknown method {self.method!r}", f"use one of {', '.join(METHODS)}")
@@ -183,6 +185,7 @@ class OuterConfig:
         _require(0.0 <= self.alpha < 1.0, "alpha", f"must be in [0, 1), got {self.alpha}", "use 0.5 (noloco) or 0.3 (diloco)")
         _require(self.beta >= 0.0, "beta", f"must be >= 0, got {self.beta}", "use 0.7")
         _require(self.codec in CODECS, "codec", f"unknown codec {self.codec!r}", f"use one of {', '.join(CODECS)}")
+        _require(self.max_distance_ratio > 0, "max_distance_ratio", f"must be > 0, got {self.max_distance_ratio}", "use 10")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -19,20 +19,23 @@ from pathlib import Path
 import torch
 
 from noloco_node import __version__
-from noloco_node.config import NodeConfig
+from noloco_node.config import ConfigError, NodeConfig
 from noloco_node.dht.directory import DirectoryIdentity, PeerDirectory
 from noloco_node.dht.records import StageRecord
 from noloco_node.model.stage import build_stage, llama_config
 from noloco_node.optim.inner import InnerOptimizer, InnerSchedule
+from noloco_node.optim.state import OuterState
 from noloco_node.pipeline.driver import Stage0Driver
 from noloco_node.pipeline.ports import Hop, MicrobatchKey, Peer
 from noloco_node.pipeline.router import Bans, Router
 from noloco_node.pipeline.runtime import StageRuntime, StageShape
 from noloco_node.pipeline.worker import StageWorker
+from noloco_node.rpc.outer_service import OuterClient, OuterServicer
 from noloco_node.rpc.server import NodeServer
 from noloco_node.rpc.stage_service import StageClient, StageServicer
 from noloco_node.runtime.compute import ComputeThread
 from noloco_node.runtime.memory import tune_allocator
+from noloco_node.sync.noloco import NoLoCoSync
 from noloco_node.wire.v1 import stage_pb2
 
 log = logging.getLogger(__name__)
@@ -92,7 +95,17 @@ class Node:
         self.compute = ComputeThread()
         self.started_at = time.monotonic()
         self.status = "joining"
+        self.outer_round = 0
+        self.sync: NoLoCoSync | None = None
+        self._outer_lock = asyncio.Lock()
         self._background: set[asyncio.Task] = set()
+        method, outer = config.outer.method, config.outer
+        if method in ("diloco", "dp"):
+            raise ConfigError("outer.method", f"{method} is not available in the swarm yet",
+                              "use noloco or none here, or run it in one process with `noloco-node demo --local`")
+        if method == "noloco" and outer.gamma != outer.beta:
+            raise ConfigError("outer.gamma", "the networked exchange sends fast weights only, which needs gamma == beta",
+                              "leave outer.gamma unset (= beta), or run gamma != beta with `noloco-node demo --local`")
         self.driver: Stage0Driver | None = None
 
     async def start(self) -> None:
@@ -138,6 +151,8 @@ class Node:
         self.servicer = StageServicer(self.runtime, run_id=cfg.run.run_id, manifest_hash=self.manifest_hash,
                                       max_payload_bytes=max_bytes)
         self.server.add_stage(self.servicer)
+        if cfg.outer.method == "noloco":
+            self._build_sync(max_bytes=sum(p.numel() * 8 for p in self.stage.parameters()))
         port = await self.server.start()
         self.address = cfg.network.announce_addr or f"{cfg.network.host}:{port}"
         self.runtime.me = Hop(self.peer_id, self.address, self.stage_index)
@@ -145,6 +160,30 @@ class Node:
         await self.announce()
         self._spawn(self._heartbeat())
         log.info("stage %d serving at %s (peer %s, manifest %s)", self.stage_index, self.address, self.peer_id, self.manifest_hash)
+
+    def _build_sync(self, max_bytes: int) -> None:
+        cfg = self.config
+        self.outer_state = OuterState(self.stage.named_parameters(), alpha=cfg.outer.alpha, beta=cfg.outer.beta,
+                                      gamma=cfg.outer.gamma)
+        self.outer_client = OuterClient(run_id=cfg.run.run_id, manifest_hash=self.manifest_hash, max_bytes=max_bytes)
+        self.sync = NoLoCoSync(self.outer_state, client=self.outer_client, directory=DhtMatching(self.directory),
+                               compute=self.compute, peer_id=self.peer_id, stage=self.stage_index, codec=cfg.outer.codec,
+                               match_s=cfg.timeouts.match_s, max_distance_ratio=cfg.outer.max_distance_ratio,
+                               bans=Bans(), set_status=self._set_status, rng=random.Random(self.peer_id + "outer"))
+        self.server.add_outer(OuterServicer(self.sync, run_id=cfg.run.run_id, manifest_hash=self.manifest_hash,
+                                            stage=self.stage_index, max_bytes=max_bytes, timeout_s=cfg.timeouts.match_s))
+        self.runtime.on_inner_step = self._on_inner_step
+
+    async def _set_status(self, status: str, round_index: int) -> None:
+        self.status, self.outer_round = status, round_index
+        await self.announce()
+
+    async def _on_inner_step(self, inner_step: int) -> None:
+        """Every H inner steps: the outer step of the configured method (one at a time)."""
+        if self.sync is None or inner_step % self.config.outer.inner_steps_per_outer:
+            return
+        async with self._outer_lock:
+            await self.sync.outer_step(inner_step, inner_step // self.config.outer.inner_steps_per_outer)
 
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)
@@ -154,7 +193,7 @@ class Node:
     def record(self) -> StageRecord:
         elapsed = max(1e-6, time.monotonic() - self.started_at)
         return StageRecord(peer_id=self.peer_id, address=self.address, stage=self.stage_index,
-                           inner_step=self.worker.inner_steps, outer_round=0, status=self.status,
+                           inner_step=self.worker.inner_steps, outer_round=self.outer_round, status=self.status,
                            tokens_per_s=float(self.worker.tokens_total / elapsed), version=__version__,
                            manifest_hash=self.manifest_hash, run_id=self.config.run.run_id, updated_at=time.time())
 
@@ -195,7 +234,12 @@ class Node:
                                   shuffle_buffer=0 if self.sequential else 1000).batches(cfg.pipeline.batch_size)
         self.driver = Stage0Driver(self.runtime, batches, microbatch_size=cfg.pipeline.microbatch_size,
                                    microbatch_timeout_s=self.microbatch_timeout_s, sequential=self.sequential)
-        await self.driver.run(steps, on_inner_step)
+        async def after_step(step: int) -> None:
+            await self._on_inner_step(step)
+            if on_inner_step is not None:
+                await on_inner_step(step)
+
+        await self.driver.run(steps, after_step)
 
     def stats(self) -> dict:
         s = self.runtime.stats
@@ -206,6 +250,10 @@ class Node:
                "dropped_here": s.dropped_here, "expired": s.expired, "busy_answers": s.busy_answers,
                "bytes_sent": self.client.bytes_sent, "rejected": dict(self.servicer.rejected),
                "saved_inputs": len(self.worker.saved), "bans": self.bans.total}
+        if self.sync is not None:
+            out["outer"] = {k: v for k, v in vars(self.sync.counters).items() if k != "history"}
+            out["outer_history"] = self.sync.counters.history
+            out["bytes_sent_outer"] = self.outer_client.bytes_sent
         if self.driver is not None:
             c = self.driver.counters
             out["microbatches"] = {"issued": c.issued, "completed": c.completed, "reissued": c.reissued, "dropped": c.dropped}
@@ -227,6 +275,8 @@ class Node:
             task.cancel()
         if self.out_dir is not None:
             self.write_outputs(self.out_dir)
+        if self.sync is not None:
+            await self.outer_client.close()
         for name, step in (("server", self.server.stop(grace_s)), ("client", self.client.close()),
                            ("dht", self.directory.shutdown())):
             try:

@@ -35,6 +35,7 @@ def demo_defaults(steps: int) -> dict[str, dict]:
         "pipeline": {"batch_size": 8, "microbatch_size": 4},
         "inner": {"lr": 3e-3, "warmup_steps": max(1, steps // 10), "total_steps": max(1, steps)},
         "outer": {"inner_steps_per_outer": 10},
+        "timeouts": {"match_s": 3.0},
     }
 
 
@@ -61,6 +62,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"{summary['mode']} demo, method {summary['method']}: D={summary['replicas']} x P={summary['stages']}, "
           f"{summary['inner_steps']} inner steps, {summary['tokens_per_s']:.0f} tok/s")
     print(f"train loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f}" + (f"; microbatches {mb}" if mb else ""))
+    if summary.get("outer") is not None:
+        spread = summary.get("replica_spread_last")
+        print(f"outer steps {summary['outer']}; replica spread " + (f"{spread:.3e}" if spread is not None else "n/a"))
     print(f"wrote {out / 'summary.json'}")
     return 0
 
@@ -86,26 +90,27 @@ def _run_swarm(config, args, out: Path) -> dict:
     from noloco_node.runtime.logging import ProgressLine
 
     _prepare_tokenizer(config)
-    if config.outer.method != "none":
-        # The networked outer step (pairing, exchange) is not built yet; say so rather than
-        # label independent replicas as NoLoCo.
-        log.warning("the swarm has no outer step yet: replicas of a stage train independently (method none); "
-                    "use --local for %s in one process", config.outer.method)
-    method = "none"
+    method = config.outer.method
+    if method in ("diloco", "dp"):
+        from noloco_node.config import ConfigError
+
+        raise ConfigError("outer.method", f"{method} is not available in the swarm yet",
+                          "use --method noloco or none here, or add --local to run it in one process")
     stages, replicas = config.pipeline.num_stages, args.replicas
     threads = max(1, (os.cpu_count() or 1) // (stages * replicas))
     overrides = [f"{section}.{name}={_flat(value)}" for section, fields in config.to_dict().items()
                  for name, value in fields.items() if section not in ("network",) and value is not None
                  and not (section == "pipeline" and name == "stage")]
-    for stale in (out / "nodes").glob("*.json") if (out / "nodes").exists() else []:
+    for stale in [*(out / "nodes").glob("*.json"), *(out / "nodes").glob("*.safetensors")] if (out / "nodes").exists() else []:
         stale.unlink()
     progress = ProgressLine()
     start = time.monotonic()
     with LocalSwarm(out, overrides=overrides, threads=threads, startup_timeout_s=config.timeouts.startup_s + 30) as swarm:
         swarm.start_bootstrap()
-        servers = [swarm.start_node(s, r) for s in range(1, stages) for r in range(replicas)]
+        servers = [swarm.start_node(s, r, "--save-weights") for s in range(1, stages) for r in range(replicas)]
         swarm.wait_ready(servers)
-        drivers = [swarm.start_node(0, r, "--steps", str(args.steps), "--wait-replicas", str(replicas)) for r in range(replicas)]
+        drivers = [swarm.start_node(0, r, "--steps", str(args.steps), "--wait-replicas", str(replicas), "--save-weights")
+                   for r in range(replicas)]
         swarm.wait_ready(drivers)
         deadline = start + args.timeout
         while any(d.proc.poll() is None for d in drivers):

@@ -61,13 +61,17 @@ class OuterState:
             total = sum(float((p.detach().to(self.phi[n].dtype) - self.phi[n]).pow(2).sum()) for n, p in self.params.items())
         return total ** 0.5
 
-    def apply_noloco(self, peers: list[PeerGroupSnapshot], own: Mapping[str, Tensor] | None = None) -> None:
+    def apply_noloco(self, peers: list[PeerGroupSnapshot], own: Mapping[str, Tensor] | None = None,
+                     frozen: Mapping[str, Tensor] | None = None) -> None:
         """Apply the NoLoCo step with the given peer snapshots (empty list = solo step).
 
         Args:
             peers: one mapping per other group member, covering every parameter.
             own: this replica's theta as it went on the wire (for identical group means on both
                 sides); defaults to the live theta.
+            frozen: theta when the snapshot was frozen. If given, inner progress made since then
+                (while the exchange ran) is kept: theta <- new phi + (theta now - frozen). With no
+                progress in between this is exactly theta <- new phi.
         """
         for name in self.params:
             missing = [i for i, peer in enumerate(peers) if name not in peer]
@@ -75,12 +79,15 @@ class OuterState:
                 raise KeyError(f"peer snapshots {missing} lack parameter {name!r}")
         with torch.no_grad():
             for name, param in self.params.items():
-                theta = own[name] if own is not None else param.detach()
+                theta = own[name] if own is not None else (frozen[name] if frozen is not None else param.detach())
                 new_phi, new_m = noloco_step(
                     self.phi[name], theta, self.momentum[name], [peer[name] for peer in peers],
                     alpha=self.alpha, beta=self.beta, gamma=self.gamma,
                 )
+                progress = None if frozen is None else param.detach().to(new_phi.dtype) - frozen[name]
                 self._commit(name, new_phi, new_m)
+                if progress is not None:
+                    param.data.add_(progress.to(param.dtype))
         self.round += 1
 
     def apply_diloco(self, theta_mean: Mapping[str, Tensor]) -> None:

@@ -1,4 +1,8 @@
-"""Next-hop choice: a uniformly random live replica of the next stage, minus banned peers.
+"""Next-hop choice: random live replicas of the next stage, minus banned peers.
+
+Each sender walks a freshly shuffled cycle of the next stage's replicas (one row of the
+reference's per-microbatch permutation), so every hop is random yet a sender's load spreads
+evenly and the replicas of a stage keep similar inner-step counts, which pairing needs.
 
 A peer that fails a call is banned locally with exponential backoff (1 s, 2 s, 4 s ... up to
 `max_ban_s`), independent of what the DHT says; a success clears its record.
@@ -47,7 +51,21 @@ class Router:
     def __init__(self, bans: Bans, rng: random.Random | None = None) -> None:
         self.bans = bans
         self.rng = rng or random.Random()
+        self._cycle: list[str] = []
 
     def pick(self, candidates: list[Peer], exclude: set[str] = frozenset()) -> Peer | None:
-        usable = [p for p in candidates if p.peer_id not in exclude and not self.bans.is_banned(p.peer_id)]
-        return self.rng.choice(usable) if usable else None
+        usable = {p.peer_id: p for p in candidates if p.peer_id not in exclude and not self.bans.is_banned(p.peer_id)}
+        if not usable:
+            return None
+        while self._cycle:
+            peer_id = self._cycle.pop()
+            if peer_id in usable:
+                return usable[peer_id]
+        cycle = sorted(p.peer_id for p in candidates)
+        self.rng.shuffle(cycle)
+        self._cycle = cycle
+        while self._cycle:
+            peer_id = self._cycle.pop()
+            if peer_id in usable:
+                return usable[peer_id]
+        return None

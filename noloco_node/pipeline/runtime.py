@@ -185,8 +185,10 @@ class StageRuntime:
         await self._send_backward(ticket.route[-1], key, grad_input, ticket.loss, ticket.num_tokens)
 
     async def _after_compute(self, steps_before: int) -> None:
+        # In the background: an outer step must not hold up the gradient that triggered it (that
+        # would stall the upstream replica and desynchronise it from its own pairing partners).
         if self.on_inner_step is not None and self.worker.inner_steps > steps_before:
-            await self.on_inner_step(self.worker.inner_steps)
+            self._spawn(self.on_inner_step(self.worker.inner_steps))
 
     async def send_forward(self, key: MicrobatchKey, route: list[Hop], output: Tensor, labels: Tensor,
                            avoid: frozenset[str] = frozenset()) -> str | None:

@@ -99,7 +99,7 @@ class NoLoCoSync:
         return reply(Reply.ACCEPT)
 
     def frozen(self):
-        snapshot, _, expected = self._frozen
+        snapshot, _, expected, _ = self._frozen
         return snapshot, expected, self.codec
 
     async def finish(self, peer_id: str, received: dict[str, Tensor] | None, reason: str) -> None:
@@ -149,7 +149,7 @@ class NoLoCoSync:
         self.outgoing = peer.peer_id
         request = outer_pb2.PairRequest(stage=self.stage, round=self.round, inner_step=inner_step, peer_id=self.peer_id,
                                         nonce=os.urandom(8), send_slow_weights=self.state.needs_slow_weights)
-        snapshot, _, expected = self._frozen
+        snapshot, _, expected, _ = self._frozen
         try:
             received = await self.client.exchange(peer.address, request, snapshot, expected, self.codec,
                                                   timeout_s=max(0.1, deadline - time.monotonic()))
@@ -187,14 +187,14 @@ class NoLoCoSync:
         elif reason == "timed_out" and peer_id is not None:
             self.counters.timed_out += 1
         if received is not None:
-            _, own_wire, _ = self._frozen
+            _, own_wire, _, frozen = self._frozen
             peer = {name: (None, tensor) for name, tensor in received.items()}
-            await self.compute.run(self.state.apply_noloco, [peer], own_wire)
+            await self.compute.run(self.state.apply_noloco, [peer], own_wire, frozen)
             self.counters.paired += 1
             self._outcome = ("paired", peer_id)
             log.info("round %d: paired with %s", self.round, peer_id[-8:])
         else:
-            await self.compute.run(self.state.apply_noloco, [])
+            await self.compute.run(self.state.apply_noloco, [], None, self._frozen[3])
             self.counters.solo += 1
             self._outcome = ("solo", None)
             log.info("round %d: solo step (%s)", self.round, reason)

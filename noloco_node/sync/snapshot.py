@@ -12,16 +12,18 @@ from noloco_node.optim.state import OuterState
 from noloco_node.rpc.outer_service import EncodedSnapshot, ExpectedTensor
 
 
-def freeze(state: OuterState, codec: str) -> tuple[EncodedSnapshot, dict[str, Tensor], list[ExpectedTensor]]:
+def freeze(state: OuterState, codec: str) -> tuple[EncodedSnapshot, dict[str, Tensor], list[ExpectedTensor], dict[str, Tensor]]:
     """Encode this replica's fast weights; returns the wire snapshot, our own theta as the partner
-    will decode it (so both sides average identical values), and what we expect back."""
-    tensors, own_wire, expected = [], {}, []
+    will decode it (so both sides average identical values), what we expect back, and the exact
+    frozen theta (to carry over inner progress made while the exchange runs)."""
+    tensors, own_wire, expected, frozen = [], {}, [], {}
     for name, (_, theta) in state.snapshot().items():
         spec, payload = encode(theta, codec)
         tensors.append((name, spec, payload))
         own_wire[name] = decode(spec, payload)
         expected.append(ExpectedTensor(name, tuple(theta.shape), spec.dtype))
-    return EncodedSnapshot(tensors), own_wire, expected
+        frozen[name] = theta
+    return EncodedSnapshot(tensors), own_wire, expected, frozen
 
 
 def check_snapshot(state: OuterState, received: dict[str, Tensor], *, max_distance_ratio: float,
