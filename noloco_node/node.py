@@ -30,7 +30,7 @@ from noloco_node.pipeline.ports import Hop, MicrobatchKey, Peer
 from noloco_node.pipeline.router import Bans, Router
 from noloco_node.pipeline.runtime import StageRuntime, StageShape
 from noloco_node.pipeline.worker import StageWorker
-from noloco_node.rpc.outer_service import OuterClient, OuterServicer
+from noloco_node.rpc.outer_service import OuterClient, OuterServicer, Traffic
 from noloco_node.rpc.server import NodeServer
 from noloco_node.rpc.stage_service import StageClient, StageServicer
 from noloco_node.runtime.compute import ComputeThread
@@ -165,13 +165,16 @@ class Node:
         cfg = self.config
         self.outer_state = OuterState(self.stage.named_parameters(), alpha=cfg.outer.alpha, beta=cfg.outer.beta,
                                       gamma=cfg.outer.gamma)
-        self.outer_client = OuterClient(run_id=cfg.run.run_id, manifest_hash=self.manifest_hash, max_bytes=max_bytes)
+        self.outer_traffic = Traffic()
+        self.outer_client = OuterClient(run_id=cfg.run.run_id, manifest_hash=self.manifest_hash, max_bytes=max_bytes,
+                                        traffic=self.outer_traffic)
         self.sync = NoLoCoSync(self.outer_state, client=self.outer_client, directory=DhtMatching(self.directory),
                                compute=self.compute, peer_id=self.peer_id, stage=self.stage_index, codec=cfg.outer.codec,
                                match_s=cfg.timeouts.match_s, max_distance_ratio=cfg.outer.max_distance_ratio,
                                bans=Bans(), set_status=self._set_status, rng=random.Random(self.peer_id + "outer"))
         self.server.add_outer(OuterServicer(self.sync, run_id=cfg.run.run_id, manifest_hash=self.manifest_hash,
-                                            stage=self.stage_index, max_bytes=max_bytes, timeout_s=cfg.timeouts.match_s))
+                                            stage=self.stage_index, max_bytes=max_bytes, timeout_s=cfg.timeouts.match_s,
+                                            traffic=self.outer_traffic))
         self.runtime.on_inner_step = self._on_inner_step
 
     async def _set_status(self, status: str, round_index: int) -> None:
@@ -253,7 +256,7 @@ class Node:
         if self.sync is not None:
             out["outer"] = {k: v for k, v in vars(self.sync.counters).items() if k != "history"}
             out["outer_history"] = self.sync.counters.history
-            out["bytes_sent_outer"] = self.outer_client.bytes_sent
+            out["bytes_sent_outer"] = self.outer_traffic.bytes_sent
         if self.driver is not None:
             c = self.driver.counters
             out["microbatches"] = {"issued": c.issued, "completed": c.completed, "reissued": c.reissued, "dropped": c.dropped}

@@ -78,6 +78,7 @@ class StageRuntime:
         # Awaited after each inner step this runtime's compute took (stages > 0; stage 0's driver
         # steps itself): where the outer step hooks in.
         self.on_inner_step: Callable[[int], Awaitable[None]] | None = None
+        self._last_hooked_step = 0
         self.in_flight: dict[MicrobatchKey, Ticket] = {}
         self.stats = RuntimeStats()
         self.accepting = True
@@ -187,8 +188,12 @@ class StageRuntime:
     async def _after_compute(self, steps_before: int) -> None:
         # In the background: an outer step must not hold up the gradient that triggered it (that
         # would stall the upstream replica and desynchronise it from its own pairing partners).
-        if self.on_inner_step is not None and self.worker.inner_steps > steps_before:
-            self._spawn(self.on_inner_step(self.worker.inner_steps))
+        # Several tasks may see the same step happen (each read `steps_before` before the shared
+        # compute thread ran); only the first reports it.
+        step = self.worker.inner_steps
+        if self.on_inner_step is not None and step > max(steps_before, self._last_hooked_step):
+            self._last_hooked_step = step
+            self._spawn(self.on_inner_step(step))
 
     async def send_forward(self, key: MicrobatchKey, route: list[Hop], output: Tensor, labels: Tensor,
                            avoid: frozenset[str] = frozenset()) -> str | None:

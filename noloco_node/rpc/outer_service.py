@@ -49,6 +49,13 @@ class EncodedSnapshot:
         return sum(len(p) for _, _, p in self.tensors)
 
 
+class Traffic:
+    """Payload bytes this node wrote on Outer streams, as initiator and as responder."""
+
+    def __init__(self) -> None:
+        self.bytes_sent = 0
+
+
 @dataclass(frozen=True)
 class ExpectedTensor:
     name: str
@@ -70,7 +77,7 @@ class OuterHandler(Protocol):
 
 
 async def exchange_snapshots(read, write, mine: EncodedSnapshot, expected: list[ExpectedTensor], codec: str,
-                             max_bytes: int) -> dict[str, Tensor]:
+                             max_bytes: int, traffic: Traffic | None = None) -> dict[str, Tensor]:
     """Send `mine` and receive the partner's snapshot concurrently; returns the decoded tensors
     once both receipts check out. Raises InvalidPayload / PeerUnavailable otherwise."""
     received_all = asyncio.Event()
@@ -83,6 +90,8 @@ async def exchange_snapshots(read, write, mine: EncodedSnapshot, expected: list[
             await write(outer_pb2.ExchangeMessage(tensor=spec_to_header(spec, name)))
             for chunk in iter_chunks(payload):
                 await write(outer_pb2.ExchangeMessage(chunk=chunk))
+                if traffic is not None:
+                    traffic.bytes_sent += len(chunk.data)
         await received_all.wait()
         await write(outer_pb2.ExchangeMessage(receipt=outer_pb2.Receipt(sha256=received_hash[0])))
 
@@ -139,8 +148,9 @@ async def exchange_snapshots(read, write, mine: EncodedSnapshot, expected: list[
 
 class OuterServicer(outer_pb2_grpc.OuterServicer):
     def __init__(self, handler: OuterHandler, *, run_id: str, manifest_hash: str, stage: int, max_bytes: int,
-                 timeout_s: float) -> None:
+                 timeout_s: float, traffic: Traffic | None = None) -> None:
         self.handler = handler
+        self.traffic = traffic
         self.run_id, self.manifest_hash, self.stage = run_id, manifest_hash, stage
         self.max_bytes, self.timeout_s = max_bytes, timeout_s
 
@@ -159,7 +169,8 @@ class OuterServicer(outer_pb2_grpc.OuterServicer):
         mine, expected, codec = self.handler.frozen()
         try:
             received = await asyncio.wait_for(
-                exchange_snapshots(context.read, context.write, mine, expected, codec, self.max_bytes), self.timeout_s)
+                exchange_snapshots(context.read, context.write, mine, expected, codec, self.max_bytes, self.traffic),
+                self.timeout_s)
         except (NodeError, asyncio.TimeoutError, grpc.aio.AioRpcError) as exc:
             await self.handler.finish(request.peer_id, None, _reason(exc))
             if isinstance(exc, NodeError):
@@ -177,11 +188,11 @@ def _reason(exc: BaseException) -> str:
 
 
 class OuterClient:
-    def __init__(self, *, run_id: str, manifest_hash: str, max_bytes: int) -> None:
+    def __init__(self, *, run_id: str, manifest_hash: str, max_bytes: int, traffic: Traffic | None = None) -> None:
         self.run = tensor_pb2.RunIdentity(run_id=run_id, manifest_hash=manifest_hash)
         self.max_bytes = max_bytes
+        self.traffic = traffic or Traffic()
         self._channels: dict[str, tuple[grpc.aio.Channel, outer_pb2_grpc.OuterStub]] = {}
-        self.bytes_sent = 0
 
     def _stub(self, address: str) -> outer_pb2_grpc.OuterStub:
         if address not in self._channels:
@@ -204,8 +215,7 @@ class OuterClient:
                 raise ProtocolMismatch(f"{address}: {reply.reason}")
             if reply.decision != ACCEPT:
                 raise PeerBusy(f"{address}: {outer_pb2.PairReply.Decision.Name(reply.decision)} {reply.reason}".strip())
-            received = await exchange_snapshots(call.read, call.write, mine, expected, codec, self.max_bytes)
-            self.bytes_sent += mine.payload_bytes
+            received = await exchange_snapshots(call.read, call.write, mine, expected, codec, self.max_bytes, self.traffic)
             await call.done_writing()
             await call.read()  # EOF once the partner has read our receipt and closed its side
             return received
