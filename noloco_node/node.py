@@ -20,6 +20,7 @@ import torch
 
 from noloco_node import __version__
 from noloco_node.config import ConfigError, NodeConfig
+from noloco_node.errors import NodeError
 from noloco_node.dht.directory import DirectoryIdentity, PeerDirectory
 from noloco_node.dht.records import StageRecord
 from noloco_node.model.stage import build_stage, llama_config
@@ -36,6 +37,7 @@ from noloco_node.rpc.stage_service import StageClient, StageServicer
 from noloco_node.runtime.compute import ComputeThread
 from noloco_node.runtime.memory import tune_allocator
 from noloco_node.sync.noloco import NoLoCoSync
+from noloco_node.sync.transfer import counters_json, expected_tensors, export_state, import_state
 from noloco_node.wire.v1 import stage_pb2
 
 log = logging.getLogger(__name__)
@@ -156,6 +158,9 @@ class Node:
         port = await self.server.start()
         self.address = cfg.network.announce_addr or f"{cfg.network.host}:{port}"
         self.runtime.me = Hop(self.peer_id, self.address, self.stage_index)
+        self.fetched_state = None
+        if self.sync is not None:
+            await self._fetch_state()
         self.status = "serving"
         await self.announce()
         self._spawn(self._heartbeat())
@@ -174,8 +179,35 @@ class Node:
                                bans=Bans(), set_status=self._set_status, rng=random.Random(self.peer_id + "outer"))
         self.server.add_outer(OuterServicer(self.sync, run_id=cfg.run.run_id, manifest_hash=self.manifest_hash,
                                             stage=self.stage_index, max_bytes=max_bytes, timeout_s=cfg.timeouts.match_s,
-                                            traffic=self.outer_traffic))
+                                            traffic=self.outer_traffic, donor=self))
         self.runtime.on_inner_step = self._on_inner_step
+
+    async def export_state(self) -> tuple[dict, str]:
+        """rpc.StateDonor: a consistent copy of our state, taken on the compute thread."""
+        tensors, counters = await self.compute.run(export_state, self.outer_state, self.worker.inner,
+                                                   inner_step=self.worker.inner_steps)
+        return tensors, counters_json(counters)
+
+    async def _fetch_state(self) -> None:
+        """Joining a stage that already has replicas: copy a random one's phi, m, Adam moments and
+        counters (theta <- phi) before announcing ourselves. Up to 3 donors are tried."""
+        donors = [r for r in await self.directory.replicas(self.stage_index, fresh=True) if r.peer_id != self.peer_id]
+        random.Random(self.peer_id).shuffle(donors)
+        for donor in donors[:3]:
+            try:
+                tensors, counters = await self.outer_client.fetch_state(
+                    donor.address, stage=self.stage_index, peer_id=self.peer_id, timeout_s=self.config.timeouts.rpc_s,
+                    expected=expected_tensors(self.outer_state))
+                step = await self.compute.run(import_state, self.outer_state, self.worker.inner, tensors, counters)
+            except NodeError as exc:
+                log.warning("state transfer from %s failed: %s", donor.peer_id[-8:], exc)
+                continue
+            self.outer_round = int(counters["outer_round"])
+            self.fetched_state = {"donor": donor.peer_id, "inner_step": step, "outer_round": self.outer_round}
+            log.info("joined at inner step %d, outer round %d with state from %s", step, self.outer_round, donor.peer_id[-8:])
+            return
+        if donors:
+            log.warning("no donor answered; starting from the run's initial weights")
 
     async def _set_status(self, status: str, round_index: int) -> None:
         self.status, self.outer_round = status, round_index
@@ -257,6 +289,8 @@ class Node:
             out["outer"] = {k: v for k, v in vars(self.sync.counters).items() if k != "history"}
             out["outer_history"] = self.sync.counters.history
             out["bytes_sent_outer"] = self.outer_traffic.bytes_sent
+            out["outer_round"] = self.outer_round
+            out["fetched_state"] = self.fetched_state
         if self.driver is not None:
             c = self.driver.counters
             out["microbatches"] = {"issued": c.issued, "completed": c.completed, "reissued": c.reissued, "dropped": c.dropped}
@@ -299,3 +333,7 @@ class Node:
 
             save_file({k: v.detach().contiguous() for k, v in self.stage.state_dict().items()},
                       str(out_dir / f"{name}.safetensors"))
+            if self.sync is not None:
+                tensors, counters = export_state(self.outer_state, self.worker.inner, inner_step=self.worker.inner_steps)
+                save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / f"{name}.outer.safetensors"),
+                          metadata={"counters": counters_json(counters)})

@@ -20,7 +20,7 @@ def replica_spread(nodes_dir: Path) -> float | None:
     from safetensors.torch import load_file
 
     by_stage: dict[str, list[dict]] = defaultdict(list)
-    for path in sorted(nodes_dir.glob("stage*.safetensors")):
+    for path in sorted(p for p in nodes_dir.glob("stage*.safetensors") if not p.name.endswith(".outer.safetensors")):
         by_stage[path.name.split("-")[0]].append(load_file(str(path)))
     if not by_stage or any(len(replicas) < 2 for replicas in by_stage.values()):
         return None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 from dataclasses import dataclass
 from typing import Protocol
@@ -20,7 +21,7 @@ import grpc
 import torch
 from torch import Tensor
 
-from noloco_node.codec import DTYPES, CodecError, TensorSpec, decode_into
+from noloco_node.codec import DTYPES, CodecError, TensorSpec, decode_into, encode
 from noloco_node.errors import InvalidPayload, NodeError, PeerBusy, PeerUnavailable, ProtocolMismatch
 from noloco_node.rpc.stage_service import GRPC_OPTIONS
 from noloco_node.rpc.status import status_of
@@ -74,6 +75,11 @@ class OuterHandler(Protocol):
 
     async def finish(self, peer_id: str, received: dict[str, Tensor] | None, reason: str) -> None:
         """Called once per accepted session: with the partner's tensors, or None on failure."""
+
+
+class StateDonor(Protocol):
+    async def export_state(self) -> tuple[dict[str, Tensor], str]:
+        """A consistent copy of this replica's state (named tensors) and its counters as JSON."""
 
 
 async def exchange_snapshots(read, write, mine: EncodedSnapshot, expected: list[ExpectedTensor], codec: str,
@@ -148,9 +154,10 @@ async def exchange_snapshots(read, write, mine: EncodedSnapshot, expected: list[
 
 class OuterServicer(outer_pb2_grpc.OuterServicer):
     def __init__(self, handler: OuterHandler, *, run_id: str, manifest_hash: str, stage: int, max_bytes: int,
-                 timeout_s: float, traffic: Traffic | None = None) -> None:
+                 timeout_s: float, traffic: Traffic | None = None, donor: StateDonor | None = None) -> None:
         self.handler = handler
         self.traffic = traffic
+        self.donor = donor
         self.run_id, self.manifest_hash, self.stage = run_id, manifest_hash, stage
         self.max_bytes, self.timeout_s = max_bytes, timeout_s
 
@@ -177,6 +184,24 @@ class OuterServicer(outer_pb2_grpc.OuterServicer):
                 await context.abort(status_of(exc), str(exc))
             return
         await self.handler.finish(request.peer_id, received, "paired")
+
+
+    async def FetchState(self, request, context):
+        if request.run.run_id != self.run_id or request.run.manifest_hash != self.manifest_hash or request.stage != self.stage:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"this node serves run {self.run_id}/{self.manifest_hash} stage {self.stage}")
+        if self.donor is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this node does not donate state")
+        tensors, counters = await self.donor.export_state()
+        encoded = [(name, *encode(tensor, "none")) for name, tensor in tensors.items()]
+        counters_dict = json.loads(counters)
+        yield outer_pb2.StateMessage(manifest=outer_pb2.StateManifest(
+            inner_step=int(counters_dict["inner_step"]), outer_round=int(counters_dict["outer_round"]),
+            num_tensors=len(encoded), payload_bytes=sum(len(p) for _, _, p in encoded), counters_json=counters))
+        for name, spec, payload in encoded:
+            yield outer_pb2.StateMessage(tensor=spec_to_header(spec, name))
+            for chunk in iter_chunks(payload):
+                yield outer_pb2.StateMessage(chunk=chunk)
 
 
 def _reason(exc: BaseException) -> str:
@@ -225,6 +250,44 @@ class OuterClient:
         except BaseException:
             call.cancel()
             raise
+
+    async def fetch_state(self, address: str, *, stage: int, peer_id: str, timeout_s: float,
+                          expected: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> tuple[dict[str, Tensor], dict]:
+        """Download a donor's state; every tensor is checked against `expected` before allocation."""
+        request = outer_pb2.FetchStateRequest(run=self.run, stage=stage, peer_id=peer_id)
+        call = self._stub(address).FetchState(request, timeout=timeout_s)
+        tensors: dict[str, Tensor] = {}
+        try:
+            first = await call.read()
+            if first is grpc.aio.EOF or first.WhichOneof("kind") != "manifest":
+                raise InvalidPayload(f"{address} did not start FetchState with a manifest")
+            manifest = first.manifest
+            if manifest.num_tensors > len(expected) or manifest.payload_bytes > self.max_bytes * 4:
+                raise InvalidPayload(f"{address} declares {manifest.num_tensors} tensors / {manifest.payload_bytes} bytes")
+            for _ in range(manifest.num_tensors):
+                message = await call.read()
+                if message is grpc.aio.EOF or message.WhichOneof("kind") != "tensor":
+                    raise InvalidPayload("expected a tensor header")
+                header, spec = message.tensor, header_to_spec(message.tensor)
+                want = expected.get(header.name)
+                if want is None or spec.shape != want[0] or DTYPES[spec.dtype] != want[1] or spec.codec != "none":
+                    raise InvalidPayload(f"unexpected state tensor {header.name!r} {spec.dtype}{list(spec.shape)}")
+                receiver = PayloadReceiver(spec, max_bytes=self.max_bytes)
+                while not receiver.complete:
+                    chunk = await call.read()
+                    if chunk is grpc.aio.EOF or chunk.WhichOneof("kind") != "chunk":
+                        raise InvalidPayload("state stream ended inside a tensor")
+                    receiver.add(chunk.chunk)
+                tensor = torch.empty(spec.shape, dtype=DTYPES[spec.dtype])
+                decode_into(spec, receiver.finish(), tensor)
+                if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+                    raise InvalidPayload(f"state tensor {header.name!r} is not finite")
+                tensors[header.name] = tensor
+            return tensors, json.loads(manifest.counters_json)
+        except grpc.aio.AioRpcError as exc:
+            raise PeerUnavailable(f"{address}: {exc.code().name} {exc.details() or ''}".strip()) from None
+        except (CodecError, ValueError) as exc:
+            raise InvalidPayload(f"{address}: {exc}") from None
 
     async def close(self) -> None:
         for channel, _ in self._channels.values():

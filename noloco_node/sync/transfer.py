@@ -1,0 +1,58 @@
+"""State transfer for a joining replica: export a donor's slow weights, outer momentum, Adam
+moments and counters as named tensors, and import them on the joiner (which then sets theta = phi).
+Runs on the compute thread on both sides, so the exported state is consistent."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from torch import Tensor
+
+from noloco_node.optim.inner import InnerOptimizer
+from noloco_node.optim.state import OuterState
+
+
+def export_state(outer: OuterState, inner: InnerOptimizer, *, inner_step: int) -> tuple[dict[str, Tensor], dict]:
+    tensors = {k: v.detach().clone() for k, v in outer.state_dict().items()}
+    param_names = {id(p): n for n, p in outer.params.items()}
+    adam_steps = {}
+    for param, state in inner.adam.state.items():
+        name = param_names[id(param)]
+        tensors[f"adam_exp_avg/{name}"] = state["exp_avg"].detach().clone()
+        tensors[f"adam_exp_avg_sq/{name}"] = state["exp_avg_sq"].detach().clone()
+        adam_steps[name] = float(state["step"])
+    counters = {"inner_step": inner_step, "outer_round": outer.round, "adam_steps": adam_steps}
+    return tensors, counters
+
+
+def expected_tensors(outer: OuterState) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Every name a donor may send, with the shape and dtype this joiner accepts for it."""
+    out = {}
+    for name, param in outer.params.items():
+        master = outer.phi[name].dtype
+        out[f"phi/{name}"] = (tuple(param.shape), master)
+        out[f"momentum/{name}"] = (tuple(param.shape), master)
+        out[f"adam_exp_avg/{name}"] = (tuple(param.shape), param.dtype)
+        out[f"adam_exp_avg_sq/{name}"] = (tuple(param.shape), param.dtype)
+    return out
+
+
+def import_state(outer: OuterState, inner: InnerOptimizer, tensors: dict[str, Tensor], counters: dict) -> int:
+    """Load a donor's state: phi and m (theta <- phi), Adam moments and step counters. Returns
+    the donor's inner step, which becomes ours."""
+    outer.load_state_dict(tensors, round_index=int(counters["outer_round"]))
+    adam_steps = counters.get("adam_steps", {})
+    for name, param in outer.params.items():
+        if f"adam_exp_avg/{name}" in tensors:
+            inner.adam.state[param] = {
+                "step": torch.tensor(float(adam_steps.get(name, 0.0))),
+                "exp_avg": tensors[f"adam_exp_avg/{name}"].to(param.dtype).clone(),
+                "exp_avg_sq": tensors[f"adam_exp_avg_sq/{name}"].to(param.dtype).clone(),
+            }
+    inner.step_count = int(counters["inner_step"])
+    return inner.step_count
+
+
+def counters_json(counters: dict) -> str:
+    return json.dumps(counters, sort_keys=True)
