@@ -102,9 +102,9 @@ class Node:
         self._outer_lock = asyncio.Lock()
         self._background: set[asyncio.Task] = set()
         method, outer = config.outer.method, config.outer
-        if method in ("diloco", "dp"):
-            raise ConfigError("outer.method", f"{method} is not available in the swarm yet",
-                              "use noloco or none here, or run it in one process with `noloco-node demo --local`")
+        if method == "dp":
+            raise ConfigError("outer.method", "dp is not available in the swarm yet",
+                              "use noloco, diloco or none here, or run dp in one process with `noloco-node demo --local`")
         if method == "noloco" and outer.gamma != outer.beta:
             raise ConfigError("outer.gamma", "the networked exchange sends fast weights only, which needs gamma == beta",
                               "leave outer.gamma unset (= beta), or run gamma != beta with `noloco-node demo --local`")
@@ -132,6 +132,16 @@ class Node:
                                    weight_decay=inner.weight_decay, clip_norm=inner.clip_norm)
         self.worker = StageWorker(self.stage, optimizer, batch_size=cfg.pipeline.batch_size,
                                   saved_ttl_s=cfg.timeouts.saved_input_ttl_s, auto_step=self.stage_index != 0)
+        self.all_reduce = None
+        if cfg.outer.method == "diloco":
+            # hivemind forks its DHT and averager processes: do it before gRPC starts any thread.
+            from noloco_node.dht.averaging import HivemindAllReduce
+            from noloco_node.dht.records import key_prefix
+
+            self.all_reduce = HivemindAllReduce(
+                [p.shape for p in self.stage.parameters()], initial_peers=list(cfg.network.initial_peers),
+                host=cfg.network.host, prefix=f"{key_prefix(cfg.run.run_id)}_stage{self.stage_index}_diloco",
+                target_group_size=64, matchmaking_s=cfg.timeouts.match_s / 3)
 
         self.server = NodeServer(cfg.network.host, cfg.network.port)
         self.client = StageClient(run_id=cfg.run.run_id, manifest_hash=self.manifest_hash, codec=cfg.pipeline.activation_codec,
@@ -155,11 +165,18 @@ class Node:
         self.server.add_stage(self.servicer)
         if cfg.outer.method == "noloco":
             self._build_sync(max_bytes=sum(p.numel() * 8 for p in self.stage.parameters()))
+        elif cfg.outer.method == "diloco":
+            from noloco_node.sync.diloco import DiLoCoSync
+
+            self.outer_state = OuterState(self.stage.named_parameters(), alpha=cfg.outer.alpha, beta=cfg.outer.beta)
+            self.sync = DiLoCoSync(self.outer_state, all_reduce=self.all_reduce, compute=self.compute,
+                                   timeout_s=2 * cfg.timeouts.match_s + 10)
+            self.runtime.on_inner_step = self._on_inner_step
         port = await self.server.start()
         self.address = cfg.network.announce_addr or f"{cfg.network.host}:{port}"
         self.runtime.me = Hop(self.peer_id, self.address, self.stage_index)
         self.fetched_state = None
-        if self.sync is not None:
+        if isinstance(self.sync, NoLoCoSync):
             await self._fetch_state()
         self.status = "serving"
         await self.announce()
@@ -288,7 +305,9 @@ class Node:
         if self.sync is not None:
             out["outer"] = {k: v for k, v in vars(self.sync.counters).items() if k != "history"}
             out["outer_history"] = self.sync.counters.history
-            out["bytes_sent_outer"] = self.outer_traffic.bytes_sent
+            # diloco: the all-reduce's payload by its size formula (hivemind does not count bytes).
+            out["bytes_sent_outer"] = (self.outer_traffic.bytes_sent if self.all_reduce is None
+                                       else self.all_reduce.bytes_sent)
             out["outer_round"] = self.outer_round
             out["fetched_state"] = self.fetched_state
         if self.driver is not None:
@@ -303,6 +322,11 @@ class Node:
     async def stop(self, grace_s: float = 2.0) -> None:
         """Drain, withdraw the DHT record, write stats (and weights), shut everything down."""
         self.status = "leaving"
+        try:  # let a running outer step finish, so the weights we save are post-update
+            await asyncio.wait_for(self._outer_lock.acquire(), timeout=2 * self.config.timeouts.match_s + 10)
+            self._outer_lock.release()
+        except asyncio.TimeoutError:
+            log.warning("an outer step was still running at shutdown")
         await self.runtime.drain(grace_s)
         try:
             await asyncio.wait_for(self.announce(), timeout=2.0)
@@ -312,8 +336,10 @@ class Node:
             task.cancel()
         if self.out_dir is not None:
             self.write_outputs(self.out_dir)
-        if self.sync is not None:
+        if isinstance(self.sync, NoLoCoSync):
             await self.outer_client.close()
+        if self.all_reduce is not None:
+            await asyncio.to_thread(self.all_reduce.shutdown)
         for name, step in (("server", self.server.stop(grace_s)), ("client", self.client.close()),
                            ("dht", self.directory.shutdown())):
             try:

@@ -54,4 +54,5 @@ def make_validators(run_id: str, num_stages: int, signer: RSASignatureValidator)
     """Signature validator (own subkey only) + schema validator for this run's stage keys."""
     fields = {f"stage_{s}": (Optional[Dict[BytesWithPublicKey, StageRecord]], None) for s in range(num_stages)}
     schema = pydantic.create_model(f"RunSchema_{num_stages}", **fields)
-    return [signer, SchemaValidator(schema, allow_extra_keys=False, prefix=key_prefix(run_id))]
+    # Other keys (hivemind averager matchmaking for the DiLoCo baseline) are allowed; ours are checked.
+    return [signer, SchemaValidator(schema, allow_extra_keys=True, prefix=key_prefix(run_id))]

@@ -48,6 +48,7 @@ class OuterCounters:
     solo: int = 0
     rejected: int = 0
     timed_out: int = 0
+    mixed_rounds: int = 0  # diloco: all-reduce groups that spanned rounds
     history: list[dict] = field(default_factory=list)  # one entry per round: round, outcome, partner, seconds
 
 

@@ -1,0 +1,57 @@
+"""All-reduce for the DiLoCo baseline: hivemind's DecentralizedAverager over a hivemind DHT peer.
+
+hivemind runs both as forked processes; create this before the node starts gRPC (forking a
+process with live gRPC threads is unsafe). Knows hivemind and torch tensors, not models.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+
+class HivemindAllReduce:
+    """Averages a fixed list of tensors with every replica of a stage that joins the same round."""
+
+    def __init__(self, shapes: list[torch.Size], *, initial_peers: list[str], host: str, prefix: str,
+                 target_group_size: int, matchmaking_s: float) -> None:
+        import hivemind
+        from hivemind.averaging import DecentralizedAverager
+
+        self.dht = hivemind.DHT(initial_peers=list(initial_peers), host_maddrs=[f"/ip4/{host}/tcp/0"], start=True)
+        self.averager = DecentralizedAverager(
+            [torch.zeros(s) for s in shapes], dht=self.dht, prefix=prefix, target_group_size=target_group_size,
+            min_group_size=2, min_matchmaking_time=matchmaking_s, request_timeout=max(1.0, matchmaking_s), start=True)
+        # Matchmaking time is a lower bound on every round's duration: keep it a fraction of match_s.
+        self.bytes_sent = 0
+
+    async def mean(self, tensors: list[Tensor], timeout_s: float, round_index: int = 0) -> tuple[list[Tensor], int, bool]:
+        """Mean of `tensors` over the group that forms; returns (means, group size, whether every
+        member was at `round_index`). A group of one (nobody else joined in time) returns the
+        inputs unchanged with size 1. hivemind's matchmaking does not separate rounds, so a
+        lagging replica can land in a group of the next round: that is reported, not hidden."""
+        with self.averager.get_tensors() as shared:
+            for dst, src in zip(shared, tensors):
+                dst.copy_(src)
+        loop = asyncio.get_running_loop()
+        try:
+            group = await loop.run_in_executor(
+                None, lambda: self.averager.step(gather=round_index, timeout=timeout_s, allow_retries=True))
+        except Exception as exc:  # noqa: BLE001 - hivemind raises several types; the caller falls back
+            log.warning("all-reduce failed: %s", exc)
+            group = None
+        if not group:
+            return [t.clone() for t in tensors], 1, True
+        with self.averager.get_tensors() as shared:
+            means = [t.clone() for t in shared]
+        self.bytes_sent += 2 * sum(t.numel() * 4 for t in tensors) * (len(group) - 1) // len(group)
+        return means, len(group), all(value == round_index for value in group.values())
+
+    def shutdown(self) -> None:
+        self.averager.shutdown()
+        self.dht.shutdown()
