@@ -3,7 +3,7 @@ snapshots, apply the pair update; anything else ends in the solo step. No global
 
 Pairing (PAIR-v1, noloco-reference.md section 11.3): at its boundary a node freezes its snapshot
 and marks itself `matching` for round r in the DHT. With probability 1/2 it proposes at once,
-else after a short passive wait. A node is in at most one pair per round: while its own proposal
+else after a short random passive wait (up to 10% of match_s). A node is in at most one pair per round: while its own proposal
 is pending it refuses others, except the crossing case (A->B and B->A at once), which both sides
 resolve the same way: the session proposed by the smaller peer id wins. Received snapshots are
 validated (finite, within a distance bound) before use; a bad one is rejected, its sender banned,
@@ -118,8 +118,8 @@ class NoLoCoSync:
         self.matching = True
         await self.set_status("matching", round_index)
         deadline = start + self.match_s
-        if self.rng.random() < 0.5:
-            await _wait(self.done, min(0.2 * self.match_s, deadline - time.monotonic()))
+        if self.rng.random() < 0.5:  # passive for a short random while, so proposals do not all cross
+            await _wait(self.done, min(self.rng.uniform(0, 0.1 * self.match_s), deadline - time.monotonic()))
         tried: set[str] = set()
         while not self.done.is_set() and time.monotonic() < deadline:
             if self.partner is not None:  # an accepted incoming session is running

@@ -1,4 +1,4 @@
-"""NoLoCo outer rounds between real peer processes over gRPC and the DHT (tests/helpers/outer_peer.py):
+"""NoLoCo outer rounds between real peer processes over gRPC and the DHT (noloco_node/experiments/outer_peer.py):
 the V1 vectors exactly, bf16 wire values bit for bit, one pair + one solo among three, hostile
 partners rejected and banned, and a partner that dies mid-exchange."""
 
@@ -41,7 +41,7 @@ class Peers:
         ready = self.dir / f"{name}.ready"
         initial = ["--initial-peers", self.first_maddr] if self.procs else []
         log = open(self.dir / f"{name}.log", "w")
-        proc = subprocess.Popen([sys.executable, "-m", "tests.helpers.outer_peer", "--state", str(self.dir / f"{name}.state"),
+        proc = subprocess.Popen([sys.executable, "-m", "noloco_node.experiments.outer_peer", "--state", str(self.dir / f"{name}.state"),
                                  "--out", str(self.dir / f"{name}.out"), "--ready-file", str(ready), "--go-file", str(self.go),
                                  *initial, *extra], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.procs.append((name, proc))

@@ -1,11 +1,12 @@
-"""A real peer that runs one NoLoCo outer round over a given state, as its own process.
+"""A peer that runs one outer round (NoLoCo or DiLoCo) over a given one-tensor state, as its own
+process: the product's parts unchanged (DHT directory, gRPC Outer service, NoLoCoSync, hivemind
+all-reduce, OuterState) without a model. Used by the outer-step tests and benchmarks/outer_sync.py.
 
-It uses the product's parts unchanged (DHT directory, gRPC Outer service and client, NoLoCoSync,
-OuterState) over a one-tensor "model" loaded from --state (safetensors with phi, theta, momentum),
-and writes the new phi, momentum and the round's outcome to --out. --poison makes it a hostile
-peer (NaN or 1e6-scaled fast weights); --die-after-writes makes it exit mid-exchange.
+The state comes from --state (safetensors with phi, theta, momentum) or is random with --numel;
+the new phi, momentum, theta and the round's outcome, time and bytes are written to --out.
+Fault injection for tests: --poison (NaN or 1e6-scaled fast weights), --die-after-writes.
 
-    python -m tests.helpers.outer_peer --state S --out O --ready-file R --go-file G [--initial-peers M]
+    python -m noloco_node.experiments.outer_peer --state S --out O --ready-file R --go-file G [--initial-peers M]
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ from noloco_node.node import DhtMatching
 from noloco_node.optim.state import OuterState
 from noloco_node.pipeline.router import Bans
 from noloco_node.rpc import outer_service
-from noloco_node.rpc.outer_service import OuterClient, OuterServicer
+from noloco_node.rpc.outer_service import OuterClient, OuterServicer, Traffic
 from noloco_node.rpc.server import NodeServer
 from noloco_node.runtime.compute import ComputeThread
+from noloco_node.sync.diloco import DiLoCoSync
 from noloco_node.sync.noloco import NoLoCoSync
 
 RUN, MANIFEST = "outer-test", "m-outer"
@@ -40,7 +42,10 @@ log = logging.getLogger("outer_peer")
 
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser()
-    p.add_argument("--state", required=True)
+    p.add_argument("--state", help="safetensors with phi, theta, momentum (1-D float tensors)")
+    p.add_argument("--numel", type=int, default=0, help="instead of --state: random state of this many floats")
+    p.add_argument("--method", choices=["noloco", "diloco"], default="noloco")
+    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
     p.add_argument("--ready-file", required=True)
     p.add_argument("--go-file", required=True)
@@ -49,13 +54,20 @@ def parse() -> argparse.Namespace:
     p.add_argument("--alpha", type=float, default=0.5)
     p.add_argument("--beta", type=float, default=0.7)
     p.add_argument("--match-s", type=float, default=5.0)
+    p.add_argument("--matchmaking-s", type=float, default=1.0, help="diloco: hivemind's minimum matchmaking time")
     p.add_argument("--poison", choices=["nan", "scale"])
     p.add_argument("--die-after-writes", type=int, default=0)
     return p.parse_args()
 
 
 async def main(args: argparse.Namespace) -> None:
-    tensors = load_file(args.state)
+    if args.state:
+        tensors = load_file(args.state)
+    else:
+        gen = torch.Generator().manual_seed(args.seed)
+        phi = torch.randn(args.numel, generator=gen) * 0.02
+        tensors = {"phi": phi, "theta": phi + 1e-3 * torch.randn(args.numel, generator=gen),
+                   "momentum": torch.zeros(args.numel)}
     model = nn.Module()
     model.w = nn.Parameter(tensors["phi"].clone())
     state = OuterState(model.named_parameters(), alpha=args.alpha, beta=args.beta)
@@ -80,6 +92,13 @@ async def main(args: argparse.Namespace) -> None:
 
         outer_service.exchange_snapshots = dying
 
+    all_reduce = None
+    if args.method == "diloco":  # forks hivemind processes: before any gRPC thread exists
+        from noloco_node.dht.averaging import HivemindAllReduce
+
+        all_reduce = HivemindAllReduce([model.w.shape], initial_peers=args.initial_peers, host="127.0.0.1",
+                                       prefix="outer_test_diloco", target_group_size=64,
+                                       matchmaking_s=args.matchmaking_s)
     directory = await PeerDirectory.start(DirectoryIdentity(RUN, MANIFEST, __version__, 1),
                                           initial_peers=args.initial_peers, startup_timeout_s=20)
     compute, bans, server = ComputeThread(), Bans(), NodeServer("127.0.0.1", 0)
@@ -92,12 +111,17 @@ async def main(args: argparse.Namespace) -> None:
                              manifest_hash=MANIFEST, run_id=RUN, updated_at=time.time())
         await directory.announce(record, ttl_s=30)
 
-    client = OuterClient(run_id=RUN, manifest_hash=MANIFEST, max_bytes=1 << 20)
-    sync = NoLoCoSync(state, client=client, directory=DhtMatching(directory), compute=compute, peer_id=directory.peer_id,
-                      stage=0, codec=args.codec, match_s=args.match_s, max_distance_ratio=10.0, bans=bans,
-                      set_status=set_status)
-    server.add_outer(OuterServicer(sync, run_id=RUN, manifest_hash=MANIFEST, stage=0, max_bytes=1 << 20,
-                                   timeout_s=args.match_s))
+    max_bytes = 8 * max(1, model.w.numel()) + (1 << 20)
+    traffic = Traffic()
+    client = OuterClient(run_id=RUN, manifest_hash=MANIFEST, max_bytes=max_bytes, traffic=traffic)
+    if all_reduce is not None:
+        sync = DiLoCoSync(state, all_reduce=all_reduce, compute=compute, timeout_s=args.match_s + 10)
+    else:
+        sync = NoLoCoSync(state, client=client, directory=DhtMatching(directory), compute=compute,
+                          peer_id=directory.peer_id, stage=0, codec=args.codec, match_s=args.match_s,
+                          max_distance_ratio=10.0, bans=bans, set_status=set_status)
+        server.add_outer(OuterServicer(sync, run_id=RUN, manifest_hash=MANIFEST, stage=0, max_bytes=max_bytes,
+                                       timeout_s=args.match_s, traffic=traffic))
     port = await server.start()
     status["address"] = f"127.0.0.1:{port}"
     await set_status("serving", 0)
@@ -109,7 +133,9 @@ async def main(args: argparse.Namespace) -> None:
     outcome = await sync.outer_step(inner_step=50, round_index=1)
     log.info("round done: %s", outcome)
     save_file({"phi": state.phi["w"], "momentum": state.momentum["w"], "theta": model.w.detach().clone()}, args.out)
+    bytes_sent = traffic.bytes_sent if all_reduce is None else all_reduce.bytes_sent
     Path(args.out + ".json").write_text(json.dumps({"outcome": outcome, "peer_id": directory.peer_id,
+                                                    "bytes_sent": bytes_sent, "method": args.method,
                                                     "counters": {k: v for k, v in vars(sync.counters).items() if k != "history"},
                                                     "history": sync.counters.history, "banned": bans.total}))
     await asyncio.sleep(1.0)  # let a partner finish reading our receipt before we close
@@ -118,6 +144,8 @@ async def main(args: argparse.Namespace) -> None:
             await asyncio.wait_for(step, timeout=5)
         except asyncio.TimeoutError:
             log.warning("shutdown step timed out")
+    if all_reduce is not None:
+        all_reduce.shutdown()
     compute.shutdown()
 
 
