@@ -19,16 +19,23 @@ class HivemindAllReduce:
     """Averages a fixed list of tensors with every replica of a stage that joins the same round."""
 
     def __init__(self, shapes: list[torch.Size], *, initial_peers: list[str], host: str, prefix: str,
-                 target_group_size: int, matchmaking_s: float) -> None:
-        import hivemind
+                 target_group_size: int, matchmaking_s: float, dht=None) -> None:
         from hivemind.averaging import DecentralizedAverager
 
-        self.dht = hivemind.DHT(initial_peers=list(initial_peers), host_maddrs=[f"/ip4/{host}/tcp/0"], start=True)
+        self.dht = dht if dht is not None else self.start_dht(initial_peers, host)
         self.averager = DecentralizedAverager(
             [torch.zeros(s) for s in shapes], dht=self.dht, prefix=prefix, target_group_size=target_group_size,
             min_group_size=2, min_matchmaking_time=matchmaking_s, request_timeout=max(1.0, matchmaking_s), start=True)
         # Matchmaking time is a lower bound on every round's duration: keep it a fraction of match_s.
         self.bytes_sent = 0
+
+    @staticmethod
+    def start_dht(initial_peers: list[str], host: str):
+        """hivemind's DHT process. Blocks until it has pinged an initial peer: when that peer is
+        served by this process's own event loop, call this from a worker thread."""
+        import hivemind
+
+        return hivemind.DHT(initial_peers=list(initial_peers), host_maddrs=[f"/ip4/{host}/tcp/0"], start=True)
 
     async def mean(self, tensors: list[Tensor], timeout_s: float, round_index: int = 0) -> tuple[list[Tensor], int, bool]:
         """Mean of `tensors` over the group that forms; returns (means, group size, whether every

@@ -55,6 +55,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--beta", type=float, default=0.7)
     p.add_argument("--match-s", type=float, default=5.0)
     p.add_argument("--matchmaking-s", type=float, default=1.0, help="diloco: hivemind's minimum matchmaking time")
+    p.add_argument("--group-size", type=int, default=64, help="diloco: hivemind's target group size")
     p.add_argument("--poison", choices=["nan", "scale"])
     p.add_argument("--die-after-writes", type=int, default=0)
     return p.parse_args()
@@ -64,9 +65,10 @@ async def main(args: argparse.Namespace) -> None:
     if args.state:
         tensors = load_file(args.state)
     else:
-        gen = torch.Generator().manual_seed(args.seed)
-        phi = torch.randn(args.numel, generator=gen) * 0.02
-        tensors = {"phi": phi, "theta": phi + 1e-3 * torch.randn(args.numel, generator=gen),
+        # Replicas share phi (the run's slow weights); their fast weights drifted apart.
+        phi = torch.randn(args.numel, generator=torch.Generator().manual_seed(0)) * 0.02
+        drift = torch.randn(args.numel, generator=torch.Generator().manual_seed(1 + args.seed))
+        tensors = {"phi": phi, "theta": phi + 1e-3 * drift,
                    "momentum": torch.zeros(args.numel)}
     model = nn.Module()
     model.w = nn.Parameter(tensors["phi"].clone())
@@ -92,15 +94,19 @@ async def main(args: argparse.Namespace) -> None:
 
         outer_service.exchange_snapshots = dying
 
+    directory = await PeerDirectory.start(DirectoryIdentity(RUN, MANIFEST, __version__, 1),
+                                          initial_peers=args.initial_peers, startup_timeout_s=20)
     all_reduce = None
     if args.method == "diloco":  # forks hivemind processes: before any gRPC thread exists
         from noloco_node.dht.averaging import HivemindAllReduce
 
-        all_reduce = HivemindAllReduce([model.w.shape], initial_peers=args.initial_peers, host="127.0.0.1",
-                                       prefix="outer_test_diloco", target_group_size=64,
-                                       matchmaking_s=args.matchmaking_s)
-    directory = await PeerDirectory.start(DirectoryIdentity(RUN, MANIFEST, __version__, 1),
-                                          initial_peers=args.initial_peers, startup_timeout_s=20)
+        # The first peer has no initial peers: its averager joins through its own DHT node.
+        peers = args.initial_peers or await directory.visible_maddrs()
+        # The DHT in a thread (it pings ours, which needs this loop running); the averager on
+        # the main thread (hivemind installs signal handlers there).
+        dht = await asyncio.to_thread(HivemindAllReduce.start_dht, peers, "127.0.0.1")
+        all_reduce = HivemindAllReduce([model.w.shape], initial_peers=peers, host="127.0.0.1", prefix="outer_test_diloco",
+                                       target_group_size=args.group_size, matchmaking_s=args.matchmaking_s, dht=dht)
     compute, bans, server = ComputeThread(), Bans(), NodeServer("127.0.0.1", 0)
     status = {"status": "serving", "round": 0, "address": ""}
 

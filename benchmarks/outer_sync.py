@@ -1,0 +1,93 @@
+"""One outer round of NoLoCo (pairwise exchange) vs DiLoCo (hivemind all-reduce) for N replicas of
+one stage, each a separate process on 127.0.0.1 (noloco_node/experiments/outer_peer.py).
+
+For each N and method, all N peers start the round together (a go-file); printed per method are
+the median and max wall time of the round over the nodes and the mean payload bytes sent per node,
+then the DiLoCo/NoLoCo ratios. NoLoCo bytes are counted on the wire (payload); DiLoCo bytes are
+hivemind's butterfly all-reduce payload by its size formula, 2 (N-1)/N x tensor bytes, because
+hivemind does not count them. The two methods also differ in wire format: NoLoCo sends --codec
+(bf16 by default), hivemind's averager sends fp32.
+
+    .venv/bin/python benchmarks/outer_sync.py [--sizes 2 4 8] [--numel 1000000] [--codec bf16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def run_round(method: str, n: int, args, root: Path) -> list[dict]:
+    work = root / f"{method}-{n}"
+    work.mkdir(parents=True)
+    go = work / "go"
+    procs, maddr = [], None
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    try:
+        for i in range(n):
+            ready = work / f"p{i}.ready"
+            cmd = [sys.executable, "-m", "noloco_node.experiments.outer_peer", "--numel", str(args.numel), "--seed", str(i),
+                   "--method", method, "--codec", args.codec, "--match-s", str(args.match_s),
+                   "--matchmaking-s", str(args.matchmaking_s), "--group-size", str(n), "--out", str(work / f"p{i}.out"),
+                   "--ready-file", str(ready), "--go-file", str(go)]
+            if maddr:
+                cmd += ["--initial-peers", maddr]
+            log = open(work / f"p{i}.log", "w")
+            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True))
+            deadline = time.monotonic() + 120
+            while not ready.exists():
+                if procs[-1].poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError((work / f"p{i}.log").read_text()[-2000:])
+                time.sleep(0.05)
+            maddr = maddr or json.loads(ready.read_text())["maddrs"][0]
+        time.sleep(1.0)  # let every DHT record propagate
+        go.touch()
+        for proc in procs:
+            proc.wait(timeout=args.match_s + 120)
+        return [json.loads((work / f"p{i}.out.json").read_text()) for i in range(n)]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--numel", type=int, default=1_000_000, help="parameters in the stage (default 1M)")
+    parser.add_argument("--codec", default="bf16", choices=["none", "bf16", "int8"])
+    parser.add_argument("--match-s", type=float, default=10.0)
+    parser.add_argument("--matchmaking-s", type=float, default=1.0, help="hivemind's minimum matchmaking time")
+    args = parser.parse_args()
+    print(f"stage of {args.numel:,} parameters; NoLoCo codec {args.codec}; DiLoCo fp32, matchmaking >= {args.matchmaking_s} s; "
+          f"{os.cpu_count()} cores shared by all peers")
+    print(f"{'N':>3} {'method':<7} {'median s':>9} {'max s':>7} {'MB/node':>8} {'outcomes':<24}")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in args.sizes:
+            results = {}
+            for method in ("noloco", "diloco"):
+                out = run_round(method, n, args, Path(tmp))
+                seconds = [r["history"][0]["seconds"] for r in out]
+                mb = statistics.mean(r["bytes_sent"] for r in out) / 1e6
+                outcomes = {o: sum(r["outcome"] == o for r in out) for o in ("paired", "solo")}
+                results[method] = (statistics.median(seconds), max(seconds), mb)
+                print(f"{n:>3} {method:<7} {statistics.median(seconds):>9.3f} {max(seconds):>7.3f} {mb:>8.2f} {str(outcomes):<24}")
+            ratio_t = results["diloco"][0] / results["noloco"][0]
+            ratio_b = results["diloco"][2] / results["noloco"][2] if results["noloco"][2] else float("nan")
+            print(f"{n:>3} ratio diloco/noloco: time {ratio_t:.2f}x, bytes {ratio_b:.2f}x")
+            rows.append({"n": n, "noloco": results["noloco"], "diloco": results["diloco"], "time_ratio": ratio_t,
+                         "bytes_ratio": ratio_b})
+    print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()
