@@ -71,9 +71,11 @@ async def test_records_are_signed_and_schema_checked(directories):
     assert not await b.node.store(key, subkey=a.signer.local_public_key, value=forged, expiration_time=expires)
     found = await b.replicas(1, fresh=True)
     assert [r.peer_id for r in found] == [a.peer_id]
-    # Keys outside this run's schema are refused as well.
-    assert not await b.node.store("noloco_run_a_stage_7", subkey=b.signer.local_public_key,
-                                  value=record(b.peer_id).dict(), expiration_time=expires)
+    # Keys outside the run's stage keys are stored unchecked (hivemind's averager keeps its
+    # matchmaking records there for the DiLoCo baseline); nothing of ours reads them.
+    assert await b.node.store("averager_matchmaking_key", subkey=b.signer.local_public_key,
+                              value={"anything": 1}, expiration_time=expires)
+    assert [r.peer_id for r in await b.replicas(1, fresh=True)] == [a.peer_id]
 
 
 async def test_unreachable_bootstrap_fails_fast_with_a_fix():
