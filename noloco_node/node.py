@@ -102,9 +102,6 @@ class Node:
         self._outer_lock = asyncio.Lock()
         self._background: set[asyncio.Task] = set()
         method, outer = config.outer.method, config.outer
-        if method == "dp":
-            raise ConfigError("outer.method", "dp is not available in the swarm yet",
-                              "use noloco, diloco or none here, or run dp in one process with `noloco-node demo --local`")
         if method == "noloco" and outer.gamma != outer.beta:
             raise ConfigError("outer.gamma", "the networked exchange sends fast weights only, which needs gamma == beta",
                               "leave outer.gamma unset (= beta), or run gamma != beta with `noloco-node demo --local`")
@@ -130,17 +127,19 @@ class Node:
                                  min_lr_ratio=inner.min_lr_ratio)
         optimizer = InnerOptimizer(self.stage.parameters(), schedule, betas=(inner.beta1, inner.beta2), eps=inner.eps,
                                    weight_decay=inner.weight_decay, clip_norm=inner.clip_norm)
+        dp = cfg.outer.method == "dp"
         self.worker = StageWorker(self.stage, optimizer, batch_size=cfg.pipeline.batch_size,
-                                  saved_ttl_s=cfg.timeouts.saved_input_ttl_s, auto_step=self.stage_index != 0)
+                                  saved_ttl_s=cfg.timeouts.saved_input_ttl_s, auto_step=self.stage_index != 0 and not dp)
         self.all_reduce = None
-        if cfg.outer.method == "diloco":
+        self.dp_counters = None
+        if cfg.outer.method in ("diloco", "dp"):
             # hivemind forks its DHT and averager processes: do it before gRPC starts any thread.
             from noloco_node.dht.averaging import HivemindAllReduce
             from noloco_node.dht.records import key_prefix
 
             self.all_reduce = HivemindAllReduce(
                 [p.shape for p in self.stage.parameters()], initial_peers=list(cfg.network.initial_peers),
-                host=cfg.network.host, prefix=f"{key_prefix(cfg.run.run_id)}_stage{self.stage_index}_diloco",
+                host=cfg.network.host, prefix=f"{key_prefix(cfg.run.run_id)}_stage{self.stage_index}_{cfg.outer.method}",
                 target_group_size=64, matchmaking_s=cfg.timeouts.match_s / 3)
 
         self.server = NodeServer(cfg.network.host, cfg.network.port)
@@ -165,6 +164,12 @@ class Node:
         self.server.add_stage(self.servicer)
         if cfg.outer.method == "noloco":
             self._build_sync(max_bytes=sum(p.numel() * 8 for p in self.stage.parameters()))
+        elif cfg.outer.method == "dp":
+            from noloco_node.sync.noloco import OuterCounters
+
+            self.dp_counters = OuterCounters()
+            if self.stage_index > 0:  # stage 0's driver steps at its batch boundary itself
+                self.runtime.dp_step = self._dp_step
         elif cfg.outer.method == "diloco":
             from noloco_node.sync.diloco import DiLoCoSync
 
@@ -226,6 +231,22 @@ class Node:
         if donors:
             log.warning("no donor answered; starting from the run's initial weights")
 
+    async def _dp_step(self) -> float:
+        """Data-parallel baseline: all-reduce this batch's clipped gradients, then step Adam."""
+        start = time.monotonic()
+        step = self.worker.inner_steps + 1
+        grads = await self.compute.run(self.worker.take_gradients)
+        means, group, same = await self.all_reduce.mean(grads, 2 * self.config.timeouts.match_s + 10, step)
+        lr = await self.compute.run(self.worker.step_with, means)
+        c = self.dp_counters
+        c.rounds += 1
+        c.paired += group > 1
+        c.solo += group == 1
+        c.mixed_rounds += not same
+        c.history.append({"round": step, "outcome": "paired" if group > 1 else "solo", "group": group,
+                          "same_round": same, "seconds": time.monotonic() - start})
+        return lr
+
     async def _set_status(self, status: str, round_index: int) -> None:
         self.status, self.outer_round = status, round_index
         await self.announce()
@@ -285,7 +306,8 @@ class Node:
                                   holdout_fraction=cfg.data.holdout_fraction, seed=cfg.run.seed,
                                   shuffle_buffer=0 if self.sequential else 1000).batches(cfg.pipeline.batch_size)
         self.driver = Stage0Driver(self.runtime, batches, microbatch_size=cfg.pipeline.microbatch_size,
-                                   microbatch_timeout_s=self.microbatch_timeout_s, sequential=self.sequential)
+                                   microbatch_timeout_s=self.microbatch_timeout_s, sequential=self.sequential,
+                                   step_fn=self._dp_step if self.dp_counters is not None else None)
         async def after_step(step: int) -> None:
             await self._on_inner_step(step)
             if on_inner_step is not None:
@@ -302,12 +324,15 @@ class Node:
                "dropped_here": s.dropped_here, "expired": s.expired, "busy_answers": s.busy_answers,
                "bytes_sent": self.client.bytes_sent, "rejected": dict(self.servicer.rejected),
                "saved_inputs": len(self.worker.saved), "bans": self.bans.total}
-        if self.sync is not None:
-            out["outer"] = {k: v for k, v in vars(self.sync.counters).items() if k != "history"}
-            out["outer_history"] = self.sync.counters.history
-            # diloco: the all-reduce's payload by its size formula (hivemind does not count bytes).
+        counters = self.sync.counters if self.sync is not None else self.dp_counters
+        if counters is not None:
+            out["outer"] = {k: v for k, v in vars(counters).items() if k != "history"}
+            out["outer_history"] = counters.history
+            # noloco: payload counted on the wire; diloco and dp: the all-reduce payload by its
+            # size formula (hivemind does not count bytes).
             out["bytes_sent_outer"] = (self.outer_traffic.bytes_sent if self.all_reduce is None
                                        else self.all_reduce.bytes_sent)
+        if self.sync is not None:
             out["outer_round"] = self.outer_round
             out["fetched_state"] = self.fetched_state
         if self.driver is not None:

@@ -91,11 +91,6 @@ def _run_swarm(config, args, out: Path) -> dict:
 
     _prepare_tokenizer(config)
     method = config.outer.method
-    if method == "dp":
-        from noloco_node.config import ConfigError
-
-        raise ConfigError("outer.method", "dp is not available in the swarm yet",
-                          "use --method noloco, diloco or none here, or add --local to run dp in one process")
     stages, replicas = config.pipeline.num_stages, args.replicas
     threads = max(1, (os.cpu_count() or 1) // (stages * replicas))
     overrides = [f"{section}.{name}={_flat(value)}" for section, fields in config.to_dict().items()

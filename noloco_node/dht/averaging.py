@@ -25,8 +25,9 @@ class HivemindAllReduce:
         self.dht = dht if dht is not None else self.start_dht(initial_peers, host)
         self.averager = DecentralizedAverager(
             [torch.zeros(s) for s in shapes], dht=self.dht, prefix=prefix, target_group_size=target_group_size,
-            min_group_size=2, min_matchmaking_time=matchmaking_s, request_timeout=max(1.0, matchmaking_s), start=True)
-        # Matchmaking time is a lower bound on every round's duration: keep it a fraction of match_s.
+            # hivemind: request_timeout must stay below min_matchmaking_time, or matchmaking can deadlock.
+            min_group_size=2, min_matchmaking_time=max(1.0, matchmaking_s), request_timeout=max(1.0, matchmaking_s) / 2,
+            start=True)
         self.bytes_sent = 0
 
     @staticmethod

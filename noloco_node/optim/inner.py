@@ -58,13 +58,17 @@ class InnerOptimizer:
         )
         self.step_count = 0
 
-    def step(self) -> tuple[float, float]:
-        """Take one inner step; returns (lr used, gradient norm before clipping)."""
+    def clip_gradients(self) -> float:
+        """Clip this stage's gradients to clip_norm; returns the norm before clipping."""
+        grads = [p for p in self.params if p.grad is not None]
+        return float(torch.nn.utils.clip_grad_norm_(grads, self.clip_norm)) if grads else 0.0
+
+    def step(self, *, clip: bool = True) -> tuple[float, float]:
+        """Take one inner step; returns (lr used, gradient norm before clipping, 0.0 if not clipped)."""
         lr = self.schedule.lr_at(self.step_count + 1)
         for group in self.adam.param_groups:
             group["lr"] = lr
-        grads = [p for p in self.params if p.grad is not None]
-        norm = float(torch.nn.utils.clip_grad_norm_(grads, self.clip_norm)) if grads else 0.0
+        norm = self.clip_gradients() if clip else 0.0
         self.adam.step()
         self.adam.zero_grad(set_to_none=True)
         self.step_count += 1

@@ -40,10 +40,12 @@ class DriverLog:
 
 class Stage0Driver:
     def __init__(self, runtime: StageRuntime, batches: Iterator[tuple[Tensor, Tensor]], *, microbatch_size: int,
-                 microbatch_timeout_s: float, max_attempts: int = 5, sequential: bool = False) -> None:
+                 microbatch_timeout_s: float, max_attempts: int = 5, sequential: bool = False,
+                 step_fn: Callable[[], Awaitable[float]] | None = None) -> None:
         self.runtime, self.batches = runtime, batches
         self.microbatch_size = microbatch_size
         self.timeout_s, self.max_attempts, self.sequential = microbatch_timeout_s, max_attempts, sequential
+        self.step_fn = step_fn  # replaces the local inner step (the dp baseline all-reduces first)
         self.counters = DriverCounters()
         self.log = DriverLog()
         self._pending: dict[MicrobatchKey, asyncio.Future] = {}
@@ -65,7 +67,10 @@ class Stage0Driver:
                     await self._complete(*mb)
             else:
                 await asyncio.gather(*(self._complete(*mb) for mb in micro))
-            lr = await self.runtime.compute.run(self.runtime.worker.step)
+            if self.step_fn is not None:
+                lr = await self.step_fn()
+            else:
+                lr = await self.runtime.compute.run(self.runtime.worker.step)
             self.log.lrs.append(lr)
             self.log.step_times.append(time.monotonic())
             if on_inner_step is not None:

@@ -79,6 +79,10 @@ class StageRuntime:
         # steps itself): where the outer step hooks in.
         self.on_inner_step: Callable[[int], Awaitable[None]] | None = None
         self._last_hooked_step = 0
+        # Data-parallel baseline: the step is an all-reduce of gradients, done here (not in the
+        # worker) whenever a batch worth of sequences has been accumulated.
+        self.dp_step: Callable[[], Awaitable[None]] | None = None
+        self._dp_running = False
         self.in_flight: dict[MicrobatchKey, Ticket] = {}
         self.stats = RuntimeStats()
         self.accepting = True
@@ -185,7 +189,17 @@ class StageRuntime:
             return
         await self._send_backward(ticket.route[-1], key, grad_input, ticket.loss, ticket.num_tokens)
 
+    async def _run_dp_steps(self) -> None:
+        try:
+            while self.worker.sequences_since_step >= self.worker.batch_size:
+                await self.dp_step()
+        finally:
+            self._dp_running = False
+
     async def _after_compute(self, steps_before: int) -> None:
+        if self.dp_step is not None and not self._dp_running and self.worker.sequences_since_step >= self.worker.batch_size:
+            self._dp_running = True
+            self._spawn(self._run_dp_steps())
         # In the background: an outer step must not hold up the gradient that triggered it (that
         # would stall the upstream replica and desynchronise it from its own pairing partners).
         # Several tasks may see the same step happen (each read `steps_before` before the shared

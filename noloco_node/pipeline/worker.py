@@ -91,6 +91,27 @@ class StageWorker:
         self.sequences_since_step = max(0, self.sequences_since_step - self.batch_size)
         return self.last_lr
 
+    def take_gradients(self) -> list[Tensor]:
+        """Data-parallel: clip this stage's accumulated gradients (per stage, before any
+        all-reduce, as the reference), hand them out, and start the next accumulation."""
+        self.inner.clip_gradients()
+        grads = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in self.inner.params]
+        for p in self.inner.params:
+            p.grad = None
+        self.sequences_since_step = max(0, self.sequences_since_step - self.batch_size)
+        return grads
+
+    def step_with(self, grads: list[Tensor]) -> float:
+        """Data-parallel: one Adam step on the given (averaged) gradients; gradients accumulated
+        meanwhile for the next step are kept."""
+        pending = [p.grad for p in self.inner.params]
+        for p, g in zip(self.inner.params, grads):
+            p.grad = g.to(p.dtype)
+        self.last_lr, _ = self.inner.step(clip=False)
+        for p, g in zip(self.inner.params, pending):
+            p.grad = g
+        return self.last_lr
+
     def output_shape(self, key: Hashable) -> tuple[int, ...] | None:
         saved = self.saved.get(key)
         if saved is None:

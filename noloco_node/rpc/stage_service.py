@@ -30,6 +30,10 @@ GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", 8 << 20),
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_permit_without_calls", 1),
+    # Servers accept the clients' 30 s keepalive pings (the default minimum is 5 min, answered
+    # with GOAWAY "too_many_pings").
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+    ("grpc.http2.max_ping_strikes", 0),
 ]
 
 
