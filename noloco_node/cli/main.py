@@ -10,11 +10,11 @@ import argparse
 import sys
 
 from noloco_node import __version__
-from noloco_node.cli import bootstrap, config_cmd, demo, join
+from noloco_node.cli import bootstrap, config_cmd, demo, join, status
 from noloco_node.config import ConfigError
 from noloco_node.errors import BootstrapError, NodeError
 
-COMMANDS = (join, bootstrap, demo, config_cmd)
+COMMANDS = (join, bootstrap, status, demo, config_cmd)
 
 
 def build_parser() -> argparse.ArgumentParser:

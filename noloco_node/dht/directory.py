@@ -90,6 +90,18 @@ class PeerDirectory:
         self._cache[stage] = (now, records)
         return records
 
+    async def all_records(self, stage: int) -> list[StageRecord]:
+        """Every well-formed record under `stage`'s key, unfiltered (for `noloco-node status`)."""
+        found = await self.node.get(stage_key(self.identity.run_id, stage), latest=True)
+        records = []
+        if found is not None and isinstance(found.value, dict):
+            for entry in found.value.values():
+                try:
+                    records.append(StageRecord.parse_obj(entry.value))
+                except Exception:  # noqa: BLE001 - malformed values are skipped
+                    continue
+        return sorted(records, key=lambda r: r.peer_id)
+
     def _accept(self, value: object, stage: int) -> StageRecord | None:
         try:
             record = StageRecord.parse_obj(value)

@@ -1,0 +1,56 @@
+"""`noloco-node status`: the swarm as stages x replicas, read from the DHT (a client-mode peer)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+
+from noloco_node.cli.common import add_config_flags, resolve_config
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("status", help="show the swarm's stages and replicas", description=__doc__)
+    add_config_flags(p)
+    p.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="any peer of the swarm")
+    p.add_argument("--json", action="store_true", help="print JSON for scripts instead of a table")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = resolve_config(args, flags={"network": {"initial_peers": args.initial_peers}})
+    rows = asyncio.run(_collect(config))
+    if args.json:
+        print(json.dumps({"run_id": config.run.run_id, "stages": config.pipeline.num_stages, "replicas": rows}, indent=2))
+        return 0
+    print(f"run {config.run.run_id}: {len(rows)} replicas over {config.pipeline.num_stages} stages")
+    header = f"{'stage':>5}  {'peer':<10} {'address':<22} {'inner':>6} {'round':>5} {'status':<9} {'tok/s':>8} {'version':<8} {'seen':>6}"
+    print(header)
+    for r in rows:
+        print(f"{r['stage']:>5}  {r['peer_id'][-8:]:<10} {r['address']:<22} {r['inner_step']:>6} {r['outer_round']:>5} "
+              f"{r['status']:<9} {r['tokens_per_s']:>8.0f} {r['version']:<8} {r['seen_s_ago']:>5.0f}s")
+    empty = [s for s in range(config.pipeline.num_stages) if not any(r["stage"] == s for r in rows)]
+    if empty:
+        print(f"stages with no live replica: {empty}")
+    return 0
+
+
+async def _collect(config) -> list[dict]:
+    from noloco_node import __version__
+    from noloco_node.dht.directory import DirectoryIdentity, PeerDirectory
+
+    directory = await PeerDirectory.start(
+        DirectoryIdentity(config.run.run_id, "", __version__, config.pipeline.num_stages),
+        initial_peers=list(config.network.initial_peers), host=config.network.host,
+        startup_timeout_s=config.timeouts.startup_s, client_mode=True)
+    try:
+        now, rows = time.time(), []
+        for stage in range(config.pipeline.num_stages):
+            for record in await directory.all_records(stage):
+                row = record.dict()
+                row["seen_s_ago"] = max(0.0, now - record.updated_at)
+                rows.append(row)
+        return rows
+    finally:
+        await directory.shutdown()

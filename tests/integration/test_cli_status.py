@@ -1,0 +1,31 @@
+"""`noloco-node status --json` (the real console script) lists every node of a running swarm."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from .conftest import prepare_tokenizer, tiny_overrides
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+
+def test_status_json_lists_every_node(tmp_path, make_swarm):
+    overrides = tiny_overrides(tmp_path, **{"run.run_id": "status-test"})
+    prepare_tokenizer(overrides)
+    swarm = make_swarm(overrides)
+    nodes = [swarm.start_node(1, 0), swarm.start_node(1, 1), swarm.start_node(0, 0)]
+    swarm.wait_ready(nodes)
+    sets = [a for o in overrides for a in ("--set", o)]
+    result = subprocess.run([sys.executable, "-m", "noloco_node", "status", "--initial-peers", swarm.maddr, "--json", *sets],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    listing = json.loads(result.stdout)
+    found = {(r["peer_id"], r["stage"], r["address"]) for r in listing["replicas"]}
+    assert found == {(n.info["peer_id"], n.stage, n.info["address"]) for n in nodes}
+    assert all(r["status"] == "serving" and r["run_id"] == "status-test" for r in listing["replicas"])
+
+    table = subprocess.run([sys.executable, "-m", "noloco_node", "status", "--initial-peers", swarm.maddr, *sets],
+                           capture_output=True, text=True, timeout=120)
+    assert table.returncode == 0 and "3 replicas over 2 stages" in table.stdout
