@@ -199,8 +199,12 @@ class NetworkConfig:
     initial_peers: tuple[str, ...] = ()
     """Multiaddrs of DHT peers to bootstrap from."""
     dht_port: int = 0
+    metrics_port: int | None = None
+    """Prometheus /metrics port on `host`; None = off, 0 = any free port."""
 
     def __post_init__(self) -> None:
+        if self.metrics_port is not None:
+            _require(0 <= self.metrics_port <= 65535, "metrics_port", f"{self.metrics_port} is not a TCP port", "use 0..65535")
         for name in ("port", "dht_port"):
             _require(0 <= getattr(self, name) <= 65535, name, f"{getattr(self, name)} is not a TCP port", "use 0..65535")
         if self.announce_addr is not None:

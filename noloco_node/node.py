@@ -106,6 +106,7 @@ class Node:
             raise ConfigError("outer.gamma", "the networked exchange sends fast weights only, which needs gamma == beta",
                               "leave outer.gamma unset (= beta), or run gamma != beta with `noloco-node demo --local`")
         self.driver: Stage0Driver | None = None
+        self.metrics = None
 
     async def start(self) -> None:
         cfg = self.config
@@ -144,7 +145,7 @@ class Node:
 
         self.server = NodeServer(cfg.network.host, cfg.network.port)
         self.client = StageClient(run_id=cfg.run.run_id, manifest_hash=self.manifest_hash, codec=cfg.pipeline.activation_codec,
-                                  timeout_s=cfg.timeouts.rpc_s)
+                                  timeout_s=cfg.timeouts.rpc_s, observe=self._observe_rpc)
         self.directory = await PeerDirectory.start(
             DirectoryIdentity(cfg.run.run_id, self.manifest_hash, __version__, cfg.pipeline.num_stages),
             initial_peers=list(cfg.network.initial_peers), host=cfg.network.host, port=cfg.network.dht_port,
@@ -180,6 +181,12 @@ class Node:
         port = await self.server.start()
         self.address = cfg.network.announce_addr or f"{cfg.network.host}:{port}"
         self.runtime.me = Hop(self.peer_id, self.address, self.stage_index)
+        self.metrics_port = None
+        if cfg.network.metrics_port is not None:
+            from noloco_node.runtime.metrics import NodeMetrics
+
+            self.metrics = NodeMetrics(self.stats, peer_id=self.peer_id, stage=self.stage_index)
+            self.metrics_port = self.metrics.serve(cfg.network.host, cfg.network.metrics_port)
         self.fetched_state = None
         if isinstance(self.sync, NoLoCoSync):
             await self._fetch_state()
@@ -258,6 +265,10 @@ class Node:
         async with self._outer_lock:
             await self.sync.outer_step(inner_step, inner_step // self.config.outer.inner_steps_per_outer)
 
+    def _observe_rpc(self, method: str, seconds: float) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_rpc(method, seconds)
+
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)
         self._background.add(task)
@@ -323,7 +334,9 @@ class Node:
                "forwards_sent": s.forwards_sent, "backwards_sent": s.backwards_sent, "send_failures": s.send_failures,
                "dropped_here": s.dropped_here, "expired": s.expired, "busy_answers": s.busy_answers,
                "bytes_sent": self.client.bytes_sent, "rejected": dict(self.servicer.rejected),
-               "saved_inputs": len(self.worker.saved), "bans": self.bans.total}
+               "saved_inputs": len(self.worker.saved), "bans": self.bans.total,
+               "in_flight": len(self.runtime.in_flight), "bytes_received": self.servicer.bytes_received,
+               "tokens_per_s": self.worker.tokens_total / max(1e-6, time.monotonic() - self.started_at)}
         counters = self.sync.counters if self.sync is not None else self.dp_counters
         if counters is not None:
             out["outer"] = {k: v for k, v in vars(counters).items() if k != "history"}
@@ -371,6 +384,8 @@ class Node:
                 await asyncio.wait_for(step, timeout=grace_s + 5)
             except asyncio.TimeoutError:
                 log.warning("shutdown of the %s timed out; exiting anyway", name)
+        if self.metrics is not None:
+            self.metrics.stop()
         self.compute.shutdown()
 
     def write_outputs(self, out_dir: Path) -> None:

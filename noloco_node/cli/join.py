@@ -64,6 +64,7 @@ async def _serve(config, args: argparse.Namespace) -> int:
             Path(tmp).write_text(json.dumps({"peer_id": node.peer_id, "address": node.address, "stage": node.stage_index,
                                              "maddrs": maddrs, "inner_step": node.worker.inner_steps,
                                              "outer_round": node.outer_round, "status": node.status,
+                                             "metrics_port": node.metrics_port,
                                              "in_flight": in_flight, "manifest_hash": node.manifest_hash,
                                              "run_id": config.run.run_id}))
             os.replace(tmp, args.ready_file)

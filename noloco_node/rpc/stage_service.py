@@ -10,7 +10,8 @@ node: the handler releases what it reserved and the next request is served as us
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 import grpc
@@ -81,6 +82,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         self.run_id, self.manifest_hash = run_id, manifest_hash
         self.max_payload_bytes = max_payload_bytes
         self.rejected: dict[str, int] = {}
+        self.bytes_received = 0
 
     def _check_run(self, run: tensor_pb2.RunIdentity) -> None:
         if run.run_id != self.run_id or run.manifest_hash != self.manifest_hash:
@@ -113,6 +115,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             ticket = self.handler.admit_forward(header, spec)
             tensor, size = await _receive(request_iterator, spec, self.max_payload_bytes)
             accepted, ticket = ticket, None
+            self.bytes_received += size
             await self.handler.accept_forward(accepted, tensor)
             return stage_pb2.StageAck(bytes_received=size)
         except NodeError as error:
@@ -131,6 +134,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             spec = header_to_spec(header.grad)
             ticket = self.handler.admit_backward(header, spec)
             tensor, size = await _receive(request_iterator, spec, self.max_payload_bytes)
+            self.bytes_received += size
             await self.handler.accept_backward(ticket, tensor)
             return stage_pb2.StageAck(bytes_received=size)
         except NodeError as error:
@@ -140,9 +144,11 @@ class StageServicer(stage_pb2_grpc.StageServicer):
 class StageClient:
     """Sends activations and gradients to other nodes; one cached channel per address."""
 
-    def __init__(self, *, run_id: str, manifest_hash: str, codec: str, timeout_s: float) -> None:
+    def __init__(self, *, run_id: str, manifest_hash: str, codec: str, timeout_s: float,
+                 observe: Callable[[str, float], None] | None = None) -> None:
         self.run = tensor_pb2.RunIdentity(run_id=run_id, manifest_hash=manifest_hash)
         self.codec, self.timeout_s = codec, timeout_s
+        self.observe = observe  # (method, seconds) after every call, for latency metrics
         self._channels: dict[str, tuple[grpc.aio.Channel, stage_pb2_grpc.StageStub]] = {}
         self.bytes_sent = 0
 
@@ -174,10 +180,14 @@ class StageClient:
 
     async def _call(self, address: str, method: str, messages: list) -> None:
         stub = self._stub(address)
+        start = time.monotonic()
         try:
             await getattr(stub, method)(iter(messages), timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise error_from_rpc(exc, address) from None
+        finally:
+            if self.observe is not None:
+                self.observe(method, time.monotonic() - start)
 
     async def close(self) -> None:
         for channel, _ in self._channels.values():
