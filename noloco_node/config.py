@@ -238,6 +238,18 @@ class TimeoutsConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class CheckpointConfig:
+    dir: str | None = None
+    """Where this node keeps its checkpoint; None = no checkpoints. A node started with a
+    checkpoint of the same run and stage here resumes from it."""
+    every_steps: int = 50
+    """Checkpoint every this many inner steps (and on graceful shutdown)."""
+
+    def __post_init__(self) -> None:
+        _require(self.every_steps >= 1, "every_steps", f"must be >= 1, got {self.every_steps}", "use e.g. 50")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class FaultsConfig:
     """Fault injection for tests and chaos experiments; all off by default."""
 
@@ -260,6 +272,7 @@ class NodeConfig:
     network: NetworkConfig = field(default_factory=NetworkConfig)
     timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def __post_init__(self) -> None:
         _require(self.model.num_layers >= self.pipeline.num_stages, "pipeline.num_stages",

@@ -107,6 +107,8 @@ class Node:
                               "leave outer.gamma unset (= beta), or run gamma != beta with `noloco-node demo --local`")
         self.driver: Stage0Driver | None = None
         self.metrics = None
+        self.fetched_state: dict | None = None
+        self.resumed_from: dict | None = None
 
     async def start(self) -> None:
         cfg = self.config
@@ -188,7 +190,11 @@ class Node:
             self.metrics = NodeMetrics(self.stats, peer_id=self.peer_id, stage=self.stage_index)
             self.metrics_port = self.metrics.serve(cfg.network.host, cfg.network.metrics_port)
         self.fetched_state = None
-        if isinstance(self.sync, NoLoCoSync):
+        self.resumed_from = None
+        if cfg.checkpoint.dir is not None:
+            self.runtime.on_inner_step = self._on_inner_step  # checkpoints for every method
+            self.resumed_from = await self._resume()
+        if self.resumed_from is None and isinstance(self.sync, NoLoCoSync):
             await self._fetch_state()
         self.status = "serving"
         await self.announce()
@@ -259,11 +265,39 @@ class Node:
         await self.announce()
 
     async def _on_inner_step(self, inner_step: int) -> None:
-        """Every H inner steps: the outer step of the configured method (one at a time)."""
-        if self.sync is None or inner_step % self.config.outer.inner_steps_per_outer:
-            return
-        async with self._outer_lock:
-            await self.sync.outer_step(inner_step, inner_step // self.config.outer.inner_steps_per_outer)
+        """Every H inner steps the outer step (one at a time); every K a checkpoint."""
+        if self.sync is not None and inner_step % self.config.outer.inner_steps_per_outer == 0:
+            async with self._outer_lock:
+                await self.sync.outer_step(inner_step, inner_step // self.config.outer.inner_steps_per_outer)
+        if self.config.checkpoint.dir is not None and inner_step % self.config.checkpoint.every_steps == 0:
+            await self.save_checkpoint()
+
+    async def save_checkpoint(self) -> None:
+        from noloco_node import checkpoint
+
+        outer = getattr(self, "outer_state", None)
+        tensors, counters = await self.compute.run(checkpoint.collect, self.stage, self.worker.inner, outer)
+        identity = {"run_id": self.config.run.run_id, "manifest_hash": self.manifest_hash, "peer_id": self.peer_id}
+        path = await asyncio.to_thread(checkpoint.save, Path(self.config.checkpoint.dir).expanduser(), self.stage_index,
+                                       tensors, counters, identity)
+        log.info("checkpoint at inner step %d: %s", counters["inner_step"], path)
+
+    async def _resume(self) -> dict | None:
+        from noloco_node import checkpoint
+
+        found = await asyncio.to_thread(checkpoint.load, Path(self.config.checkpoint.dir).expanduser(), self.stage_index)
+        if found is None:
+            return None
+        tensors, meta = found
+        if meta.get("run_id") != self.config.run.run_id or meta.get("manifest_hash") != self.manifest_hash:
+            log.warning("ignoring the checkpoint in %s: it belongs to run %s / manifest %s", self.config.checkpoint.dir,
+                        meta.get("run_id"), meta.get("manifest_hash"))
+            return None
+        await self.compute.run(checkpoint.restore, self.stage, self.worker.inner, getattr(self, "outer_state", None),
+                               tensors, meta)
+        self.outer_round = int(meta["outer_round"])
+        log.info("resumed from checkpoint at inner step %d", meta["inner_step"])
+        return {"inner_step": int(meta["inner_step"]), "outer_round": self.outer_round, "file": meta["file"]}
 
     def _observe_rpc(self, method: str, seconds: float) -> None:
         if self.metrics is not None:
@@ -348,6 +382,7 @@ class Node:
         if self.sync is not None:
             out["outer_round"] = self.outer_round
             out["fetched_state"] = self.fetched_state
+        out["resumed_from"] = self.resumed_from
         if self.driver is not None:
             c = self.driver.counters
             out["microbatches"] = {"issued": c.issued, "completed": c.completed, "reissued": c.reissued, "dropped": c.dropped}
@@ -366,6 +401,8 @@ class Node:
         except asyncio.TimeoutError:
             log.warning("an outer step was still running at shutdown")
         await self.runtime.drain(grace_s)
+        if self.config.checkpoint.dir is not None:
+            await self.save_checkpoint()
         try:
             await asyncio.wait_for(self.announce(), timeout=2.0)
         except Exception:  # noqa: BLE001 - leaving anyway; the record expires by TTL

@@ -1,0 +1,80 @@
+"""Node checkpoints: fast weights, slow weights, outer momentum, Adam moments and counters in
+safetensors, plus a small JSON that names the file. Written atomically (temp file + rename, the
+JSON last), so a crash mid-write leaves the previous checkpoint intact."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from noloco_node.optim.inner import InnerOptimizer
+from noloco_node.optim.state import OuterState
+
+
+def _atomic_write(path: Path, write) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def collect(stage: nn.Module, inner: InnerOptimizer, outer: OuterState | None) -> tuple[dict[str, Tensor], dict]:
+    """A consistent copy of the node's training state (run it on the compute thread)."""
+    tensors = {f"theta/{n}": p.detach().clone().contiguous() for n, p in stage.named_parameters()}
+    names = {id(p): n for n, p in stage.named_parameters()}
+    adam_steps = {}
+    for param, state in inner.adam.state.items():
+        name = names[id(param)]
+        tensors[f"adam_exp_avg/{name}"] = state["exp_avg"].detach().clone()
+        tensors[f"adam_exp_avg_sq/{name}"] = state["exp_avg_sq"].detach().clone()
+        adam_steps[name] = float(state["step"])
+    if outer is not None:
+        tensors.update({k: v.detach().clone().contiguous() for k, v in outer.state_dict().items()})
+    counters = {"inner_step": inner.step_count, "outer_round": outer.round if outer is not None else 0,
+                "adam_steps": adam_steps}
+    return tensors, counters
+
+
+def save(directory: Path, stage_index: int, tensors: dict[str, Tensor], counters: dict, identity: dict) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    step = counters["inner_step"]
+    weights = directory / f"stage{stage_index}-step{step}.safetensors"
+    _atomic_write(weights, lambda tmp: save_file(tensors, str(tmp)))
+    meta = {**identity, **counters, "stage": stage_index, "file": weights.name, "saved_at": time.time()}
+    _atomic_write(directory / f"stage{stage_index}.json", lambda tmp: tmp.write_text(json.dumps(meta, indent=1)))
+    for old in directory.glob(f"stage{stage_index}-step*.safetensors"):
+        if old != weights:
+            old.unlink(missing_ok=True)
+    return weights
+
+
+def load(directory: Path, stage_index: int) -> tuple[dict[str, Tensor], dict] | None:
+    meta_path = directory / f"stage{stage_index}.json"
+    if not meta_path.is_file():
+        return None
+    meta = json.loads(meta_path.read_text())
+    return load_file(str(directory / meta["file"])), meta
+
+
+def restore(stage: nn.Module, inner: InnerOptimizer, outer: OuterState | None, tensors: dict[str, Tensor], meta: dict) -> None:
+    """Put a checkpoint back (on the compute thread): theta, then phi and m, Adam, counters."""
+    with torch.no_grad():
+        for name, param in stage.named_parameters():
+            param.copy_(tensors[f"theta/{name}"])
+    if outer is not None and any(k.startswith("phi/") for k in tensors):
+        thetas = {n: p.detach().clone() for n, p in stage.named_parameters()}
+        outer.load_state_dict(tensors, round_index=int(meta["outer_round"]))  # sets theta <- phi ...
+        with torch.no_grad():
+            for name, param in stage.named_parameters():  # ... so put the checkpointed theta back
+                param.copy_(thetas[name])
+    for name, param in stage.named_parameters():
+        if f"adam_exp_avg/{name}" in tensors:
+            inner.adam.state[param] = {"step": torch.tensor(float(meta["adam_steps"].get(name, 0.0))),
+                                       "exp_avg": tensors[f"adam_exp_avg/{name}"].clone(),
+                                       "exp_avg_sq": tensors[f"adam_exp_avg_sq/{name}"].clone()}
+    inner.step_count = int(meta["inner_step"])
