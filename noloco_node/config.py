@@ -171,6 +171,10 @@ class OuterConfig:
     """Wire codec of outer snapshots: none, bf16 or int8."""
     max_distance_ratio: float = 10.0
     """Reject a partner's snapshot farther from our slow weights than this many times our own drift."""
+    allreduce_group_size: int = 0
+    """diloco/dp: replicas of a stage expected in each all-reduce (a group forms as soon as this
+    many are there, else after timeouts.match_s with whoever came); 0 = unknown (up to 64, so every
+    round waits the full match_s)."""
 
     def __post_init__(self) -> None:
         _require(self.method in METHODS, "method", f"unknown method {self.method!r}", f"use one of {', '.join(METHODS)}")
@@ -186,6 +190,8 @@ class OuterConfig:
         _require(self.beta >= 0.0, "beta", f"must be >= 0, got {self.beta}", "use 0.7")
         _require(self.codec in CODECS, "codec", f"unknown codec {self.codec!r}", f"use one of {', '.join(CODECS)}")
         _require(self.max_distance_ratio > 0, "max_distance_ratio", f"must be > 0, got {self.max_distance_ratio}", "use 10")
+        _require(self.allreduce_group_size >= 0, "allreduce_group_size", f"must be >= 0, got {self.allreduce_group_size}",
+                 "use the number of replicas per stage, or 0")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -143,7 +143,7 @@ class Node:
             self.all_reduce = HivemindAllReduce(
                 [p.shape for p in self.stage.parameters()], initial_peers=list(cfg.network.initial_peers),
                 host=cfg.network.host, prefix=f"{key_prefix(cfg.run.run_id)}_stage{self.stage_index}_{cfg.outer.method}",
-                target_group_size=64, matchmaking_s=cfg.timeouts.match_s / 3)
+                target_group_size=cfg.outer.allreduce_group_size or 64, matchmaking_s=cfg.timeouts.match_s)
 
         self.server = NodeServer(cfg.network.host, cfg.network.port)
         self.client = StageClient(run_id=cfg.run.run_id, manifest_hash=self.manifest_hash, codec=cfg.pipeline.activation_codec,

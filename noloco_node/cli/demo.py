@@ -52,7 +52,9 @@ def run(args: argparse.Namespace) -> int:
     if args.steps < 1 or args.replicas < 1:
         raise SystemExit("demo: --steps and --replicas must be >= 1")
     flags = {"pipeline": {"num_stages": args.stages}, "outer": {"method": args.method}}
-    config = resolve_config(args, base=demo_defaults(args.steps), flags=flags)
+    base = demo_defaults(args.steps)
+    base["outer"]["allreduce_group_size"] = args.replicas  # the demo knows how many replicas it starts
+    config = resolve_config(args, base=base, flags=flags)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     summary = _run_local(config, args) if args.local else _run_swarm(config, args, out)

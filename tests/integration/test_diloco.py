@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 def test_diloco_three_replicas_share_phi(tmp_path, make_swarm):
     steps = 10
     overrides = tiny_overrides(tmp_path, **{"outer.method": "diloco", "outer.inner_steps_per_outer": 5,
-                                            "inner.total_steps": steps, "timeouts.match_s": 3.0})
+                                            "inner.total_steps": steps, "outer.allreduce_group_size": 3, "timeouts.match_s": 3.0})
     prepare_tokenizer(overrides)
     swarm = make_swarm(overrides)
     servers = [swarm.start_node(1, r, "--save-weights") for r in range(3)]

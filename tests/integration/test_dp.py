@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 def test_dp_two_replicas_stay_identical(tmp_path, make_swarm):
     steps = 6
-    overrides = tiny_overrides(tmp_path, **{"outer.method": "dp", "inner.total_steps": steps, "timeouts.match_s": 1.5})
+    overrides = tiny_overrides(tmp_path, **{"outer.method": "dp", "inner.total_steps": steps, "outer.allreduce_group_size": 2, "timeouts.match_s": 1.5})
     prepare_tokenizer(overrides)
     swarm = make_swarm(overrides)
     servers = [swarm.start_node(1, r, "--save-weights") for r in range(2)]
