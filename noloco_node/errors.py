@@ -29,6 +29,11 @@ class PeerUnavailable(NodeError):
     hint = "the peer did not answer; it is banned for a while and another replica is tried"
 
 
+class TooLarge(NodeError):
+    code = "too-large"
+    hint = "the message exceeds this node's size limit"
+
+
 class InvalidPayload(NodeError):
     code = "invalid-payload"
 

@@ -19,16 +19,20 @@ import torch
 from torch import Tensor
 
 from noloco_node.codec import DTYPES, CodecError, TensorSpec, decode_into
-from noloco_node.errors import InvalidPayload, NodeError, ProtocolMismatch
+from noloco_node.errors import InvalidPayload, NodeError, ProtocolMismatch, TooLarge
 from noloco_node.rpc.status import error_from_rpc, status_of
 from noloco_node.rpc.tensors import PayloadReceiver, encode_tensor, header_to_spec, iter_chunks
 from noloco_node.wire.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
 
 log = logging.getLogger(__name__)
 
+# Transport limit per message. Headers are capped far lower by the servicer itself, after the
+# message is in: a message over gRPC's own limit resets the stream mid-write, and the sender then
+# sees INTERNAL or RESOURCE_EXHAUSTED depending on timing.
+MAX_HEADER_BYTES = 1 << 20
 GRPC_OPTIONS = [
-    ("grpc.max_send_message_length", 8 << 20),
-    ("grpc.max_receive_message_length", 8 << 20),
+    ("grpc.max_send_message_length", 16 << 20),
+    ("grpc.max_receive_message_length", 16 << 20),
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_permit_without_calls", 1),
     # Servers accept the clients' 30 s keepalive pings (the default minimum is 5 min, answered
@@ -96,6 +100,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             raise InvalidPayload("empty stream: expected a header first") from None
         if first is None:
             raise InvalidPayload("undecodable first message: expected a header")
+        if first.ByteSize() > MAX_HEADER_BYTES:
+            raise TooLarge(f"header of {first.ByteSize()} bytes exceeds the {MAX_HEADER_BYTES}-byte limit")
         if first.WhichOneof("kind") != "header":
             raise InvalidPayload(f"stream starts with {first.WhichOneof('kind')!r}; expected a {kind} header")
         return first.header

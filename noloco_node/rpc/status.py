@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import grpc
 
-from noloco_node.errors import (InvalidPayload, NodeError, PeerBusy, PeerUnavailable, ProtocolMismatch,
+from noloco_node.errors import (InvalidPayload, NodeError, PeerBusy, PeerUnavailable, ProtocolMismatch, TooLarge,
                                 UnknownMicrobatch)
 
 TO_STATUS: dict[type[NodeError], grpc.StatusCode] = {
     PeerBusy: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    TooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
     InvalidPayload: grpc.StatusCode.INVALID_ARGUMENT,
     ProtocolMismatch: grpc.StatusCode.FAILED_PRECONDITION,
     UnknownMicrobatch: grpc.StatusCode.NOT_FOUND,

@@ -103,4 +103,5 @@ def test_malformed_forwards_are_rejected_and_node_keeps_serving(tmp_path, make_s
     swarm.stop()
     [stats] = swarm.node_stats().values()
     assert stats["rejected"]["INVALID_ARGUMENT"] >= 10 and stats["saved_inputs"] == 0
+    assert stats["rejected"]["RESOURCE_EXHAUSTED"] == 1  # the oversize header, refused by our servicer
     assert stats["forwards_received"] == {"tester": 2}
