@@ -26,13 +26,8 @@ def _atomic_write(path: Path, write) -> None:
 def collect(stage: nn.Module, inner: InnerOptimizer, outer: OuterState | None) -> tuple[dict[str, Tensor], dict]:
     """A consistent copy of the node's training state (run it on the compute thread)."""
     tensors = {f"theta/{n}": p.detach().clone().contiguous() for n, p in stage.named_parameters()}
-    names = {id(p): n for n, p in stage.named_parameters()}
-    adam_steps = {}
-    for param, state in inner.adam.state.items():
-        name = names[id(param)]
-        tensors[f"adam_exp_avg/{name}"] = state["exp_avg"].detach().clone()
-        tensors[f"adam_exp_avg_sq/{name}"] = state["exp_avg_sq"].detach().clone()
-        adam_steps[name] = float(state["step"])
+    moments, adam_steps = inner.export_moments({id(p): n for n, p in stage.named_parameters()})
+    tensors.update(moments)
     if outer is not None:
         tensors.update({k: v.detach().clone().contiguous() for k, v in outer.state_dict().items()})
     counters = {"inner_step": inner.step_count, "outer_round": outer.round if outer is not None else 0,
@@ -72,9 +67,5 @@ def restore(stage: nn.Module, inner: InnerOptimizer, outer: OuterState | None, t
         with torch.no_grad():
             for name, param in stage.named_parameters():  # ... so put the checkpointed theta back
                 param.copy_(thetas[name])
-    for name, param in stage.named_parameters():
-        if f"adam_exp_avg/{name}" in tensors:
-            inner.adam.state[param] = {"step": torch.tensor(float(meta["adam_steps"].get(name, 0.0))),
-                                       "exp_avg": tensors[f"adam_exp_avg/{name}"].clone(),
-                                       "exp_avg_sq": tensors[f"adam_exp_avg_sq/{name}"].clone()}
+    inner.import_moments(stage.named_parameters(), tensors, meta["adam_steps"])
     inner.step_count = int(meta["inner_step"])

@@ -58,6 +58,25 @@ class InnerOptimizer:
         )
         self.step_count = 0
 
+    def export_moments(self, names: dict[int, str]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """Adam moments as 'adam_exp_avg/<name>' / 'adam_exp_avg_sq/<name>' copies, and each
+        parameter's Adam step; `names` maps id(param) to its name."""
+        tensors, steps = {}, {}
+        for param, state in self.adam.state.items():
+            name = names[id(param)]
+            tensors[f"adam_exp_avg/{name}"] = state["exp_avg"].detach().clone()
+            tensors[f"adam_exp_avg_sq/{name}"] = state["exp_avg_sq"].detach().clone()
+            steps[name] = float(state["step"])
+        return tensors, steps
+
+    def import_moments(self, named_params, tensors: dict[str, torch.Tensor], steps: dict[str, float]) -> None:
+        """Inverse of export_moments; parameters without saved moments are left untouched."""
+        for name, param in named_params:
+            if f"adam_exp_avg/{name}" in tensors:
+                self.adam.state[param] = {"step": torch.tensor(float(steps.get(name, 0.0))),
+                                          "exp_avg": tensors[f"adam_exp_avg/{name}"].to(param.dtype).clone(),
+                                          "exp_avg_sq": tensors[f"adam_exp_avg_sq/{name}"].to(param.dtype).clone()}
+
     def clip_gradients(self) -> float:
         """Clip this stage's gradients to clip_norm; returns the norm before clipping."""
         grads = [p for p in self.params if p.grad is not None]

@@ -15,13 +15,8 @@ from noloco_node.optim.state import OuterState
 
 def export_state(outer: OuterState, inner: InnerOptimizer, *, inner_step: int) -> tuple[dict[str, Tensor], dict]:
     tensors = {k: v.detach().clone() for k, v in outer.state_dict().items()}
-    param_names = {id(p): n for n, p in outer.params.items()}
-    adam_steps = {}
-    for param, state in inner.adam.state.items():
-        name = param_names[id(param)]
-        tensors[f"adam_exp_avg/{name}"] = state["exp_avg"].detach().clone()
-        tensors[f"adam_exp_avg_sq/{name}"] = state["exp_avg_sq"].detach().clone()
-        adam_steps[name] = float(state["step"])
+    moments, adam_steps = inner.export_moments({id(p): n for n, p in outer.params.items()})
+    tensors.update(moments)
     counters = {"inner_step": inner_step, "outer_round": outer.round, "adam_steps": adam_steps}
     return tensors, counters
 
@@ -42,14 +37,7 @@ def import_state(outer: OuterState, inner: InnerOptimizer, tensors: dict[str, Te
     """Load a donor's state: phi and m (theta <- phi), Adam moments and step counters. Returns
     the donor's inner step, which becomes ours."""
     outer.load_state_dict(tensors, round_index=int(counters["outer_round"]))
-    adam_steps = counters.get("adam_steps", {})
-    for name, param in outer.params.items():
-        if f"adam_exp_avg/{name}" in tensors:
-            inner.adam.state[param] = {
-                "step": torch.tensor(float(adam_steps.get(name, 0.0))),
-                "exp_avg": tensors[f"adam_exp_avg/{name}"].to(param.dtype).clone(),
-                "exp_avg_sq": tensors[f"adam_exp_avg_sq/{name}"].to(param.dtype).clone(),
-            }
+    inner.import_moments(outer.params.items(), tensors, counters.get("adam_steps", {}))
     inner.step_count = int(counters["inner_step"])
     return inner.step_count
 
