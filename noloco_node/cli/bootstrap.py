@@ -5,11 +5,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
 import sys
 from pathlib import Path
 
-from noloco_node.cli.common import add_config_flags, resolve_config
+from noloco_node.cli.common import add_config_flags, resolve_config, stop_on_signals
 
 
 def register(subparsers) -> None:
@@ -32,10 +31,7 @@ async def _serve(config, args: argparse.Namespace) -> int:
     from noloco_node import __version__
     from noloco_node.dht.directory import DirectoryIdentity, PeerDirectory
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_on_signals()
     Path(args.identity).parent.mkdir(parents=True, exist_ok=True)
     directory = await PeerDirectory.start(
         DirectoryIdentity(config.run.run_id, "", __version__, config.pipeline.num_stages),

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import signal
 from typing import Any
 
 from noloco_node.config import NodeConfig, load_config
@@ -25,3 +27,12 @@ def resolve_config(args: argparse.Namespace, *, base: dict[str, dict[str, Any]] 
     for section, content in (flags or {}).items():
         overrides.setdefault(section, {}).update({k: v for k, v in content.items() if v is not None})
     return load_config(args.config, overrides, base=base)
+
+
+def stop_on_signals() -> asyncio.Event:
+    """An event that SIGTERM or SIGINT sets; call from inside the running event loop."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return stop

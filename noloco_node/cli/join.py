@@ -7,10 +7,9 @@ import asyncio
 import json
 import logging
 import os
-import signal
 from pathlib import Path
 
-from noloco_node.cli.common import add_config_flags, resolve_config
+from noloco_node.cli.common import add_config_flags, resolve_config, stop_on_signals
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +47,7 @@ async def _serve(config, args: argparse.Namespace) -> int:
     from noloco_node.node import Node
     from noloco_node.runtime.logging import setup_logging
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_on_signals()
     node = Node(config, out_dir=Path(args.out) if args.out else None, save_weights=args.save_weights)
     await node.start()
     setup_logging(logging.getLevelName(logging.getLogger().level), prefix=f"{node.peer_id[-6:]} s{node.stage_index}")
