@@ -48,6 +48,19 @@ def save(directory: Path, stage_index: int, tensors: dict[str, Tensor], counters
     return weights
 
 
+def stages_in(directory: Path, run_id: str) -> list[int]:
+    """Stages that `directory` holds a checkpoint of for `run_id` (what `--stage auto` resumes)."""
+    stages = []
+    for meta_path in sorted(directory.glob("stage*.json")):
+        try:
+            meta = json.loads(meta_path.read_text())
+        except (OSError, ValueError):
+            continue
+        if meta.get("run_id") == run_id and isinstance(meta.get("stage"), int):
+            stages.append(meta["stage"])
+    return sorted(set(stages))
+
+
 def load(directory: Path, stage_index: int) -> tuple[dict[str, Tensor], dict] | None:
     meta_path = directory / f"stage{stage_index}.json"
     if not meta_path.is_file():

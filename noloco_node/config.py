@@ -102,8 +102,9 @@ class DataConfig:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PipelineConfig:
     num_stages: int = 2
-    stage: int = 0
-    """The stage this node serves."""
+    stage: int | None = 0
+    """The stage this node serves; None (or "auto") = the stage with the fewest live replicas
+    (ties: the lowest index), or the stage of a checkpoint found in checkpoint.dir."""
     batch_size: int = 8
     """B: sequences whose gradients one inner step accumulates, per replica."""
     microbatch_size: int = 1
@@ -117,8 +118,8 @@ class PipelineConfig:
 
     def __post_init__(self) -> None:
         _require(self.num_stages >= 1, "num_stages", f"must be >= 1, got {self.num_stages}", "use a positive integer")
-        _require(0 <= self.stage < self.num_stages, "stage", f"{self.stage} is outside 0..{self.num_stages - 1}",
-                 "pick a stage index below num_stages")
+        _require(self.stage is None or 0 <= self.stage < self.num_stages, "stage", f"{self.stage} is outside 0..{self.num_stages - 1}",
+                 "pick a stage index below num_stages, or 'auto'")
         _require(self.batch_size >= 1 and self.microbatch_size >= 1, "batch_size",
                  "batch_size and microbatch_size must be >= 1", "use positive integers")
         _require(self.batch_size % self.microbatch_size == 0, "microbatch_size",
@@ -207,6 +208,8 @@ class NetworkConfig:
     dht_port: int = 0
     metrics_port: int | None = None
     """Prometheus /metrics port on `host`; None = off, 0 = any free port."""
+    check_reachability: bool = True
+    """At join, ask live peers to dial our announced address and fail (exit 4) if none can."""
 
     def __post_init__(self) -> None:
         if self.metrics_port is not None:
@@ -217,6 +220,10 @@ class NetworkConfig:
             host, _, port = self.announce_addr.rpartition(":")
             _require(bool(host) and port.isdigit(), "announce_addr", f"{self.announce_addr!r} is not host:port",
                      "use e.g. 203.0.113.7:31337")
+        elif self.host in ("0.0.0.0", "::", ""):
+            raise ConfigError("network.announce_addr", f"the node binds {self.host or 'every interface'}, which is "
+                              "not an address peers can dial", "pass the host:port peers should use with --announce-addr "
+                              "(and a fixed --port), e.g. --announce-addr 203.0.113.7:31337")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -234,6 +241,8 @@ class TimeoutsConfig:
     """Saved forward inputs expire after this, so a lost downstream peer cannot leak memory."""
     microbatch_s: float = 60.0
     """Stage 0 re-issues a microbatch whose gradient has not returned within this time."""
+    drain_s: float = 10.0
+    """Graceful shutdown: how long to wait for microbatches in flight before leaving anyway."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -253,6 +262,20 @@ class CheckpointConfig:
 
     def __post_init__(self) -> None:
         _require(self.every_steps >= 1, "every_steps", f"must be >= 1, got {self.every_steps}", "use e.g. 50")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LogConfig:
+    """What a node reports about itself; not part of the run manifest."""
+
+    events_file: str | None = None
+    """Append a JSONL event stream here (started, inner_step, outer_round, checkpoint, stopping, ...)."""
+    progress: str = "auto"
+    """A live progress line on stderr: auto (only on a terminal), on or off."""
+
+    def __post_init__(self) -> None:
+        _require(self.progress in ("auto", "on", "off"), "progress", f"unknown value {self.progress!r}",
+                 "use auto, on or off")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -278,6 +301,7 @@ class NodeConfig:
     network: NetworkConfig = field(default_factory=NetworkConfig)
     timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
+    log: LogConfig = field(default_factory=LogConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def __post_init__(self) -> None:
@@ -350,6 +374,8 @@ def _build_section(section: str, cls: type, values: Mapping[str, Any]) -> Any:
         if key not in hints:
             raise ConfigError(f"{section}.{key}", "unknown field",
                               f"{_suggest(key, list(hints))}valid fields: {', '.join(hints)}")
+        if (section, key) == ("pipeline", "stage") and isinstance(value, str) and value.strip().lower() == "auto":
+            value = None
         kwargs[key] = _coerce(value, hints[key], f"{section}.{key}")
     try:
         return cls(**kwargs)

@@ -51,3 +51,10 @@ class BootstrapError(NodeError):
     code = "bootstrap-failed"
     hint = ("check that the bootstrap peer is running and that --initial-peers is the exact multiaddr it printed "
             "(/ip4/HOST/tcp/PORT/p2p/PEER_ID), and that the port is open")
+
+
+class UnreachableAddress(NodeError):
+    code = "unreachable"
+    hint = ("peers cannot dial the address this node announces. Behind NAT or a firewall: forward the gRPC port "
+            "(network.port, fix it with --port) to this machine and pass the public host:port with --announce-addr; "
+            "`noloco-node doctor` checks it before you join")

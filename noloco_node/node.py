@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
 import os
@@ -21,71 +20,28 @@ import torch
 from noloco_node import __version__
 from noloco_node.config import ConfigError, NodeConfig
 from noloco_node.errors import NodeError
-from noloco_node.dht.directory import DirectoryIdentity, PeerDirectory
+from noloco_node.manifest import load_run_inputs
+from noloco_node.dht.directory import DirectoryIdentity, PeerDirectory, least_served_stage
 from noloco_node.dht.records import StageRecord
 from noloco_node.model.stage import build_stage, llama_config
 from noloco_node.optim.inner import InnerOptimizer, InnerSchedule
 from noloco_node.optim.state import OuterState
 from noloco_node.pipeline.driver import Stage0Driver
-from noloco_node.pipeline.ports import Hop, MicrobatchKey, Peer
+from noloco_node.pipeline.ports import Hop
 from noloco_node.pipeline.router import Bans, Router
 from noloco_node.pipeline.runtime import StageRuntime, StageShape
 from noloco_node.pipeline.worker import StageWorker
 from noloco_node.rpc.outer_service import OuterClient, OuterServicer, Traffic
 from noloco_node.rpc.server import NodeServer
 from noloco_node.rpc.stage_service import StageClient, StageServicer
+from noloco_node.adapters import DhtMatching, DhtReplicas, GrpcStageTransport
 from noloco_node.runtime.compute import ComputeThread
+from noloco_node.runtime.events import EventLog
 from noloco_node.runtime.memory import tune_allocator
 from noloco_node.sync.noloco import NoLoCoSync
 from noloco_node.sync.transfer import counters_json, expected_tensors, export_state, import_state
-from noloco_node.wire.v1 import stage_pb2
 
 log = logging.getLogger(__name__)
-
-
-class GrpcStageTransport:
-    """pipeline.ports.StageTransport over rpc.StageClient."""
-
-    def __init__(self, client: StageClient) -> None:
-        self.client = client
-
-    @staticmethod
-    def _id(key: MicrobatchKey) -> stage_pb2.MicrobatchId:
-        return stage_pb2.MicrobatchId(origin_peer=key.origin, sequence=key.sequence, attempt=key.attempt)
-
-    async def forward(self, peer: Peer, *, key, route, target_stage, activations, labels) -> None:
-        hops = [stage_pb2.Hop(peer_id=h.peer_id, address=h.address, stage=h.stage) for h in route]
-        await self.client.forward(peer.address, microbatch=self._id(key), route=hops, target_stage=target_stage,
-                                  activations=activations, labels=labels)
-
-    async def backward(self, address, *, key, target_stage, grad, loss, num_tokens) -> None:
-        await self.client.backward(address, microbatch=self._id(key), target_stage=target_stage, grad=grad,
-                                   loss=loss, num_tokens=num_tokens)
-
-
-class DhtReplicas:
-    """pipeline.ports.ReplicaDirectory over the DHT directory."""
-
-    def __init__(self, directory: PeerDirectory) -> None:
-        self.directory = directory
-
-    async def replicas(self, stage: int) -> list[Peer]:
-        return [Peer(r.peer_id, r.address) for r in await self.directory.replicas(stage)]
-
-
-class DhtMatching:
-    """sync.noloco.MatchingDirectory over the DHT directory (always a fresh lookup)."""
-
-    def __init__(self, directory: PeerDirectory) -> None:
-        self.directory = directory
-
-    async def matching(self, stage: int, round_index: int) -> list[Peer]:
-        return [Peer(r.peer_id, r.address) for r in await self.directory.replicas(stage, fresh=True)
-                if r.status == "matching" and r.outer_round == round_index]
-
-
-def tokenizer_fingerprint(tokenizer) -> str:
-    return hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest()[:16]
 
 
 class Node:
@@ -95,6 +51,7 @@ class Node:
         self.microbatch_timeout_s = config.timeouts.microbatch_s
         self.stage_index = config.pipeline.stage
         self.compute = ComputeThread()
+        self.events = EventLog(config.log.events_file)
         self.started_at = time.monotonic()
         self.status = "joining"
         self.outer_round = 0
@@ -113,13 +70,10 @@ class Node:
     async def start(self) -> None:
         cfg = self.config
         tune_allocator()
-        from noloco_node.data.corpus import resolve_corpus
-        from noloco_node.data.tokenizer import load_tokenizer
-
-        self.corpus = resolve_corpus(cfg.data.path, cache_dir=cfg.data.cache_path, text_field=cfg.data.text_field)
-        self.tokenizer = load_tokenizer(cfg.data.tokenizer, self.corpus, vocab_size=cfg.data.vocab_size,
-                                        cache_dir=cfg.data.cache_path)
-        self.manifest_hash = cfg.manifest_hash(f"tokenizer:{tokenizer_fingerprint(self.tokenizer)}")
+        self.corpus, self.tokenizer, self.manifest_hash = load_run_inputs(cfg)
+        self.directory: PeerDirectory | None = None
+        if self.stage_index is None:
+            self.stage_index = await self._choose_stage()
         m = cfg.model
         llama = llama_config(vocab_size=len(self.tokenizer), hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
                              num_layers=m.num_layers, num_heads=m.num_heads, max_seq_len=m.seq_len,
@@ -148,10 +102,8 @@ class Node:
         self.server = NodeServer(cfg.network.host, cfg.network.port)
         self.client = StageClient(run_id=cfg.run.run_id, manifest_hash=self.manifest_hash, codec=cfg.pipeline.activation_codec,
                                   timeout_s=cfg.timeouts.rpc_s, observe=self._observe_rpc)
-        self.directory = await PeerDirectory.start(
-            DirectoryIdentity(cfg.run.run_id, self.manifest_hash, __version__, cfg.pipeline.num_stages),
-            initial_peers=list(cfg.network.initial_peers), host=cfg.network.host, port=cfg.network.dht_port,
-            startup_timeout_s=cfg.timeouts.startup_s)
+        if self.directory is None:
+            await self._start_directory()
         self.peer_id = self.directory.peer_id
         shape = StageShape(stage=self.stage_index, num_stages=cfg.pipeline.num_stages, hidden_size=m.hidden_size,
                            seq_len=m.seq_len, microbatch_size=cfg.pipeline.microbatch_size, vocab_size=len(self.tokenizer))
@@ -180,8 +132,14 @@ class Node:
             self.sync = DiLoCoSync(self.outer_state, all_reduce=self.all_reduce, compute=self.compute,
                                    timeout_s=2 * cfg.timeouts.match_s + 10)
             self.runtime.on_inner_step = self._on_inner_step
+        from noloco_node.rpc.diagnostics import DiagnosticsServicer
+
+        self.server.add_diagnostics(DiagnosticsServicer(run_id=cfg.run.run_id, version=__version__,
+                                                        manifest_hash=self.manifest_hash, timeout_s=cfg.timeouts.connect_s))
         port = await self.server.start()
         self.address = cfg.network.announce_addr or f"{cfg.network.host}:{port}"
+        if cfg.network.check_reachability:
+            await self._check_reachable()
         self.runtime.me = Hop(self.peer_id, self.address, self.stage_index)
         self.metrics_port = None
         if cfg.network.metrics_port is not None:
@@ -199,7 +157,51 @@ class Node:
         self.status = "serving"
         await self.announce()
         self._spawn(self._heartbeat())
+        self.events.bind(peer=self.peer_id, stage=self.stage_index)
+        self.events.emit("started", address=self.address, manifest_hash=self.manifest_hash, method=cfg.outer.method,
+                         resumed_from=self.resumed_from, fetched_state=self.fetched_state)
         log.info("stage %d serving at %s (peer %s, manifest %s)", self.stage_index, self.address, self.peer_id, self.manifest_hash)
+
+    async def _start_directory(self) -> None:
+        cfg = self.config
+        self.directory = await PeerDirectory.start(
+            DirectoryIdentity(cfg.run.run_id, self.manifest_hash, __version__, cfg.pipeline.num_stages),
+            initial_peers=list(cfg.network.initial_peers), host=cfg.network.host, port=cfg.network.dht_port,
+            startup_timeout_s=cfg.timeouts.startup_s)
+
+    async def _check_reachable(self) -> None:
+        """Ask up to two live peers to dial our announced address; fail only when peers answered
+        and none could reach us (a first node, with nobody to ask, passes)."""
+        from noloco_node.errors import UnreachableAddress
+        from noloco_node.rpc.diagnostics import probe_from_peers
+
+        peers = [r.address for s in range(self.config.pipeline.num_stages)
+                 for r in await self.directory.replicas(s, fresh=True) if r.peer_id != self.peer_id]
+        random.Random(self.peer_id).shuffle(peers)
+        results, errors = await probe_from_peers(self.address, peers[:4], run_id=self.config.run.run_id,
+                                                 timeout_s=self.config.timeouts.connect_s)
+        if results and not any(r.reachable for r in results):
+            details = "; ".join(f"{r.prober}: {r.detail}" for r in results)
+            raise UnreachableAddress(f"no peer could reach this node at {self.address} ({details})")
+        if errors and not results:
+            log.warning("could not ask any peer to check our address: %s", "; ".join(errors))
+
+    async def _choose_stage(self) -> int:
+        """`--stage auto`: the stage of our own checkpoint if there is exactly one, else the stage
+        with the fewest live replicas (ties: lowest index)."""
+        cfg = self.config
+        if cfg.checkpoint.dir is not None:
+            from noloco_node.checkpoint import stages_in
+
+            stages = stages_in(Path(cfg.checkpoint.dir).expanduser(), cfg.run.run_id)
+            if len(stages) == 1:
+                log.info("stage auto: resuming stage %d from the checkpoint in %s", stages[0], cfg.checkpoint.dir)
+                return stages[0]
+        await self._start_directory()
+        counts = await self.directory.replica_counts()
+        stage = least_served_stage(counts)
+        log.info("stage auto: live replicas per stage %s -> serving stage %d", counts, stage)
+        return stage
 
     def _build_sync(self, max_bytes: int) -> None:
         cfg = self.config
@@ -266,9 +268,12 @@ class Node:
 
     async def _on_inner_step(self, inner_step: int) -> None:
         """Every H inner steps the outer step (one at a time); every K a checkpoint."""
+        self._emit_inner_step(inner_step)
         if self.sync is not None and inner_step % self.config.outer.inner_steps_per_outer == 0:
             async with self._outer_lock:
                 await self.sync.outer_step(inner_step, inner_step // self.config.outer.inner_steps_per_outer)
+            if self.sync.counters.history:
+                self.events.emit("outer_round", inner_step=inner_step, **self.sync.counters.history[-1])
         if self.config.checkpoint.dir is not None and inner_step % self.config.checkpoint.every_steps == 0:
             await self.save_checkpoint()
 
@@ -281,6 +286,22 @@ class Node:
         path = await asyncio.to_thread(checkpoint.save, Path(self.config.checkpoint.dir).expanduser(), self.stage_index,
                                        tensors, counters, identity)
         log.info("checkpoint at inner step %d: %s", counters["inner_step"], path)
+        self.events.emit("checkpoint", inner_step=counters["inner_step"], file=str(path))
+
+    def _emit_inner_step(self, inner_step: int) -> None:
+        fields = {"inner_step": inner_step, "lr": self.worker.last_lr, "tokens": self.worker.tokens_total,
+                  "bytes_sent": self.client.bytes_sent + self.outer_bytes_sent(), "idle_s": round(self.compute.idle_s, 4),
+                  "busy_s": round(self.compute.busy_s, 4)}
+        if self.driver is not None and self.driver.log.step_losses:
+            fields["loss"] = self.driver.log.step_losses[-1]
+            fields["lr"] = self.driver.log.lrs[-1]
+        self.events.emit("inner_step", **fields)
+
+    def outer_bytes_sent(self) -> int:
+        if self.all_reduce is not None:
+            return self.all_reduce.bytes_sent
+        traffic = getattr(self, "outer_traffic", None)
+        return traffic.bytes_sent if traffic is not None else 0
 
     async def _resume(self) -> dict | None:
         from noloco_node import checkpoint
@@ -375,10 +396,7 @@ class Node:
         if counters is not None:
             out["outer"] = {k: v for k, v in vars(counters).items() if k != "history"}
             out["outer_history"] = counters.history
-            # noloco: payload counted on the wire; diloco and dp: the all-reduce payload by its
-            # size formula (hivemind does not count bytes).
-            out["bytes_sent_outer"] = (self.outer_traffic.bytes_sent if self.all_reduce is None
-                                       else self.all_reduce.bytes_sent)
+            out["bytes_sent_outer"] = self.outer_bytes_sent()
         if self.sync is not None:
             out["outer_round"] = self.outer_round
             out["fetched_state"] = self.fetched_state
@@ -392,9 +410,16 @@ class Node:
             out["reissued_sequences"] = self.driver.log.reissued_sequences
         return out
 
-    async def stop(self, grace_s: float = 2.0) -> None:
-        """Drain, withdraw the DHT record, write stats (and weights), shut everything down."""
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Withdraw the DHT record (status leaving), finish a running outer step, drain the
+        microbatches in flight within `grace_s`, checkpoint, write stats (and weights), shut down."""
+        grace_s = self.config.timeouts.drain_s if grace_s is None else grace_s
         self.status = "leaving"
+        self.events.emit("stopping", inner_step=self.worker.inner_steps, in_flight=len(self.runtime.in_flight))
+        try:  # withdraw first, so peers stop routing to us while we drain
+            await asyncio.wait_for(self.announce(), timeout=self.config.timeouts.connect_s)
+        except Exception:  # noqa: BLE001 - leaving anyway; the record expires by TTL
+            pass
         try:  # let a running outer step finish, so the weights we save are post-update
             await asyncio.wait_for(self._outer_lock.acquire(), timeout=2 * self.config.timeouts.match_s + 10)
             self._outer_lock.release()
@@ -403,10 +428,6 @@ class Node:
         await self.runtime.drain(grace_s)
         if self.config.checkpoint.dir is not None:
             await self.save_checkpoint()
-        try:
-            await asyncio.wait_for(self.announce(), timeout=2.0)
-        except Exception:  # noqa: BLE001 - leaving anyway; the record expires by TTL
-            pass
         for task in list(self._background):
             task.cancel()
         if self.out_dir is not None:
@@ -415,15 +436,17 @@ class Node:
             await self.outer_client.close()
         if self.all_reduce is not None:
             await asyncio.to_thread(self.all_reduce.shutdown)
-        for name, step in (("server", self.server.stop(grace_s)), ("client", self.client.close()),
+        for name, step in (("server", self.server.stop(1.0)), ("client", self.client.close()),
                            ("dht", self.directory.shutdown())):
             try:
-                await asyncio.wait_for(step, timeout=grace_s + 5)
+                await asyncio.wait_for(step, timeout=self.config.timeouts.connect_s + 5)
             except asyncio.TimeoutError:
                 log.warning("shutdown of the %s timed out; exiting anyway", name)
         if self.metrics is not None:
             self.metrics.stop()
         self.compute.shutdown()
+        self.events.emit("stopped", inner_step=self.worker.inner_steps, saved_inputs=len(self.worker.saved))
+        self.events.close()
 
     def write_outputs(self, out_dir: Path) -> None:
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 import os
+import time
 from pathlib import Path
 
 from noloco_node.cli.common import add_config_flags, resolve_config, stop_on_signals
@@ -18,9 +19,13 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("join", help="serve a pipeline stage of a run", description=__doc__)
     add_config_flags(p)
     p.add_argument("--initial-peers", nargs="*", metavar="MADDR", help="DHT multiaddrs to bootstrap from")
-    p.add_argument("--stage", type=int, help="the stage to serve (pipeline.stage)")
-    p.add_argument("--host", help="address to bind (network.host)")
+    p.add_argument("--stage", type=_stage, help="the stage to serve, or 'auto': the stage with the fewest live replicas "
+                   "(ties: lowest), whose state is then fetched from a replica (pipeline.stage)")
+    p.add_argument("--host", help="address to bind (network.host; 0.0.0.0 needs --announce-addr)")
     p.add_argument("--port", type=int, help="gRPC port (network.port, 0 = any)")
+    p.add_argument("--announce-addr", metavar="HOST:PORT", help="the address peers dial (network.announce_addr); "
+                   "checked at join by asking live peers to call our health endpoint")
+    p.add_argument("--events", metavar="FILE", help="append a JSONL event stream here (log.events_file)")
     p.add_argument("--steps", type=int, default=0, help="stage 0: train this many inner steps, then leave (0 = serve until stopped)")
     p.add_argument("--wait-replicas", type=int, default=1, help="stage 0: wait until every stage has this many replicas")
     p.add_argument("--threads", type=int, help="torch threads for this process (default: all cores)")
@@ -31,10 +36,18 @@ def register(subparsers) -> None:
     p.set_defaults(run=run)
 
 
+def _stage(value: str) -> str:
+    if value != "auto" and not value.isdigit():
+        raise argparse.ArgumentTypeError(f"{value!r} is neither a stage index nor 'auto'")
+    return value
+
+
 def run(args: argparse.Namespace) -> int:
     config = resolve_config(args, flags={
-        "network": {"initial_peers": args.initial_peers, "host": args.host, "port": args.port},
+        "network": {"initial_peers": args.initial_peers, "host": args.host, "port": args.port,
+                    "announce_addr": args.announce_addr},
         "pipeline": {"stage": args.stage},
+        "log": {"events_file": args.events},
     })
     if args.threads:
         import torch
@@ -62,16 +75,23 @@ async def _serve(config, args: argparse.Namespace) -> int:
                                              "outer_round": node.outer_round, "status": node.status,
                                              "metrics_port": node.metrics_port,
                                              "in_flight": in_flight, "manifest_hash": node.manifest_hash,
+                                             "saved_inputs": len(node.worker.saved),
                                              "run_id": config.run.run_id}))
             os.replace(tmp, args.ready_file)
 
+    progress = _progress(config.log.progress)
+
     async def report_periodically() -> None:
+        ticks = 0
         while True:
             await asyncio.sleep(0.1)
             await report()
+            ticks += 1
+            if progress is not None and ticks % 5 == 0:
+                progress.update(_progress_text(node))
 
     await report()
-    reporter = asyncio.create_task(report_periodically()) if args.ready_file else None
+    reporter = asyncio.create_task(report_periodically()) if args.ready_file or progress is not None else None
     try:
         if node.stage_index == 0 and args.steps > 0:
             await _race(node.wait_for_replicas(args.wait_replicas, config.timeouts.startup_s), stop)
@@ -82,8 +102,28 @@ async def _serve(config, args: argparse.Namespace) -> int:
     finally:
         if reporter is not None:
             reporter.cancel()
+        if progress is not None:
+            progress.close()
         await node.stop()
     return 0
+
+
+def _progress(mode: str):
+    from noloco_node.runtime.logging import ProgressLine
+
+    line = ProgressLine()
+    line.enabled = mode == "on" or (mode == "auto" and line.enabled)
+    return line if line.enabled else None
+
+
+def _progress_text(node) -> str:
+    stats = node.runtime.stats
+    text = (f"stage {node.stage_index} | {node.status} | inner step {node.worker.inner_steps} | outer round "
+            f"{node.outer_round} | {node.worker.tokens_total / max(1e-6, time.monotonic() - node.started_at):.0f} tok/s | "
+            f"in flight {len(node.runtime.in_flight)} | sent {stats.forwards_sent} fwd {stats.backwards_sent} bwd")
+    if node.driver is not None and node.driver.log.step_losses:
+        text += f" | loss {node.driver.log.step_losses[-1]:.3f}"
+    return text
 
 
 async def _race(coro, stop: asyncio.Event) -> None:

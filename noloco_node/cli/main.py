@@ -1,7 +1,8 @@
 """`noloco-node` entry point: subcommands, logging, and error-to-exit-code mapping.
 
 Exit codes: 0 success, 2 a bad config or flag (the message names the field and the fix),
-3 the DHT could not be joined through the initial peers, 1 anything else.
+3 the DHT could not be joined through the initial peers, 4 peers cannot reach the address this
+node announces, 10-19 `doctor` checks (see `noloco-node doctor --help`), 1 anything else.
 """
 
 from __future__ import annotations
@@ -10,11 +11,11 @@ import argparse
 import sys
 
 from noloco_node import __version__
-from noloco_node.cli import bootstrap, config_cmd, demo, join, status
+from noloco_node.cli import bootstrap, config_cmd, demo, doctor, join, status
 from noloco_node.config import ConfigError
-from noloco_node.errors import BootstrapError, NodeError
+from noloco_node.errors import BootstrapError, NodeError, UnreachableAddress
 
-COMMANDS = (join, bootstrap, status, demo, config_cmd)
+COMMANDS = (join, bootstrap, status, doctor, demo, config_cmd)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except NodeError as exc:
         print(f"noloco-node: {exc.explain()}", file=sys.stderr)
-        return 3 if isinstance(exc, BootstrapError) else 1
+        return 3 if isinstance(exc, BootstrapError) else 4 if isinstance(exc, UnreachableAddress) else 1
     except KeyboardInterrupt:
         print("noloco-node: interrupted", file=sys.stderr)
         return 130

@@ -35,6 +35,7 @@ class DriverLog:
     losses: list[float] = field(default_factory=list)  # per completed microbatch, in completion order
     step_times: list[float] = field(default_factory=list)
     lrs: list[float] = field(default_factory=list)
+    step_losses: list[float] = field(default_factory=list)  # mean over each inner step's completed microbatches
     reissued_sequences: list[int] = field(default_factory=list)
 
 
@@ -62,6 +63,7 @@ class Stage0Driver:
             inputs, labels = next(self.batches)
             micro = [(inputs[i:i + self.microbatch_size], labels[i:i + self.microbatch_size])
                      for i in range(0, inputs.shape[0], self.microbatch_size)]
+            first = len(self.log.losses)
             if self.sequential:
                 for mb in micro:
                     await self._complete(*mb)
@@ -72,6 +74,8 @@ class Stage0Driver:
             else:
                 lr = await self.runtime.compute.run(self.runtime.worker.step)
             self.log.lrs.append(lr)
+            done = self.log.losses[first:]
+            self.log.step_losses.append(sum(done) / len(done) if done else float("nan"))
             self.log.step_times.append(time.monotonic())
             if on_inner_step is not None:
                 # Hook for the outer step (the sync layer): called after every inner step.

@@ -9,7 +9,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from noloco_node.rpc.stage_service import GRPC_OPTIONS, StageServicer
-from noloco_node.wire.v1 import outer_pb2_grpc, stage_pb2
+from noloco_node.wire.v1 import diag_pb2_grpc, outer_pb2_grpc, stage_pb2
 
 STAGE_SERVICE = "noloco.wire.v1.Stage"
 
@@ -39,6 +39,9 @@ class NodeServer:
 
     def add_outer(self, servicer) -> None:
         outer_pb2_grpc.add_OuterServicer_to_server(servicer, self.server)
+
+    def add_diagnostics(self, servicer) -> None:
+        diag_pb2_grpc.add_DiagnosticsServicer_to_server(servicer, self.server)
 
     async def start(self) -> int:
         self.port = self.server.add_insecure_port(f"{self.host}:{self.requested_port}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -12,10 +13,25 @@ from typing import Any, Callable
 class ComputeThread:
     def __init__(self) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+        self.started = time.monotonic()
+        self.busy_s = 0.0
+        """Seconds the thread spent running work; the rest of the wall time it waited (on the
+        network, mostly): the idle time that experiments report."""
 
     async def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
+        return await loop.run_in_executor(self._executor, functools.partial(self._timed, fn, *args, **kwargs))
+
+    def _timed(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        start = time.monotonic()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.busy_s += time.monotonic() - start
+
+    @property
+    def idle_s(self) -> float:
+        return max(0.0, time.monotonic() - self.started - self.busy_s)
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)

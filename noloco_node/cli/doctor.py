@@ -1,0 +1,173 @@
+"""`noloco-node doctor`: preflight checks before `join`, each with what is wrong and the fix.
+
+Checks, in order, with the exit code a failure returns (the first failure's code wins):
+  10 python   Python >= 3.10 and torch import
+  11 cuda     a GPU torch can use (only a failure with --require-gpu; otherwise informational)
+  12 port     the gRPC port (network.port) can be bound on network.host
+  13 dht      the bootstrap peers answer within timeouts.startup_s
+  14 reach    live peers can dial our announced address (they call our health endpoint)
+  15 clock    our clock is within --max-skew seconds of the peers' clocks
+  16 compat   live peers run a compatible version and the same manifest (config + tokenizer)
+Checks that need peers are skipped (not failed) when the swarm has no live node yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import socket
+import sys
+from dataclasses import dataclass
+
+from noloco_node.cli.common import add_config_flags, resolve_config
+
+CODES = {"python": 10, "cuda": 11, "port": 12, "dht": 13, "reach": 14, "clock": 15, "compat": 16}
+
+
+@dataclass
+class Check:
+    name: str
+    outcome: str  # ok | fail | skip | info
+    detail: str
+    fix: str = ""
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("doctor", help="preflight checks before joining a swarm", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_flags(p)
+    p.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="the swarm's bootstrap multiaddrs")
+    p.add_argument("--host", help="address the node will bind (network.host)")
+    p.add_argument("--port", type=int, help="gRPC port the node will use (network.port)")
+    p.add_argument("--announce-addr", metavar="HOST:PORT", help="address peers will dial (network.announce_addr)")
+    p.add_argument("--require-gpu", action="store_true", help="fail (exit 11) when torch sees no CUDA device")
+    p.add_argument("--max-skew", type=float, default=2.0, metavar="SECONDS", help="largest clock offset to accept")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = resolve_config(args, flags={"network": {"initial_peers": args.initial_peers, "host": args.host,
+                                                     "port": args.port, "announce_addr": args.announce_addr}})
+    checks = asyncio.run(_run_checks(config, args))
+    failed = None
+    for check in checks:
+        mark = {"ok": "ok  ", "fail": "FAIL", "skip": "skip", "info": "info"}[check.outcome]
+        print(f"[{mark}] {check.name:<7} {check.detail}")
+        if check.outcome == "fail":
+            print(f"         fix: {check.fix}")
+            failed = failed or check.name
+    print("all checks passed" if failed is None else f"doctor: check '{failed}' failed (exit {CODES[failed]})")
+    sys.stdout.flush()
+    return 0 if failed is None else CODES[failed]
+
+
+def _python_checks(require_gpu: bool) -> list[Check]:
+    if sys.version_info < (3, 10):
+        return [Check("python", "fail", f"Python {sys.version.split()[0]}", "use Python 3.10 or newer (scripts/setup.sh)")]
+    try:
+        import torch
+    except ImportError as exc:
+        return [Check("python", "fail", f"torch does not import: {exc}", "run scripts/setup.sh (or pip install -e .)")]
+    checks = [Check("python", "ok", f"Python {sys.version.split()[0]}, torch {torch.__version__}")]
+    if torch.cuda.is_available():
+        checks.append(Check("cuda", "ok", f"{torch.cuda.device_count()} GPU(s): {torch.cuda.get_device_name(0)}"))
+    elif require_gpu:
+        checks.append(Check("cuda", "fail", "torch sees no CUDA device",
+                            "install a CUDA build of torch and the NVIDIA driver, or run the Docker image in deploy/"))
+    else:
+        checks.append(Check("cuda", "info", "no CUDA device; the node will train on CPU"))
+    return checks
+
+
+def _port_check(host: str, port: int) -> Check:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        return Check("port", "fail", f"cannot bind {host}:{port}: {exc.strerror}",
+                     "stop what uses the port or pick another with --port (network.port)")
+    bound = sock.getsockname()[1]
+    sock.close()
+    return Check("port", "ok", f"{host}:{bound} is free")
+
+
+async def _run_checks(config, args) -> list[Check]:
+    checks = _python_checks(args.require_gpu)
+    net = config.network
+    port_check = _port_check(net.host, net.port)
+    checks.append(port_check)
+
+    from noloco_node import __version__
+    from noloco_node.dht.directory import DirectoryIdentity, PeerDirectory, compatible_version
+    from noloco_node.errors import BootstrapError
+
+    try:
+        directory = await PeerDirectory.start(
+            DirectoryIdentity(config.run.run_id, "", __version__, config.pipeline.num_stages),
+            initial_peers=list(net.initial_peers), host=net.host, startup_timeout_s=config.timeouts.startup_s,
+            client_mode=True)
+    except BootstrapError as exc:
+        checks.append(Check("dht", "fail", str(exc), BootstrapError.hint))
+        return checks + [Check(n, "skip", "needs the DHT") for n in ("reach", "clock", "compat")]
+    try:
+        records = [r for s in range(config.pipeline.num_stages) for r in await directory.all_records(s)
+                   if r.status != "leaving"]
+    finally:
+        await directory.shutdown()
+    checks.append(Check("dht", "ok", f"joined through {len(net.initial_peers)} initial peer(s); "
+                        f"{len(records)} live node(s) in run {config.run.run_id!r}"))
+    if not records:
+        return checks + [Check(n, "skip", "no live node to ask yet") for n in ("reach", "clock", "compat")]
+    checks += await _reach_and_clock(config, args, [r.address for r in records], port_check.outcome == "ok")
+    checks.append(_compat_check(config, records, __version__, compatible_version))
+    return checks
+
+
+async def _reach_and_clock(config, args, peer_addresses: list[str], port_free: bool) -> list[Check]:
+    from noloco_node.rpc.diagnostics import probe_from_peers
+    from noloco_node.rpc.server import NodeServer
+
+    net = config.network
+    if not port_free:
+        return [Check("reach", "skip", "the port is not free"), Check("clock", "skip", "needs a probe")]
+    server = NodeServer(net.host, net.port)  # health endpoint only, for the peers' probe
+    port = await server.start()
+    address = net.announce_addr or f"{net.host}:{port}"
+    try:
+        results, errors = await probe_from_peers(address, peer_addresses[:4], run_id=config.run.run_id,
+                                                 timeout_s=config.timeouts.connect_s)
+    finally:
+        await server.stop(0.5)
+    if not results:
+        return [Check("reach", "skip", f"no live node answered a probe request ({'; '.join(errors)[:200]})"),
+                Check("clock", "skip", "needs a probe")]
+    reached = [r for r in results if r.reachable]
+    if reached:
+        reach = Check("reach", "ok", f"{len(reached)}/{len(results)} peer(s) reached {address}")
+    else:
+        reach = Check("reach", "fail", f"no peer could reach {address}: {results[0].detail}",
+                      "forward the gRPC port to this machine and announce the public host:port with --announce-addr "
+                      "(and a fixed --port); check the firewall")
+    skew = max((r.skew_s for r in results), key=abs)
+    if abs(skew) <= args.max_skew:
+        clock = Check("clock", "ok", f"clock offset to peers {skew:+.3f} s")
+    else:
+        clock = Check("clock", "fail", f"clock offset to a peer is {skew:+.1f} s (limit {args.max_skew} s)",
+                      "enable time sync (NTP: `timedatectl set-ntp true`); DHT records expire by wall clock")
+    return [reach, clock]
+
+
+def _compat_check(config, records, version: str, compatible_version) -> Check:
+    from noloco_node.manifest import load_run_inputs
+
+    _, _, manifest = load_run_inputs(config)
+    bad_version = sorted({r.version for r in records if not compatible_version(version, r.version)})
+    bad_manifest = sorted({r.manifest_hash for r in records if r.manifest_hash != manifest})
+    if bad_version:
+        return Check("compat", "fail", f"peers run version(s) {', '.join(bad_version)}, we run {version}",
+                     "install the swarm's noloco-node version (same major.minor)")
+    if bad_manifest:
+        return Check("compat", "fail", f"peers use manifest {', '.join(bad_manifest)}, ours is {manifest}",
+                     "use the swarm's config file (--config) and data/tokenizer; `noloco-node config show` prints yours")
+    return Check("compat", "ok", f"version {version} and manifest {manifest} match {len(records)} node(s)")

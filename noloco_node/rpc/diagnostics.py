@@ -1,0 +1,98 @@
+"""Diagnostics.Probe: a node dials an address on a peer's behalf and calls its health endpoint,
+so the peer learns whether the address it announces is reachable from outside (NAT, firewall,
+a wrong --announce-addr). Also the clock and version the prober sees, for `noloco-node doctor`.
+
+A probe can only call grpc.health.v1 Check (nothing else) and at most a few run at once, so a
+node cannot be turned into a relay for arbitrary traffic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from noloco_node.wire.v1 import diag_pb2, diag_pb2_grpc
+
+
+def valid_address(address: str) -> bool:
+    host, sep, port = address.rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536 and len(address) <= 255)
+
+
+async def health_check(address: str, timeout_s: float) -> tuple[bool, str, float]:
+    """Call grpc.health.v1 Check on `address`; returns (serving, detail, round trip seconds)."""
+    start = time.monotonic()
+    async with grpc.aio.insecure_channel(address) as channel:
+        try:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
+                                                                      timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            return False, f"{exc.code().name}: {exc.details()}", time.monotonic() - start
+    rtt = time.monotonic() - start
+    serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+    return serving, "" if serving else f"health status {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}", rtt
+
+
+class DiagnosticsServicer(diag_pb2_grpc.DiagnosticsServicer):
+    def __init__(self, *, run_id: str, version: str, manifest_hash: str, timeout_s: float, max_concurrent: int = 4) -> None:
+        self.run_id, self.version, self.manifest_hash, self.timeout_s = run_id, version, manifest_hash, timeout_s
+        self._slots = asyncio.Semaphore(max_concurrent)
+        self.probes = 0
+
+    async def Probe(self, request: diag_pb2.ProbeRequest, context: grpc.aio.ServicerContext) -> diag_pb2.ProbeReply:
+        arrived = time.time()
+        if request.run_id != self.run_id:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this node serves run {self.run_id!r}")
+        if not valid_address(request.address):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"address {request.address[:80]!r} is not host:port")
+        if self._slots.locked():
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many probes in flight; retry later")
+        async with self._slots:
+            self.probes += 1
+            reachable, detail, rtt = await health_check(request.address, self.timeout_s)
+        return diag_pb2.ProbeReply(reachable=reachable, detail=detail, rtt_s=rtt, server_time=arrived,
+                                   version=self.version, manifest_hash=self.manifest_hash)
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    prober: str
+    reachable: bool
+    detail: str
+    skew_s: float
+    """The prober's clock minus ours (estimated at the midpoint of the call)."""
+    version: str
+    manifest_hash: str
+
+
+async def ask_probe(prober_address: str, *, address: str, run_id: str, timeout_s: float) -> ProbeResult:
+    """Ask the node at `prober_address` to health-check `address`. Raises grpc.aio.AioRpcError
+    when the prober itself cannot be reached or refuses."""
+    async with grpc.aio.insecure_channel(prober_address) as channel:
+        sent = time.time()
+        reply = await diag_pb2_grpc.DiagnosticsStub(channel).Probe(
+            diag_pb2.ProbeRequest(run_id=run_id, address=address), timeout=2 * timeout_s + 1)
+        received = time.time()
+    # The prober stamped its clock on arrival, then spent rtt_s probing: half of the rest is one way.
+    one_way = max(0.0, received - sent - reply.rtt_s) / 2
+    return ProbeResult(prober_address, reply.reachable, reply.detail, reply.server_time - (sent + one_way),
+                       reply.version, reply.manifest_hash)
+
+
+async def probe_from_peers(address: str, probers: list[str], *, run_id: str, timeout_s: float,
+                           wanted: int = 2) -> tuple[list[ProbeResult], list[str]]:
+    """Ask up to `wanted` of `probers` (tried in order) to health-check `address`; returns the
+    answers and the errors of the probers that could not be asked."""
+    results, errors = [], []
+    for prober in probers:
+        if len(results) >= wanted:
+            break
+        try:
+            results.append(await ask_probe(prober, address=address, run_id=run_id, timeout_s=timeout_s))
+        except grpc.aio.AioRpcError as exc:
+            errors.append(f"{prober}: {exc.code().name} {exc.details()}")
+    return results, errors
