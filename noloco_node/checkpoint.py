@@ -25,11 +25,11 @@ def _atomic_write(path: Path, write) -> None:
 
 def collect(stage: nn.Module, inner: InnerOptimizer, outer: OuterState | None) -> tuple[dict[str, Tensor], dict]:
     """A consistent copy of the node's training state (run it on the compute thread)."""
-    tensors = {f"theta/{n}": p.detach().clone().contiguous() for n, p in stage.named_parameters()}
+    tensors = {f"theta/{n}": p.detach().to("cpu", copy=True).contiguous() for n, p in stage.named_parameters()}
     moments, adam_steps = inner.export_moments({id(p): n for n, p in stage.named_parameters()})
-    tensors.update(moments)
+    tensors.update({k: v.to("cpu").contiguous() for k, v in moments.items()})
     if outer is not None:
-        tensors.update({k: v.detach().clone().contiguous() for k, v in outer.state_dict().items()})
+        tensors.update({k: v.detach().to("cpu", copy=True).contiguous() for k, v in outer.state_dict().items()})
     counters = {"inner_step": inner.step_count, "outer_round": outer.round if outer is not None else 0,
                 "adam_steps": adam_steps}
     return tensors, counters

@@ -115,6 +115,10 @@ class PipelineConfig:
     """Wire codec of activations and their gradients: none (exact fp32), bf16 or int8."""
     deterministic: bool = False
     """Debug/oracle mode: microbatches issued one at a time in data order, no shuffling."""
+    device: str = "auto"
+    """Where this stage computes: auto (cuda if torch sees a GPU, else cpu), cpu, cuda or cuda:N."""
+    bf16_autocast: bool = True
+    """On a GPU, run the stage's compute under bf16 autocast (fp32 master weights, phi and m)."""
 
     def __post_init__(self) -> None:
         _require(self.num_stages >= 1, "num_stages", f"must be >= 1, got {self.num_stages}", "use a positive integer")
@@ -126,6 +130,8 @@ class PipelineConfig:
                  f"batch_size {self.batch_size} is not a multiple of microbatch_size {self.microbatch_size}",
                  "make batch_size a multiple of microbatch_size")
         _require(self.max_in_flight >= 1, "max_in_flight", f"must be >= 1, got {self.max_in_flight}", "use e.g. 8")
+        _require(self.device in ("auto", "cpu", "cuda") or (self.device.startswith("cuda:") and self.device[5:].isdigit()),
+                 "device", f"unknown device {self.device!r}", "use auto, cpu, cuda or cuda:N")
         _require(self.activation_codec in CODECS, "activation_codec", f"unknown codec {self.activation_codec!r}",
                  f"use one of {', '.join(CODECS)}")
 

@@ -35,7 +35,7 @@ from noloco_node.rpc.outer_service import OuterClient, OuterServicer, Traffic
 from noloco_node.rpc.server import NodeServer
 from noloco_node.rpc.stage_service import StageClient, StageServicer
 from noloco_node.adapters import DhtMatching, DhtReplicas, GrpcStageTransport
-from noloco_node.runtime.compute import ComputeThread
+from noloco_node.runtime.compute import ComputeThread, compute_device
 from noloco_node.runtime.events import EventLog
 from noloco_node.runtime.memory import tune_allocator
 from noloco_node.sync.noloco import NoLoCoSync
@@ -79,6 +79,8 @@ class Node:
                              num_layers=m.num_layers, num_heads=m.num_heads, max_seq_len=m.seq_len,
                              attn_implementation=m.attn_implementation)
         self.stage = build_stage(llama, seed=cfg.run.seed, stage_index=self.stage_index, num_stages=cfg.pipeline.num_stages)
+        self.device = compute_device(cfg.pipeline.device)
+        self.stage.to(self.device)  # built (and seeded) on CPU, so every device starts from the same phi_0
         inner = cfg.inner
         schedule = InnerSchedule(lr_max=inner.lr, warmup_steps=inner.warmup_steps, total_steps=inner.total_steps,
                                  min_lr_ratio=inner.min_lr_ratio)
@@ -86,7 +88,8 @@ class Node:
                                    weight_decay=inner.weight_decay, clip_norm=inner.clip_norm)
         dp = cfg.outer.method == "dp"
         self.worker = StageWorker(self.stage, optimizer, batch_size=cfg.pipeline.batch_size,
-                                  saved_ttl_s=cfg.timeouts.saved_input_ttl_s, auto_step=self.stage_index != 0 and not dp)
+                                  saved_ttl_s=cfg.timeouts.saved_input_ttl_s, auto_step=self.stage_index != 0 and not dp,
+                                  device=self.device, bf16_autocast=cfg.pipeline.bf16_autocast)
         self.all_reduce = None
         self.dp_counters = None
         if cfg.outer.method in ("diloco", "dp"):

@@ -1,7 +1,7 @@
 """`noloco-node doctor`: preflight checks before `join`, each with what is wrong and the fix.
 
 Checks, in order, with the exit code a failure returns (the first failure's code wins):
-  10 python   Python >= 3.10 and torch import
+  10 python   Python >= 3.11 and torch import
   11 cuda     a GPU torch can use (only a failure with --require-gpu; otherwise informational)
   12 port     the gRPC port (network.port) can be bound on network.host
   13 dht      the bootstrap peers answer within timeouts.startup_s
@@ -62,8 +62,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _python_checks(require_gpu: bool) -> list[Check]:
-    if sys.version_info < (3, 10):
-        return [Check("python", "fail", f"Python {sys.version.split()[0]}", "use Python 3.10 or newer (scripts/setup.sh)")]
+    if sys.version_info < (3, 11):
+        return [Check("python", "fail", f"Python {sys.version.split()[0]}", "use Python 3.11 or newer (scripts/setup.sh)")]
     try:
         import torch
     except ImportError as exc:

@@ -74,8 +74,8 @@ class InnerOptimizer:
         for name, param in named_params:
             if f"adam_exp_avg/{name}" in tensors:
                 self.adam.state[param] = {"step": torch.tensor(float(steps.get(name, 0.0))),
-                                          "exp_avg": tensors[f"adam_exp_avg/{name}"].to(param.dtype).clone(),
-                                          "exp_avg_sq": tensors[f"adam_exp_avg_sq/{name}"].to(param.dtype).clone()}
+                                          "exp_avg": tensors[f"adam_exp_avg/{name}"].to(param.device, param.dtype, copy=True),
+                                          "exp_avg_sq": tensors[f"adam_exp_avg_sq/{name}"].to(param.device, param.dtype, copy=True)}
 
     def clip_gradients(self) -> float:
         """Clip this stage's gradients to clip_norm; returns the norm before clipping."""

@@ -80,8 +80,11 @@ class OuterState:
         with torch.no_grad():
             for name, param in self.params.items():
                 theta = own[name] if own is not None else (frozen[name] if frozen is not None else param.detach())
+                device = self.phi[name].device  # received tensors arrive on the host; phi may live on a GPU
+                received = [(None if phi is None else phi.to(device), theta_peer.to(device))
+                            for phi, theta_peer in (peer[name] for peer in peers)]
                 new_phi, new_m = noloco_step(
-                    self.phi[name], theta, self.momentum[name], [peer[name] for peer in peers],
+                    self.phi[name], theta.to(device), self.momentum[name], received,
                     alpha=self.alpha, beta=self.beta, gamma=self.gamma,
                 )
                 progress = None if frozen is None else param.detach().to(new_phi.dtype) - frozen[name]
@@ -94,7 +97,7 @@ class OuterState:
         """Apply the DiLoCo step given the all-replica mean of theta for every parameter."""
         with torch.no_grad():
             for name in self.params:
-                new_phi, new_m = diloco_step(self.phi[name], self.momentum[name], theta_mean[name],
+                new_phi, new_m = diloco_step(self.phi[name], self.momentum[name], theta_mean[name].to(self.phi[name].device),
                                              alpha=self.alpha, beta=self.beta)
                 self._commit(name, new_phi, new_m)
         self.round += 1
@@ -118,6 +121,6 @@ class OuterState:
                     source = flat[f"{kind}/{name}"]
                     if source.shape != store[name].shape:
                         raise ValueError(f"{kind}/{name}: shape {tuple(source.shape)}, expected {tuple(store[name].shape)}")
-                    store[name] = source.to(store[name].dtype, copy=True)
+                    store[name] = source.to(store[name].device, store[name].dtype, copy=True)
                 self.params[name].data.copy_(self.phi[name])
         self.round = round_index

@@ -6,6 +6,7 @@ checkpointing, as the reference), backpropagate, accumulate, and step the inner 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Hashable
@@ -28,8 +29,12 @@ class StageWorker:
     """Not thread-safe by design: every method runs on the node's single compute thread."""
 
     def __init__(self, stage: LlamaStage, inner: InnerOptimizer, *, batch_size: int, saved_ttl_s: float,
-                 auto_step: bool, clock=time.monotonic) -> None:
+                 auto_step: bool, clock=time.monotonic, device: torch.device | str = "cpu",
+                 bf16_autocast: bool = True) -> None:
         self.stage, self.inner = stage, inner
+        self.device = torch.device(device)
+        # On a GPU: bf16 autocast for the stage's compute; weights, phi and m stay fp32 masters.
+        self.autocast = self.device.type == "cuda" and bf16_autocast
         self.batch_size, self.saved_ttl_s, self.auto_step = batch_size, saved_ttl_s, auto_step
         self.clock = clock
         self.saved: dict[Hashable, Saved] = {}
@@ -42,40 +47,59 @@ class StageWorker:
         """Forward without a graph, keeping `inputs` for the backward's recompute; or, with
         `keep_graph`, keep the autograd graph instead (only safe when no inner step can happen
         before this microbatch's backward, as on stage 0, whose driver steps between batches)."""
+        inputs = self._to_device(inputs)
         saved = Saved(inputs, self.clock())
         self.saved[key] = saved
         if keep_graph:
-            saved.output = self.stage(inputs)
-            return saved.output.detach()
-        with torch.no_grad():
-            return self.stage(inputs)
+            with self._autocast():
+                saved.output = self.stage(inputs)
+            return self._to_host(saved.output.detach())
+        with torch.no_grad(), self._autocast():
+            return self._to_host(self.stage(inputs))
 
     def forward_backward_last(self, inputs: Tensor, labels: Tensor) -> tuple[Tensor, float, int]:
         """Last stage: loss (token mean, scaled by b/B for accumulation), backward; returns
         (grad w.r.t. inputs, unscaled loss, tokens)."""
-        x = inputs.detach().requires_grad_()
-        loss = LlamaStage.loss(self.stage(x), labels)
+        x = self._to_device(inputs).detach().requires_grad_()
+        with self._autocast():
+            loss = LlamaStage.loss(self.stage(x), self._to_device(labels))
         (loss * (inputs.shape[0] / self.batch_size)).backward()
         self._count(inputs.shape[0], labels.numel())
-        return x.grad, float(loss.detach()), labels.numel()
+        return self._to_host(x.grad), float(loss.detach()), labels.numel()
 
     def backward(self, key: Hashable, grad_output: Tensor) -> Tensor | None:
         """Recompute from the saved input and backpropagate `grad_output`; returns the input
         gradient, or None on stage 0 (whose input is token ids)."""
         saved = self.saved.pop(key)
-        inputs = saved.inputs
+        inputs, grad_output = saved.inputs, self._to_device(grad_output)
         if saved.output is not None:
-            saved.output.backward(grad_output)
+            saved.output.backward(grad_output.to(saved.output.dtype))
             grad_input = None if self.stage.is_first else inputs.grad
-        elif self.stage.is_first:
-            self.stage(inputs).backward(grad_output)
-            grad_input = None
         else:
-            x = inputs.detach().requires_grad_()
-            self.stage(x).backward(grad_output)
-            grad_input = x.grad
+            x = inputs if self.stage.is_first else inputs.detach().requires_grad_()
+            with self._autocast():
+                output = self.stage(x)
+            output.backward(grad_output.to(output.dtype))
+            grad_input = None if self.stage.is_first else x.grad
         self._count(inputs.shape[0], inputs.shape[0] * inputs.shape[1])
-        return grad_input
+        return self._to_host(grad_input)
+
+    def _autocast(self):
+        return torch.autocast("cuda", dtype=torch.bfloat16) if self.autocast else contextlib.nullcontext()
+
+    def _to_device(self, tensor: Tensor) -> Tensor:
+        if self.device.type == "cpu":
+            return tensor
+        # Received tensors are host buffers: pin them so the copy is a DMA that overlaps compute.
+        return tensor.pin_memory().to(self.device, non_blocking=True)
+
+    def _to_host(self, tensor: Tensor | None) -> Tensor | None:
+        """Results go to the wire as fp32 host tensors (the codec decides the wire dtype)."""
+        if tensor is None or tensor.device.type == "cpu":
+            return tensor
+        host = torch.empty(tensor.shape, dtype=torch.float32, pin_memory=True)
+        host.copy_(tensor)
+        return host
 
     def _count(self, sequences: int, tokens: int) -> None:
         self.sequences_since_step += sequences
@@ -95,7 +119,7 @@ class StageWorker:
         """Data-parallel: clip this stage's accumulated gradients (per stage, before any
         all-reduce, as the reference), hand them out, and start the next accumulation."""
         self.inner.clip_gradients()
-        grads = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in self.inner.params]
+        grads = [(p.grad.detach() if p.grad is not None else torch.zeros_like(p)).to("cpu", copy=True) for p in self.inner.params]
         for p in self.inner.params:
             p.grad = None
         self.sequences_since_step = max(0, self.sequences_since_step - self.batch_size)
@@ -106,7 +130,7 @@ class StageWorker:
         meanwhile for the next step are kept."""
         pending = [p.grad for p in self.inner.params]
         for p, g in zip(self.inner.params, grads):
-            p.grad = g.to(p.dtype)
+            p.grad = g.to(p.device, p.dtype)
         self.last_lr, _ = self.inner.step(clip=False)
         for p, g in zip(self.inner.params, pending):
             p.grad = g

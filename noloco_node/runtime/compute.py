@@ -35,3 +35,18 @@ class ComputeThread:
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+def compute_device(name: str):
+    """pipeline.device -> torch.device; 'auto' is cuda when torch sees a GPU."""
+    import torch
+
+    from noloco_node.config import ConfigError
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("pipeline.device", f"{name} requested but torch sees no CUDA device",
+                          "use device = 'auto' or 'cpu', or install a CUDA build of torch (see deploy/Dockerfile)")
+    return device

@@ -14,9 +14,9 @@ from noloco_node.optim.state import OuterState
 
 
 def export_state(outer: OuterState, inner: InnerOptimizer, *, inner_step: int) -> tuple[dict[str, Tensor], dict]:
-    tensors = {k: v.detach().clone() for k, v in outer.state_dict().items()}
+    tensors = {k: v.detach().to("cpu", copy=True) for k, v in outer.state_dict().items()}
     moments, adam_steps = inner.export_moments({id(p): n for n, p in outer.params.items()})
-    tensors.update(moments)
+    tensors.update({k: v.to("cpu") for k, v in moments.items()})
     counters = {"inner_step": inner_step, "outer_round": outer.round, "adam_steps": adam_steps}
     return tensors, counters
 
