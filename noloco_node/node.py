@@ -8,14 +8,11 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import os
 import random
 import time
 from pathlib import Path
 
-import torch
 
 from noloco_node import __version__
 from noloco_node.config import ConfigError, NodeConfig
@@ -385,33 +382,9 @@ class Node:
         await self.driver.run(steps, after_step)
 
     def stats(self) -> dict:
-        s = self.runtime.stats
-        out = {"peer_id": self.peer_id, "stage": self.stage_index, "address": self.address,
-               "inner_steps": self.worker.inner_steps, "sequences": self.worker.sequences_total,
-               "tokens": self.worker.tokens_total, "forwards_received": dict(s.forwards_received),
-               "forwards_sent": s.forwards_sent, "backwards_sent": s.backwards_sent, "send_failures": s.send_failures,
-               "dropped_here": s.dropped_here, "expired": s.expired, "busy_answers": s.busy_answers,
-               "bytes_sent": self.client.bytes_sent, "rejected": dict(self.servicer.rejected),
-               "saved_inputs": len(self.worker.saved), "bans": self.bans.total,
-               "in_flight": len(self.runtime.in_flight), "bytes_received": self.servicer.bytes_received,
-               "tokens_per_s": self.worker.tokens_total / max(1e-6, time.monotonic() - self.started_at)}
-        counters = self.sync.counters if self.sync is not None else self.dp_counters
-        if counters is not None:
-            out["outer"] = {k: v for k, v in vars(counters).items() if k != "history"}
-            out["outer_history"] = counters.history
-            out["bytes_sent_outer"] = self.outer_bytes_sent()
-        if self.sync is not None:
-            out["outer_round"] = self.outer_round
-            out["fetched_state"] = self.fetched_state
-        out["resumed_from"] = self.resumed_from
-        if self.driver is not None:
-            c = self.driver.counters
-            out["microbatches"] = {"issued": c.issued, "completed": c.completed, "reissued": c.reissued, "dropped": c.dropped}
-            out["losses"] = self.driver.log.losses
-            out["lrs"] = self.driver.log.lrs
-            out["step_times"] = self.driver.log.step_times
-            out["reissued_sequences"] = self.driver.log.reissued_sequences
-        return out
+        from noloco_node.report import node_stats
+
+        return node_stats(self)
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Withdraw the DHT record (status leaving), finish a running outer step, drain the
@@ -452,17 +425,6 @@ class Node:
         self.events.close()
 
     def write_outputs(self, out_dir: Path) -> None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        name = f"stage{self.stage_index}-{self.peer_id[-8:]}"
-        tmp = out_dir / f".{name}.json.tmp{os.getpid()}"
-        tmp.write_text(json.dumps(self.stats(), indent=1))
-        os.replace(tmp, out_dir / f"{name}.json")
-        if self.save_weights:
-            from safetensors.torch import save_file
+        from noloco_node.report import write_outputs
 
-            save_file({k: v.detach().contiguous() for k, v in self.stage.state_dict().items()},
-                      str(out_dir / f"{name}.safetensors"))
-            if self.sync is not None:
-                tensors, counters = export_state(self.outer_state, self.worker.inner, inner_step=self.worker.inner_steps)
-                save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / f"{name}.outer.safetensors"),
-                          metadata={"counters": counters_json(counters)})
+        write_outputs(self, out_dir)

@@ -1,0 +1,60 @@
+"""What a node writes about itself: its stats (for the stats file, /metrics, experiments) and,
+on request, its weights. `self` is the Node; kept apart so node.py stays the wiring only."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from noloco_node.sync.transfer import counters_json, export_state
+
+
+def node_stats(self) -> dict:
+    """Everything a node reports about itself: the stats file, /metrics and experiments read it."""
+    s = self.runtime.stats
+    out = {"peer_id": self.peer_id, "stage": self.stage_index, "address": self.address,
+           "inner_steps": self.worker.inner_steps, "sequences": self.worker.sequences_total,
+           "tokens": self.worker.tokens_total, "forwards_received": dict(s.forwards_received),
+           "forwards_sent": s.forwards_sent, "backwards_sent": s.backwards_sent, "send_failures": s.send_failures,
+           "dropped_here": s.dropped_here, "expired": s.expired, "busy_answers": s.busy_answers,
+           "bytes_sent": self.client.bytes_sent, "rejected": dict(self.servicer.rejected),
+           "saved_inputs": len(self.worker.saved), "bans": self.bans.total,
+           "in_flight": len(self.runtime.in_flight), "bytes_received": self.servicer.bytes_received,
+           "tokens_per_s": self.worker.tokens_total / max(1e-6, time.monotonic() - self.started_at)}
+    counters = self.sync.counters if self.sync is not None else self.dp_counters
+    if counters is not None:
+        out["outer"] = {k: v for k, v in vars(counters).items() if k != "history"}
+        out["outer_history"] = counters.history
+        out["bytes_sent_outer"] = self.outer_bytes_sent()
+    if self.sync is not None:
+        out["outer_round"] = self.outer_round
+        out["fetched_state"] = self.fetched_state
+    out["resumed_from"] = self.resumed_from
+    if self.driver is not None:
+        c = self.driver.counters
+        out["microbatches"] = {"issued": c.issued, "completed": c.completed, "reissued": c.reissued, "dropped": c.dropped}
+        out["losses"] = self.driver.log.losses
+        out["lrs"] = self.driver.log.lrs
+        out["step_times"] = self.driver.log.step_times
+        out["reissued_sequences"] = self.driver.log.reissued_sequences
+    return out
+
+
+def write_outputs(self, out_dir: Path) -> None:
+    """The stats JSON (and, with save_weights, theta and the outer state) under out_dir."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    name = f"stage{self.stage_index}-{self.peer_id[-8:]}"
+    tmp = out_dir / f".{name}.json.tmp{os.getpid()}"
+    tmp.write_text(json.dumps(self.stats(), indent=1))
+    os.replace(tmp, out_dir / f"{name}.json")
+    if self.save_weights:
+        from safetensors.torch import save_file
+
+        save_file({k: v.detach().contiguous() for k, v in self.stage.state_dict().items()},
+                  str(out_dir / f"{name}.safetensors"))
+        if self.sync is not None:
+            tensors, counters = export_state(self.outer_state, self.worker.inner, inner_step=self.worker.inner_steps)
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / f"{name}.outer.safetensors"),
+                      metadata={"counters": counters_json(counters)})
