@@ -17,46 +17,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-
-def run_round(method: str, n: int, args, root: Path) -> list[dict]:
-    work = root / f"{method}-{n}"
-    work.mkdir(parents=True)
-    go = work / "go"
-    procs, maddr = [], None
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    try:
-        for i in range(n):
-            ready = work / f"p{i}.ready"
-            cmd = [sys.executable, "-m", "noloco_node.experiments.outer_peer", "--numel", str(args.numel), "--seed", str(i),
-                   "--method", method, "--codec", args.codec, "--match-s", str(args.match_s),
-                   "--matchmaking-s", str(args.matchmaking_s), "--group-size", str(n), "--out", str(work / f"p{i}.out"),
-                   "--ready-file", str(ready), "--go-file", str(go)]
-            if maddr:
-                cmd += ["--initial-peers", maddr]
-            log = open(work / f"p{i}.log", "w")
-            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True))
-            deadline = time.monotonic() + 120
-            while not ready.exists():
-                if procs[-1].poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError((work / f"p{i}.log").read_text()[-2000:])
-                time.sleep(0.05)
-            maddr = maddr or json.loads(ready.read_text())["maddrs"][0]
-        time.sleep(1.0)  # let every DHT record propagate
-        go.touch()
-        for proc in procs:
-            proc.wait(timeout=args.match_s + 120)
-        return [json.loads((work / f"p{i}.out.json").read_text()) for i in range(n)]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+from noloco_node.experiments.outer_rounds import run_round
 
 
 def main() -> None:
@@ -75,7 +39,8 @@ def main() -> None:
         for n in args.sizes:
             results = {}
             for method in ("noloco", "diloco"):
-                out = run_round(method, n, args, Path(tmp))
+                out = run_round(method, n, Path(tmp) / f"{method}-{n}", numel=args.numel, codec=args.codec,
+                                match_s=args.match_s, matchmaking_s=args.matchmaking_s)
                 seconds = [r["history"][0]["seconds"] for r in out]
                 mb = statistics.mean(r["bytes_sent"] for r in out) / 1e6
                 outcomes = {o: sum(r["outcome"] == o for r in out) for o in ("paired", "solo")}

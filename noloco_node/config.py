@@ -214,13 +214,17 @@ class NetworkConfig:
     dht_port: int = 0
     metrics_port: int | None = None
     """Prometheus /metrics port on `host`; None = off, 0 = any free port."""
+    allreduce_port: int = 0
+    """diloco/dp: TCP port of the all-reduce's hivemind peer (0 = any)."""
+    allreduce_announce: str | None = None
+    """diloco/dp: host:port other replicas dial for the all-reduce (e.g. a WAN relay); None = direct."""
     check_reachability: bool = True
     """At join, ask live peers to dial our announced address and fail (exit 4) if none can."""
 
     def __post_init__(self) -> None:
         if self.metrics_port is not None:
             _require(0 <= self.metrics_port <= 65535, "metrics_port", f"{self.metrics_port} is not a TCP port", "use 0..65535")
-        for name in ("port", "dht_port"):
+        for name in ("port", "dht_port", "allreduce_port"):
             _require(0 <= getattr(self, name) <= 65535, name, f"{getattr(self, name)} is not a TCP port", "use 0..65535")
         if self.announce_addr is not None:
             host, _, port = self.announce_addr.rpartition(":")

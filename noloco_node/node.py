@@ -63,6 +63,7 @@ class Node:
         self.metrics = None
         self.fetched_state: dict | None = None
         self.resumed_from: dict | None = None
+        self.snapshot_every, self.snapshot_dir = 0, None  # experiments: keep theta every K inner steps
 
     async def start(self) -> None:
         cfg = self.config
@@ -97,7 +98,8 @@ class Node:
             self.all_reduce = HivemindAllReduce(
                 [p.shape for p in self.stage.parameters()], initial_peers=list(cfg.network.initial_peers),
                 host=cfg.network.host, prefix=f"{key_prefix(cfg.run.run_id)}_stage{self.stage_index}_{cfg.outer.method}",
-                target_group_size=cfg.outer.allreduce_group_size or 64, matchmaking_s=cfg.timeouts.match_s)
+                target_group_size=cfg.outer.allreduce_group_size or 64, matchmaking_s=cfg.timeouts.match_s,
+                port=cfg.network.allreduce_port, announce=cfg.network.allreduce_announce)
 
         self.server = NodeServer(cfg.network.host, cfg.network.port)
         self.client = StageClient(run_id=cfg.run.run_id, manifest_hash=self.manifest_hash, codec=cfg.pipeline.activation_codec,
@@ -149,14 +151,19 @@ class Node:
             self.metrics_port = self.metrics.serve(cfg.network.host, cfg.network.metrics_port)
         self.fetched_state = None
         self.resumed_from = None
+        if cfg.outer.method != "dp" and self.stage_index > 0:
+            # Checkpoints, events, snapshots (and outer steps) for every method; stage 0's driver
+            # and dp's _dp_step call the hook themselves.
+            self.runtime.on_inner_step = self._on_inner_step
         if cfg.checkpoint.dir is not None:
-            self.runtime.on_inner_step = self._on_inner_step  # checkpoints for every method
             self.resumed_from = await self._resume()
         if self.resumed_from is None and isinstance(self.sync, NoLoCoSync):
             await self._fetch_state()
         self.status = "serving"
         await self.announce()
         self._spawn(self._heartbeat())
+        if self.snapshot_every:
+            await self.save_snapshot(self.worker.inner_steps)
         self.events.bind(peer=self.peer_id, stage=self.stage_index)
         self.events.emit("started", address=self.address, manifest_hash=self.manifest_hash, method=cfg.outer.method,
                          resumed_from=self.resumed_from, fetched_state=self.fetched_state)
@@ -260,6 +267,8 @@ class Node:
         c.mixed_rounds += not same
         c.history.append({"round": step, "outcome": "paired" if group > 1 else "solo", "group": group,
                           "same_round": same, "seconds": time.monotonic() - start})
+        if self.stage_index > 0:  # stage 0's driver reports its steps itself
+            await self._on_inner_step(self.worker.inner_steps)
         return lr
 
     async def _set_status(self, status: str, round_index: int) -> None:
@@ -276,6 +285,18 @@ class Node:
                 self.events.emit("outer_round", inner_step=inner_step, **self.sync.counters.history[-1])
         if self.config.checkpoint.dir is not None and inner_step % self.config.checkpoint.every_steps == 0:
             await self.save_checkpoint()
+        if self.snapshot_every and inner_step % self.snapshot_every == 0:
+            await self.save_snapshot(inner_step)
+
+    async def save_snapshot(self, inner_step: int) -> None:
+        """theta at `inner_step` as stage{s}-{peer}-step{k}.safetensors (experiments evaluate them)."""
+        from safetensors.torch import save_file
+
+        tensors = await self.compute.run(lambda: {n: p.detach().to("cpu", copy=True).contiguous()
+                                                  for n, p in self.stage.named_parameters()})
+        self.snapshot_dir.mkdir(parents=True, exist_ok=True)
+        name = f"stage{self.stage_index}-{self.peer_id[-8:]}-step{inner_step}.safetensors"
+        await asyncio.to_thread(save_file, tensors, str(self.snapshot_dir / name))
 
     async def save_checkpoint(self) -> None:
         from noloco_node import checkpoint

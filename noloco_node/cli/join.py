@@ -33,6 +33,9 @@ def register(subparsers) -> None:
     p.add_argument("--save-weights", action="store_true")
     p.add_argument("--ready-file", help="write {peer_id, address, stage, inner_step, in_flight} here once serving, "
                    "refreshed every 0.1 s (for launchers and tests)")
+    p.add_argument("--snapshot-every", type=int, default=0, metavar="K",
+                   help="experiments: save theta every K inner steps (and at start) under --snapshot-dir")
+    p.add_argument("--snapshot-dir", help="where --snapshot-every writes stage{s}-{peer}-step{k}.safetensors")
     p.set_defaults(run=run)
 
 
@@ -62,6 +65,8 @@ async def _serve(config, args: argparse.Namespace) -> int:
 
     stop = stop_on_signals()
     node = Node(config, out_dir=Path(args.out) if args.out else None, save_weights=args.save_weights)
+    if args.snapshot_every:
+        node.snapshot_every, node.snapshot_dir = args.snapshot_every, Path(args.snapshot_dir or "snapshots")
     await node.start()
     setup_logging(logging.getLevelName(logging.getLogger().level), prefix=f"{node.peer_id[-6:]} s{node.stage_index}")
     maddrs = await node.directory.visible_maddrs()

@@ -26,7 +26,7 @@ from torch import nn
 from noloco_node import __version__
 from noloco_node.dht.directory import DirectoryIdentity, PeerDirectory
 from noloco_node.dht.records import StageRecord
-from noloco_node.node import DhtMatching
+from noloco_node.adapters import DhtMatching
 from noloco_node.optim.state import OuterState
 from noloco_node.pipeline.router import Bans
 from noloco_node.rpc import outer_service
@@ -56,6 +56,10 @@ def parse() -> argparse.Namespace:
     p.add_argument("--match-s", type=float, default=5.0)
     p.add_argument("--matchmaking-s", type=float, default=1.0, help="diloco: hivemind's minimum matchmaking time")
     p.add_argument("--group-size", type=int, default=64, help="diloco: hivemind's target group size")
+    p.add_argument("--port", type=int, default=0, help="gRPC port (0 = any)")
+    p.add_argument("--announce-addr", help="host:port peers dial for our gRPC server (e.g. a WAN relay)")
+    p.add_argument("--dht-port", type=int, default=0, help="diloco: the all-reduce peer's port")
+    p.add_argument("--dht-announce", help="diloco: host:port peers dial for the all-reduce (e.g. a WAN relay)")
     p.add_argument("--poison", choices=["nan", "scale"])
     p.add_argument("--die-after-writes", type=int, default=0)
     return p.parse_args()
@@ -104,10 +108,10 @@ async def main(args: argparse.Namespace) -> None:
         peers = args.initial_peers or await directory.visible_maddrs()
         # The DHT in a thread (it pings ours, which needs this loop running); the averager on
         # the main thread (hivemind installs signal handlers there).
-        dht = await asyncio.to_thread(HivemindAllReduce.start_dht, peers, "127.0.0.1")
+        dht = await asyncio.to_thread(HivemindAllReduce.start_dht, peers, "127.0.0.1", args.dht_port, args.dht_announce)
         all_reduce = HivemindAllReduce([model.w.shape], initial_peers=peers, host="127.0.0.1", prefix="outer_test_diloco",
                                        target_group_size=args.group_size, matchmaking_s=args.matchmaking_s, dht=dht)
-    compute, bans, server = ComputeThread(), Bans(), NodeServer("127.0.0.1", 0)
+    compute, bans, server = ComputeThread(), Bans(), NodeServer("127.0.0.1", args.port)
     status = {"status": "serving", "round": 0, "address": ""}
 
     async def set_status(value: str, round_index: int) -> None:
@@ -129,7 +133,7 @@ async def main(args: argparse.Namespace) -> None:
         server.add_outer(OuterServicer(sync, run_id=RUN, manifest_hash=MANIFEST, stage=0, max_bytes=max_bytes,
                                        timeout_s=args.match_s, traffic=traffic))
     port = await server.start()
-    status["address"] = f"127.0.0.1:{port}"
+    status["address"] = args.announce_addr or f"127.0.0.1:{port}"
     await set_status("serving", 0)
     Path(args.ready_file).write_text(json.dumps({"peer_id": directory.peer_id, "address": status["address"],
                                                  "maddrs": await directory.visible_maddrs()}))

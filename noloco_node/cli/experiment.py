@@ -1,0 +1,40 @@
+"""`noloco-node experiment`: a grid of local swarms behind emulated WAN links (method x replicas x
+stages x network profile x seed), with validation loss, outer-sync time vs N, bytes, replica
+spread vs learning rate and idle time, written as CSV, PNG plots and report.md.
+See examples/experiment.toml for a scenario file."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("experiment", help="run a WAN latency experiment grid and write a report",
+                              description=__doc__)
+    p.add_argument("scenario", nargs="?", help="scenario TOML (default: built-in defaults)")
+    p.add_argument("--out", default="runs/experiment", help="output folder (default runs/experiment)")
+    p.add_argument("--methods", nargs="+", choices=["noloco", "diloco", "dp"], help="override scenario.methods")
+    p.add_argument("--steps", type=int, help="override scenario.steps")
+    p.add_argument("--seeds", type=int, nargs="+", help="override scenario.seeds")
+    p.add_argument("--outer-sync-sizes", type=int, nargs="+", help="override scenario.outer_sync_sizes")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from noloco_node.experiments.scenario import load_scenario
+
+    scenario = load_scenario(args.scenario, methods=args.methods, steps=args.steps, seeds=args.seeds,
+                             outer_sync_sizes=args.outer_sync_sizes)
+    from noloco_node.experiments.runner import run_experiment
+
+    command = "noloco-node " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["experiment"] \
+        else f"noloco-node experiment {args.scenario or ''} --out {args.out}"
+    result = run_experiment(scenario, Path(args.out), command)
+    failed = [r["cell"] for r in result["cells"] if r["status"] != "ok"]
+    if failed:
+        print(f"noloco-node: {len(failed)} cell(s) failed: {', '.join(failed)} (see the report)", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,123 @@
+"""One cell of an experiment grid: a local swarm (bootstrap + D x P node processes) whose every
+node sits behind a WAN relay with the cell's profile (the node announces the relay's address,
+for gRPC and, for the all-reduce baselines, for hivemind), trained for `steps` inner steps; then
+its events, stats and theta snapshots are reduced to one results row and a few curves."""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from pathlib import Path
+
+from noloco_node.config import load_config
+from noloco_node.experiments.evaluate import evaluate_snapshots, pearson
+from noloco_node.experiments.launcher import LocalSwarm
+from noloco_node.experiments.ports import RelayProcess, free_ports
+from noloco_node.experiments.scenario import Cell, Scenario
+from noloco_node.runtime.events import read_events
+
+
+def cell_overrides(scenario: Scenario, cell: Cell) -> list[str]:
+    values = {f"{k}": v for k, v in scenario.overrides.items()}
+    values.update({"run.run_id": cell.name, "run.seed": cell.seed, "outer.method": cell.method,
+                   "pipeline.num_stages": cell.stages, "log.progress": "off"})
+    if cell.method in ("diloco", "dp"):
+        values["outer.allreduce_group_size"] = cell.replicas
+    return [f"{k}={v}" for k, v in values.items()]
+
+
+def run_cell(scenario: Scenario, cell: Cell, out_dir: Path) -> dict:
+    """Run the cell; returns {'row': results row, 'curves': per-step series}. Raises on failure."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    overrides = cell_overrides(scenario, cell)
+    config = load_config(overrides=overrides)
+    events_dir, snapshots = out_dir / "events", out_dir / "snapshots"
+    slots = [(s, d) for s in range(cell.stages) for d in range(cell.replicas)]
+    ports = free_ports(4 * len(slots))
+    grpc, grpc_relay, ar, ar_relay = (ports[i * len(slots):(i + 1) * len(slots)] for i in range(4))
+    routes = dict(zip(grpc_relay, grpc)) | (dict(zip(ar_relay, ar)) if cell.method in ("diloco", "dp") else {})
+    relay = RelayProcess(cell.profile, routes, out_dir)
+    swarm = LocalSwarm(out_dir / "swarm", overrides=overrides, threads=scenario.threads, startup_timeout_s=120)
+    started = time.time()
+    try:
+        swarm.start_bootstrap()
+
+        def start(slot_index: int, *extra: str):
+            s, d = slots[slot_index]
+            args = ["--port", str(grpc[slot_index]), "--announce-addr", f"127.0.0.1:{grpc_relay[slot_index]}",
+                    "--events", str(events_dir / f"stage{s}-r{d}.jsonl"), "--snapshot-every", str(scenario.eval_every),
+                    "--snapshot-dir", str(snapshots), *extra]
+            if cell.method in ("diloco", "dp"):
+                args += ["--set", f"network.allreduce_port={ar[slot_index]}",
+                         "--set", f"network.allreduce_announce=127.0.0.1:{ar_relay[slot_index]}"]
+            return swarm.start_node(s, d, *args)
+
+        servers = [start(i) for i, (s, _) in enumerate(slots) if s > 0]
+        swarm.wait_ready(servers)
+        drivers = [start(i, "--steps", str(scenario.steps), "--wait-replicas", str(cell.replicas))
+                   for i, (s, _) in enumerate(slots) if s == 0]
+        swarm.wait_ready(drivers)
+        swarm.wait_exit(drivers, timeout_s=scenario.cell_timeout_s)
+        failed = [n.label for n in drivers if n.proc.returncode != 0]
+        if failed:
+            raise RuntimeError(f"{', '.join(failed)} exited with an error; see {out_dir / 'swarm' / 'logs'}")
+    finally:
+        swarm.stop()
+        relay.stop()
+    wall_s = time.time() - started
+    return summarize(scenario, cell, config, swarm, events_dir, snapshots, wall_s)
+
+
+def summarize(scenario: Scenario, cell: Cell, config, swarm: LocalSwarm, events_dir: Path, snapshots: Path,
+              wall_s: float) -> dict:
+    stats = swarm.node_stats()
+    by_slot = {(n.stage, n.replica): n.info["peer_id"] for n in swarm.nodes}
+    columns = [[by_slot[(s, d)][-8:] for s in range(cell.stages)] for d in range(cell.replicas)]
+    evals = evaluate_snapshots(config, snapshots, columns, eval_sequences=scenario.eval_sequences)
+
+    drivers = [read_events(events_dir / f"stage0-r{d}.jsonl") for d in range(cell.replicas)]
+    t0 = max(next(e["ts"] for e in ev if e["event"] == "started") for ev in drivers)
+    steps: dict[int, dict] = {}
+    for ev in drivers:
+        for e in ev:
+            if e["event"] == "inner_step":
+                entry = steps.setdefault(e["inner_step"], {"loss": [], "lr": [], "t": []})
+                entry["loss"].append(e.get("loss", math.nan))
+                entry["lr"].append(e["lr"])
+                entry["t"].append(e["ts"] - t0)
+    train = [{"step": k, "train_loss": statistics.fmean(v["loss"]), "lr": statistics.fmean(v["lr"]),
+              "wall_s": statistics.fmean(v["t"])} for k, v in sorted(steps.items())]
+    by_step = {row["step"]: row for row in train}
+    for row in evals:
+        row["wall_s"] = by_step.get(row["step"], {}).get("wall_s", 0.0)
+        row["lr"] = by_step.get(row["step"], {}).get("lr", math.nan)
+
+    idle, node_bytes = [], []
+    for path in events_dir.glob("*.jsonl"):
+        steps_seen = [e for e in read_events(path) if e["event"] == "inner_step"]
+        if len(steps_seen) > 1:  # between the first and the last inner step: training only, not start-up
+            first, last = steps_seen[0], steps_seen[-1]
+            busy, wait = last["busy_s"] - first["busy_s"], last["idle_s"] - first["idle_s"]
+            idle.append(wait / max(1e-9, busy + wait))
+    for s in stats.values():
+        node_bytes.append(s.get("bytes_sent", 0) + s.get("bytes_sent_outer", 0))
+    driver_stats = [stats[by_slot[(0, d)]] for d in range(cell.replicas)]
+    mb = {k: sum(s["microbatches"][k] for s in driver_stats) for k in ("issued", "completed", "reissued", "dropped")}
+    outer = [s["outer"] for s in stats.values() if "outer" in s]
+    after_warmup = [r for r in evals if r["step"] > 0]
+    row = {
+        "cell": cell.name, "method": cell.method, "replicas": cell.replicas, "stages": cell.stages,
+        "profile": cell.profile.name, "seed": cell.seed, "status": "ok", "steps": scenario.steps,
+        "final_val_loss": evals[-1]["val_loss"] if evals else math.nan,
+        "final_train_loss": train[-1]["train_loss"] if train else math.nan,
+        "wall_s": round(wall_s, 2), "train_wall_s": round(train[-1]["wall_s"], 2) if train else math.nan,
+        "bytes_per_node": statistics.fmean(node_bytes) if node_bytes else 0.0,
+        "idle_fraction": statistics.fmean(idle) if idle else math.nan,
+        "final_spread": evals[-1]["spread"] if evals else math.nan,
+        "spread_lr_pearson": pearson([r["spread"] for r in after_warmup], [r["lr"] for r in after_warmup]),
+        "outer_rounds": sum(o.get("rounds", 0) for o in outer), "outer_paired": sum(o.get("paired", 0) for o in outer),
+        "outer_solo": sum(o.get("solo", 0) for o in outer),
+        **{f"mb_{k}": v for k, v in mb.items()},
+    }
+    return {"row": row, "evals": evals, "train": train}

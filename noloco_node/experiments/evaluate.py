@@ -1,0 +1,107 @@
+"""Validation loss and replica weight spread from the theta snapshots the nodes of a cell wrote
+(`join --snapshot-every K`), computed as noloco-reference.md section 7 does:
+
+- validation loss: replica column d is evaluated with *fixed routing* (replica d of every stage)
+  on the same held-out windows; the reported loss is the mean over the D columns (the average
+  loss of the replica ensemble, not the loss of averaged weights);
+- spread sigma: sqrt( sum over stages, replicas, parameters of (theta - mean_d theta)^2 /
+  (D x total parameters) ), the RMS deviation of each replica from the replica mean.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from noloco_node.config import NodeConfig
+from noloco_node.data.loader import PackedSequences
+from noloco_node.manifest import load_run_inputs
+from noloco_node.model.stage import LlamaStage, build_stage, llama_config
+
+SNAPSHOT = re.compile(r"stage(\d+)-(\w{8})-step(\d+)\.safetensors$")
+
+
+def held_out_windows(config: NodeConfig, count: int) -> tuple[torch.Tensor, torch.Tensor, object]:
+    corpus, tokenizer, _ = load_run_inputs(config)
+    windows = PackedSequences(corpus, tokenizer, seq_len=config.model.seq_len, split="validation",
+                              holdout_fraction=config.data.holdout_fraction, seed=config.run.seed, shuffle_buffer=0)
+    inputs, labels = [], []
+    for x, y in windows:
+        inputs.append(x)
+        labels.append(y)
+        if len(inputs) == count:
+            break
+    if not inputs:
+        raise ValueError("data.holdout_fraction: no held-out window for validation; raise data.holdout_fraction")
+    return torch.stack(inputs), torch.stack(labels), tokenizer
+
+
+def _index(snapshot_dir: Path) -> dict[int, dict[tuple[int, str], Path]]:
+    """step -> {(stage, short peer id): file}."""
+    found: dict[int, dict[tuple[int, str], Path]] = {}
+    for path in snapshot_dir.glob("stage*-step*.safetensors"):
+        m = SNAPSHOT.search(path.name)
+        if m:
+            found.setdefault(int(m.group(3)), {})[(int(m.group(1)), m.group(2))] = path
+    return found
+
+
+def evaluate_snapshots(config: NodeConfig, snapshot_dir: Path, columns: list[list[str]], *,
+                       eval_sequences: int) -> list[dict]:
+    """`columns[d][s]` is the short peer id (last 8 chars) of replica d's stage-s node. Returns one
+    row per step that every column has a snapshot of: step, val_loss (ensemble mean), spread."""
+    inputs, labels, tokenizer = held_out_windows(config, eval_sequences)
+    m, p = config.model, config.pipeline
+    llama = llama_config(vocab_size=len(tokenizer), hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
+                         num_layers=m.num_layers, num_heads=m.num_heads, max_seq_len=m.seq_len,
+                         attn_implementation=m.attn_implementation)
+    stages = [build_stage(llama, seed=config.run.seed, stage_index=s, num_stages=p.num_stages) for s in range(p.num_stages)]
+    for stage in stages:
+        stage.eval()
+    rows = []
+    for step, files in sorted(_index(snapshot_dir).items()):
+        wanted = [[files.get((s, peer)) for s, peer in enumerate(column)] for column in columns]
+        if any(f is None for column in wanted for f in column):
+            continue  # a node left before this step: the step is not comparable
+        weights = [[load_file(str(f)) for f in column] for column in wanted]
+        losses = []
+        with torch.no_grad():
+            for column in weights:
+                for stage, tensors in zip(stages, column):
+                    for name, param in stage.named_parameters():
+                        param.copy_(tensors[name])
+                hidden = inputs
+                for stage in stages:
+                    hidden = stage(hidden)
+                losses.append(float(LlamaStage.loss(hidden, labels)))
+        rows.append({"step": step, "val_loss": sum(losses) / len(losses), "column_losses": losses,
+                     "spread": weight_spread(weights)})
+    return rows
+
+
+def weight_spread(weights: list[list[dict[str, torch.Tensor]]]) -> float:
+    """sigma over replicas (outer list) of every stage's tensors (inner list of name -> tensor)."""
+    replicas = len(weights)
+    total_sq, total_params = 0.0, 0
+    for s in range(len(weights[0])):
+        for name in weights[0][s]:
+            stacked = torch.stack([weights[d][s][name].double() for d in range(replicas)])
+            total_sq += float((stacked - stacked.mean(0)).pow(2).sum())
+            total_params += stacked[0].numel()
+    return math.sqrt(total_sq / (replicas * total_params))
+
+
+def pearson(xs: list[float], ys: list[float]) -> float:
+    n = len(xs)
+    if n < 3:
+        return float("nan")
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    syy = sum((y - my) ** 2 for y in ys)
+    if sxx == 0 or syy == 0:
+        return float("nan")
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / math.sqrt(sxx * syy)

@@ -1,0 +1,63 @@
+"""One outer round among N replicas of a stage, each peer a process
+(experiments/outer_peer.py), optionally every peer behind a WAN relay: NoLoCo's pairwise
+exchange over gRPC, DiLoCo's all-reduce over hivemind (its peer announces the relay address).
+Used by benchmarks/outer_sync.py and by `noloco-node experiment`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from noloco_node.experiments.ports import RelayProcess, free_ports
+from noloco_node.netem.relay import LinkProfile
+
+
+def run_round(method: str, n: int, work: Path, *, numel: int, codec: str = "bf16", match_s: float = 10.0,
+              matchmaking_s: float = 1.0, profile: LinkProfile | None = None) -> list[dict]:
+    """Each peer's result dict (outcome, bytes_sent, history with the round's seconds)."""
+    work.mkdir(parents=True, exist_ok=True)
+    go = work / "go"
+    go.unlink(missing_ok=True)
+    procs, maddr, relay = [], None, None
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    ports = free_ports(4 * n)
+    grpc_ports, grpc_relays, dht_ports, dht_relays = (ports[i * n:(i + 1) * n] for i in range(4))
+    try:
+        if profile is not None:
+            routes = dict(zip(grpc_relays, grpc_ports)) | dict(zip(dht_relays, dht_ports))
+            relay = RelayProcess(profile, routes, work)
+        for i in range(n):
+            ready = work / f"p{i}.ready"
+            cmd = [sys.executable, "-m", "noloco_node.experiments.outer_peer", "--numel", str(numel), "--seed", str(i),
+                   "--method", method, "--codec", codec, "--match-s", str(match_s), "--matchmaking-s", str(matchmaking_s),
+                   "--group-size", str(n), "--out", str(work / f"p{i}.out"), "--ready-file", str(ready),
+                   "--go-file", str(go)]
+            if relay is not None:
+                cmd += ["--port", str(grpc_ports[i]), "--announce-addr", f"127.0.0.1:{grpc_relays[i]}",
+                        "--dht-port", str(dht_ports[i]), "--dht-announce", f"127.0.0.1:{dht_relays[i]}"]
+            if maddr:
+                cmd += ["--initial-peers", maddr]
+            log = open(work / f"p{i}.log", "w")
+            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True))
+            deadline = time.monotonic() + 120
+            while not ready.exists():
+                if procs[-1].poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError((work / f"p{i}.log").read_text()[-2000:])
+                time.sleep(0.05)
+            maddr = maddr or json.loads(ready.read_text())["maddrs"][0]
+        time.sleep(1.0)  # let every DHT record propagate
+        go.touch()
+        for proc in procs:
+            proc.wait(timeout=match_s + 120)
+        return [json.loads((work / f"p{i}.out.json").read_text()) for i in range(n)]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        if relay is not None:
+            relay.stop()
