@@ -135,8 +135,11 @@ async def main(args: argparse.Namespace) -> None:
     port = await server.start()
     status["address"] = args.announce_addr or f"127.0.0.1:{port}"
     await set_status("serving", 0)
-    Path(args.ready_file).write_text(json.dumps({"peer_id": directory.peer_id, "address": status["address"],
-                                                 "maddrs": await directory.visible_maddrs()}))
+    # Atomically (temp file + rename): launchers poll for the file and read it as soon as it exists.
+    tmp = f"{args.ready_file}.tmp{os.getpid()}"
+    Path(tmp).write_text(json.dumps({"peer_id": directory.peer_id, "address": status["address"],
+                                     "maddrs": await directory.visible_maddrs()}))
+    os.replace(tmp, args.ready_file)
     while not os.path.exists(args.go_file):
         await asyncio.sleep(0.02)
     log.info("round starts")
