@@ -62,6 +62,14 @@ def run_cell(scenario: Scenario, cell: Cell, out_dir: Path) -> dict:
         failed = [n.label for n in drivers if n.proc.returncode != 0]
         if failed:
             raise RuntimeError(f"{', '.join(failed)} exited with an error; see {out_dir / 'swarm' / 'logs'}")
+        if scenario.steps % scenario.eval_every == 0:
+            # Stages > 0 take their last step (and outer step) in the background after stage 0 exits:
+            # give them a bounded moment to write the last snapshot before they are stopped.
+            deadline = time.monotonic() + 30
+            while len(list(snapshots.glob(f"stage*-step{scenario.steps}.safetensors"))) < len(slots):
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
     finally:
         swarm.stop()
         relay.stop()

@@ -92,6 +92,6 @@ def write_report(out: Path, scenario: Scenario, rows: list[dict], sync_rows: lis
               "![validation loss](validation_loss.png)", "", "![outer sync vs N](outer_sync_vs_n.png)", "",
               "![bytes per node](bytes_per_node.png)", "", "![spread vs lr](spread_vs_lr.png)", "", "![idle time](idle_time.png)", "",
               "Files: `scenario.json` (resolved scenario), `link_check.json`, `results.csv` (one row per cell), "
-              "`outer_sync.csv`, `curves.json`, `cells/<cell>/events/*.jsonl` (per-node events), "
-              "`cells/<cell>/swarm/logs/`.", ""]
+              "`outer_sync.csv`, `curves.json`, `cells/<cell>/events/*.jsonl` (per-node events); node logs, stats and theta "
+              "snapshots are under `cells/<cell>/swarm/` and `cells/<cell>/snapshots/` (not committed for the example).", ""]
     (out / "report.md").write_text("\n".join(lines))

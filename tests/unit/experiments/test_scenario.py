@@ -1,0 +1,54 @@
+"""Scenario files, the grid they expand to, and the spread / correlation math of the report."""
+
+import math
+
+import pytest
+import torch
+
+from noloco_node.config import ConfigError
+from noloco_node.experiments.evaluate import pearson, weight_spread
+from noloco_node.experiments.scenario import load_scenario
+from noloco_node.netem.relay import LinkProfile
+
+
+def test_grid_is_the_product_of_its_axes(tmp_path):
+    path = tmp_path / "s.toml"
+    path.write_text('methods = ["noloco", "dp"]\nreplicas = [2, 3]\nseeds = [0, 1]\n'
+                    '[[profiles]]\nname = "a"\none_way_ms = 5\n[[profiles]]\nname = "b"\nmbit = 10\n')
+    cells = load_scenario(path).cells()
+    assert len(cells) == 2 * 2 * 2 * 2
+    assert len({c.name for c in cells}) == len(cells)
+    assert load_scenario(path, methods=["diloco"]).methods == ("diloco",)
+
+
+@pytest.mark.parametrize("text,field", [
+    ('methods = ["gossip"]', "scenario.methods"),
+    ("outer_sync_sizes = [1]", "scenario.outer_sync_sizes"),
+    ("stepz = 3", "scenario.stepz"),
+    ('[[profiles]]\nname = "x"\none_way_ms = 1\njitter_ms = 5', "scenario.profiles"),
+])
+def test_bad_scenarios_name_the_field(tmp_path, text, field):
+    path = tmp_path / "s.toml"
+    path.write_text(text + "\n")
+    with pytest.raises(ConfigError) as err:
+        load_scenario(path)
+    assert err.value.field == field
+
+
+def test_profile_rejects_negative_values():
+    with pytest.raises(ValueError):
+        LinkProfile("x", one_way_ms=-1)
+
+
+def test_weight_spread_is_the_rms_deviation_from_the_replica_mean():
+    a = [{"w": torch.tensor([1.0, 1.0])}, {"v": torch.tensor([0.0])}]
+    b = [{"w": torch.tensor([3.0, 1.0])}, {"v": torch.tensor([2.0])}]
+    # deviations: w: (+-1, 0), v: (+-1): sum of squares 2 + 0 + 2 = 4 over D x params = 2 x 3
+    assert weight_spread([a, b]) == pytest.approx(math.sqrt(4 / 6))
+    assert weight_spread([a, a]) == 0.0
+
+
+def test_pearson():
+    assert pearson([1, 2, 3, 4], [2, 4, 6, 8]) == pytest.approx(1.0)
+    assert pearson([1, 2, 3, 4], [8, 6, 4, 2]) == pytest.approx(-1.0)
+    assert math.isnan(pearson([1, 2, 3], [5, 5, 5]))
