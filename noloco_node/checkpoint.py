@@ -5,7 +5,6 @@ JSON last), so a crash mid-write leaves the previous checkpoint intact."""
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
@@ -15,12 +14,7 @@ from torch import Tensor, nn
 
 from noloco_node.optim.inner import InnerOptimizer
 from noloco_node.optim.state import OuterState
-
-
-def _atomic_write(path: Path, write) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    write(tmp)
-    os.replace(tmp, path)
+from noloco_node.runtime.files import atomic_write
 
 
 def collect(stage: nn.Module, inner: InnerOptimizer, outer: OuterState | None) -> tuple[dict[str, Tensor], dict]:
@@ -39,9 +33,9 @@ def save(directory: Path, stage_index: int, tensors: dict[str, Tensor], counters
     directory.mkdir(parents=True, exist_ok=True)
     step = counters["inner_step"]
     weights = directory / f"stage{stage_index}-step{step}.safetensors"
-    _atomic_write(weights, lambda tmp: save_file(tensors, str(tmp)))
+    atomic_write(weights, lambda tmp: save_file(tensors, str(tmp)))
     meta = {**identity, **counters, "stage": stage_index, "file": weights.name, "saved_at": time.time()}
-    _atomic_write(directory / f"stage{stage_index}.json", lambda tmp: tmp.write_text(json.dumps(meta, indent=1)))
+    atomic_write(directory / f"stage{stage_index}.json", lambda tmp: tmp.write_text(json.dumps(meta, indent=1)))
     for old in directory.glob(f"stage{stage_index}-step*.safetensors"):
         if old != weights:
             old.unlink(missing_ok=True)

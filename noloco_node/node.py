@@ -350,11 +350,15 @@ class Node:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+    @property
+    def tokens_per_s(self) -> float:
+        """Tokens this stage processed per second since it started."""
+        return float(self.worker.tokens_total / max(1e-6, time.monotonic() - self.started_at))
+
     def record(self) -> StageRecord:
-        elapsed = max(1e-6, time.monotonic() - self.started_at)
         return StageRecord(peer_id=self.peer_id, address=self.address, stage=self.stage_index,
                            inner_step=self.worker.inner_steps, outer_round=self.outer_round, status=self.status,
-                           tokens_per_s=float(self.worker.tokens_total / elapsed), version=__version__,
+                           tokens_per_s=self.tokens_per_s, version=__version__,
                            manifest_hash=self.manifest_hash, run_id=self.config.run.run_id, updated_at=time.time())
 
     async def announce(self) -> None:

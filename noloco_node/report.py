@@ -4,11 +4,11 @@ on request, its weights. `self` is the Node; kept apart so node.py stays the wir
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
 from noloco_node.sync.transfer import counters_json, export_state
+from noloco_node.runtime.files import atomic_write_text
 
 
 def node_stats(self) -> dict:
@@ -46,9 +46,7 @@ def write_outputs(self, out_dir: Path) -> None:
     """The stats JSON (and, with save_weights, theta and the outer state) under out_dir."""
     out_dir.mkdir(parents=True, exist_ok=True)
     name = f"stage{self.stage_index}-{self.peer_id[-8:]}"
-    tmp = out_dir / f".{name}.json.tmp{os.getpid()}"
-    tmp.write_text(json.dumps(self.stats(), indent=1))
-    os.replace(tmp, out_dir / f"{name}.json")
+    atomic_write_text(out_dir / f"{name}.json", json.dumps(self.stats(), indent=1))
     if self.save_weights:
         from safetensors.torch import save_file
 

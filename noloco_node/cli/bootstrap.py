@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 from pathlib import Path
 
 from noloco_node.cli.common import add_config_flags, resolve_config, stop_on_signals
+from noloco_node.runtime.files import atomic_write_text
 
 
 def register(subparsers) -> None:
@@ -39,9 +39,7 @@ async def _serve(config, args: argparse.Namespace) -> int:
         startup_timeout_s=config.timeouts.startup_s)
     maddrs = await directory.visible_maddrs()
     if args.maddr_file:
-        tmp = f"{args.maddr_file}.tmp{os.getpid()}"
-        Path(tmp).write_text("\n".join(maddrs) + "\n")
-        os.replace(tmp, args.maddr_file)
+        atomic_write_text(args.maddr_file, "\n".join(maddrs) + "\n")
     print("bootstrap peer is up; nodes join with:", flush=True)
     for maddr in maddrs:
         print(f"  noloco-node join --initial-peers {maddr}", flush=True)

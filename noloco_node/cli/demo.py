@@ -111,9 +111,10 @@ def _run_swarm(config, args, out: Path) -> dict:
         swarm.wait_ready(drivers)
         deadline = start + args.timeout
         while any(d.proc.poll() is None for d in drivers):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"demo did not finish within {args.timeout:.0f} s; logs in {out / 'logs'}")
             steps = [json.loads(d.ready_file.read_text()).get("inner_step", 0) for d in drivers]
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"demo did not finish within {args.timeout:.0f} s (stage-0 inner steps {steps} of "
+                                   f"{args.steps}); logs in {out / 'logs'}")
             progress.update(f"inner steps {min(steps)}/{args.steps} ({time.monotonic() - start:.0f} s)")
             time.sleep(0.5)
         progress.close()

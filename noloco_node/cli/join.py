@@ -6,11 +6,10 @@ import argparse
 import asyncio
 import json
 import logging
-import os
-import time
 from pathlib import Path
 
 from noloco_node.cli.common import add_config_flags, resolve_config, stop_on_signals
+from noloco_node.runtime.files import atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -74,15 +73,13 @@ async def _serve(config, args: argparse.Namespace) -> int:
     async def report(_step: int = 0) -> None:
         if args.ready_file:
             in_flight = [[k.origin, k.sequence, k.attempt] for k in list(node.runtime.in_flight)]
-            tmp = f"{args.ready_file}.tmp{os.getpid()}"
-            Path(tmp).write_text(json.dumps({"peer_id": node.peer_id, "address": node.address, "stage": node.stage_index,
+            atomic_write_text(args.ready_file, json.dumps({"peer_id": node.peer_id, "address": node.address, "stage": node.stage_index,
                                              "maddrs": maddrs, "inner_step": node.worker.inner_steps,
                                              "outer_round": node.outer_round, "status": node.status,
                                              "metrics_port": node.metrics_port,
                                              "in_flight": in_flight, "manifest_hash": node.manifest_hash,
                                              "saved_inputs": len(node.worker.saved),
                                              "run_id": config.run.run_id}))
-            os.replace(tmp, args.ready_file)
 
     progress = _progress(config.log.progress)
 
@@ -124,7 +121,7 @@ def _progress(mode: str):
 def _progress_text(node) -> str:
     stats = node.runtime.stats
     text = (f"stage {node.stage_index} | {node.status} | inner step {node.worker.inner_steps} | outer round "
-            f"{node.outer_round} | {node.worker.tokens_total / max(1e-6, time.monotonic() - node.started_at):.0f} tok/s | "
+            f"{node.outer_round} | {node.tokens_per_s:.0f} tok/s | "
             f"in flight {len(node.runtime.in_flight)} | sent {stats.forwards_sent} fwd {stats.backwards_sent} bwd")
     if node.driver is not None and node.driver.log.step_losses:
         text += f" | loss {node.driver.log.step_losses[-1]:.3f}"

@@ -14,6 +14,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from noloco_node.runtime.files import atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -95,9 +96,5 @@ def _build_kjv_chapters(source: Path, target: Path) -> None:
             if line.strip():
                 verse = json.loads(line)
                 chapters.setdefault((verse["book"], int(verse["chapter"])), []).append(verse["text"].strip())
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_suffix(f".tmp{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for (book, chapter), verses in chapters.items():
-            f.write(json.dumps({"text": f"{book} {chapter}\n" + " ".join(verses)}) + "\n")
-    os.replace(tmp, target)
+    lines = (json.dumps({"text": f"{book} {chapter}\n" + " ".join(verses)}) + "\n" for (book, chapter), verses in chapters.items())
+    atomic_write_text(target, "".join(lines))

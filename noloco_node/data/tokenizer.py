@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from noloco_node.data.corpus import Corpus
+from noloco_node.runtime.files import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,4 @@ def _train_bpe(corpus: Corpus, vocab_size: int, path: Path) -> None:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     # 64 MB of text is plenty for a small vocabulary and bounds the time on a large corpus.
     tokenizer.train_from_iterator(iter_texts(corpus, limit_bytes=64 << 20), trainer=trainer)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tokenizer.save(str(tmp))
-    os.replace(tmp, path)
+    atomic_write(path, lambda tmp: tokenizer.save(str(tmp)))

@@ -53,11 +53,15 @@ class HivemindAllReduce:
             for dst, src in zip(shared, tensors):
                 dst.copy_(src)
         loop = asyncio.get_running_loop()
+        control = self.averager.step(gather=round_index, timeout=timeout_s, allow_retries=True, wait=False)
         try:
-            group = await loop.run_in_executor(
-                None, lambda: self.averager.step(gather=round_index, timeout=timeout_s, allow_retries=True))
+            # hivemind's own timeout covers matchmaking only; an all-reduce whose group stalls could
+            # block forever, so the round has a hard deadline of its own.
+            group = await asyncio.wait_for(loop.run_in_executor(None, control.result),
+                                           timeout=2 * timeout_s + 10)
         except Exception as exc:  # noqa: BLE001 - hivemind raises several types; the caller falls back
-            log.warning("all-reduce failed: %s", exc)
+            control.cancel()
+            log.warning("all-reduce failed: %s", exc or type(exc).__name__)
             group = None
         if not group:
             return [t.clone() for t in tensors], 1, True

@@ -114,9 +114,19 @@ class LocalSwarm:
         node.proc.kill()
         node.proc.wait(timeout=10)
 
-    def stop(self) -> None:
-        for node in self.nodes:
-            self.terminate(node.proc)
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM every node at once (they drain and checkpoint in parallel), SIGKILL whoever is
+        still running after `grace_s`, then stop the bootstrap peer they were withdrawing from."""
+        running = [node.proc for node in self.nodes if node.proc.poll() is None]
+        for proc in running:
+            proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for proc in running:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
         if self.bootstrap is not None:
             self.terminate(self.bootstrap)
 

@@ -35,6 +35,7 @@ from noloco_node.rpc.server import NodeServer
 from noloco_node.runtime.compute import ComputeThread
 from noloco_node.sync.diloco import DiLoCoSync
 from noloco_node.sync.noloco import NoLoCoSync
+from noloco_node.runtime.files import atomic_write_text
 
 RUN, MANIFEST = "outer-test", "m-outer"
 log = logging.getLogger("outer_peer")
@@ -135,11 +136,8 @@ async def main(args: argparse.Namespace) -> None:
     port = await server.start()
     status["address"] = args.announce_addr or f"127.0.0.1:{port}"
     await set_status("serving", 0)
-    # Atomically (temp file + rename): launchers poll for the file and read it as soon as it exists.
-    tmp = f"{args.ready_file}.tmp{os.getpid()}"
-    Path(tmp).write_text(json.dumps({"peer_id": directory.peer_id, "address": status["address"],
-                                     "maddrs": await directory.visible_maddrs()}))
-    os.replace(tmp, args.ready_file)
+    atomic_write_text(args.ready_file, json.dumps({"peer_id": directory.peer_id, "address": status["address"],
+                                                   "maddrs": await directory.visible_maddrs()}))
     while not os.path.exists(args.go_file):
         await asyncio.sleep(0.02)
     log.info("round starts")

@@ -16,11 +16,10 @@ import argparse
 import asyncio
 import json
 import logging
-import os
 import random
 import signal
 from dataclasses import asdict, dataclass
-from pathlib import Path
+from noloco_node.runtime.files import atomic_write_text
 
 log = logging.getLogger(__name__)
 PIECE = 16 * 1024
@@ -152,9 +151,7 @@ async def serve(routes: dict[int, str], profile: LinkProfile, ready_file: str | 
     relays = [Relay(upstream, profile, listen_port=port, seed=port) for port, upstream in routes.items()]
     bound = {str(await r.start()): f"{r.upstream_host}:{r.upstream_port}" for r in relays}
     if ready_file:
-        tmp = f"{ready_file}.tmp{os.getpid()}"
-        Path(tmp).write_text(json.dumps({"profile": profile.to_dict(), "routes": bound}))
-        os.replace(tmp, ready_file)
+        atomic_write_text(ready_file, json.dumps({"profile": profile.to_dict(), "routes": bound}))
     await stop.wait()
     for relay in relays:
         await relay.close()

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from noloco_node.codec import TensorSpec
 from noloco_node.errors import InvalidPayload, NodeError, PeerBusy, ProtocolMismatch, UnknownMicrobatch
-from noloco_node.pipeline.ports import Hop, MicrobatchKey, Peer, ReplicaDirectory, StageTransport
+from noloco_node.pipeline.ports import Hop, MicrobatchKey, ReplicaDirectory, StageTransport
 from noloco_node.pipeline.router import Router
 from noloco_node.pipeline.worker import StageWorker
 from noloco_node.runtime.compute import ComputeThread

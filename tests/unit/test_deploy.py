@@ -6,7 +6,6 @@ import re
 import shlex
 from pathlib import Path
 
-import pytest
 import yaml
 
 from noloco_node.cli.main import build_parser

@@ -1,6 +1,5 @@
 """The real console script as a subprocess: --help, exit codes and messages for bad input."""
 
-import os
 import shutil
 import subprocess
 import sys

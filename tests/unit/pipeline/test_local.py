@@ -1,8 +1,5 @@
 """The in-process D x P simulation: learning, routing, and each method's outer-step invariants."""
 
-import random
-
-import pytest
 import torch
 
 from noloco_node.config import load_config
