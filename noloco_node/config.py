@@ -237,6 +237,40 @@ class NetworkConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class SecurityConfig:
+    """Admission and limits on what one peer may cost this node."""
+
+    swarm_key_file: str | None = None
+    """File holding the swarm's shared secret (`noloco-node keygen`). With it every gRPC call and
+    DHT request must carry an HMAC made with the same key; None = an open swarm."""
+    max_clock_skew_s: float = 60.0
+    """A signed call's timestamp may differ from our clock by at most this."""
+    max_concurrent_rpcs: int = 64
+    """Calls served at once, all peers together; more get RESOURCE_EXHAUSTED."""
+    peer_max_streams: int = 16
+    """Calls served at once for one peer."""
+    peer_requests_per_s: float = 200.0
+    """Sustained calls per second one peer may make (token bucket)."""
+    peer_burst: int = 400
+    """Calls one peer may make at once before the rate applies."""
+    ban_after_invalid: int = 5
+    """Messages from one peer rejected as INVALID_ARGUMENT before it is banned (unsigned calls are
+    refused without counting: they carry no identity to ban)."""
+    ban_s: float = 30.0
+    """First ban length; each further ban of the same peer doubles it, up to ban_max_s."""
+    ban_max_s: float = 1800.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_clock_skew_s", "peer_requests_per_s", "ban_s", "ban_max_s"):
+            _require(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}", "use a positive number")
+        for name in ("max_concurrent_rpcs", "peer_max_streams", "peer_burst", "ban_after_invalid"):
+            _require(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}", "use a positive integer")
+        if self.swarm_key_file is not None:
+            _require(Path(self.swarm_key_file).is_file(), "swarm_key_file", f"{self.swarm_key_file} is not a file",
+                     "create one with `noloco-node keygen --out swarm.key` and give every peer the same file")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class TimeoutsConfig:
     rpc_s: float = 30.0
     """Deadline of one Forward/Backward call."""
@@ -294,10 +328,22 @@ class FaultsConfig:
 
     delay_before_forward_s: float = 0.0
     """Sleep this long before computing each received forward (makes work sit in flight)."""
+    inject: tuple[str, ...] = ()
+    """Faults at named points, each "POINT:ACTION[=SECONDS][@N|%P]": points before_forward,
+    mid_backward, during_exchange, during_state_transfer; actions crash (exit 17), stall/delay
+    (sleep SECONDS), error (fail that operation); @N = only the Nth time the point is reached,
+    %P = with probability P each time. E.g. "mid_backward:crash@3"."""
 
     def __post_init__(self) -> None:
         _require(self.delay_before_forward_s >= 0, "delay_before_forward_s",
                  f"must be >= 0, got {self.delay_before_forward_s}", "use 0 to disable")
+        from noloco_node.runtime.faults import FaultSpecError, parse_fault
+
+        for spec in self.inject:
+            try:
+                parse_fault(spec)
+            except FaultSpecError as exc:
+                raise ConfigError("inject", str(exc), 'use e.g. "mid_backward:crash@3" or "during_exchange:delay=0.5"') from None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -310,6 +356,7 @@ class NodeConfig:
     outer: OuterConfig = field(default_factory=OuterConfig)
     network: NetworkConfig = field(default_factory=NetworkConfig)
     timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
     log: LogConfig = field(default_factory=LogConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

@@ -31,9 +31,11 @@ from noloco_node.pipeline.worker import StageWorker
 from noloco_node.rpc.outer_service import OuterClient, OuterServicer, Traffic
 from noloco_node.rpc.server import NodeServer
 from noloco_node.rpc.stage_service import StageClient, StageServicer
+from noloco_node.security import build_admission
 from noloco_node.adapters import DhtMatching, DhtReplicas, GrpcStageTransport
 from noloco_node.runtime.compute import ComputeThread, compute_device
 from noloco_node.runtime.events import EventLog
+from noloco_node.runtime.faults import FaultInjector
 from noloco_node.runtime.memory import tune_allocator
 from noloco_node.sync.noloco import NoLoCoSync
 from noloco_node.sync.transfer import counters_json, expected_tensors, export_state, import_state
@@ -68,6 +70,8 @@ class Node:
     async def start(self) -> None:
         cfg = self.config
         tune_allocator()
+        self.admission = build_admission(cfg.security)
+        self.faults = FaultInjector(cfg.faults.inject)
         self.corpus, self.tokenizer, self.manifest_hash = load_run_inputs(cfg)
         self.directory: PeerDirectory | None = None
         if self.stage_index is None:
@@ -99,14 +103,16 @@ class Node:
                 [p.shape for p in self.stage.parameters()], initial_peers=list(cfg.network.initial_peers),
                 host=cfg.network.host, prefix=f"{key_prefix(cfg.run.run_id)}_stage{self.stage_index}_{cfg.outer.method}",
                 target_group_size=cfg.outer.allreduce_group_size or 64, matchmaking_s=cfg.timeouts.match_s,
-                port=cfg.network.allreduce_port, announce=cfg.network.allreduce_announce)
+                port=cfg.network.allreduce_port, announce=cfg.network.allreduce_announce,
+                swarm_key=self.admission.key, max_skew_s=cfg.security.max_clock_skew_s)
 
-        self.server = NodeServer(cfg.network.host, cfg.network.port)
+        self.server = NodeServer(cfg.network.host, cfg.network.port, admission=self.admission.interceptor,
+                                 max_concurrent_rpcs=cfg.security.max_concurrent_rpcs)
         self.client = StageClient(run_id=cfg.run.run_id, manifest_hash=self.manifest_hash, codec=cfg.pipeline.activation_codec,
-                                  timeout_s=cfg.timeouts.rpc_s, observe=self._observe_rpc)
+                                  timeout_s=cfg.timeouts.rpc_s, observe=self._observe_rpc, identity=self.admission.identity)
         if self.directory is None:
             await self._start_directory()
-        self.peer_id = self.directory.peer_id
+        self.peer_id = self.admission.identity.peer_id = self.directory.peer_id
         shape = StageShape(stage=self.stage_index, num_stages=cfg.pipeline.num_stages, hidden_size=m.hidden_size,
                            seq_len=m.seq_len, microbatch_size=cfg.pipeline.microbatch_size, vocab_size=len(self.tokenizer))
         self.bans = Bans()
@@ -114,7 +120,7 @@ class Node:
             shape=shape, worker=self.worker, compute=self.compute, transport=GrpcStageTransport(self.client),
             directory=DhtReplicas(self.directory), router=Router(self.bans, random.Random(self.peer_id)),
             me=Hop(self.peer_id, "", self.stage_index), max_in_flight=cfg.pipeline.max_in_flight,
-            send_deadline_s=cfg.timeouts.rpc_s, delay_before_forward_s=cfg.faults.delay_before_forward_s)
+            send_deadline_s=cfg.timeouts.rpc_s, delay_before_forward_s=cfg.faults.delay_before_forward_s, faults=self.faults)
         max_bytes = cfg.pipeline.microbatch_size * m.seq_len * m.hidden_size * 4
         self.servicer = StageServicer(self.runtime, run_id=cfg.run.run_id, manifest_hash=self.manifest_hash,
                                       max_payload_bytes=max_bytes)
@@ -174,7 +180,8 @@ class Node:
         self.directory = await PeerDirectory.start(
             DirectoryIdentity(cfg.run.run_id, self.manifest_hash, __version__, cfg.pipeline.num_stages),
             initial_peers=list(cfg.network.initial_peers), host=cfg.network.host, port=cfg.network.dht_port,
-            startup_timeout_s=cfg.timeouts.startup_s)
+            startup_timeout_s=cfg.timeouts.startup_s, swarm_key=self.admission.key,
+            max_skew_s=cfg.security.max_clock_skew_s)
 
     async def _check_reachable(self) -> None:
         """Ask up to two live peers to dial our announced address; fail only when peers answered
@@ -186,7 +193,7 @@ class Node:
                  for r in await self.directory.replicas(s, fresh=True) if r.peer_id != self.peer_id]
         random.Random(self.peer_id).shuffle(peers)
         results, errors = await probe_from_peers(self.address, peers[:4], run_id=self.config.run.run_id,
-                                                 timeout_s=self.config.timeouts.connect_s)
+                                                 timeout_s=self.config.timeouts.connect_s, identity=self.admission.identity)
         if results and not any(r.reachable for r in results):
             details = "; ".join(f"{r.prober}: {r.detail}" for r in results)
             raise UnreachableAddress(f"no peer could reach this node at {self.address} ({details})")
@@ -216,14 +223,14 @@ class Node:
                                       gamma=cfg.outer.gamma)
         self.outer_traffic = Traffic()
         self.outer_client = OuterClient(run_id=cfg.run.run_id, manifest_hash=self.manifest_hash, max_bytes=max_bytes,
-                                        traffic=self.outer_traffic)
+                                        traffic=self.outer_traffic, faults=self.faults, identity=self.admission.identity)
         self.sync = NoLoCoSync(self.outer_state, client=self.outer_client, directory=DhtMatching(self.directory),
                                compute=self.compute, peer_id=self.peer_id, stage=self.stage_index, codec=cfg.outer.codec,
                                match_s=cfg.timeouts.match_s, max_distance_ratio=cfg.outer.max_distance_ratio,
                                bans=Bans(), set_status=self._set_status, rng=random.Random(self.peer_id + "outer"))
         self.server.add_outer(OuterServicer(self.sync, run_id=cfg.run.run_id, manifest_hash=self.manifest_hash,
                                             stage=self.stage_index, max_bytes=max_bytes, timeout_s=cfg.timeouts.match_s,
-                                            traffic=self.outer_traffic, donor=self))
+                                            traffic=self.outer_traffic, donor=self, faults=self.faults))
         self.runtime.on_inner_step = self._on_inner_step
 
     async def export_state(self) -> tuple[dict, str]:

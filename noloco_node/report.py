@@ -4,7 +4,6 @@ on request, its weights. `self` is the Node; kept apart so node.py stays the wir
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 from noloco_node.sync.transfer import counters_json, export_state
@@ -22,7 +21,13 @@ def node_stats(self) -> dict:
            "bytes_sent": self.client.bytes_sent, "rejected": dict(self.servicer.rejected),
            "saved_inputs": len(self.worker.saved), "bans": self.bans.total,
            "in_flight": len(self.runtime.in_flight), "bytes_received": self.servicer.bytes_received,
-           "tokens_per_s": self.worker.tokens_total / max(1e-6, time.monotonic() - self.started_at)}
+           "tokens_per_s": self.tokens_per_s}
+    guard = self.admission.guard
+    out["admission"] = {"swarm_key": self.admission.key is not None, "refused": dict(self.admission.interceptor.refused),
+                        "peers_banned": guard.stats.bans, "banned_now": guard.banned(),
+                        "rate_limited": guard.stats.rate_limited, "over_stream_cap": guard.stats.over_stream_cap,
+                        "refused_banned": guard.stats.refused_banned, "tracked_peers": guard.tracked()}
+    out["faults_fired"] = [f"{point}:{action}" for point, action in self.faults.fired]
     counters = self.sync.counters if self.sync is not None else self.dp_counters
     if counters is not None:
         out["outer"] = {k: v for k, v in vars(counters).items() if k != "history"}

@@ -30,13 +30,15 @@ def run(args: argparse.Namespace) -> int:
 async def _serve(config, args: argparse.Namespace) -> int:
     from noloco_node import __version__
     from noloco_node.dht.directory import DirectoryIdentity, PeerDirectory
+    from noloco_node.security import read_swarm_key
 
     stop = stop_on_signals()
     Path(args.identity).parent.mkdir(parents=True, exist_ok=True)
     directory = await PeerDirectory.start(
         DirectoryIdentity(config.run.run_id, "", __version__, config.pipeline.num_stages),
         initial_peers=args.initial_peers, host=args.host, port=args.port, identity_path=args.identity,
-        startup_timeout_s=config.timeouts.startup_s)
+        startup_timeout_s=config.timeouts.startup_s, swarm_key=read_swarm_key(config.security),
+        max_skew_s=config.security.max_clock_skew_s)
     maddrs = await directory.visible_maddrs()
     if args.maddr_file:
         atomic_write_text(args.maddr_file, "\n".join(maddrs) + "\n")

@@ -14,6 +14,8 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE", help="TOML config file (see deploy/node.example.toml)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                         help="override one config field, e.g. --set outer.alpha=0.5 (repeatable; wins over --config)")
+    parser.add_argument("--swarm-key", metavar="FILE", help="the swarm's shared key file (security.swarm_key_file; "
+                        "`noloco-node keygen` makes one); peers without it are refused")
 
 
 def resolve_config(args: argparse.Namespace, *, base: dict[str, dict[str, Any]] | None = None,
@@ -24,6 +26,8 @@ def resolve_config(args: argparse.Namespace, *, base: dict[str, dict[str, Any]] 
 
     for section, content in parse_overrides(args.overrides).items():
         overrides.setdefault(section, {}).update(content)
+    if getattr(args, "swarm_key", None):
+        overrides.setdefault("security", {})["swarm_key_file"] = args.swarm_key
     for section, content in (flags or {}).items():
         overrides.setdefault(section, {}).update({k: v for k, v in content.items() if v is not None})
     return load_config(args.config, overrides, base=base)

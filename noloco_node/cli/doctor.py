@@ -100,13 +100,14 @@ async def _run_checks(config, args) -> list[Check]:
 
     from noloco_node import __version__
     from noloco_node.dht.directory import DirectoryIdentity, PeerDirectory, compatible_version
+    from noloco_node.security import read_swarm_key
     from noloco_node.errors import BootstrapError
 
     try:
         directory = await PeerDirectory.start(
             DirectoryIdentity(config.run.run_id, "", __version__, config.pipeline.num_stages),
             initial_peers=list(net.initial_peers), host=net.host, startup_timeout_s=config.timeouts.startup_s,
-            client_mode=True)
+            client_mode=True, swarm_key=read_swarm_key(config.security), max_skew_s=config.security.max_clock_skew_s)
     except BootstrapError as exc:
         checks.append(Check("dht", "fail", str(exc), BootstrapError.hint))
         return checks + [Check(n, "skip", "needs the DHT") for n in ("reach", "clock", "compat")]
@@ -135,8 +136,12 @@ async def _reach_and_clock(config, args, peer_addresses: list[str], port_free: b
     port = await server.start()
     address = net.announce_addr or f"{net.host}:{port}"
     try:
+        from noloco_node.rpc.admission import ClientIdentity
+        from noloco_node.security import read_swarm_key
+
         results, errors = await probe_from_peers(address, peer_addresses[:4], run_id=config.run.run_id,
-                                                 timeout_s=config.timeouts.connect_s)
+                                                 timeout_s=config.timeouts.connect_s,
+                                                 identity=ClientIdentity(read_swarm_key(config.security), "doctor"))
     finally:
         await server.stop(0.5)
     if not results:

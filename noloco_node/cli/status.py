@@ -39,11 +39,13 @@ def run(args: argparse.Namespace) -> int:
 async def _collect(config) -> list[dict]:
     from noloco_node import __version__
     from noloco_node.dht.directory import DirectoryIdentity, PeerDirectory
+    from noloco_node.security import read_swarm_key
 
     directory = await PeerDirectory.start(
         DirectoryIdentity(config.run.run_id, "", __version__, config.pipeline.num_stages),
         initial_peers=list(config.network.initial_peers), host=config.network.host,
-        startup_timeout_s=config.timeouts.startup_s, client_mode=True)
+        startup_timeout_s=config.timeouts.startup_s, client_mode=True, swarm_key=read_swarm_key(config.security),
+        max_skew_s=config.security.max_clock_skew_s)
     try:
         now, rows = time.time(), []
         for stage in range(config.pipeline.num_stages):

@@ -20,10 +20,10 @@ class HivemindAllReduce:
 
     def __init__(self, shapes: list[torch.Size], *, initial_peers: list[str], host: str, prefix: str,
                  target_group_size: int, matchmaking_s: float, dht=None, port: int = 0,
-                 announce: str | None = None) -> None:
+                 announce: str | None = None, swarm_key: bytes | None = None, max_skew_s: float = 60.0) -> None:
         from hivemind.averaging import DecentralizedAverager
 
-        self.dht = dht if dht is not None else self.start_dht(initial_peers, host, port, announce)
+        self.dht = dht if dht is not None else self.start_dht(initial_peers, host, port, announce, swarm_key, max_skew_s)
         self.averager = DecentralizedAverager(
             [torch.zeros(s) for s in shapes], dht=self.dht, prefix=prefix, target_group_size=target_group_size,
             # hivemind: request_timeout must stay below min_matchmaking_time, or matchmaking can deadlock.
@@ -32,7 +32,8 @@ class HivemindAllReduce:
         self.bytes_sent = 0
 
     @staticmethod
-    def start_dht(initial_peers: list[str], host: str, port: int = 0, announce: str | None = None):
+    def start_dht(initial_peers: list[str], host: str, port: int = 0, announce: str | None = None,
+                  swarm_key: bytes | None = None, max_skew_s: float = 60.0):
         """hivemind's DHT process. Blocks until it has pinged an initial peer: when that peer is
         served by this process's own event loop, call this from a worker thread. `announce`
         (host:port) is the address other peers should dial, e.g. a WAN relay in front of `port`."""
@@ -42,6 +43,10 @@ class HivemindAllReduce:
         if announce:
             a_host, _, a_port = announce.rpartition(":")
             extra["announce_maddrs"] = [f"/ip4/{a_host}/tcp/{a_port}"]
+        if swarm_key is not None:
+            from noloco_node.dht.auth import SwarmKeyAuthorizer
+
+            extra["authorizer"] = SwarmKeyAuthorizer(swarm_key, max_skew_s=max_skew_s)
         return hivemind.DHT(initial_peers=list(initial_peers), host_maddrs=[f"/ip4/{host}/tcp/{port}"], start=True, **extra)
 
     async def mean(self, tensors: list[Tensor], timeout_s: float, round_index: int = 0) -> tuple[list[Tensor], int, bool]:

@@ -55,15 +55,21 @@ class PeerDirectory:
     @classmethod
     async def start(cls, identity: DirectoryIdentity, *, initial_peers: list[str], host: str = "127.0.0.1",
                     port: int = 0, identity_path: str | None = None, startup_timeout_s: float = 30.0,
-                    client_mode: bool = False) -> PeerDirectory:
+                    client_mode: bool = False, swarm_key: bytes | None = None, max_skew_s: float = 60.0) -> PeerDirectory:
         """Start the DHT node; raises BootstrapError with a fix when the initial peers cannot be reached."""
         # Own key per directory (not hivemind's process-wide one): the subkey is this node's identity.
         signer = RSASignatureValidator(RSAPrivateKey())
         validator = CompositeValidator(make_validators(identity.run_id, identity.num_stages, signer))
+        authorizer = None
+        if swarm_key is not None:
+            from noloco_node.dht.auth import SwarmKeyAuthorizer
+
+            authorizer = SwarmKeyAuthorizer(swarm_key, max_skew_s=max_skew_s)
         try:
             node = await asyncio.wait_for(DHTNode.create(
                 initial_peers=list(initial_peers), host_maddrs=[f"/ip4/{host}/tcp/{port}"], identity_path=identity_path,
                 record_validator=validator, client_mode=client_mode, startup_timeout=startup_timeout_s,
+                authorizer=authorizer,
             ), timeout=startup_timeout_s + 5)
         except (P2PDaemonError, asyncio.TimeoutError, OSError) as exc:
             where = ", ".join(initial_peers) or "(none)"

@@ -23,6 +23,7 @@ from noloco_node.pipeline.ports import Hop, MicrobatchKey, ReplicaDirectory, Sta
 from noloco_node.pipeline.router import Router
 from noloco_node.pipeline.worker import StageWorker
 from noloco_node.runtime.compute import ComputeThread
+from noloco_node.runtime.faults import FaultInjector
 
 log = logging.getLogger(__name__)
 
@@ -69,12 +70,13 @@ class StageRuntime:
     def __init__(self, *, shape: StageShape, worker: StageWorker, compute: ComputeThread, transport: StageTransport,
                  directory: ReplicaDirectory, router: Router, me: Hop, max_in_flight: int, send_deadline_s: float,
                  on_stage0_backward: Callable[[MicrobatchKey, float], None] | None = None,
-                 delay_before_forward_s: float = 0.0) -> None:
+                 delay_before_forward_s: float = 0.0, faults: FaultInjector | None = None) -> None:
         self.shape, self.worker, self.compute = shape, worker, compute
         self.transport, self.directory, self.router, self.me = transport, directory, router, me
         self.max_in_flight, self.send_deadline_s = max_in_flight, send_deadline_s
         self.on_stage0_backward = on_stage0_backward
         self.delay_before_forward_s = delay_before_forward_s  # fault injection (faults.*)
+        self.faults = faults or FaultInjector()
         # Awaited after each inner step this runtime's compute took (stages > 0; stage 0's driver
         # steps itself): where the outer step hooks in.
         self.on_inner_step: Callable[[int], Awaitable[None]] | None = None
@@ -155,6 +157,7 @@ class StageRuntime:
         try:
             if self.delay_before_forward_s > 0:
                 await asyncio.sleep(self.delay_before_forward_s)
+            await self.faults.hit("before_forward")
             if self.shape.is_last:
                 before = self.worker.inner_steps
                 grad, loss, tokens = await self.compute.run(self.worker.forward_backward_last, activations, ticket.labels)
@@ -183,6 +186,8 @@ class StageRuntime:
             return
         self._release(key)
         await self._after_compute(before)
+        # Mid-backward: our gradients are accumulated, upstream has not been sent its gradient yet.
+        await self.faults.hit("mid_backward")
         if self.shape.is_first:
             if self.on_stage0_backward is not None:
                 self.on_stage0_backward(key, ticket.loss)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from noloco_node.rpc.admission import ClientIdentity, open_channel
 from noloco_node.wire.v1 import diag_pb2, diag_pb2_grpc
 
 
@@ -69,10 +70,11 @@ class ProbeResult:
     manifest_hash: str
 
 
-async def ask_probe(prober_address: str, *, address: str, run_id: str, timeout_s: float) -> ProbeResult:
+async def ask_probe(prober_address: str, *, address: str, run_id: str, timeout_s: float,
+                    identity: ClientIdentity | None = None) -> ProbeResult:
     """Ask the node at `prober_address` to health-check `address`. Raises grpc.aio.AioRpcError
     when the prober itself cannot be reached or refuses."""
-    async with grpc.aio.insecure_channel(prober_address) as channel:
+    async with open_channel(prober_address, identity) as channel:
         sent = time.time()
         reply = await diag_pb2_grpc.DiagnosticsStub(channel).Probe(
             diag_pb2.ProbeRequest(run_id=run_id, address=address), timeout=2 * timeout_s + 1)
@@ -84,7 +86,7 @@ async def ask_probe(prober_address: str, *, address: str, run_id: str, timeout_s
 
 
 async def probe_from_peers(address: str, probers: list[str], *, run_id: str, timeout_s: float,
-                           wanted: int = 2) -> tuple[list[ProbeResult], list[str]]:
+                           wanted: int = 2, identity: ClientIdentity | None = None) -> tuple[list[ProbeResult], list[str]]:
     """Ask up to `wanted` of `probers` (tried in order) to health-check `address`; returns the
     answers and the errors of the probers that could not be asked."""
     results, errors = [], []
@@ -92,7 +94,8 @@ async def probe_from_peers(address: str, probers: list[str], *, run_id: str, tim
         if len(results) >= wanted:
             break
         try:
-            results.append(await ask_probe(prober, address=address, run_id=run_id, timeout_s=timeout_s))
+            results.append(await ask_probe(prober, address=address, run_id=run_id, timeout_s=timeout_s,
+                                           identity=identity))
         except grpc.aio.AioRpcError as exc:
             errors.append(f"{prober}: {exc.code().name} {exc.details()}")
     return results, errors

@@ -23,9 +23,11 @@ from torch import Tensor
 
 from noloco_node.codec import DTYPES, CodecError, TensorSpec, decode_into, encode
 from noloco_node.errors import InvalidPayload, NodeError, PeerBusy, PeerUnavailable, ProtocolMismatch
+from noloco_node.rpc.admission import ClientIdentity, open_channel
 from noloco_node.rpc.stage_service import GRPC_OPTIONS
 from noloco_node.rpc.status import status_of
 from noloco_node.rpc.tensors import PayloadReceiver, header_to_spec, iter_chunks, spec_to_header
+from noloco_node.runtime.faults import FaultInjector
 from noloco_node.wire.v1 import outer_pb2, outer_pb2_grpc, tensor_pb2
 
 log = logging.getLogger(__name__)
@@ -83,7 +85,8 @@ class StateDonor(Protocol):
 
 
 async def exchange_snapshots(read, write, mine: EncodedSnapshot, expected: list[ExpectedTensor], codec: str,
-                             max_bytes: int, traffic: Traffic | None = None) -> dict[str, Tensor]:
+                             max_bytes: int, traffic: Traffic | None = None,
+                             faults: FaultInjector | None = None) -> dict[str, Tensor]:
     """Send `mine` and receive the partner's snapshot concurrently; returns the decoded tensors
     once both receipts check out. Raises InvalidPayload / PeerUnavailable otherwise."""
     received_all = asyncio.Event()
@@ -98,6 +101,8 @@ async def exchange_snapshots(read, write, mine: EncodedSnapshot, expected: list[
                 await write(outer_pb2.ExchangeMessage(chunk=chunk))
                 if traffic is not None:
                     traffic.bytes_sent += len(chunk.data)
+        if faults is not None:
+            await faults.hit("during_exchange")
         await received_all.wait()
         await write(outer_pb2.ExchangeMessage(receipt=outer_pb2.Receipt(sha256=received_hash[0])))
 
@@ -154,8 +159,10 @@ async def exchange_snapshots(read, write, mine: EncodedSnapshot, expected: list[
 
 class OuterServicer(outer_pb2_grpc.OuterServicer):
     def __init__(self, handler: OuterHandler, *, run_id: str, manifest_hash: str, stage: int, max_bytes: int,
-                 timeout_s: float, traffic: Traffic | None = None, donor: StateDonor | None = None) -> None:
+                 timeout_s: float, traffic: Traffic | None = None, donor: StateDonor | None = None,
+                 faults: FaultInjector | None = None) -> None:
         self.handler = handler
+        self.faults = faults
         self.traffic = traffic
         self.donor = donor
         self.run_id, self.manifest_hash, self.stage = run_id, manifest_hash, stage
@@ -176,7 +183,8 @@ class OuterServicer(outer_pb2_grpc.OuterServicer):
         mine, expected, codec = self.handler.frozen()
         try:
             received = await asyncio.wait_for(
-                exchange_snapshots(context.read, context.write, mine, expected, codec, self.max_bytes, self.traffic),
+                exchange_snapshots(context.read, context.write, mine, expected, codec, self.max_bytes, self.traffic,
+                                   self.faults),
                 self.timeout_s)
         except (NodeError, asyncio.TimeoutError, grpc.aio.AioRpcError) as exc:
             await self.handler.finish(request.peer_id, None, _reason(exc))
@@ -198,6 +206,8 @@ class OuterServicer(outer_pb2_grpc.OuterServicer):
         yield outer_pb2.StateMessage(manifest=outer_pb2.StateManifest(
             inner_step=int(counters_dict["inner_step"]), outer_round=int(counters_dict["outer_round"]),
             num_tensors=len(encoded), payload_bytes=sum(len(p) for _, _, p in encoded), counters_json=counters))
+        if self.faults is not None:
+            await self.faults.hit("during_state_transfer")
         for name, spec, payload in encoded:
             yield outer_pb2.StateMessage(tensor=spec_to_header(spec, name))
             for chunk in iter_chunks(payload):
@@ -213,15 +223,18 @@ def _reason(exc: BaseException) -> str:
 
 
 class OuterClient:
-    def __init__(self, *, run_id: str, manifest_hash: str, max_bytes: int, traffic: Traffic | None = None) -> None:
+    def __init__(self, *, run_id: str, manifest_hash: str, max_bytes: int, traffic: Traffic | None = None,
+                 faults: FaultInjector | None = None, identity: ClientIdentity | None = None) -> None:
         self.run = tensor_pb2.RunIdentity(run_id=run_id, manifest_hash=manifest_hash)
+        self.identity = identity
+        self.faults = faults
         self.max_bytes = max_bytes
         self.traffic = traffic or Traffic()
         self._channels: dict[str, tuple[grpc.aio.Channel, outer_pb2_grpc.OuterStub]] = {}
 
     def _stub(self, address: str) -> outer_pb2_grpc.OuterStub:
         if address not in self._channels:
-            channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+            channel = open_channel(address, self.identity, GRPC_OPTIONS)
             self._channels[address] = (channel, outer_pb2_grpc.OuterStub(channel))
         return self._channels[address][1]
 
@@ -240,7 +253,8 @@ class OuterClient:
                 raise ProtocolMismatch(f"{address}: {reply.reason}")
             if reply.decision != ACCEPT:
                 raise PeerBusy(f"{address}: {outer_pb2.PairReply.Decision.Name(reply.decision)} {reply.reason}".strip())
-            received = await exchange_snapshots(call.read, call.write, mine, expected, codec, self.max_bytes, self.traffic)
+            received = await exchange_snapshots(call.read, call.write, mine, expected, codec, self.max_bytes, self.traffic,
+                                                self.faults)
             await call.done_writing()
             await call.read()  # EOF once the partner has read our receipt and closed its side
             return received
@@ -262,6 +276,8 @@ class OuterClient:
             if first is grpc.aio.EOF or first.WhichOneof("kind") != "manifest":
                 raise InvalidPayload(f"{address} did not start FetchState with a manifest")
             manifest = first.manifest
+            if self.faults is not None:
+                await self.faults.hit("during_state_transfer")
             if manifest.num_tensors > len(expected) or manifest.payload_bytes > self.max_bytes * 4:
                 raise InvalidPayload(f"{address} declares {manifest.num_tensors} tensors / {manifest.payload_bytes} bytes")
             for _ in range(manifest.num_tensors):

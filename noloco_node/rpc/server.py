@@ -8,6 +8,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from noloco_node.rpc.admission import AdmissionInterceptor
 from noloco_node.rpc.stage_service import GRPC_OPTIONS, StageServicer
 from noloco_node.wire.v1 import diag_pb2_grpc, outer_pb2_grpc, stage_pb2
 
@@ -17,8 +18,11 @@ STAGE_SERVICE = "noloco.wire.v1.Stage"
 class NodeServer:
     """Owns the grpc.aio server; `start` binds and returns the port actually bound."""
 
-    def __init__(self, host: str, port: int) -> None:
-        self.server = grpc.aio.server(options=GRPC_OPTIONS)
+    def __init__(self, host: str, port: int, *, admission: AdmissionInterceptor | None = None,
+                 max_concurrent_rpcs: int | None = None) -> None:
+        self.admission = admission
+        self.server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[admission] if admission else None,
+                                      maximum_concurrent_rpcs=max_concurrent_rpcs)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.host, self.requested_port = host, port

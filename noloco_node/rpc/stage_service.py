@@ -2,7 +2,7 @@
 
 The servicer validates in this order, before it allocates or computes: run identity
 (FAILED_PRECONDITION), tensor header (INVALID_ARGUMENT), the handler's shape and admission
-checks (INVALID_ARGUMENT / RESOURCE_EXHAUSTED / NOT_FOUND), then the payload: chunk order, exact
+checks (INVALID_ARGUMENT / RESOURCE_EXHAUSTED / FAILED_PRECONDITION), then the payload: chunk order, exact
 length, decodability and finite values (INVALID_ARGUMENT). A rejected call never disturbs the
 node: the handler releases what it reserved and the next request is served as usual.
 """
@@ -20,6 +20,7 @@ from torch import Tensor
 
 from noloco_node.codec import DTYPES, CodecError, TensorSpec, decode_into
 from noloco_node.errors import InvalidPayload, NodeError, ProtocolMismatch, TooLarge
+from noloco_node.rpc.admission import ClientIdentity, open_channel
 from noloco_node.rpc.status import error_from_rpc, status_of
 from noloco_node.rpc.tensors import PayloadReceiver, encode_tensor, header_to_spec, iter_chunks
 from noloco_node.wire.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
@@ -151,8 +152,9 @@ class StageClient:
     """Sends activations and gradients to other nodes; one cached channel per address."""
 
     def __init__(self, *, run_id: str, manifest_hash: str, codec: str, timeout_s: float,
-                 observe: Callable[[str, float], None] | None = None) -> None:
+                 observe: Callable[[str, float], None] | None = None, identity: ClientIdentity | None = None) -> None:
         self.run = tensor_pb2.RunIdentity(run_id=run_id, manifest_hash=manifest_hash)
+        self.identity = identity
         self.codec, self.timeout_s = codec, timeout_s
         self.observe = observe  # (method, seconds) after every call, for latency metrics
         self._channels: dict[str, tuple[grpc.aio.Channel, stage_pb2_grpc.StageStub]] = {}
@@ -160,7 +162,7 @@ class StageClient:
 
     def _stub(self, address: str) -> stage_pb2_grpc.StageStub:
         if address not in self._channels:
-            channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+            channel = open_channel(address, self.identity, GRPC_OPTIONS)
             self._channels[address] = (channel, stage_pb2_grpc.StageStub(channel))
         return self._channels[address][1]
 

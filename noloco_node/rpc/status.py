@@ -12,7 +12,10 @@ TO_STATUS: dict[type[NodeError], grpc.StatusCode] = {
     TooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
     InvalidPayload: grpc.StatusCode.INVALID_ARGUMENT,
     ProtocolMismatch: grpc.StatusCode.FAILED_PRECONDITION,
-    UnknownMicrobatch: grpc.StatusCode.NOT_FOUND,
+    # Not NOT_FOUND: a backward for a microbatch we hold no input for is a request in the wrong
+    # state, and the four codes a peer can earn stay INVALID_ARGUMENT / RESOURCE_EXHAUSTED /
+    # FAILED_PRECONDITION / UNAUTHENTICATED.
+    UnknownMicrobatch: grpc.StatusCode.FAILED_PRECONDITION,
     PeerUnavailable: grpc.StatusCode.UNAVAILABLE,
 }
 
@@ -32,7 +35,7 @@ def error_from_rpc(exc: grpc.aio.AioRpcError, peer: str) -> NodeError:
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return InvalidPayload(f"{peer} rejected our payload: {detail}")
     if code == grpc.StatusCode.FAILED_PRECONDITION:
+        if detail.startswith("no saved input"):
+            return UnknownMicrobatch(f"{peer}: {detail}")
         return ProtocolMismatch(f"{peer}: {detail}")
-    if code == grpc.StatusCode.NOT_FOUND:
-        return UnknownMicrobatch(f"{peer}: {detail}")
     return PeerUnavailable(f"{peer}: {code.name} {detail}".strip())

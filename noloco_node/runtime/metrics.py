@@ -38,6 +38,15 @@ class _StatsCollector:
         yield self._gauge("noloco_saved_inputs", "Saved forward inputs held for backward", s["saved_inputs"])
         yield self._counter("noloco_bans", "Peers banned after failed calls", s["bans"])
         yield self._counter("noloco_busy_answers", "Forwards refused because the window was full", s["busy_answers"])
+        admission = s.get("admission")
+        if admission is not None:
+            refused = CounterMetricFamily("noloco_calls_refused", "Calls refused before any servicer ran, per status code",
+                                          labels=[*self.labels, "code"])
+            for code, count in sorted(admission["refused"].items()):
+                refused.add_metric([*self.labels.values(), code], count)
+            yield refused
+            yield self._counter("noloco_peers_banned", "Peers banned for repeated invalid messages", admission["peers_banned"])
+            yield self._gauge("noloco_peers_banned_now", "Peers under a ban now", admission["banned_now"])
         sent = CounterMetricFamily("noloco_bytes_sent", "Payload bytes sent, per service", labels=[*self.labels, "service"])
         sent.add_metric([*self.labels.values(), "stage"], s["bytes_sent"])
         sent.add_metric([*self.labels.values(), "outer"], s.get("bytes_sent_outer", 0))

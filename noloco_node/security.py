@@ -1,0 +1,34 @@
+"""A node's admission pieces, built from `[security]`: the swarm key, the identity its outgoing
+calls carry, and the interceptor (with its per-peer guard) in front of its gRPC services."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from noloco_node.config import ConfigError, SecurityConfig
+from noloco_node.rpc.admission import AdmissionInterceptor, ClientIdentity, SwarmKeyError, load_swarm_key
+from noloco_node.rpc.guard import PeerGuard
+
+
+@dataclass
+class Admission:
+    key: bytes | None
+    identity: ClientIdentity
+    guard: PeerGuard
+    interceptor: AdmissionInterceptor
+
+
+def read_swarm_key(cfg: SecurityConfig) -> bytes | None:
+    if cfg.swarm_key_file is None:
+        return None
+    try:
+        return load_swarm_key(cfg.swarm_key_file)
+    except SwarmKeyError as exc:
+        raise ConfigError("security.swarm_key_file", str(exc), "give every peer the same file from `noloco-node keygen`") from None
+
+
+def build_admission(cfg: SecurityConfig) -> Admission:
+    key = read_swarm_key(cfg)
+    guard = PeerGuard(requests_per_s=cfg.peer_requests_per_s, burst=cfg.peer_burst, max_streams=cfg.peer_max_streams,
+                      ban_after_invalid=cfg.ban_after_invalid, ban_s=cfg.ban_s, ban_max_s=cfg.ban_max_s)
+    return Admission(key, ClientIdentity(key), guard, AdmissionInterceptor(key=key, max_skew_s=cfg.max_clock_skew_s, guard=guard))
