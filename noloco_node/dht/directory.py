@@ -71,9 +71,12 @@ class PeerDirectory:
                 record_validator=validator, client_mode=client_mode, startup_timeout=startup_timeout_s,
                 authorizer=authorizer,
             ), timeout=startup_timeout_s + 5)
-        except (P2PDaemonError, asyncio.TimeoutError, OSError) as exc:
+        except (P2PDaemonError, asyncio.TimeoutError, OSError, RuntimeError) as exc:
+            # hivemind raises RuntimeError when no initial peer answered a ping: they are down,
+            # unreachable, or (in a keyed swarm) ignoring us because our swarm key differs.
             where = ", ".join(initial_peers) or "(none)"
-            raise BootstrapError(f"could not join the DHT through initial peers {where}: {exc}".strip()) from None
+            hint = "" if swarm_key is not None else " (if the swarm uses a key, pass it with --swarm-key)"
+            raise BootstrapError(f"could not join the DHT through initial peers {where}: {exc}{hint}".strip()) from None
         return cls(node, identity, signer)
 
     async def visible_maddrs(self) -> list[str]:
