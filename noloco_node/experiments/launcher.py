@@ -114,9 +114,11 @@ class LocalSwarm:
         node.proc.kill()
         node.proc.wait(timeout=10)
 
-    def stop(self, grace_s: float = 15.0) -> None:
+    def stop(self, grace_s: float = 45.0) -> None:
         """SIGTERM every node at once (they drain and checkpoint in parallel), SIGKILL whoever is
-        still running after `grace_s`, then stop the bootstrap peer they were withdrawing from."""
+        still running after `grace_s`, then stop the bootstrap peer they were withdrawing from.
+        The default covers a node's worst graceful exit: withdraw (connect_s) + finish an outer
+        round (2 match_s + 10) + drain (drain_s), with the default timeouts."""
         running = [node.proc for node in self.nodes if node.proc.poll() is None]
         for proc in running:
             proc.send_signal(signal.SIGTERM)

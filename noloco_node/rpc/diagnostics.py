@@ -46,6 +46,8 @@ class DiagnosticsServicer(diag_pb2_grpc.DiagnosticsServicer):
 
     async def Probe(self, request: diag_pb2.ProbeRequest, context: grpc.aio.ServicerContext) -> diag_pb2.ProbeReply:
         arrived = time.time()
+        if request is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "undecodable ProbeRequest")
         if request.run_id != self.run_id:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this node serves run {self.run_id!r}")
         if not valid_address(request.address):

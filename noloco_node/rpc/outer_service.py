@@ -108,7 +108,9 @@ async def exchange_snapshots(read, write, mine: EncodedSnapshot, expected: list[
 
     async def next_message(kind: str):
         message = await read()
-        if message is grpc.aio.EOF or message is None:
+        if message is None:
+            raise InvalidPayload(f"undecodable message while waiting for {kind}")
+        if message is grpc.aio.EOF:
             raise PeerUnavailable(f"stream ended while waiting for {kind}")
         if message.WhichOneof("kind") == "abort":
             raise PeerUnavailable(f"partner aborted: {message.abort.reason}")
@@ -188,6 +190,10 @@ class OuterServicer(outer_pb2_grpc.OuterServicer):
                 self.timeout_s)
         except (NodeError, asyncio.TimeoutError, grpc.aio.AioRpcError) as exc:
             await self.handler.finish(request.peer_id, None, _reason(exc))
+            if isinstance(exc, PeerUnavailable):
+                # The caller ended or aborted its own exchange: not malformed data (an honest
+                # partner does this when its deadline passes), so not a strike towards a ban.
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"exchange ended early: {exc}")
             if isinstance(exc, NodeError):
                 await context.abort(status_of(exc), str(exc))
             return
@@ -195,6 +201,8 @@ class OuterServicer(outer_pb2_grpc.OuterServicer):
 
 
     async def FetchState(self, request, context):
+        if request is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "undecodable FetchStateRequest")
         if request.run.run_id != self.run_id or request.run.manifest_hash != self.manifest_hash or request.stage != self.stage:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"this node serves run {self.run_id}/{self.manifest_hash} stage {self.stage}")

@@ -5,12 +5,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import grpc
+from google.protobuf import message_factory
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from noloco_node.rpc.admission import AdmissionInterceptor
 from noloco_node.rpc.stage_service import GRPC_OPTIONS, StageServicer
-from noloco_node.wire.v1 import diag_pb2_grpc, outer_pb2_grpc, stage_pb2
+from noloco_node.wire.v1 import diag_pb2, outer_pb2, stage_pb2
 
 STAGE_SERVICE = "noloco.wire.v1.Stage"
 
@@ -29,23 +30,28 @@ class NodeServer:
         self.port: int | None = None
 
     def add_stage(self, servicer: StageServicer) -> None:
-        # Registered by hand (not with the generated helper) so undecodable bytes reach the
-        # servicer as None and get INVALID_ARGUMENT instead of gRPC's generic INTERNAL.
-        handlers = {
-            "Forward": grpc.stream_unary_rpc_method_handler(
-                servicer.Forward, request_deserializer=_lenient(stage_pb2.ForwardMessage.FromString),
-                response_serializer=stage_pb2.StageAck.SerializeToString),
-            "Backward": grpc.stream_unary_rpc_method_handler(
-                servicer.Backward, request_deserializer=_lenient(stage_pb2.BackwardMessage.FromString),
-                response_serializer=stage_pb2.StageAck.SerializeToString),
-        }
-        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(STAGE_SERVICE, handlers),))
+        self._add(stage_pb2, "Stage", servicer)
 
     def add_outer(self, servicer) -> None:
-        outer_pb2_grpc.add_OuterServicer_to_server(servicer, self.server)
+        self._add(outer_pb2, "Outer", servicer)
 
     def add_diagnostics(self, servicer) -> None:
-        diag_pb2_grpc.add_DiagnosticsServicer_to_server(servicer, self.server)
+        self._add(diag_pb2, "Diagnostics", servicer)
+
+    def _add(self, module, service: str, servicer) -> None:
+        """Register `servicer` for every method of `service` (read from the proto descriptor).
+        Not with the generated helper: its deserializers raise on undecodable bytes and gRPC
+        answers INTERNAL; ours hand the servicer None, which it answers with INVALID_ARGUMENT."""
+        descriptor = module.DESCRIPTOR.services_by_name[service]
+        handlers = {}
+        for method in descriptor.methods:
+            request = message_factory.GetMessageClass(method.input_type)
+            response = message_factory.GetMessageClass(method.output_type)
+            kind = ("stream" if method.client_streaming else "unary") + "_" + ("stream" if method.server_streaming else "unary")
+            make = getattr(grpc, f"{kind}_rpc_method_handler")
+            handlers[method.name] = make(getattr(servicer, method.name), request_deserializer=_lenient(request.FromString),
+                                         response_serializer=response.SerializeToString)
+        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(descriptor.full_name, handlers),))
 
     async def start(self) -> int:
         self.port = self.server.add_insecure_port(f"{self.host}:{self.requested_port}")
