@@ -227,7 +227,8 @@ class Node:
         self.sync = NoLoCoSync(self.outer_state, client=self.outer_client, directory=DhtMatching(self.directory),
                                compute=self.compute, peer_id=self.peer_id, stage=self.stage_index, codec=cfg.outer.codec,
                                match_s=cfg.timeouts.match_s, max_distance_ratio=cfg.outer.max_distance_ratio,
-                               bans=Bans(), set_status=self._set_status, rng=random.Random(self.peer_id + "outer"))
+                               bans=Bans(), set_status=self._set_status, rng=random.Random(self.peer_id + "outer"),
+                               faults=self.faults)
         self.server.add_outer(OuterServicer(self.sync, run_id=cfg.run.run_id, manifest_hash=self.manifest_hash,
                                             stage=self.stage_index, max_bytes=max_bytes, timeout_s=cfg.timeouts.match_s,
                                             traffic=self.outer_traffic, donor=self, faults=self.faults))
@@ -310,6 +311,10 @@ class Node:
 
         outer = getattr(self, "outer_state", None)
         tensors, counters = await self.compute.run(checkpoint.collect, self.stage, self.worker.inner, outer)
+        if self.driver is not None:  # taken between batches: every microbatch so far is completed or dropped
+            c = self.driver.counters
+            counters["microbatches"] = {"issued": c.issued, "completed": c.completed, "dropped": c.dropped,
+                                        "reissued": c.reissued}
         identity = {"run_id": self.config.run.run_id, "manifest_hash": self.manifest_hash, "peer_id": self.peer_id}
         path = await asyncio.to_thread(checkpoint.save, Path(self.config.checkpoint.dir).expanduser(), self.stage_index,
                                        tensors, counters, identity)
@@ -346,7 +351,8 @@ class Node:
                                tensors, meta)
         self.outer_round = int(meta["outer_round"])
         log.info("resumed from checkpoint at inner step %d", meta["inner_step"])
-        return {"inner_step": int(meta["inner_step"]), "outer_round": self.outer_round, "file": meta["file"]}
+        return {"inner_step": int(meta["inner_step"]), "outer_round": self.outer_round, "file": meta["file"],
+                "microbatches": meta.get("microbatches")}
 
     def _observe_rpc(self, method: str, seconds: float) -> None:
         if self.metrics is not None:
@@ -406,6 +412,10 @@ class Node:
         self.driver = Stage0Driver(self.runtime, batches, microbatch_size=cfg.pipeline.microbatch_size,
                                    microbatch_timeout_s=self.microbatch_timeout_s, sequential=self.sequential,
                                    step_fn=self._dp_step if self.dp_counters is not None else None)
+        restored = (self.resumed_from or {}).get("microbatches")
+        if restored:  # a restarted driver carries on its predecessor's accounting from the checkpoint
+            for name, value in restored.items():
+                setattr(self.driver.counters, name, int(value))
         async def after_step(step: int) -> None:
             await self._on_inner_step(step)
             if on_inner_step is not None:

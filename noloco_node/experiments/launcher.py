@@ -23,6 +23,7 @@ class NodeProcess:
     ready_file: Path
     log_file: Path
     info: dict = field(default_factory=dict)
+    extra: tuple[str, ...] = ()
 
     @property
     def label(self) -> str:
@@ -75,9 +76,17 @@ class LocalSwarm:
             self._cmd("join", "--stage", str(stage), "--initial-peers", self.maddr, "--threads", str(self.threads),
                       "--out", str(self.out_dir / "nodes"), "--ready-file", str(ready), *extra),
             stdout=log, stderr=subprocess.STDOUT, env=self._env(), start_new_session=True)
-        node = NodeProcess(stage, replica, proc, ready, log_path)
+        node = NodeProcess(stage, replica, proc, ready, log_path, extra=tuple(extra))
         self.nodes.append(node)
         return node
+
+    def restart(self, node: NodeProcess) -> NodeProcess:
+        """Start `node` again with the same stage, replica and arguments (its checkpoint dir
+        included, so it resumes); the new process replaces it in `nodes`."""
+        if node.proc.poll() is None:
+            raise RuntimeError(f"{node.label} is still running")
+        self.nodes.remove(node)
+        return self.start_node(node.stage, node.replica, *node.extra)
 
     def wait_ready(self, nodes: list[NodeProcess] | None = None) -> None:
         deadline = time.monotonic() + self.startup_timeout_s

@@ -1,8 +1,9 @@
 """Stage 0 drives training: it reads its data shard, issues microbatches into the pipeline,
 waits for their gradients, re-issues any that are lost, and takes the inner step per batch.
 
-Counters: `issued` counts distinct microbatches; each one ends `completed` or, after
-`max_attempts`, `dropped` (reported, never silent), so issued == completed + dropped at the end.
+Counters: `issued` counts distinct microbatches; each one ends `completed` or `dropped` (after
+`max_attempts`, or in flight when training stops; reported, never silent), so
+issued == completed + dropped at the end.
 `reissued` counts extra attempts.
 """
 
@@ -109,6 +110,12 @@ class Stage0Driver:
                 log.info("microbatch %d attempt %d found no stage-1 replica; re-issuing", sequence, attempt)
             except asyncio.TimeoutError:
                 log.info("microbatch %d attempt %d got no gradient within %.0f s; re-issuing", sequence, attempt, self.timeout_s)
+            except asyncio.CancelledError:
+                # Training was stopped (shutdown) with this microbatch in flight: it is dropped,
+                # and said so, so issued == completed + dropped holds for a stopped run too.
+                self.counters.dropped += 1
+                log.warning("microbatch %d dropped: training stopped while it was in flight", sequence)
+                raise
             finally:
                 self._pending.pop(key, None)
                 self.runtime.in_flight.pop(key, None)

@@ -269,6 +269,11 @@ class OuterClient:
         except grpc.aio.AioRpcError as exc:
             call.cancel()
             raise PeerUnavailable(f"{address}: {exc.code().name} {exc.details() or ''}".strip()) from None
+        except asyncio.InvalidStateError:
+            # A write after the partner ended the call (raised by an intercepted call instead of
+            # the AioRpcError a plain one gives): the exchange failed, like any dropped partner.
+            call.cancel()
+            raise PeerUnavailable(f"{address}: the partner ended the exchange") from None
         except BaseException:
             call.cancel()
             raise

@@ -5,6 +5,8 @@ A spec is "POINT:ACTION[=SECONDS][@N|%P]":
   stall=S        the point sleeps S seconds (peers see a node that stopped answering)
   delay=S        the same sleep, meant to be shorter than the peers' deadlines
   error          the operation at that point fails (raises InjectedFault)
+  poison[=X]     send_snapshot only: the outer snapshot we send carries NaN (or our fast weights
+                 times X) while our own weights stay honest: a lying peer, for tests
   @N             only the Nth time the point is reached (1-based); %P: each time with probability P.
 Without @N or %P the fault fires every time. Points off by default cost one dict lookup.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import random
 import re
@@ -23,8 +26,8 @@ from noloco_node.errors import NodeError
 
 log = logging.getLogger(__name__)
 
-POINTS = ("before_forward", "mid_backward", "during_exchange", "during_state_transfer")
-ACTIONS = ("crash", "stall", "delay", "error")
+POINTS = ("before_forward", "mid_backward", "during_exchange", "during_state_transfer", "send_snapshot")
+ACTIONS = ("crash", "stall", "delay", "error", "poison")
 CRASH_EXIT_CODE = 17
 _SPEC = re.compile(r"^(?P<point>[a-z_]+):(?P<action>[a-z]+)(=(?P<seconds>[0-9.]+))?(@(?P<nth>\d+)|%(?P<p>[0-9.]+))?$")
 
@@ -55,6 +58,8 @@ def parse_fault(spec: str) -> Fault:
         raise FaultSpecError(f"unknown point {point!r} in {spec!r} (points: {', '.join(POINTS)})")
     if action not in ACTIONS:
         raise FaultSpecError(f"unknown action {action!r} in {spec!r} (actions: {', '.join(ACTIONS)})")
+    if (action == "poison") != (point == "send_snapshot"):
+        raise FaultSpecError(f"{spec!r}: poison is the only action at send_snapshot, and only there")
     if action in ("stall", "delay") and match["seconds"] is None:
         raise FaultSpecError(f"{spec!r}: {action} needs =SECONDS")
     probability = float(match["p"]) if match["p"] is not None else None
@@ -98,6 +103,12 @@ class FaultInjector:
                 await asyncio.sleep(fault.seconds)
             elif fault.action == "error":
                 raise InjectedFault(f"injected error at {point}")
+
+    def poison(self) -> float | None:
+        """For send_snapshot: NaN or the scale to corrupt the outgoing snapshot with, else None."""
+        for fault in self._due("send_snapshot"):
+            return fault.seconds if fault.seconds else math.nan
+        return None
 
     def hit_sync(self, point: str) -> None:
         for fault in self._due(point):

@@ -29,6 +29,7 @@ from noloco_node.pipeline.ports import Peer
 from noloco_node.pipeline.router import Bans
 from noloco_node.rpc.outer_service import OuterClient
 from noloco_node.runtime.compute import ComputeThread
+from noloco_node.runtime.faults import FaultInjector
 from noloco_node.sync.snapshot import check_snapshot, freeze
 from noloco_node.wire.v1 import outer_pb2
 
@@ -64,7 +65,8 @@ class NoLoCoSync:
     def __init__(self, state: OuterState, *, client: OuterClient, directory: MatchingDirectory,
                  compute: ComputeThread, peer_id: str, stage: int, codec: str, match_s: float,
                  max_distance_ratio: float, bans: Bans, set_status: Callable[[str, int], Awaitable[None]],
-                 rng: random.Random | None = None) -> None:
+                 rng: random.Random | None = None, faults: FaultInjector | None = None) -> None:
+        self.faults = faults
         self.state, self.client, self.directory, self.compute = state, client, directory, compute
         self.peer_id, self.stage, self.codec = peer_id, stage, codec
         self.match_s, self.max_distance_ratio = match_s, max_distance_ratio
@@ -114,7 +116,8 @@ class NoLoCoSync:
         self.done = asyncio.Event()
         self.claimed = False
         self._outcome = ("solo", None)
-        self._frozen = await self.compute.run(freeze, self.state, self.codec)
+        poison = self.faults.poison() if self.faults is not None else None
+        self._frozen = await self.compute.run(freeze, self.state, self.codec, poison)
         self.matching = True
         await self.set_status("matching", round_index)
         deadline = start + self.match_s
@@ -165,6 +168,11 @@ class NoLoCoSync:
             self.bans.ban(peer.peer_id)
             self.counters.timed_out += 1
             log.info("round %d: exchange with %s failed: %s", self.round, peer.peer_id[-8:], exc)
+            return
+        except Exception:  # noqa: BLE001 - a transport surprise costs this partner, never the node
+            self.bans.ban(peer.peer_id)
+            self.counters.timed_out += 1
+            log.exception("round %d: exchange with %s failed unexpectedly", self.round, peer.peer_id[-8:])
             return
         finally:
             self.outgoing = None

@@ -12,15 +12,18 @@ from noloco_node.optim.state import OuterState
 from noloco_node.rpc.outer_service import EncodedSnapshot, ExpectedTensor
 
 
-def freeze(state: OuterState, codec: str) -> tuple[EncodedSnapshot, dict[str, Tensor], list[ExpectedTensor], dict[str, Tensor]]:
+def freeze(state: OuterState, codec: str, poison: float | None = None,
+           ) -> tuple[EncodedSnapshot, dict[str, Tensor], list[ExpectedTensor], dict[str, Tensor]]:
     """Encode this replica's fast weights; returns the wire snapshot, our own theta as the partner
     will decode it (so both sides average identical values), what we expect back, and the exact
-    frozen theta (to carry over inner progress made while the exchange runs)."""
+    frozen theta (to carry over inner progress made while the exchange runs). `poison` (fault
+    injection only) corrupts what is sent: NaN, or theta times that factor."""
     tensors, own_wire, expected, frozen = [], {}, [], {}
     for name, (_, theta) in state.snapshot().items():
-        spec, payload = encode(theta, codec)
+        sent = theta if poison is None else (torch.full_like(theta, math.nan) if math.isnan(poison) else theta * poison)
+        spec, payload = encode(sent, codec)
         tensors.append((name, spec, payload))
-        own_wire[name] = decode(spec, payload)
+        own_wire[name] = decode(*encode(theta, codec)) if poison is not None else decode(spec, payload)
         expected.append(ExpectedTensor(name, tuple(theta.shape), spec.dtype))
         frozen[name] = theta
     return EncodedSnapshot(tensors), own_wire, expected, frozen

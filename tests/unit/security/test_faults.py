@@ -70,3 +70,14 @@ def test_crash_exits_the_process_with_its_code():
             "f = FaultInjector(['mid_backward:crash@2'])\nf.hit_sync('mid_backward')\nf.hit_sync('mid_backward')\n"
             "raise SystemExit(0)")
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 17
+
+
+def test_poison_only_at_send_snapshot():
+    import math
+
+    assert math.isnan(FaultInjector(["send_snapshot:poison"]).poison())
+    assert FaultInjector(["send_snapshot:poison=1000000"]).poison() == 1e6
+    assert FaultInjector([]).poison() is None
+    for bad in ("mid_backward:poison", "send_snapshot:crash"):
+        with pytest.raises(FaultSpecError, match="poison is the only action"):
+            parse_fault(bad)

@@ -1,0 +1,121 @@
+"""Chaos and lies: a D=3 x P=2 swarm trains through a node killed and restarted every few
+seconds; a replica that sends poisoned outer snapshots every round never moves an honest one
+beyond its solo step."""
+
+import json
+import math
+import re
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from noloco_node.experiments.chaos import ChaosMonkey, ChaosProfile
+from noloco_node.runtime.events import read_events
+
+from .conftest import prepare_tokenizer, tiny_overrides
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
+
+
+def test_chaos_kill_and_restart_keeps_training_accounted(tmp_path, make_swarm):
+    steps, replicas = 24, 3
+    overrides = tiny_overrides(tmp_path, **{"outer.method": "noloco", "outer.inner_steps_per_outer": 4,
+                                            "inner.total_steps": steps, "checkpoint.every_steps": 1,
+                                            "timeouts.match_s": 2.0, "timeouts.microbatch_s": 4.0,
+                                            "timeouts.rpc_s": 4.0, "timeouts.drain_s": 2.0})
+    prepare_tokenizer(overrides)
+    swarm = make_swarm(overrides)
+
+    def node_args(stage, replica):
+        return ("--set", f"checkpoint.dir={tmp_path / 'ckpt' / f'{stage}-{replica}'}",
+                "--events", str(tmp_path / "events" / f"{stage}-{replica}.jsonl"), "--save-weights")
+
+    servers = [swarm.start_node(1, r, *node_args(1, r)) for r in range(replicas)]
+    swarm.wait_ready(servers)
+    drivers = [swarm.start_node(0, r, "--steps", str(steps), *node_args(0, r)) for r in range(replicas)]
+    swarm.wait_ready(drivers)
+
+    def has_checkpoint(node):  # "restarted from its checkpoint" needs one to exist first
+        return (tmp_path / "ckpt" / f"{node.stage}-{node.replica}" / f"stage{node.stage}.json").exists()
+
+    deadline = time.monotonic() + 330
+    with ChaosMonkey(swarm, ChaosProfile(action="kill", every_s=5.0), seed=3, eligible=has_checkpoint) as monkey:
+        while True:
+            with monkey.lock:
+                current = [n for n in swarm.nodes if n.stage == 0]
+                if len(current) == replicas and all(n.proc.poll() is not None for n in current):
+                    break
+            assert time.monotonic() < deadline, f"drivers not done; chaos so far: {monkey.events}"
+            time.sleep(0.5)
+    kills = [e for e in monkey.events if e["action"] == "kill"]
+    failed = [e for e in monkey.events if "failed" in e["action"]]
+    assert len(kills) >= 3 and not failed, monkey.events
+    assert all(n.proc.returncode == 0 for n in swarm.nodes if n.stage == 0), [n.proc.returncode for n in swarm.nodes]
+    swarm.stop()
+
+    stats = swarm.node_stats()
+    final_drivers = [s for s in stats.values() if s["stage"] == 0 and s["inner_steps"] == steps]
+    assert len(final_drivers) == replicas, {p[-6:]: (s["stage"], s["inner_steps"]) for p, s in stats.items()}
+    for s in final_drivers:
+        mb = s["microbatches"]
+        assert mb["issued"] == mb["completed"] + mb["dropped"], mb
+        assert all(math.isfinite(x) for x in s["losses"])
+    for s in stats.values():
+        assert s["saved_inputs"] == 0 or s["stage"] == 0
+
+    for stage in (0, 1):
+        for r in range(replicas):
+            label = f"stage{stage}/replica{r}"
+            started = [e for e in read_events(tmp_path / "events" / f"{stage}-{r}.jsonl") if e["event"] == "started"]
+            killed = sum(1 for e in kills if e["node"] == label)
+            assert len(started) == 1 + killed, (label, len(started), killed)
+            assert all(e["resumed_from"] is not None for e in started[1:]), (label, started)
+            for e in started[1:]:
+                assert e["resumed_from"]["inner_step"] >= 1
+
+    for r in range(replicas):
+        events = read_events(tmp_path / "events" / f"0-{r}.jsonl")
+        losses = [e["loss"] for e in events if e["event"] == "inner_step"]
+        assert all(math.isfinite(x) for x in losses)
+        assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4, losses
+        log_text = (swarm.out_dir / "logs" / f"stage0-r{r}.log").read_text()
+        reported = len(re.findall(r"microbatch \d+ dropped", log_text))
+        final = next(s for s in final_drivers if s["peer_id"] == json.loads(
+            (swarm.out_dir / "ready" / f"stage0-r{r}.json").read_text())["peer_id"])
+        assert final["microbatches"]["dropped"] <= reported, "every counted drop must have been reported"
+
+    for path in (swarm.out_dir / "nodes").glob("*.safetensors"):
+        for name, tensor in load_file(str(path)).items():
+            assert torch.isfinite(tensor).all(), (path.name, name)
+
+
+def test_poisoned_snapshots_every_round_never_move_an_honest_replica(tmp_path, make_swarm):
+    steps = 12
+    overrides = tiny_overrides(tmp_path, **{"outer.method": "noloco", "outer.inner_steps_per_outer": 2,
+                                            "inner.total_steps": steps, "timeouts.match_s": 3.0})
+    prepare_tokenizer(overrides)
+    swarm = make_swarm(overrides)
+    servers = [swarm.start_node(1, r) for r in range(2)]  # --wait-replicas counts every stage
+    swarm.wait_ready(servers)
+    # Two stage-0 replicas step once per batch, so their rounds line up and they try to pair every round.
+    honest = swarm.start_node(0, 0, "--steps", str(steps), "--wait-replicas", "2", "--save-weights")
+    liar = swarm.start_node(0, 1, "--steps", str(steps), "--wait-replicas", "2", "--save-weights",
+                            "--set", "faults.inject=send_snapshot:poison%0.5,send_snapshot:poison=1000000")
+    swarm.wait_ready([honest, liar])
+    swarm.wait_exit([honest, liar], timeout_s=240)
+    assert honest.proc.returncode == 0 and liar.proc.returncode == 0
+    swarm.stop()
+    stats = swarm.node_stats()
+    mine = stats[honest.info["peer_id"]]
+    theirs = stats[liar.info["peer_id"]]
+    history = mine["outer_history"]
+    assert len(history) == steps // 2
+    assert all(h["outcome"] != "paired" for h in history), history
+    assert mine["outer"]["rejected"] >= 1 and mine["outer"]["paired"] == 0
+    assert theirs["faults_fired"] and all(f == "send_snapshot:poison" for f in theirs["faults_fired"])
+    weights = load_file(str(next((swarm.out_dir / "nodes").glob(f"stage0-{honest.info['peer_id'][-8:]}.outer.safetensors"))))
+    for name, tensor in weights.items():
+        assert torch.isfinite(tensor).all() and tensor.abs().max() < 100, name
+    assert mine["losses"][-1] < mine["losses"][0]
