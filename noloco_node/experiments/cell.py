@@ -5,6 +5,7 @@ its events, stats and theta snapshots are reduced to one results row and a few c
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 import time
@@ -48,6 +49,8 @@ def run_cell(scenario: Scenario, cell: Cell, out_dir: Path) -> dict:
             args = ["--port", str(grpc[slot_index]), "--announce-addr", f"127.0.0.1:{grpc_relay[slot_index]}",
                     "--events", str(events_dir / f"stage{s}-r{d}.jsonl"), "--snapshot-every", str(scenario.eval_every),
                     "--snapshot-dir", str(snapshots), *extra]
+            if scenario.chaos_action == "kill":  # a killed node restarts from its own checkpoint
+                args += ["--set", f"checkpoint.dir={out_dir / 'checkpoints' / f'{s}-{d}'}", "--set", "checkpoint.every_steps=1"]
             if cell.method in ("diloco", "dp"):
                 args += ["--set", f"network.allreduce_port={ar[slot_index]}",
                          "--set", f"network.allreduce_announce=127.0.0.1:{ar_relay[slot_index]}"]
@@ -58,7 +61,10 @@ def run_cell(scenario: Scenario, cell: Cell, out_dir: Path) -> dict:
         drivers = [start(i, "--steps", str(scenario.steps), "--wait-replicas", str(cell.replicas))
                    for i, (s, _) in enumerate(slots) if s == 0]
         swarm.wait_ready(drivers)
-        swarm.wait_exit(drivers, timeout_s=scenario.cell_timeout_s)
+        if scenario.chaos_action is None:
+            swarm.wait_exit(drivers, timeout_s=scenario.cell_timeout_s)
+        else:
+            drivers = _wait_under_chaos(scenario, cell, swarm, out_dir)
         failed = [n.label for n in drivers if n.proc.returncode != 0]
         if failed:
             raise RuntimeError(f"{', '.join(failed)} exited with an error; see {out_dir / 'swarm' / 'logs'}")
@@ -75,6 +81,29 @@ def run_cell(scenario: Scenario, cell: Cell, out_dir: Path) -> dict:
         relay.stop()
     wall_s = time.time() - started
     return summarize(scenario, cell, config, swarm, events_dir, snapshots, wall_s)
+
+
+def _wait_under_chaos(scenario: Scenario, cell: Cell, swarm: LocalSwarm, out_dir: Path) -> list:
+    """Wait for the drivers while a ChaosMonkey acts; restarted drivers replace killed ones.
+    The monkey's actions are written to chaos.json next to the cell's events."""
+    from noloco_node.experiments.chaos import ChaosMonkey
+
+    def eligible(node) -> bool:
+        return scenario.chaos_action != "kill" or (out_dir / "checkpoints" / f"{node.stage}-{node.replica}"
+                                                   / f"stage{node.stage}.json").exists()
+
+    deadline = time.monotonic() + scenario.cell_timeout_s
+    with ChaosMonkey(swarm, scenario.chaos_profile(), seed=cell.seed, eligible=eligible) as monkey:
+        while True:
+            with monkey.lock:
+                drivers = [n for n in swarm.nodes if n.stage == 0]
+                if len(drivers) == cell.replicas and all(n.proc.poll() is not None for n in drivers):
+                    break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"drivers still running after {scenario.cell_timeout_s:.0f} s under chaos")
+            time.sleep(0.5)
+    (out_dir / "chaos.json").write_text(json.dumps(monkey.events, indent=1))
+    return drivers
 
 
 def summarize(scenario: Scenario, cell: Cell, config, swarm: LocalSwarm, events_dir: Path, snapshots: Path,

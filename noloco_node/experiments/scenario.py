@@ -64,7 +64,19 @@ class Scenario:
     outer_sync_numel: int = 1_000_000
     threads: int = 1
     cell_timeout_s: float = 600.0
+    chaos_action: str | None = None
+    """Chaos profile: kill (and restart from checkpoint), stall or delay a random node of each
+    cell every chaos_every_s seconds (experiments/chaos.py); None = no chaos."""
+    chaos_every_s: float = 20.0
+    chaos_stall_s: float = 8.0
+    chaos_delay_s: float = 1.0
     overrides: dict[str, Any] = field(default_factory=dict)
+
+    def chaos_profile(self):
+        from noloco_node.experiments.chaos import ChaosProfile
+
+        return ChaosProfile(action=self.chaos_action, every_s=self.chaos_every_s, stall_s=self.chaos_stall_s,
+                            delay_s=self.chaos_delay_s)
 
     def __post_init__(self) -> None:
         for method in self.methods:
@@ -78,6 +90,11 @@ class Scenario:
         for name in ("steps", "eval_every", "eval_sequences", "threads"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"scenario.{name}", f"must be >= 1, got {getattr(self, name)}", "use a positive integer")
+        if self.chaos_action is not None:
+            try:
+                self.chaos_profile()
+            except ValueError as exc:
+                raise ConfigError("scenario.chaos_action", str(exc), "use kill, stall or delay with positive seconds") from None
         if len({p.name for p in self.profiles}) != len(self.profiles):
             raise ConfigError("scenario.profiles", "profile names repeat", "give every [[profiles]] a distinct name")
 

@@ -15,7 +15,7 @@ from noloco_node.dht.directory import DirectoryIdentity, PeerDirectory
 from noloco_node.dht.records import StageRecord
 from noloco_node.errors import BootstrapError
 from noloco_node.rpc.admission import ClientIdentity, open_channel
-from noloco_node.wire.v1 import diag_pb2, outer_pb2, stage_pb2, tensor_pb2
+from noloco_node.wire.v1 import diag_pb2, outer_pb2, stage_pb2
 
 from .conftest import prepare_tokenizer, tiny_overrides
 

@@ -52,3 +52,14 @@ def test_pearson():
     assert pearson([1, 2, 3, 4], [2, 4, 6, 8]) == pytest.approx(1.0)
     assert pearson([1, 2, 3, 4], [8, 6, 4, 2]) == pytest.approx(-1.0)
     assert math.isnan(pearson([1, 2, 3], [5, 5, 5]))
+
+
+def test_chaos_profile_fields():
+    from noloco_node.config import ConfigError
+    from noloco_node.experiments.scenario import Scenario
+
+    assert Scenario().chaos_action is None
+    profile = Scenario(chaos_action="stall", chaos_every_s=5.0).chaos_profile()
+    assert profile.action == "stall" and profile.every_s == 5.0
+    with pytest.raises(ConfigError, match="chaos_action"):
+        Scenario(chaos_action="explode")
