@@ -331,7 +331,8 @@ class FaultsConfig:
     inject: tuple[str, ...] = ()
     """Faults at named points, each "POINT:ACTION[=SECONDS][@N|%P]": points before_forward,
     mid_backward, during_exchange, during_state_transfer; actions crash (exit 17), stall/delay
-    (sleep SECONDS), error (fail that operation); @N = only the Nth time the point is reached,
+    (sleep SECONDS), error (fail that operation); and send_snapshot:poison[=X] (send NaN, or our
+    fast weights times X, as a lying peer would); @N = only the Nth time the point is reached,
     %P = with probability P each time. E.g. "mid_backward:crash@3"."""
 
     def __post_init__(self) -> None:
