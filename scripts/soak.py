@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from noloco_node.experiments.launcher import LocalSwarm  # noqa: E402
+from noloco_node.runtime.memory import rss_mb  # noqa: E402
 
 TINY = {"model.hidden_size": 64, "model.intermediate_size": 128, "model.num_layers": 4, "model.num_heads": 4,
         "model.seq_len": 32, "data.vocab_size": 512, "pipeline.batch_size": 8, "pipeline.microbatch_size": 4,
@@ -27,10 +28,6 @@ TINY = {"model.hidden_size": 64, "model.intermediate_size": 128, "model.num_laye
         "outer.inner_steps_per_outer": 20, "timeouts.match_s": 3.0, "timeouts.heartbeat_s": 2.0,
         "timeouts.record_ttl_s": 8.0}
 
-
-def rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
 
 
 def open_fds(pid: int) -> int:

@@ -92,16 +92,8 @@ def _wait_under_chaos(scenario: Scenario, cell: Cell, swarm: LocalSwarm, out_dir
         return scenario.chaos_action != "kill" or (out_dir / "checkpoints" / f"{node.stage}-{node.replica}"
                                                    / f"stage{node.stage}.json").exists()
 
-    deadline = time.monotonic() + scenario.cell_timeout_s
     with ChaosMonkey(swarm, scenario.chaos_profile(), seed=cell.seed, eligible=eligible) as monkey:
-        while True:
-            with monkey.lock:
-                drivers = [n for n in swarm.nodes if n.stage == 0]
-                if len(drivers) == cell.replicas and all(n.proc.poll() is not None for n in drivers):
-                    break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"drivers still running after {scenario.cell_timeout_s:.0f} s under chaos")
-            time.sleep(0.5)
+        drivers = monkey.wait_for_drivers(cell.replicas, scenario.cell_timeout_s)
     (out_dir / "chaos.json").write_text(json.dumps(monkey.events, indent=1))
     return drivers
 

@@ -58,6 +58,19 @@ class ChaosMonkey:
         self._stop.set()
         self._thread.join(timeout=self.profile.stall_s + self.swarm.startup_timeout_s + 30)
 
+    def wait_for_drivers(self, replicas: int, timeout_s: float) -> list[NodeProcess]:
+        """Block until all `replicas` stage-0 processes have exited (restarted drivers replace
+        killed ones in the swarm); returns the last process of each."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self.lock:
+                drivers = [n for n in self.swarm.nodes if n.stage == 0]
+                if len(drivers) == replicas and all(n.proc.poll() is not None for n in drivers):
+                    return drivers
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"drivers still running after {timeout_s:.0f} s under chaos; chaos so far: {self.events}")
+            time.sleep(0.5)
+
     def _loop(self) -> None:
         while not self._stop.wait(self.profile.every_s):
             candidates = [n for n in self.swarm.nodes if n.proc.poll() is None and self.eligible(n)]

@@ -28,3 +28,12 @@ def tune_allocator(mmap_threshold_bytes: int = 1 << 30, trim_threshold_bytes: in
         log.debug("mallopt is not available (libc=%s); allocator left as is", name)
         return False
     return bool(ok)
+
+
+def rss_mb(pid: int) -> float:
+    """Resident memory of process `pid` in MiB, from /proc (Linux)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")

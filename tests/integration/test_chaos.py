@@ -4,7 +4,6 @@ beyond its solo step."""
 
 import math
 import re
-import time
 
 import pytest
 import torch
@@ -39,15 +38,8 @@ def test_chaos_kill_and_restart_keeps_training_accounted(tmp_path, make_swarm):
     def has_checkpoint(node):  # "restarted from its checkpoint" needs one to exist first
         return (tmp_path / "ckpt" / f"{node.stage}-{node.replica}" / f"stage{node.stage}.json").exists()
 
-    deadline = time.monotonic() + 330
     with ChaosMonkey(swarm, ChaosProfile(action="kill", every_s=4.0), seed=3, eligible=has_checkpoint) as monkey:
-        while True:
-            with monkey.lock:
-                current = [n for n in swarm.nodes if n.stage == 0]
-                if len(current) == replicas and all(n.proc.poll() is not None for n in current):
-                    break
-            assert time.monotonic() < deadline, f"drivers not done; chaos so far: {monkey.events}"
-            time.sleep(0.5)
+        monkey.wait_for_drivers(replicas, timeout_s=330)
     kills = [e for e in monkey.events if e["action"] == "kill"]
     failed = [e for e in monkey.events if "failed" in e["action"]]
     assert len(kills) >= 3 and not failed, monkey.events

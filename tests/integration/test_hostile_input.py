@@ -9,6 +9,7 @@ import grpc
 import pytest
 
 from noloco_node.rpc.admission import AUTH_HEADER, make_token
+from noloco_node.runtime.memory import rss_mb
 
 from .conftest import prepare_tokenizer, tiny_overrides
 from .fuzzing import FORWARD, Fuzzer
@@ -23,10 +24,6 @@ WARMUP = 2_000
 # The bound stated: RSS stays under 1 GiB (it starts near 0.5 GiB) for the whole fuzz run.
 RSS_CEILING_MB = 1024
 
-
-def rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
 
 
 def test_fuzzed_node_survives_stays_bounded_and_keeps_training(tmp_path, make_swarm):

@@ -4,9 +4,10 @@ end of warm-up (microbatch 200) and the end."""
 
 import json
 import time
-from pathlib import Path
 
 import pytest
+
+from noloco_node.runtime.memory import rss_mb
 
 from .conftest import prepare_tokenizer, tiny_overrides
 
@@ -15,12 +16,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
 MICROBATCHES, PER_STEP, WARMUP_STEPS = 1000, 8, 25
 RSS_GROWTH_BOUND_MB = 16.0
 
-
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
 
 
 def test_thousand_microbatches_leave_no_saved_inputs_and_bounded_rss(tmp_path, make_swarm):
