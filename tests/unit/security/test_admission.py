@@ -18,17 +18,18 @@ def test_token_round_trip_names_the_peer():
     assert verify_token(KEY, make_token(KEY, "peerA", METHOD), METHOD, max_skew_s=5) == "peerA"
 
 
-@pytest.mark.parametrize("token, why", [
-    (None, "no swarm-key token"),
-    ("garbage", "malformed"),
-    ("peerA.notanumber.00", "malformed"),
-    (make_token(OTHER, "peerA", METHOD), "not made with this swarm's key"),
-    (make_token(KEY, "peerA", "/noloco.wire.v1.Outer/Exchange"), "not made with this swarm's key"),
-    (make_token(KEY, "peerA", METHOD, now=1_000.0), "from ours"),
-])
-def test_bad_tokens_are_refused_with_the_reason(token, why):
+# Tokens are made inside the test (not at collection, which may be minutes earlier than the run).
+@pytest.mark.parametrize("make, why", [
+    (lambda: None, "no swarm-key token"),
+    (lambda: "garbage", "malformed"),
+    (lambda: "peerA.notanumber.00", "malformed"),
+    (lambda: make_token(OTHER, "peerA", METHOD), "not made with this swarm's key"),
+    (lambda: make_token(KEY, "peerA", "/noloco.wire.v1.Outer/Exchange"), "not made with this swarm's key"),
+    (lambda: make_token(KEY, "peerA", METHOD, now=1_000.0), "from ours"),
+], ids=["missing", "garbage", "bad-stamp", "other-key", "other-method", "stale"])
+def test_bad_tokens_are_refused_with_the_reason(make, why):
     with pytest.raises(SwarmKeyError, match=why):
-        verify_token(KEY, token, METHOD, max_skew_s=60)
+        verify_token(KEY, make(), METHOD, max_skew_s=60)
 
 
 def test_a_forged_peer_id_breaks_the_mac():
