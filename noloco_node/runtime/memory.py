@@ -30,10 +30,14 @@ def tune_allocator(mmap_threshold_bytes: int = 1 << 30, trim_threshold_bytes: in
     return bool(ok)
 
 
-def rss_mb(pid: int) -> float:
-    """Resident memory of process `pid` in MiB, from /proc (Linux)."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmRSS for pid {pid}")
+def rss_mb(pid: int) -> float | None:
+    """Resident memory of process `pid` in MiB, from /proc (Linux); None once it has exited
+    (a zombie has no VmRSS), which a sampler polling a live process can always race into."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except FileNotFoundError:
+        pass
+    return None

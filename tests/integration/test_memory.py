@@ -38,8 +38,9 @@ def test_thousand_microbatches_leave_no_saved_inputs_and_bounded_rss(tmp_path, m
     while first.proc.poll() is None:
         assert time.monotonic() < deadline, "1,000 microbatches did not finish in time"
         for n in nodes:
-            if n.proc.poll() is None:
-                peak[n.label] = max(peak[n.label], rss_mb(n.proc.pid))
+            rss = rss_mb(n.proc.pid)
+            if rss is not None:  # None: it exited after the loop's check
+                peak[n.label] = max(peak[n.label], rss)
         time.sleep(0.2)
     assert first.proc.returncode == 0
     final_last = json.loads(last.ready_file.read_text())
