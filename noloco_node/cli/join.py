@@ -25,8 +25,8 @@ def register(subparsers) -> None:
     p.add_argument("--announce-addr", metavar="HOST:PORT", help="the address peers dial (network.announce_addr); "
                    "checked at join by asking live peers to call our health endpoint")
     p.add_argument("--events", metavar="FILE", help="append a JSONL event stream here (log.events_file)")
-    p.add_argument("--steps", type=int, default=0, help="stage 0: train until inner step N, then leave (a node resumed "
-                   "from its checkpoint runs only what is left; 0 = serve until stopped)")
+    p.add_argument("--steps", type=int, default=0, help="stage 0: train until inner step N, then leave (a node that "
+                   "resumed from its checkpoint or fetched a replica's state runs only what is left; 0 = serve until stopped)")
     p.add_argument("--wait-replicas", type=int, default=1, help="stage 0: wait until every stage has this many replicas")
     p.add_argument("--threads", type=int, help="torch threads for this process (default: all cores)")
     p.add_argument("--out", help="write this node's stats (and weights with --save-weights) here on exit")
@@ -99,8 +99,8 @@ async def _serve(config, args: argparse.Namespace) -> int:
         if node.stage_index == 0 and args.steps > 0:
             await _race(node.wait_for_replicas(args.wait_replicas, config.timeouts.startup_s), stop)
             if not stop.is_set():
-                done = (node.resumed_from or {}).get("inner_step", 0)
-                await _race(node.train(max(0, args.steps - done), on_inner_step=report), stop)
+                # Until inner step N: a resumed node or one that fetched a replica's state starts past 0.
+                await _race(node.train(max(0, args.steps - node.worker.inner_steps), on_inner_step=report), stop)
         else:
             await stop.wait()
     finally:
