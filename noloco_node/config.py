@@ -109,6 +109,9 @@ class PipelineConfig:
     """B: sequences whose gradients one inner step accumulates, per replica."""
     microbatch_size: int = 1
     """Sequences per routed microbatch (the reference uses 1)."""
+    routing: str = "balanced"
+    """balanced: the reference's per-microbatch permutation (equal shares per replica while the
+    stages' memberships match, else random); random: each sender's own shuffled cycle."""
     max_in_flight: int = 8
     """Microbatches a node holds saved inputs for at once; beyond it, senders get BUSY."""
     activation_codec: str = "bf16"
@@ -124,6 +127,8 @@ class PipelineConfig:
         _require(self.num_stages >= 1, "num_stages", f"must be >= 1, got {self.num_stages}", "use a positive integer")
         _require(self.stage is None or 0 <= self.stage < self.num_stages, "stage", f"{self.stage} is outside 0..{self.num_stages - 1}",
                  "pick a stage index below num_stages, or 'auto'")
+        _require(self.routing in ("balanced", "random"), "routing", f"unknown routing {self.routing!r}",
+                 "use balanced or random")
         _require(self.batch_size >= 1 and self.microbatch_size >= 1, "batch_size",
                  "batch_size and microbatch_size must be >= 1", "use positive integers")
         _require(self.batch_size % self.microbatch_size == 0, "microbatch_size",

@@ -139,6 +139,7 @@ def summarize(scenario: Scenario, cell: Cell, config, swarm: LocalSwarm, events_
         "cell": cell.name, "method": cell.method, "replicas": cell.replicas, "stages": cell.stages,
         "profile": cell.profile.name, "seed": cell.seed, "status": "ok", "steps": scenario.steps,
         "final_val_loss": evals[-1]["val_loss"] if evals else math.nan,
+        "final_eval_step": evals[-1]["step"] if evals else -1,
         "final_train_loss": train[-1]["train_loss"] if train else math.nan,
         "wall_s": round(wall_s, 2), "train_wall_s": round(train[-1]["wall_s"], 2) if train else math.nan,
         "bytes_per_node": statistics.fmean(node_bytes) if node_bytes else 0.0,

@@ -26,6 +26,10 @@ def claims(rows: list[dict], sync_rows: list[dict]) -> list[str]:
     ok = [r for r in rows if r["status"] == "ok"]
     loss = {m: _mean([r["final_val_loss"] for r in ok if r["method"] == m]) for m in ("noloco", "diloco", "dp")}
     out = []
+    eval_steps = sorted({int(r.get("final_eval_step", r["steps"])) for r in ok})
+    if len(eval_steps) > 1:  # a cell whose last snapshots were incomplete is compared at an earlier step
+        out.append(f"Caution: the cells' final validation losses come from different inner steps ({eval_steps}); "
+                   "the loss comparisons below are not like for like.")
     if not math.isnan(loss["noloco"]) and not math.isnan(loss["diloco"]):
         verdict = "agrees" if loss["noloco"] <= loss["diloco"] else "disagrees"
         out.append(f"NoLoCo <= DiLoCo validation loss: NoLoCo {loss['noloco']:.3f} vs DiLoCo {loss['diloco']:.3f} "
@@ -64,13 +68,14 @@ def write_report(out: Path, scenario: Scenario, rows: list[dict], sync_rows: lis
         lines.append(f"| {p['name']} | {link['rtt_ms']:.1f} | {2 * p['one_way_ms']:.0f} | {link['mbit']:.1f} | "
                      f"{p['mbit'] or 'unlimited'} |")
     lines += ["", "## Cells", "",
-              "| cell | status | final val loss | final train loss | train wall s | MB/node | idle | spread | Pearson(spread, lr) "
+              "| cell | status | final val loss (at step) | final train loss | train wall s | MB/node | idle | spread | Pearson(spread, lr) "
               "| outer paired/solo | microbatches issued/completed/dropped |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["status"] != "ok":
             lines.append(f"| {r['cell']} | **failed**: {r.get('error', '')} | | | | | | | | | |")
             continue
-        lines.append(f"| {r['cell']} | ok | {_fmt(r['final_val_loss'])} | {_fmt(r['final_train_loss'])} | "
+        lines.append(f"| {r['cell']} | ok | {_fmt(r['final_val_loss'])} ({r.get('final_eval_step', '?')}) | "
+                     f"{_fmt(r['final_train_loss'])} | "
                      f"{_fmt(r['train_wall_s'], 1)} | {r['bytes_per_node'] / 1e6:.2f} | {_fmt(r['idle_fraction'], 2)} | "
                      f"{_fmt(r['final_spread'], 5)} | {_fmt(r['spread_lr_pearson'], 2)} | {r['outer_paired']}/{r['outer_solo']} | "
                      f"{r['mb_issued']}/{r['mb_completed']}/{r['mb_dropped']} |")

@@ -25,7 +25,7 @@ from noloco_node.netem.selfcheck import measure_link
 
 FIGURES = {"validation_loss": "validation_loss.png", "outer_sync": "outer_sync_vs_n.png", "bytes": "bytes_per_node.png",
            "spread": "spread_vs_lr.png", "idle": "idle_time.png"}
-ROW_FIELDS = ["cell", "method", "replicas", "stages", "profile", "seed", "status", "steps", "final_val_loss",
+ROW_FIELDS = ["cell", "method", "replicas", "stages", "profile", "seed", "status", "steps", "final_val_loss", "final_eval_step",
               "final_train_loss", "wall_s", "train_wall_s", "bytes_per_node", "idle_fraction", "final_spread",
               "spread_lr_pearson", "outer_rounds", "outer_paired", "outer_solo", "mb_issued", "mb_completed",
               "mb_reissued", "mb_dropped", "error"]

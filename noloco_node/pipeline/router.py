@@ -1,8 +1,15 @@
 """Next-hop choice: random live replicas of the next stage, minus banned peers.
 
-Each sender walks a freshly shuffled cycle of the next stage's replicas (one row of the
-reference's per-microbatch permutation), so every hop is random yet a sender's load spreads
-evenly and the replicas of a stage keep similar inner-step counts, which pairing needs.
+Two policies (`pipeline.routing`):
+- balanced (the reference's routing): microbatch k leaving stage p goes from the sender at
+  index d among its stage's replicas to index pi_{k,p}[d] of the next stage, pi a permutation
+  seeded by (run seed, k, p) that every sender computes alike. Each hop is random, and when the
+  two stages have the same live replicas and their senders issue the same microbatch numbers,
+  every receiver gets exactly one microbatch per number: replicas of a stage process equal
+  shares and step in lockstep, which the data-parallel baseline needs to be exact and pairing
+  likes. When the memberships differ (a replica died or joined), it falls back to:
+- random: each sender walks a freshly shuffled cycle of the next stage's replicas, so its own
+  load spreads evenly though the receivers' totals need not be equal.
 
 A peer that fails a call is banned locally with exponential backoff (1 s, 2 s, 4 s ... up to
 `max_ban_s`), independent of what the DHT says; a success clears its record.
@@ -52,6 +59,17 @@ class Router:
         self.bans = bans
         self.rng = rng or random.Random()
         self._cycle: list[str] = []
+
+    def pick_permuted(self, candidates: list[Peer], senders: list[str], me: str, seed: str) -> Peer | None:
+        """The balanced choice for the microbatch `seed` names: None when it does not apply (the
+        stages differ in size, we are not among the senders) or its receiver is banned here."""
+        if len(candidates) != len(senders) or me not in senders:
+            return None
+        receivers = sorted(candidates, key=lambda p: p.peer_id)
+        order = list(range(len(receivers)))
+        random.Random(seed).shuffle(order)  # str seeds hash the same in every process
+        peer = receivers[order[sorted(senders).index(me)]]
+        return None if self.bans.is_banned(peer.peer_id) else peer
 
     def pick(self, candidates: list[Peer], exclude: set[str] = frozenset()) -> Peer | None:
         usable = {p.peer_id: p for p in candidates if p.peer_id not in exclude and not self.bans.is_banned(p.peer_id)}

@@ -70,13 +70,15 @@ class StageRuntime:
     def __init__(self, *, shape: StageShape, worker: StageWorker, compute: ComputeThread, transport: StageTransport,
                  directory: ReplicaDirectory, router: Router, me: Hop, max_in_flight: int, send_deadline_s: float,
                  on_stage0_backward: Callable[[MicrobatchKey, float], None] | None = None,
-                 delay_before_forward_s: float = 0.0, faults: FaultInjector | None = None) -> None:
+                 delay_before_forward_s: float = 0.0, faults: FaultInjector | None = None,
+                 balanced_routing: bool = False, routing_seed: int = 0) -> None:
         self.shape, self.worker, self.compute = shape, worker, compute
         self.transport, self.directory, self.router, self.me = transport, directory, router, me
         self.max_in_flight, self.send_deadline_s = max_in_flight, send_deadline_s
         self.on_stage0_backward = on_stage0_backward
         self.delay_before_forward_s = delay_before_forward_s  # fault injection (faults.*)
         self.faults = faults or FaultInjector()
+        self.balanced_routing, self.routing_seed = balanced_routing, routing_seed
         # Awaited after each inner step this runtime's compute took (stages > 0; stage 0's driver
         # steps itself): where the outer step hooks in.
         self.on_inner_step: Callable[[int], Awaitable[None]] | None = None
@@ -84,7 +86,7 @@ class StageRuntime:
         # Data-parallel baseline: the step is an all-reduce of gradients, done here (not in the
         # worker) whenever a batch worth of sequences has been accumulated.
         self.dp_step: Callable[[], Awaitable[None]] | None = None
-        self._dp_running = False
+        self._dp_lock = asyncio.Lock()
         self.in_flight: dict[MicrobatchKey, Ticket] = {}
         self.stats = RuntimeStats()
         self.accepting = True
@@ -194,17 +196,14 @@ class StageRuntime:
             return
         await self._send_backward(ticket.route[-1], key, grad_input, ticket.loss, ticket.num_tokens)
 
-    async def _run_dp_steps(self) -> None:
-        try:
-            while self.worker.sequences_since_step >= self.worker.batch_size:
-                await self.dp_step()
-        finally:
-            self._dp_running = False
-
     async def _after_compute(self, steps_before: int) -> None:
-        if self.dp_step is not None and not self._dp_running and self.worker.sequences_since_step >= self.worker.batch_size:
-            self._dp_running = True
-            self._spawn(self._run_dp_steps())
+        if self.dp_step is not None and self.worker.sequences_since_step >= self.worker.batch_size:
+            # Awaited before this microbatch's gradient goes upstream, as the local inner step is:
+            # upstream cannot issue its next batch before this stage has stepped, so no microbatch
+            # of batch k+1 is computed with the weights from before step k (lockstep DP).
+            async with self._dp_lock:
+                while self.worker.sequences_since_step >= self.worker.batch_size:
+                    await self.dp_step()
         # In the background: an outer step must not hold up the gradient that triggered it (that
         # would stall the upstream replica and desynchronise it from its own pairing partners).
         # Several tasks may see the same step happen (each read `steps_before` before the shared
@@ -226,7 +225,12 @@ class StageRuntime:
         delay = 0.05
         while time.monotonic() < deadline:
             candidates = await self.directory.replicas(self.shape.stage + 1)
-            peer = self.router.pick(candidates, exclude=tried)
+            peer = None
+            if self.balanced_routing and not tried:  # a re-issue or a retry goes to anyone else
+                senders = [r.peer_id for r in await self.directory.replicas(self.shape.stage)]
+                peer = self.router.pick_permuted(candidates, senders, self.me.peer_id,
+                                                 f"{self.routing_seed}:{key.sequence}:{self.shape.stage}")
+            peer = peer or self.router.pick(candidates, exclude=tried)
             if peer is None:
                 tried.clear()  # everyone was tried once (or is banned): wait a little, then cycle again
                 await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))

@@ -1,11 +1,14 @@
 """Data-parallel baseline in the swarm: gradients all-reduced every inner step keep the replicas
-of a stage on identical weights."""
+of every stage on identical weights, and every stage steps exactly once per batch (lockstep, as
+the reference's DP baseline), also the stages past 0 that only see the microbatches routed to them."""
 
 import itertools
 
 import pytest
 import torch
 from safetensors.torch import load_file
+
+from noloco_node.runtime.events import read_events
 
 from .conftest import prepare_tokenizer, tiny_overrides
 
@@ -14,10 +17,15 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 def test_dp_two_replicas_stay_identical(tmp_path, make_swarm):
     steps = 6
-    overrides = tiny_overrides(tmp_path, **{"outer.method": "dp", "inner.total_steps": steps, "outer.allreduce_group_size": 2, "timeouts.match_s": 1.5})
+    # 3 microbatches per driver per batch: a per-sender random cycle over 2 replicas cannot split
+    # that evenly, so only a balanced routing keeps every stage-1 replica at one batch per step.
+    batch, seq_len = 6, 16
+    overrides = tiny_overrides(tmp_path, **{"outer.method": "dp", "inner.total_steps": steps, "outer.allreduce_group_size": 2,
+                                            "timeouts.match_s": 1.5, "pipeline.batch_size": batch, "model.seq_len": seq_len})
     prepare_tokenizer(overrides)
     swarm = make_swarm(overrides)
-    servers = [swarm.start_node(1, r, "--save-weights") for r in range(2)]
+    events = tmp_path / "events"
+    servers = [swarm.start_node(1, r, "--save-weights", "--events", str(events / f"stage1-r{r}.jsonl")) for r in range(2)]
     swarm.wait_ready(servers)
     drivers = [swarm.start_node(0, r, "--steps", str(steps), "--wait-replicas", "2", "--save-weights") for r in range(2)]
     swarm.wait_exit(drivers, timeout_s=240)
@@ -25,14 +33,23 @@ def test_dp_two_replicas_stay_identical(tmp_path, make_swarm):
     swarm.stop()
 
     stats = swarm.node_stats()
+    for stage in (0, 1):
+        peers = [p for p, s in stats.items() if s["stage"] == stage]
+        assert len(peers) == 2
+        assert [stats[p]["inner_steps"] for p in peers] == [steps, steps], f"stage {stage}"
+        history = [stats[p]["outer_history"] for p in peers]
+        assert all(len(h) == steps for h in history), f"stage {stage}: {history}"
+        assert all(r["group"] == 2 and r["same_round"] for h in history for r in h), f"stage {stage}: {history}"
+        weights = [load_file(str(next((swarm.out_dir / "nodes").glob(f"stage{stage}-{p[-8:]}.safetensors"))))
+                   for p in peers]
+        for a, b in itertools.combinations(weights, 2):
+            for name in a:
+                torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0, msg=f"stage {stage} {name}")
+    # Lockstep: stage 1 takes step k having processed exactly k batches (its share of the D
+    # batches), never a microbatch of batch k+1 computed with the weights from before step k.
+    for r in range(2):
+        tokens = [(e["inner_step"], e["tokens"]) for e in read_events(events / f"stage1-r{r}.jsonl") if e["event"] == "inner_step"]
+        assert tokens == [(k, k * batch * seq_len) for k in range(1, steps + 1)], f"stage1 r{r}: {tokens}"
     stage0 = [p for p, s in stats.items() if s["stage"] == 0]
-    history = [stats[p]["outer_history"] for p in stage0]
-    assert all(len(h) == steps for h in history)
-    assert all(r["group"] == 2 and r["same_round"] for h in history for r in h), history
-    weights = [load_file(str(next((swarm.out_dir / "nodes").glob(f"stage0-{p[-8:]}.safetensors")))) for p in stage0]
-    for a, b in itertools.combinations(weights, 2):
-        for name in a:
-            torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0, msg=name)
-    assert all(stats[p]["inner_steps"] == steps for p in stage0)
     losses = stats[stage0[0]]["losses"]
     assert sum(losses[-2:]) / 2 < sum(losses[:2]) / 2 - 0.3  # it trained, not just averaged

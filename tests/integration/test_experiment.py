@@ -36,6 +36,7 @@ def test_two_cell_experiment_writes_report_csv_and_plots(tmp_path):
     for row in rows:
         assert row["status"] == "ok"
         assert math.isfinite(float(row["final_val_loss"])) and math.isfinite(float(row["final_train_loss"]))
+        assert int(row["final_eval_step"]) == 8  # every node's last snapshot is in: methods compare at the same step
         assert int(row["mb_issued"]) == int(row["mb_completed"]) + int(row["mb_dropped"])
     for name in ("report.md", "scenario.json", "link_check.json", "outer_sync.csv", "validation_loss.png",
                  "outer_sync_vs_n.png", "bytes_per_node.png", "spread_vs_lr.png", "idle_time.png"):
