@@ -1,0 +1,36 @@
+"""One typed config per node: frozen dataclasses per section, from TOML, overridable by flags.
+
+Sources, lowest to highest precedence: defaults, a TOML file (`--config node.toml`), then
+`--set section.field=value` flags (and the CLI's shortcut flags, which become the same overrides).
+Every error names the field and says how to fix it. Imports the standard library only, so
+`noloco-node --help` stays instant.
+
+`sections.py` holds the sections (fields, defaults, checks); `loading.py` builds a NodeConfig.
+"""
+
+from noloco_node.config.loading import build_config, load_config, parse_overrides
+from noloco_node.config.sections import (
+    CODECS,
+    METHOD_DEFAULTS,
+    METHODS,
+    SECTIONS,
+    CheckpointConfig,
+    ConfigError,
+    DataConfig,
+    FaultsConfig,
+    InnerConfig,
+    LogConfig,
+    ModelConfig,
+    NetworkConfig,
+    NodeConfig,
+    OuterConfig,
+    PipelineConfig,
+    RunConfig,
+    SecurityConfig,
+    TimeoutsConfig,
+)
+
+__all__ = ["CODECS", "METHOD_DEFAULTS", "METHODS", "SECTIONS", "CheckpointConfig", "ConfigError", "DataConfig",
+           "FaultsConfig", "InnerConfig", "LogConfig", "ModelConfig", "NetworkConfig", "NodeConfig", "OuterConfig",
+           "PipelineConfig", "RunConfig", "SecurityConfig", "TimeoutsConfig", "build_config", "load_config",
+           "parse_overrides"]
