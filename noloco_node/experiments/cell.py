@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -29,8 +30,11 @@ def cell_overrides(scenario: Scenario, cell: Cell) -> list[str]:
 
 
 def run_cell(scenario: Scenario, cell: Cell, out_dir: Path) -> dict:
-    """Run the cell; returns {'row': results row, 'curves': per-step series}. Raises on failure."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+    """Run the cell; returns {'row': results row, 'curves': per-step series}. Raises on failure.
+    A folder left by an earlier run of the same cell is replaced (event streams append)."""
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True)
     overrides = cell_overrides(scenario, cell)
     config = load_config(overrides=overrides)
     events_dir, snapshots = out_dir / "events", out_dir / "snapshots"
