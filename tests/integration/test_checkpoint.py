@@ -43,6 +43,7 @@ def test_sigkill_and_restart_resumes_from_checkpoint(tmp_path, make_swarm):
                                   *sets], capture_output=True, text=True, timeout=60)
         peers = {r["peer_id"]: r for r in json.loads(listing.stdout)["replicas"]} if listing.returncode == 0 else {}
         if restarted.info["peer_id"] in peers:
+            print(f"back in status {time.monotonic() - restart_time:.1f} s after the restart")
             break
         assert time.monotonic() - restart_time < 30, listing.stderr[-1000:]
     assert peers[restarted.info["peer_id"]]["inner_step"] == steps

@@ -14,6 +14,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 def test_relay_matches_the_profile_within_15_percent():
     measured = asyncio.run(measure_link(LinkProfile("wan", one_way_ms=25, mbit=50)))
+    print(f"profile 50 ms RTT / 50 Mbit/s: measured {measured['rtt_ms']:.1f} ms, {measured['mbit']:.1f} Mbit/s")
     assert measured["rtt_ms"] == pytest.approx(50.0, rel=0.15), measured
     assert measured["mbit"] == pytest.approx(50.0, rel=0.15), measured
 

@@ -19,6 +19,7 @@ def test_help_is_fast_and_imports_nothing_heavy():
     start = time.monotonic()
     result = run_cli("--help")
     elapsed = time.monotonic() - start
+    print(f"noloco-node --help: {elapsed:.3f} s")
     assert result.returncode == 0 and "demo" in result.stdout
     code = "import sys; from noloco_node.cli.main import build_parser; build_parser(); " \
            "print([m for m in ('torch', 'transformers', 'hivemind', 'grpc', 'datasets') if m in sys.modules])"
