@@ -297,14 +297,15 @@ class Node:
         if self.snapshot_every and inner_step % self.snapshot_every == 0:
             await self.save_snapshot(inner_step)
 
-    async def save_snapshot(self, inner_step: int) -> None:
-        """theta at `inner_step` as stage{s}-{peer}-step{k}.safetensors (experiments evaluate them)."""
+    async def save_snapshot(self, inner_step: int, *, final: bool = False) -> None:
+        """theta at `inner_step` as stage{s}-{peer}-step{k}.safetensors, or as ...-final.safetensors
+        when training has ended (experiments evaluate them)."""
         from safetensors.torch import save_file
 
         tensors = await self.compute.run(lambda: {n: p.detach().to("cpu", copy=True).contiguous()
                                                   for n, p in self.stage.named_parameters()})
         self.snapshot_dir.mkdir(parents=True, exist_ok=True)
-        name = f"stage{self.stage_index}-{self.peer_id[-8:]}-step{inner_step}.safetensors"
+        name = f"stage{self.stage_index}-{self.peer_id[-8:]}-{'final' if final else f'step{inner_step}'}.safetensors"
         await asyncio.to_thread(save_file, tensors, str(self.snapshot_dir / name))
 
     async def save_checkpoint(self) -> None:
@@ -445,6 +446,8 @@ class Node:
         except asyncio.TimeoutError:
             log.warning("an outer step was still running at shutdown")
         await self.runtime.drain(grace_s)
+        if self.snapshot_every:  # where training left this node, whatever inner step that is
+            await self.save_snapshot(self.worker.inner_steps, final=True)
         if self.config.checkpoint.dir is not None:
             await self.save_checkpoint()
         for task in list(self._background):

@@ -72,19 +72,34 @@ def run_cell(scenario: Scenario, cell: Cell, out_dir: Path) -> dict:
         failed = [n.label for n in drivers if n.proc.returncode != 0]
         if failed:
             raise RuntimeError(f"{', '.join(failed)} exited with an error; see {out_dir / 'swarm' / 'logs'}")
-        if scenario.steps % scenario.eval_every == 0:
-            # Stages > 0 take their last step (and outer step) in the background after stage 0 exits:
-            # give them a bounded moment to write the last snapshot before they are stopped.
-            deadline = time.monotonic() + 30
-            while len(list(snapshots.glob(f"stage*-step{scenario.steps}.safetensors"))) < len(slots):
-                if time.monotonic() > deadline:
-                    break
-                time.sleep(0.2)
+        # A stage > 0 replica that reached the last step takes its outer step and writes that
+        # step's snapshot in the background after stage 0 exits: give it a bounded moment. One
+        # that ended short of it (routing gave it fewer microbatches) has nothing more to do;
+        # its final snapshot is written when it is stopped.
+        deadline, settle = time.monotonic() + 30, time.monotonic() + 1.0
+        while time.monotonic() < deadline and (time.monotonic() < settle or
+                                               _last_snapshots_pending(scenario, swarm, events_dir, snapshots)):
+            time.sleep(0.2)
     finally:
         swarm.stop()
         relay.stop()
     wall_s = time.time() - started
     return summarize(scenario, cell, config, swarm, events_dir, snapshots, wall_s)
+
+
+def _last_snapshots_pending(scenario: Scenario, swarm: LocalSwarm, events_dir: Path, snapshots: Path) -> bool:
+    if scenario.steps % scenario.eval_every:
+        return False
+    for node in swarm.nodes:
+        if node.stage == 0 or not node.info:
+            continue
+        events = events_dir / f"stage{node.stage}-r{node.replica}.jsonl"
+        reached = events.exists() and any(e["event"] == "inner_step" and e["inner_step"] >= scenario.steps
+                                          for e in read_events(events))
+        name = f"stage{node.stage}-{node.info['peer_id'][-8:]}-step{scenario.steps}.safetensors"
+        if reached and not (snapshots / name).exists():
+            return True
+    return False
 
 
 def _wait_under_chaos(scenario: Scenario, cell: Cell, swarm: LocalSwarm, out_dir: Path) -> list:
@@ -107,7 +122,8 @@ def summarize(scenario: Scenario, cell: Cell, config, swarm: LocalSwarm, events_
     stats = swarm.node_stats()
     by_slot = {(n.stage, n.replica): n.info["peer_id"] for n in swarm.nodes}
     columns = [[by_slot[(s, d)][-8:] for s in range(cell.stages)] for d in range(cell.replicas)]
-    evals = evaluate_snapshots(config, snapshots, columns, eval_sequences=scenario.eval_sequences)
+    evals = evaluate_snapshots(config, snapshots, columns, eval_sequences=scenario.eval_sequences,
+                               final_step=scenario.steps)
 
     drivers = [read_events(events_dir / f"stage0-r{d}.jsonl") for d in range(cell.replicas)]
     t0 = max(next(e["ts"] for e in ev if e["event"] == "started") for ev in drivers)

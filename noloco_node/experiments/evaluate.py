@@ -22,7 +22,7 @@ from noloco_node.data.loader import PackedSequences
 from noloco_node.manifest import load_run_inputs
 from noloco_node.model.stage import LlamaStage, build_stage, llama_config
 
-SNAPSHOT = re.compile(r"stage(\d+)-(\w{8})-step(\d+)\.safetensors$")
+SNAPSHOT = re.compile(r"stage(\d+)-(\w{8})-(?:step(\d+)|final)\.safetensors$")
 
 
 def held_out_windows(config: NodeConfig, count: int) -> tuple[torch.Tensor, torch.Tensor, object]:
@@ -40,20 +40,38 @@ def held_out_windows(config: NodeConfig, count: int) -> tuple[torch.Tensor, torc
     return torch.stack(inputs), torch.stack(labels), tokenizer
 
 
-def _index(snapshot_dir: Path) -> dict[int, dict[tuple[int, str], Path]]:
-    """step -> {(stage, short peer id): file}."""
-    found: dict[int, dict[tuple[int, str], Path]] = {}
-    for path in snapshot_dir.glob("stage*-step*.safetensors"):
+def _index(snapshot_dir: Path) -> dict[int | str, dict[tuple[int, str], Path]]:
+    """step (or "final") -> {(stage, short peer id): file}."""
+    found: dict[int | str, dict[tuple[int, str], Path]] = {}
+    for path in snapshot_dir.glob("stage*.safetensors"):
         m = SNAPSHOT.search(path.name)
         if m:
-            found.setdefault(int(m.group(3)), {})[(int(m.group(1)), m.group(2))] = path
+            step = int(m.group(3)) if m.group(3) is not None else "final"
+            found.setdefault(step, {})[(int(m.group(1)), m.group(2))] = path
     return found
 
 
+def evaluation_points(index: dict[int | str, dict[tuple[int, str], Path]], columns: list[list[str]],
+                      final_step: int | None) -> list[tuple[int, dict[tuple[int, str], Path], bool]]:
+    """(step, files, is_final) in step order; the final snapshots, when every node wrote one,
+    stand at `final_step` in place of that step's own snapshots."""
+    index = dict(index)
+    final = index.pop("final", None)
+    points = [(step, files, False) for step, files in sorted(index.items())]
+    complete = final is not None and all((s, peer) in final for column in columns for s, peer in enumerate(column))
+    if complete and final_step is not None:
+        points = [p for p in points if p[0] != final_step] + [(final_step, final, True)]
+    return points
+
+
 def evaluate_snapshots(config: NodeConfig, snapshot_dir: Path, columns: list[list[str]], *,
-                       eval_sequences: int) -> list[dict]:
+                       eval_sequences: int, final_step: int | None = None) -> list[dict]:
     """`columns[d][s]` is the short peer id (last 8 chars) of replica d's stage-s node. Returns one
-    row per step that every column has a snapshot of: step, val_loss (ensemble mean), spread."""
+    row per step that every column has a snapshot of: step, val_loss (ensemble mean), spread.
+
+    With `final_step`, the weights every node held when training ended (its -final snapshot) are
+    the row at `final_step`, replacing a step row there: with random routing the replicas of a
+    stage > 0 need not end on exactly the drivers' last step, so that step's row may be missing."""
     inputs, labels, tokenizer = held_out_windows(config, eval_sequences)
     m, p = config.model, config.pipeline
     llama = llama_config(vocab_size=len(tokenizer), hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
@@ -63,7 +81,8 @@ def evaluate_snapshots(config: NodeConfig, snapshot_dir: Path, columns: list[lis
     for stage in stages:
         stage.eval()
     rows = []
-    for step, files in sorted(_index(snapshot_dir).items()):
+    points = evaluation_points(_index(snapshot_dir), columns, final_step)
+    for step, files, is_final in points:
         wanted = [[files.get((s, peer)) for s, peer in enumerate(column)] for column in columns]
         if any(f is None for column in wanted for f in column):
             continue  # a node left before this step: the step is not comparable
@@ -79,7 +98,7 @@ def evaluate_snapshots(config: NodeConfig, snapshot_dir: Path, columns: list[lis
                     hidden = stage(hidden)
                 losses.append(float(LlamaStage.loss(hidden, labels)))
         rows.append({"step": step, "val_loss": sum(losses) / len(losses), "column_losses": losses,
-                     "spread": weight_spread(weights)})
+                     "spread": weight_spread(weights), "final": is_final})
     return rows
 
 

@@ -63,3 +63,20 @@ def test_chaos_profile_fields():
     assert profile.action == "stall" and profile.every_s == 5.0
     with pytest.raises(ConfigError, match="chaos_action"):
         Scenario(chaos_action="explode")
+
+
+def test_final_snapshots_stand_at_the_last_step_when_every_node_wrote_one(tmp_path):
+    from noloco_node.experiments.evaluate import _index, evaluation_points
+
+    columns = [["aaaaaaaa", "bbbbbbbb"], ["cccccccc", "dddddddd"]]
+    for stage, peer in ((0, "aaaaaaaa"), (1, "bbbbbbbb"), (0, "cccccccc"), (1, "dddddddd")):
+        for step in (0, 5, 10):
+            if (peer, step) != ("dddddddd", 10):  # this stage-1 replica ended at step 9
+                (tmp_path / f"stage{stage}-{peer}-step{step}.safetensors").touch()
+        (tmp_path / f"stage{stage}-{peer}-final.safetensors").touch()
+    points = evaluation_points(_index(tmp_path), columns, final_step=10)
+    assert [(step, final) for step, _, final in points] == [(0, False), (5, False), (10, True)]
+    assert points[-1][1][(1, "dddddddd")].name == "stage1-dddddddd-final.safetensors"
+    (tmp_path / "stage1-dddddddd-final.safetensors").unlink()  # a node that left no final snapshot
+    points = evaluation_points(_index(tmp_path), columns, final_step=10)
+    assert [(step, final) for step, _, final in points] == [(0, False), (5, False), (10, False)]
