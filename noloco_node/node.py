@@ -96,6 +96,8 @@ class Node:
         self.dp_counters = None
         if cfg.outer.method in ("diloco", "dp"):
             # hivemind forks its DHT and averager processes: do it before gRPC starts any thread.
+            import torch
+
             from noloco_node.dht.averaging import HivemindAllReduce
             from noloco_node.dht.records import key_prefix
 
@@ -104,7 +106,9 @@ class Node:
                 host=cfg.network.host, prefix=f"{key_prefix(cfg.run.run_id)}_stage{self.stage_index}_{cfg.outer.method}",
                 target_group_size=cfg.outer.allreduce_group_size or 64, matchmaking_s=cfg.timeouts.match_s,
                 port=cfg.network.allreduce_port, announce=cfg.network.allreduce_announce,
-                swarm_key=self.admission.key, max_skew_s=cfg.security.max_clock_skew_s)
+                swarm_key=self.admission.key, max_skew_s=cfg.security.max_clock_skew_s,
+                # dp: gradients averaged in float64 so every replica rounds the same mean (averaging.py)
+                dtype=torch.float64 if dp else torch.float32)
 
         self.server = NodeServer(cfg.network.host, cfg.network.port, admission=self.admission.interceptor,
                                  max_concurrent_rpcs=cfg.security.max_concurrent_rpcs)
@@ -267,15 +271,16 @@ class Node:
         start = time.monotonic()
         step = self.worker.inner_steps + 1
         grads = await self.compute.run(self.worker.take_gradients)
-        means, group, same = await self.all_reduce.mean(grads, 2 * self.config.timeouts.match_s + 10, step)
+        means, group, same, complete = await self.all_reduce.mean(grads, 2 * self.config.timeouts.match_s + 10, step)
         lr = await self.compute.run(self.worker.step_with, means)
         c = self.dp_counters
         c.rounds += 1
         c.paired += group > 1
         c.solo += group == 1
         c.mixed_rounds += not same
+        c.partial_rounds += not complete
         c.history.append({"round": step, "outcome": "paired" if group > 1 else "solo", "group": group,
-                          "same_round": same, "seconds": time.monotonic() - start})
+                          "same_round": same, "complete": complete, "seconds": time.monotonic() - start})
         if self.stage_index > 0:  # stage 0's driver reports its steps itself
             await self._on_inner_step(self.worker.inner_steps)
         return lr

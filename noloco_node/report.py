@@ -18,6 +18,7 @@ def node_stats(self) -> dict:
            "tokens": self.worker.tokens_total, "forwards_received": dict(s.forwards_received),
            "forwards_sent": s.forwards_sent, "backwards_sent": s.backwards_sent, "send_failures": s.send_failures,
            "dropped_here": s.dropped_here, "expired": s.expired, "busy_answers": s.busy_answers,
+           "routed": {"balanced": s.routed_balanced, "random": s.routed_random},
            "bytes_sent": self.client.bytes_sent, "rejected": dict(self.servicer.rejected),
            "saved_inputs": len(self.worker.saved), "bans": self.bans.total,
            "in_flight": len(self.runtime.in_flight), "bytes_received": self.servicer.bytes_received,

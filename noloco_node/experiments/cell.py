@@ -168,6 +168,7 @@ def summarize(scenario: Scenario, cell: Cell, config, swarm: LocalSwarm, events_
         "spread_lr_pearson": pearson([r["spread"] for r in after_warmup], [r["lr"] for r in after_warmup]),
         "outer_rounds": sum(o.get("rounds", 0) for o in outer), "outer_paired": sum(o.get("paired", 0) for o in outer),
         "outer_solo": sum(o.get("solo", 0) for o in outer),
+        "outer_partial": sum(o.get("partial_rounds", 0) for o in outer),
         **{f"mb_{k}": v for k, v in mb.items()},
     }
     return {"row": row, "evals": evals, "train": train}

@@ -69,7 +69,7 @@ def write_report(out: Path, scenario: Scenario, rows: list[dict], sync_rows: lis
                      f"{p['mbit'] or 'unlimited'} |")
     lines += ["", "## Cells", "",
               "| cell | status | final val loss (at step) | final train loss | train wall s | MB/node | idle | spread | Pearson(spread, lr) "
-              "| outer paired/solo | microbatches issued/completed/dropped |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| outer paired/solo/partial | microbatches issued/completed/dropped |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["status"] != "ok":
             lines.append(f"| {r['cell']} | **failed**: {r.get('error', '')} | | | | | | | | | |")
@@ -77,7 +77,7 @@ def write_report(out: Path, scenario: Scenario, rows: list[dict], sync_rows: lis
         lines.append(f"| {r['cell']} | ok | {_fmt(r['final_val_loss'])} ({r.get('final_eval_step', '?')}) | "
                      f"{_fmt(r['final_train_loss'])} | "
                      f"{_fmt(r['train_wall_s'], 1)} | {r['bytes_per_node'] / 1e6:.2f} | {_fmt(r['idle_fraction'], 2)} | "
-                     f"{_fmt(r['final_spread'], 5)} | {_fmt(r['spread_lr_pearson'], 2)} | {r['outer_paired']}/{r['outer_solo']} | "
+                     f"{_fmt(r['final_spread'], 5)} | {_fmt(r['spread_lr_pearson'], 2)} | {r['outer_paired']}/{r['outer_solo']}/{r.get('outer_partial', 0)} | "
                      f"{r['mb_issued']}/{r['mb_completed']}/{r['mb_dropped']} |")
     lines += ["", "## Outer sync: one round vs N", "",
               f"Stage of {scenario.outer_sync_numel:,} fp32 parameters; NoLoCo sends bf16 to one partner, DiLoCo is "

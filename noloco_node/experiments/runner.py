@@ -27,7 +27,7 @@ FIGURES = {"validation_loss": "validation_loss.png", "outer_sync": "outer_sync_v
            "spread": "spread_vs_lr.png", "idle": "idle_time.png"}
 ROW_FIELDS = ["cell", "method", "replicas", "stages", "profile", "seed", "status", "steps", "final_val_loss", "final_eval_step",
               "final_train_loss", "wall_s", "train_wall_s", "bytes_per_node", "idle_fraction", "final_spread",
-              "spread_lr_pearson", "outer_rounds", "outer_paired", "outer_solo", "mb_issued", "mb_completed",
+              "spread_lr_pearson", "outer_rounds", "outer_paired", "outer_solo", "outer_partial", "mb_issued", "mb_completed",
               "mb_reissued", "mb_dropped", "error"]
 
 

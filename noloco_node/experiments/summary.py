@@ -49,7 +49,7 @@ def summarize_swarm(swarm: LocalSwarm, *, method: str, steps: int, wall_s: float
         if s["stage"] > 0:
             routes[labels.get(peer_id, peer_id)] = {labels.get(up, up): n for up, n in sorted(s["forwards_received"].items())}
     tokens = sum(d["tokens"] for d in drivers)
-    outer = {k: sum(s.get("outer", {}).get(k, 0) for s in stats.values()) for k in ("rounds", "paired", "solo", "rejected", "timed_out", "mixed_rounds")}
+    outer = {k: sum(s.get("outer", {}).get(k, 0) for s in stats.values()) for k in ("rounds", "paired", "solo", "rejected", "timed_out", "mixed_rounds", "partial_rounds")}
     return {
         "mode": "swarm", "method": method, "stages": 1 + max(s["stage"] for s in stats.values()) if stats else 0,
         "replicas": len(drivers), "inner_steps": min((d["inner_steps"] for d in drivers), default=0),

@@ -64,6 +64,8 @@ class RuntimeStats:
     dropped_here: int = 0
     expired: int = 0
     busy_answers: int = 0
+    routed_balanced: int = 0  # forwards sent to the balanced (permutation) choice
+    routed_random: int = 0  # forwards sent to a random choice (random routing, fallback or retry)
 
 
 class StageRuntime:
@@ -225,12 +227,12 @@ class StageRuntime:
         delay = 0.05
         while time.monotonic() < deadline:
             candidates = await self.directory.replicas(self.shape.stage + 1)
-            peer = None
+            balanced = None
             if self.balanced_routing and not tried:  # a re-issue or a retry goes to anyone else
                 senders = [r.peer_id for r in await self.directory.replicas(self.shape.stage)]
-                peer = self.router.pick_permuted(candidates, senders, self.me.peer_id,
-                                                 f"{self.routing_seed}:{key.sequence}:{self.shape.stage}")
-            peer = peer or self.router.pick(candidates, exclude=tried)
+                balanced = self.router.pick_permuted(candidates, senders, self.me.peer_id,
+                                                     f"{self.routing_seed}:{key.sequence}:{self.shape.stage}")
+            peer = balanced or self.router.pick(candidates, exclude=tried)
             if peer is None:
                 tried.clear()  # everyone was tried once (or is banned): wait a little, then cycle again
                 await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
@@ -241,6 +243,10 @@ class StageRuntime:
                                              activations=output, labels=labels)
                 self.router.bans.clear(peer.peer_id)
                 self.stats.forwards_sent += 1
+                if balanced is peer:
+                    self.stats.routed_balanced += 1
+                else:
+                    self.stats.routed_random += 1
                 return peer.peer_id
             except PeerBusy:
                 tried.add(peer.peer_id)

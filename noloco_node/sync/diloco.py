@@ -17,8 +17,10 @@ log = logging.getLogger(__name__)
 
 
 class AllReduce(Protocol):
-    async def mean(self, tensors: list[Tensor], timeout_s: float, round_index: int) -> tuple[list[Tensor], int, bool]:
-        """Group mean, group size (1 = nobody joined), and whether all members were at this round."""
+    async def mean(self, tensors: list[Tensor], timeout_s: float,
+                   round_index: int) -> tuple[list[Tensor], int, bool, bool]:
+        """Group mean, group size (1 = nobody joined), whether all members were at this round, and
+        whether the whole mean arrived (else some parts are our own values)."""
 
 
 class DiLoCoSync:
@@ -31,7 +33,7 @@ class DiLoCoSync:
         names = list(self.state.params)
         snapshot = await self.compute.run(self.state.snapshot)
         thetas = [snapshot[n][1] for n in names]
-        means, group, same_round = await self.all_reduce.mean(thetas, self.timeout_s, round_index)
+        means, group, same_round, complete = await self.all_reduce.mean(thetas, self.timeout_s, round_index)
         await self.compute.run(self.state.apply_diloco, dict(zip(names, means)))
         outcome = "paired" if group > 1 else "solo"
         setattr(self.counters, outcome, getattr(self.counters, outcome) + 1)
@@ -39,7 +41,9 @@ class DiLoCoSync:
         if not same_round:
             self.counters.mixed_rounds += 1
             log.warning("round %d: the all-reduce group mixed replicas of different rounds", round_index)
+        self.counters.partial_rounds += not complete
         self.counters.history.append({"round": round_index, "outcome": outcome, "group": group,
-                                      "same_round": same_round, "seconds": time.monotonic() - start})
+                                      "same_round": same_round, "complete": complete,
+                                      "seconds": time.monotonic() - start})
         log.info("round %d: all-reduce over %d replicas", round_index, group)
         return outcome

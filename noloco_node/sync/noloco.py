@@ -49,7 +49,8 @@ class OuterCounters:
     solo: int = 0
     rejected: int = 0
     timed_out: int = 0
-    mixed_rounds: int = 0  # diloco: all-reduce groups that spanned rounds
+    mixed_rounds: int = 0  # diloco/dp: all-reduce groups that spanned rounds
+    partial_rounds: int = 0  # diloco/dp: all-reduces that delivered part of the mean only
     history: list[dict] = field(default_factory=list)  # one entry per round: round, outcome, partner, seconds
 
 

@@ -40,16 +40,26 @@ def test_dp_two_replicas_stay_identical(tmp_path, make_swarm):
         history = [stats[p]["outer_history"] for p in peers]
         assert all(len(h) == steps for h in history), f"stage {stage}: {history}"
         assert all(r["group"] == 2 and r["same_round"] for h in history for r in h), f"stage {stage}: {history}"
+        partial = [r for h in history for r in h if not r["complete"]]
+        assert sum(stats[p]["outer"]["partial_rounds"] for p in peers) == len(partial)
         weights = [load_file(str(next((swarm.out_dir / "nodes").glob(f"stage{stage}-{p[-8:]}.safetensors"))))
                    for p in peers]
+        if partial:
+            # hivemind delivered part of a mean (a result stream ended early; it only logs that):
+            # the node must have said so, and then the replicas may differ. Rare on loopback.
+            print(f"stage {stage}: {len(partial)} partial all-reduce round(s) reported")
+            continue
+        # Every round complete: bit-identical replicas (gradients are averaged in float64, so
+        # every member rounds the same mean to float32).
         for a, b in itertools.combinations(weights, 2):
             for name in a:
-                torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0, msg=f"stage {stage} {name}")
+                assert torch.equal(a[name], b[name]), f"stage {stage} {name}: max diff {(a[name] - b[name]).abs().max()}"
     # Lockstep: stage 1 takes step k having processed exactly k batches (its share of the D
     # batches), never a microbatch of batch k+1 computed with the weights from before step k.
     for r in range(2):
         tokens = [(e["inner_step"], e["tokens"]) for e in read_events(events / f"stage1-r{r}.jsonl") if e["event"] == "inner_step"]
         assert tokens == [(k, k * batch * seq_len) for k in range(1, steps + 1)], f"stage1 r{r}: {tokens}"
     stage0 = [p for p, s in stats.items() if s["stage"] == 0]
+    assert all(stats[p]["routed"] == {"balanced": steps * batch // 2, "random": 0} for p in stage0), stats
     losses = stats[stage0[0]]["losses"]
     assert sum(losses[-2:]) / 2 < sum(losses[:2]) / 2 - 0.3  # it trained, not just averaged
