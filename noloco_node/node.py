@@ -16,7 +16,6 @@ from pathlib import Path
 
 from noloco_node import __version__
 from noloco_node.config import ConfigError, NodeConfig
-from noloco_node.errors import NodeError
 from noloco_node.manifest import load_run_inputs
 from noloco_node.dht.directory import DirectoryIdentity, PeerDirectory, least_served_stage
 from noloco_node.dht.records import StageRecord
@@ -38,7 +37,8 @@ from noloco_node.runtime.events import EventLog
 from noloco_node.runtime.faults import FaultInjector
 from noloco_node.runtime.memory import tune_allocator
 from noloco_node.sync.noloco import NoLoCoSync
-from noloco_node.sync.transfer import counters_json, expected_tensors, export_state, import_state
+from noloco_node.joining import check_reachable, fetch_state
+from noloco_node.sync.transfer import counters_json, export_state
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class Node:
                                   saved_ttl_s=cfg.timeouts.saved_input_ttl_s, auto_step=self.stage_index != 0 and not dp,
                                   device=self.device, bf16_autocast=cfg.pipeline.bf16_autocast)
         self.all_reduce = None
-        self.dp_counters = None
+        self.dp_step = None
         if cfg.outer.method in ("diloco", "dp"):
             # hivemind forks its DHT and averager processes: do it before gRPC starts any thread.
             import torch
@@ -133,11 +133,14 @@ class Node:
         if cfg.outer.method == "noloco":
             self._build_sync(max_bytes=sum(p.numel() * 8 for p in self.stage.parameters()))
         elif cfg.outer.method == "dp":
-            from noloco_node.sync.noloco import OuterCounters
+            from noloco_node.sync.dp import DataParallelStep
 
-            self.dp_counters = OuterCounters()
-            if self.stage_index > 0:  # stage 0's driver steps at its batch boundary itself
-                self.runtime.dp_step = self._dp_step
+            # Stage 0's driver steps at its batch boundary and reports its steps itself.
+            self.dp_step = DataParallelStep(worker=self.worker, compute=self.compute, all_reduce=self.all_reduce,
+                                            timeout_s=2 * cfg.timeouts.match_s + 10,
+                                            after_step=self._on_inner_step if self.stage_index > 0 else None)
+            if self.stage_index > 0:
+                self.runtime.dp_step = self.dp_step
         elif cfg.outer.method == "diloco":
             from noloco_node.sync.diloco import DiLoCoSync
 
@@ -152,7 +155,9 @@ class Node:
         port = await self.server.start()
         self.address = cfg.network.announce_addr or f"{cfg.network.host}:{port}"
         if cfg.network.check_reachability:
-            await self._check_reachable()
+            await check_reachable(self.directory, address=self.address, peer_id=self.peer_id,
+                                  num_stages=cfg.pipeline.num_stages, run_id=cfg.run.run_id,
+                                  timeout_s=cfg.timeouts.connect_s, identity=self.admission.identity)
         self.runtime.me = Hop(self.peer_id, self.address, self.stage_index)
         self.metrics_port = None
         if cfg.network.metrics_port is not None:
@@ -164,12 +169,16 @@ class Node:
         self.resumed_from = None
         if cfg.outer.method != "dp" and self.stage_index > 0:
             # Checkpoints, events, snapshots (and outer steps) for every method; stage 0's driver
-            # and dp's _dp_step call the hook themselves.
+            # and the dp step call the hook themselves.
             self.runtime.on_inner_step = self._on_inner_step
         if cfg.checkpoint.dir is not None:
             self.resumed_from = await self._resume()
         if self.resumed_from is None and isinstance(self.sync, NoLoCoSync):
-            await self._fetch_state()
+            self.fetched_state = await fetch_state(self.directory, self.outer_client, self.compute, self.outer_state,
+                                                   self.worker.inner, stage=self.stage_index, peer_id=self.peer_id,
+                                                   timeout_s=cfg.timeouts.rpc_s)
+            if self.fetched_state is not None:
+                self.outer_round = self.fetched_state["outer_round"]
         self.status = "serving"
         await self.announce()
         self._spawn(self._heartbeat())
@@ -187,23 +196,6 @@ class Node:
             initial_peers=list(cfg.network.initial_peers), host=cfg.network.host, port=cfg.network.dht_port,
             startup_timeout_s=cfg.timeouts.startup_s, swarm_key=self.admission.key,
             max_skew_s=cfg.security.max_clock_skew_s)
-
-    async def _check_reachable(self) -> None:
-        """Ask up to two live peers to dial our announced address; fail only when peers answered
-        and none could reach us (a first node, with nobody to ask, passes)."""
-        from noloco_node.errors import UnreachableAddress
-        from noloco_node.rpc.diagnostics import probe_from_peers
-
-        peers = [r.address for s in range(self.config.pipeline.num_stages)
-                 for r in await self.directory.replicas(s, fresh=True) if r.peer_id != self.peer_id]
-        random.Random(self.peer_id).shuffle(peers)
-        results, errors = await probe_from_peers(self.address, peers[:4], run_id=self.config.run.run_id,
-                                                 timeout_s=self.config.timeouts.connect_s, identity=self.admission.identity)
-        if results and not any(r.reachable for r in results):
-            details = "; ".join(f"{r.prober}: {r.detail}" for r in results)
-            raise UnreachableAddress(f"no peer could reach this node at {self.address} ({details})")
-        if errors and not results:
-            log.warning("could not ask any peer to check our address: %s", "; ".join(errors))
 
     async def _choose_stage(self) -> int:
         """`--stage auto`: the stage of our own checkpoint if there is exactly one, else the stage
@@ -244,46 +236,6 @@ class Node:
         tensors, counters = await self.compute.run(export_state, self.outer_state, self.worker.inner,
                                                    inner_step=self.worker.inner_steps)
         return tensors, counters_json(counters)
-
-    async def _fetch_state(self) -> None:
-        """Joining a stage that already has replicas: copy a random one's phi, m, Adam moments and
-        counters (theta <- phi) before announcing ourselves. Up to 3 donors are tried."""
-        donors = [r for r in await self.directory.replicas(self.stage_index, fresh=True) if r.peer_id != self.peer_id]
-        random.Random(self.peer_id).shuffle(donors)
-        for donor in donors[:3]:
-            try:
-                tensors, counters = await self.outer_client.fetch_state(
-                    donor.address, stage=self.stage_index, peer_id=self.peer_id, timeout_s=self.config.timeouts.rpc_s,
-                    expected=expected_tensors(self.outer_state))
-                step = await self.compute.run(import_state, self.outer_state, self.worker.inner, tensors, counters)
-            except NodeError as exc:
-                log.warning("state transfer from %s failed: %s", donor.peer_id[-8:], exc)
-                continue
-            self.outer_round = int(counters["outer_round"])
-            self.fetched_state = {"donor": donor.peer_id, "inner_step": step, "outer_round": self.outer_round}
-            log.info("joined at inner step %d, outer round %d with state from %s", step, self.outer_round, donor.peer_id[-8:])
-            return
-        if donors:
-            log.warning("no donor answered; starting from the run's initial weights")
-
-    async def _dp_step(self) -> float:
-        """Data-parallel baseline: all-reduce this batch's clipped gradients, then step Adam."""
-        start = time.monotonic()
-        step = self.worker.inner_steps + 1
-        grads = await self.compute.run(self.worker.take_gradients)
-        means, group, same, complete = await self.all_reduce.mean(grads, 2 * self.config.timeouts.match_s + 10, step)
-        lr = await self.compute.run(self.worker.step_with, means)
-        c = self.dp_counters
-        c.rounds += 1
-        c.paired += group > 1
-        c.solo += group == 1
-        c.mixed_rounds += not same
-        c.partial_rounds += not complete
-        c.history.append({"round": step, "outcome": "paired" if group > 1 else "solo", "group": group,
-                          "same_round": same, "complete": complete, "seconds": time.monotonic() - start})
-        if self.stage_index > 0:  # stage 0's driver reports its steps itself
-            await self._on_inner_step(self.worker.inner_steps)
-        return lr
 
     async def _set_status(self, status: str, round_index: int) -> None:
         self.status, self.outer_round = status, round_index
@@ -418,7 +370,7 @@ class Node:
                                   shuffle_buffer=0 if self.sequential else 1000).batches(cfg.pipeline.batch_size)
         self.driver = Stage0Driver(self.runtime, batches, microbatch_size=cfg.pipeline.microbatch_size,
                                    microbatch_timeout_s=self.microbatch_timeout_s, sequential=self.sequential,
-                                   step_fn=self._dp_step if self.dp_counters is not None else None)
+                                   step_fn=self.dp_step)
         restored = (self.resumed_from or {}).get("microbatches")
         if restored:  # a restarted driver carries on its predecessor's accounting from the checkpoint
             for name, value in restored.items():

@@ -29,7 +29,7 @@ def node_stats(self) -> dict:
                         "rate_limited": guard.stats.rate_limited, "over_stream_cap": guard.stats.over_stream_cap,
                         "refused_banned": guard.stats.refused_banned, "tracked_peers": guard.tracked()}
     out["faults_fired"] = [f"{point}:{action}" for point, action in self.faults.fired]
-    counters = self.sync.counters if self.sync is not None else self.dp_counters
+    counters = self.sync.counters if self.sync is not None else (self.dp_step.counters if self.dp_step else None)
     if counters is not None:
         out["outer"] = {k: v for k, v in vars(counters).items() if k != "history"}
         out["outer_history"] = counters.history

@@ -1,30 +1,50 @@
 """All-reduce for the DiLoCo and data-parallel baselines: hivemind's DecentralizedAverager over a
 hivemind DHT peer.
 
-hivemind hands each member the mean as `local + (mean - local)`, rounded in the tensors' dtype,
-so in fp32 the members' results differ where the replicas' values nearly cancel (the error is
-an ulp of the local value, not of the mean). For data-parallel gradients Adam turns those
-differences into different updates and the "identical" replicas drift (seen: sigma 2.5e-4 after
-80 steps). `dtype=torch.float64` averages in float64 (twice the bytes) and rounds the result to
-float32 on every member alike.
-
 hivemind runs both as forked processes; create this before the node starts gRPC (forking a
 process with live gRPC threads is unsafe). Knows hivemind and torch tensors, not models.
+
+Two properties of hivemind's all-reduce this module handles:
+- Each member gets the mean as `local + (mean - local)`, rounded in the tensors' dtype, so in
+  fp32 the members' results differ where the replicas' values nearly cancel (by an ulp of the
+  local value, not of the mean). For data-parallel gradients Adam turns that into different
+  updates and "identical" replicas drift (seen: sigma 2.5e-4 after 80 steps). With
+  `dtype=torch.float64` the mean is computed and applied in float64 and every member rounds the
+  same value to float32.
+- A member whose reducer's result stream ends early keeps its own values for the parts it did
+  not receive, and hivemind only logs it ("Averaging: received 74.7% results"; seen on loopback
+  about once in a few dozen rounds, "peer X sent 8 parts, but we expected 16"). Those warnings
+  are counted through a counter shared with the forked averager, and `mean` reports such a round
+  as incomplete instead of passing a partial mean off as the group mean.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
-import random
+import multiprocessing
 
 import torch
 from torch import Tensor
 
 log = logging.getLogger(__name__)
 
-CHECK_EVERY = 4096  # elements between check values; hivemind's parts are far larger (512 KiB)
+# hivemind's loggers whose "received N% ..." warnings mean that a member used its own values.
+_PARTIAL_LOGGERS = ("hivemind.averaging.partition",)
+
+
+class _PartialResultCounter(logging.Handler):
+    """Runs inside the forked averager process; counts hivemind's partial-result warnings."""
+
+    def __init__(self, counter) -> None:
+        super().__init__(logging.WARNING)
+        self.counter = counter
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "received" in message and ("results" in message or "input tensors" in message):
+            with self.counter.get_lock():
+                self.counter.value += 1
 
 
 class HivemindAllReduce:
@@ -37,12 +57,13 @@ class HivemindAllReduce:
         from hivemind.averaging import DecentralizedAverager
 
         self.dht = dht if dht is not None else self.start_dht(initial_peers, host, port, announce, swarm_key, max_skew_s)
-        self.shapes = [torch.Size(s) for s in shapes]
-        self.numel = sum(math.prod(s) for s in self.shapes)
-        self.rows = max(1, math.ceil(self.numel / CHECK_EVERY))
-        self.rng = random.Random()
+        # Shared with the averager process, which is forked below and inherits the handler.
+        self.partial_warnings = multiprocessing.get_context("fork").Value("i", 0)
+        self._handler = _PartialResultCounter(self.partial_warnings)
+        for name in _PARTIAL_LOGGERS:
+            logging.getLogger(name).addHandler(self._handler)
         self.averager = DecentralizedAverager(
-            [torch.zeros(self.rows * (CHECK_EVERY + 1), dtype=dtype)], dht=self.dht, prefix=prefix, target_group_size=target_group_size,
+            [torch.zeros(s, dtype=dtype) for s in shapes], dht=self.dht, prefix=prefix, target_group_size=target_group_size,
             # hivemind: request_timeout must stay below min_matchmaking_time, or matchmaking can deadlock.
             min_group_size=2, min_matchmaking_time=max(1.0, matchmaking_s), request_timeout=max(1.0, matchmaking_s) / 2,
             start=True)
@@ -71,20 +92,16 @@ class HivemindAllReduce:
     async def mean(self, tensors: list[Tensor], timeout_s: float,
                    round_index: int = 0) -> tuple[list[Tensor], int, bool, bool]:
         """Mean of `tensors` over the group that forms; returns (means, group size, whether every
-        member was at `round_index`, whether the result is complete). A group of one (nobody else
+        member was at `round_index`, whether the whole mean arrived). A group of one (nobody else
         joined in time) returns the inputs unchanged with size 1. hivemind's matchmaking does not
-        separate rounds, so a lagging replica can land in a group of the next round, and its
-        all-reduce can deliver part of the mean only: both are reported, not hidden."""
-        check = float(self.rng.randrange(1024, 2048))
+        separate rounds, so a lagging replica can land in a group of the next round, and a round
+        can deliver part of the mean only: both are reported, not hidden."""
         with self.averager.get_tensors() as shared:
-            payload = torch.zeros(self.rows * CHECK_EVERY, dtype=shared[0].dtype)
-            payload[:self.numel] = torch.cat([t.detach().reshape(-1).to("cpu", payload.dtype) for t in tensors])
-            grid = shared[0].view(self.rows, CHECK_EVERY + 1)
-            grid[:, :CHECK_EVERY] = payload.view(self.rows, CHECK_EVERY)
-            grid[:, CHECK_EVERY] = check
+            for dst, src in zip(shared, tensors):
+                dst.copy_(src)
+        warnings_before = self.partial_warnings.value
         loop = asyncio.get_running_loop()
-        control = self.averager.step(gather={"round": round_index, "check": check}, timeout=timeout_s,
-                                     allow_retries=True, wait=False)
+        control = self.averager.step(gather=round_index, timeout=timeout_s, allow_retries=True, wait=False)
         try:
             # hivemind's own timeout covers matchmaking only; an all-reduce whose group stalls could
             # block forever, so the round has a hard deadline of its own.
@@ -97,20 +114,17 @@ class HivemindAllReduce:
         if not group:
             return [t.clone() for t in tensors], 1, True, True
         with self.averager.get_tensors() as shared:
-            grid = shared[0].view(self.rows, CHECK_EVERY + 1).clone()
-        expected = sum(float(v["check"]) for v in group.values()) / len(group)
-        complete = bool(((grid[:, CHECK_EVERY].double() - expected).abs() <= 1e-6 * expected).all())
+            means = [t.to(dtype=src.dtype, copy=True) for t, src in zip(shared, tensors)]
+        complete = self.partial_warnings.value == warnings_before
         if not complete:
             self.partial_rounds += 1
-            log.warning("the all-reduce delivered part of the mean only (hivemind kept our own values for the rest)")
-        flat = grid[:, :CHECK_EVERY].reshape(-1)[:self.numel]
-        means, offset = [], 0
-        for src in tensors:
-            means.append(flat[offset:offset + src.numel()].view(src.shape).to(src.dtype))
-            offset += src.numel()
-        self.bytes_sent += 2 * grid.numel() * self.element_size * (len(group) - 1) // len(group)
-        return means, len(group), all(v["round"] == round_index for v in group.values()), complete
+            log.warning("round %d: the all-reduce delivered part of the mean only (hivemind kept local values "
+                        "for the rest)", round_index)
+        self.bytes_sent += 2 * sum(t.numel() * self.element_size for t in tensors) * (len(group) - 1) // len(group)
+        return means, len(group), all(value == round_index for value in group.values()), complete
 
     def shutdown(self) -> None:
+        for name in _PARTIAL_LOGGERS:
+            logging.getLogger(name).removeHandler(self._handler)
         self.averager.shutdown()
         self.dht.shutdown()

@@ -1,15 +1,17 @@
-"""HivemindAllReduce's check values: a mean that hivemind delivered only in part is reported as
-partial (complete=False), a whole one as complete, on a stand-in averager (no hivemind)."""
+"""HivemindAllReduce on a stand-in averager (no hivemind processes): a round in which hivemind
+warns that it delivered part of the mean is reported incomplete; a clean round is complete and,
+with float64 averaging, every member gets the same float32 mean."""
 
 import asyncio
 import contextlib
-import math
-import random
+import logging
+import multiprocessing
 
 import torch
 
-from noloco_node.dht import averaging
-from noloco_node.dht.averaging import CHECK_EVERY, HivemindAllReduce
+from noloco_node.dht.averaging import HivemindAllReduce, _PartialResultCounter
+
+PARTITION = logging.getLogger("hivemind.averaging.partition")
 
 
 class _Control:
@@ -24,67 +26,89 @@ class _Control:
 
 
 class _StandInAverager:
-    """Plays the other member (its tensors are `other`, its check value 1500) and hivemind's
-    delivery: every element gets the mean, except the last `lost` elements, which keep ours."""
+    """Plays the other member (tensors `other`) and hivemind: writes local + (mean - local) in
+    the buffer dtype, and optionally logs hivemind's partial-result warning."""
 
-    def __init__(self, size: int, dtype, lost: int) -> None:
-        self.buffer = [torch.zeros(size, dtype=dtype)]
-        self.lost = lost
-        self.other = None
+    def __init__(self, shapes, dtype, other, warn: str | None) -> None:
+        self.buffer = [torch.zeros(s, dtype=dtype) for s in shapes]
+        self.other, self.warn = other, warn
 
     @contextlib.contextmanager
     def get_tensors(self):
         yield self.buffer
 
     def step(self, gather, timeout, allow_retries, wait):
-        ours = self.buffer[0].clone()
-        theirs = self.other.clone()
-        theirs.view(-1, CHECK_EVERY + 1)[:, CHECK_EVERY] = 1500.0
-        mean = (ours + theirs) / 2
-        kept = len(mean) - self.lost
-        self.buffer[0][:kept] = mean[:kept]
-        return _Control({"me": gather, "peer": {"round": gather["round"], "check": 1500.0}})
+        for mine, theirs in zip(self.buffer, self.other):
+            mean = (mine + theirs.to(mine.dtype)) / 2
+            mine.add_(mean - mine)
+        if self.warn:
+            PARTITION.warning(self.warn)
+        return _Control({"me": gather, "peer": gather})
 
 
-def _all_reduce(shapes, lost: int, dtype=torch.float64) -> HivemindAllReduce:
+def _all_reduce(shapes, other, warn=None, dtype=torch.float64) -> HivemindAllReduce:
     ar = HivemindAllReduce.__new__(HivemindAllReduce)
-    ar.shapes = [torch.Size(s) for s in shapes]
-    ar.numel = sum(math.prod(s) for s in ar.shapes)
-    ar.rows = max(1, math.ceil(ar.numel / CHECK_EVERY))
-    ar.rng, ar.bytes_sent, ar.partial_rounds = random.Random(0), 0, 0
-    ar.element_size = torch.finfo(dtype).bits // 8
-    ar.averager = _StandInAverager(ar.rows * (CHECK_EVERY + 1), dtype, lost)
+    ar.partial_warnings = multiprocessing.Value("i", 0)
+    ar._handler = _PartialResultCounter(ar.partial_warnings)
+    ar.bytes_sent, ar.partial_rounds, ar.element_size = 0, 0, torch.finfo(dtype).bits // 8
+    ar.averager = _StandInAverager(shapes, dtype, other, warn)
     return ar
 
 
-def _run(ar, ours, theirs):
-    flat = torch.zeros(ar.rows * CHECK_EVERY, dtype=torch.float64)
-    flat[:ar.numel] = torch.cat([t.reshape(-1).double() for t in theirs])
-    other = torch.zeros(ar.rows, CHECK_EVERY + 1, dtype=torch.float64)
-    other[:, :CHECK_EVERY] = flat.view(ar.rows, CHECK_EVERY)
-    ar.averager.other = other.reshape(-1)
-    return asyncio.run(ar.mean(ours, timeout_s=1.0, round_index=3))
+@contextlib.contextmanager
+def _attached(ar):
+    PARTITION.addHandler(ar._handler)
+    try:
+        yield
+    finally:
+        PARTITION.removeHandler(ar._handler)
 
 
-def test_a_whole_mean_is_complete_and_exact():
-    shapes = [(3, 5000), (7,)]
-    ours = [torch.randn(s) for s in shapes]
-    theirs = [torch.randn(s) for s in shapes]
-    means, group, same, complete = _run(_all_reduce(shapes, lost=0), ours, theirs)
-    assert (group, same, complete) == (2, True, True)
+def test_a_clean_round_is_complete_and_rounds_the_same_mean():
+    shapes = [(3, 50), (7,)]
+    ours, theirs = [torch.randn(s) for s in shapes], [torch.randn(s) for s in shapes]
+    ar = _all_reduce(shapes, theirs)
+    with _attached(ar):
+        means, group, same, complete = asyncio.run(ar.mean(ours, timeout_s=1.0, round_index=3))
+    assert (group, same, complete, ar.partial_rounds) == (2, True, True, 0)
     for m, a, b in zip(means, ours, theirs):
-        assert m.dtype == torch.float32 and m.shape == a.shape
-        assert torch.equal(m, ((a.double() + b.double()) / 2).float())
+        assert m.dtype == torch.float32 and torch.equal(m, ((a.double() + b.double()) / 2).float())
 
 
-def test_a_mean_with_a_lost_tail_is_reported_partial():
-    shapes = [(3, 5000), (7,)]
-    for lost in (CHECK_EVERY + 1, 3 * (CHECK_EVERY + 1), 5000):
-        ar = _all_reduce(shapes, lost=lost)
-        _, _, _, complete = _run(ar, [torch.randn(s) for s in shapes], [torch.randn(s) for s in shapes])
-        assert complete is False and ar.partial_rounds == 1, lost
+def test_hivemind_partial_result_warnings_make_the_round_incomplete():
+    shapes = [(4, 4)]
+    for warning in ("Averaging: received 74.7% results", "Reducer: received 50.0% of input tensors"):
+        ar = _all_reduce(shapes, [torch.randn(4, 4)], warn=warning)
+        with _attached(ar):
+            _, group, _, complete = asyncio.run(ar.mean([torch.randn(4, 4)], timeout_s=1.0, round_index=1))
+        assert (group, complete, ar.partial_rounds) == (2, False, 1), warning
 
 
-def test_check_spacing_is_below_hivemind_part_size():
-    # hivemind splits the buffer into parts of 2**19 bytes; a lost part must contain a check value
-    assert (CHECK_EVERY + 1) * 8 < 2 ** 19 and averaging.CHECK_EVERY == CHECK_EVERY
+def test_other_warnings_are_not_counted():
+    counter = multiprocessing.Value("i", 0)
+    handler = _PartialResultCounter(counter)
+    PARTITION.addHandler(handler)
+    try:
+        PARTITION.warning("It is recommended to set target_group_size to a power of 2")
+        PARTITION.info("Averaging: received 10.0% results")  # below WARNING: hivemind does not use it so
+    finally:
+        PARTITION.removeHandler(handler)
+    assert counter.value == 0
+
+
+def _warn_partial():
+    PARTITION.warning("Averaging: received 74.7% results")
+
+
+def test_the_count_crosses_into_a_forked_process_like_hivemind_averager():
+    # hivemind's DecentralizedAverager is an mp.Process forked after the handler is attached
+    counter = multiprocessing.get_context("fork").Value("i", 0)
+    handler = _PartialResultCounter(counter)
+    PARTITION.addHandler(handler)
+    try:
+        child = multiprocessing.get_context("fork").Process(target=_warn_partial)
+        child.start()
+        child.join(timeout=30)
+    finally:
+        PARTITION.removeHandler(handler)
+    assert child.exitcode == 0 and counter.value == 1
