@@ -108,7 +108,7 @@ class Node:
                 port=cfg.network.allreduce_port, announce=cfg.network.allreduce_announce,
                 swarm_key=self.admission.key, max_skew_s=cfg.security.max_clock_skew_s,
                 # dp: gradients averaged in float64 so every replica rounds the same mean (averaging.py)
-                dtype=torch.float64 if dp else torch.float32)
+                dtype=torch.float64 if dp else torch.float32, allreduce_s=cfg.timeouts.allreduce_s)
 
         self.server = NodeServer(cfg.network.host, cfg.network.port, admission=self.admission.interceptor,
                                  max_concurrent_rpcs=cfg.security.max_concurrent_rpcs)

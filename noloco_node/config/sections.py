@@ -275,6 +275,9 @@ class TimeoutsConfig:
     """How long to wait for the DHT bootstrap before failing with a clear error."""
     match_s: float = 5.0
     """How long an outer step may look for a partner before the solo step."""
+    allreduce_s: float = 60.0
+    """DiLoCo/dp: how long an all-reduce may run once its group formed (and a peer's stream may
+    make no progress for max(5, 2 x match_s)) before the round fails and the step goes solo."""
     heartbeat_s: float = 10.0
     record_ttl_s: float = 30.0
     saved_input_ttl_s: float = 120.0

@@ -53,7 +53,7 @@ class HivemindAllReduce:
     def __init__(self, shapes: list[torch.Size], *, initial_peers: list[str], host: str, prefix: str,
                  target_group_size: int, matchmaking_s: float, dht=None, port: int = 0,
                  announce: str | None = None, swarm_key: bytes | None = None, max_skew_s: float = 60.0,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, allreduce_s: float = 60.0) -> None:
         from hivemind.averaging import DecentralizedAverager
 
         self.dht = dht if dht is not None else self.start_dht(initial_peers, host, port, announce, swarm_key, max_skew_s)
@@ -66,7 +66,10 @@ class HivemindAllReduce:
             [torch.zeros(s, dtype=dtype) for s in shapes], dht=self.dht, prefix=prefix, target_group_size=target_group_size,
             # hivemind: request_timeout must stay below min_matchmaking_time, or matchmaking can deadlock.
             min_group_size=2, min_matchmaking_time=max(1.0, matchmaking_s), request_timeout=max(1.0, matchmaking_s) / 2,
-            start=True)
+            # Without these an all-reduce whose peer stream stalls waits forever (seen: two of three
+            # replicas stuck until our own deadline, then no further rounds).
+            next_chunk_timeout=max(5.0, 2 * matchmaking_s), allreduce_timeout=allreduce_s, start=True)
+        self.allreduce_s = allreduce_s
         self.bytes_sent = 0
         self.element_size = torch.finfo(dtype).bits // 8
         self.partial_rounds = 0
@@ -106,7 +109,7 @@ class HivemindAllReduce:
             # hivemind's own timeout covers matchmaking only; an all-reduce whose group stalls could
             # block forever, so the round has a hard deadline of its own.
             group = await asyncio.wait_for(loop.run_in_executor(None, control.result),
-                                           timeout=2 * timeout_s + 10)
+                                           timeout=timeout_s + self.allreduce_s + 10)
         except Exception as exc:  # noqa: BLE001 - hivemind raises several types; the caller falls back
             control.cancel()
             log.warning("all-reduce failed: %s", exc or type(exc).__name__)

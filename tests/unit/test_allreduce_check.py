@@ -50,7 +50,7 @@ def _all_reduce(shapes, other, warn=None, dtype=torch.float64) -> HivemindAllRed
     ar = HivemindAllReduce.__new__(HivemindAllReduce)
     ar.partial_warnings = multiprocessing.Value("i", 0)
     ar._handler = _PartialResultCounter(ar.partial_warnings)
-    ar.bytes_sent, ar.partial_rounds, ar.element_size = 0, 0, torch.finfo(dtype).bits // 8
+    ar.bytes_sent, ar.partial_rounds, ar.element_size, ar.allreduce_s = 0, 0, torch.finfo(dtype).bits // 8, 1.0
     ar.averager = _StandInAverager(shapes, dtype, other, warn)
     return ar
 
