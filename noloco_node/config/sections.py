@@ -100,9 +100,11 @@ class PipelineConfig:
     """B: sequences whose gradients one inner step accumulates, per replica."""
     microbatch_size: int = 1
     """Sequences per routed microbatch (the reference uses 1)."""
-    routing: str = "balanced"
-    """balanced: the reference's per-microbatch permutation (equal shares per replica while the
-    stages' memberships match, else random); random: each sender's own shuffled cycle."""
+    routing: str = "random"
+    """random: each sender's own shuffled cycle over the live replicas (robust to churn and to
+    records the DHT briefly misses); balanced: the reference's per-microbatch permutation (equal
+    shares per replica while the stages' memberships match, else random). The dp baseline always
+    routes balanced: its lockstep steps need every replica to get exactly one batch per step."""
     max_in_flight: int = 8
     """Microbatches a node holds saved inputs for at once; beyond it, senders get BUSY."""
     activation_codec: str = "bf16"

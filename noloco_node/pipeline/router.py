@@ -1,6 +1,6 @@
 """Next-hop choice: random live replicas of the next stage, minus banned peers.
 
-Two policies (`pipeline.routing`):
+Two policies (`pipeline.routing`; random is the default, dp always uses balanced):
 - balanced (the reference's routing): microbatch k leaving stage p goes from the sender at
   index d among its stage's replicas to index pi_{k,p}[d] of the next stage, pi a permutation
   seeded by (run seed, k, p) that every sender computes alike. Each hop is random, and when the
