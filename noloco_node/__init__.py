@@ -3,4 +3,4 @@
 Importing the package has no side effects and imports nothing heavy.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -21,11 +21,11 @@ class GrpcStageTransport:
 
     async def forward(self, peer: Peer, *, key, route, target_stage, activations, labels) -> None:
         hops = [stage_pb2.Hop(peer_id=h.peer_id, address=h.address, stage=h.stage) for h in route]
-        await self.client.forward(peer.address, microbatch=self._id(key), route=hops, target_stage=target_stage,
+        await self.client.forward(peer.peer_id, microbatch=self._id(key), route=hops, target_stage=target_stage,
                                   activations=activations, labels=labels)
 
-    async def backward(self, address, *, key, target_stage, grad, loss, num_tokens) -> None:
-        await self.client.backward(address, microbatch=self._id(key), target_stage=target_stage, grad=grad,
+    async def backward(self, peer_id, *, key, target_stage, grad, loss, num_tokens) -> None:
+        await self.client.backward(peer_id, microbatch=self._id(key), target_stage=target_stage, grad=grad,
                                    loss=loss, num_tokens=num_tokens)
 
 
@@ -36,7 +36,7 @@ class DhtReplicas:
         self.directory = directory
 
     async def replicas(self, stage: int) -> list[Peer]:
-        return [Peer(r.peer_id, r.address) for r in await self.directory.replicas(stage)]
+        return [Peer(r.peer_id, r.address, r.reach) for r in await self.directory.replicas(stage)]
 
 
 class DhtMatching:
@@ -46,5 +46,5 @@ class DhtMatching:
         self.directory = directory
 
     async def matching(self, stage: int, round_index: int) -> list[Peer]:
-        return [Peer(r.peer_id, r.address) for r in await self.directory.replicas(stage, fresh=True)
+        return [Peer(r.peer_id, r.address, r.reach) for r in await self.directory.replicas(stage, fresh=True)
                 if r.status == "matching" and r.outer_round == round_index]

@@ -1,5 +1,6 @@
-"""Two steps of joining a running swarm, before a node announces itself: ask live peers whether
-our announced address reaches us, and copy a live replica's training state."""
+"""The steps of joining a running swarm, before a node announces itself: find out how peers can
+reach us (ask live peers to dial our announced TLS address; when none can, we are behind NAT and
+are reached over libp2p instead), and copy a live replica's training state."""
 
 from __future__ import annotations
 
@@ -17,20 +18,51 @@ from noloco_node.sync.transfer import expected_tensors, import_state
 log = logging.getLogger(__name__)
 
 
-async def check_reachable(directory: PeerDirectory, *, address: str, peer_id: str, num_stages: int, run_id: str,
-                          timeout_s: float, identity=None) -> None:
-    """Ask up to four live peers to dial `address` (our health endpoint); raise UnreachableAddress
-    only when peers answered and none could reach us (a first node, with nobody to ask, passes)."""
+def announced_address(host: str, port: int, announce_addr: str | None, visible_maddrs: list[str]) -> str:
+    """host:port peers should dial: the configured one; else, binding every interface, our IP as
+    the DHT peers see it (the first non-loopback /ip4 address libp2p observed), else host:port."""
+    if announce_addr:
+        return announce_addr
+    if host in ("0.0.0.0", "::", ""):
+        for maddr in visible_maddrs:
+            parts = maddr.split("/")
+            if len(parts) > 2 and parts[1] == "ip4" and not parts[2].startswith("127."):
+                return f"{parts[2]}:{port}"
+        return f"127.0.0.1:{port}"
+    return f"{host}:{port}"
+
+
+async def probe_reachable(directory: PeerDirectory, dialer, *, address: str, tls_cert: bytes, peer_id: str,
+                          num_stages: int, run_id: str, timeout_s: float) -> bool | None:
+    """Ask up to four live peers to dial `address` (our TLS health endpoint). True if one could,
+    False if peers answered and none could, None when nobody could be asked (a first node)."""
     from noloco_node.rpc.diagnostics import probe_from_peers
 
-    peers = [r.address for s in range(num_stages) for r in await directory.replicas(s, fresh=True) if r.peer_id != peer_id]
+    peers = [r.peer_id for s in range(num_stages) for r in await directory.replicas(s, fresh=True)
+             if r.peer_id != peer_id and r.reach == "direct"]
     random.Random(peer_id).shuffle(peers)
-    results, errors = await probe_from_peers(address, peers[:4], run_id=run_id, timeout_s=timeout_s, identity=identity)
-    if results and not any(r.reachable for r in results):
-        details = "; ".join(f"{r.prober}: {r.detail}" for r in results)
-        raise UnreachableAddress(f"no peer could reach this node at {address} ({details})")
-    if errors and not results:
+    results, errors = await probe_from_peers(address, peers[:4], run_id=run_id, timeout_s=timeout_s, dialer=dialer,
+                                             tls_cert=tls_cert)
+    if results:
+        if not any(r.reachable for r in results):
+            log.info("peers cannot reach %s: %s", address, "; ".join(f"{r.prober[-8:]}: {r.detail}" for r in results))
+        return any(r.reachable for r in results)
+    if errors:
         log.warning("could not ask any peer to check our address: %s", "; ".join(errors))
+    return None
+
+
+async def decide_reach(mode: str, probe) -> str:
+    """`direct` or `relayed` for network.reach = auto | direct | libp2p. `probe` is awaited for
+    auto/direct; raises UnreachableAddress when direct was required and peers cannot reach us."""
+    if mode == "libp2p":
+        return "relayed"
+    reachable = await probe()
+    if reachable is False:
+        if mode == "direct":
+            raise UnreachableAddress("no peer could reach this node's announced address (network.reach = direct)")
+        return "relayed"
+    return "direct"
 
 
 async def fetch_state(directory: PeerDirectory, client: OuterClient, compute: ComputeThread, state: OuterState,
@@ -42,7 +74,7 @@ async def fetch_state(directory: PeerDirectory, client: OuterClient, compute: Co
     random.Random(peer_id).shuffle(donors)
     for donor in donors[:3]:
         try:
-            tensors, counters = await client.fetch_state(donor.address, stage=stage, peer_id=peer_id, timeout_s=timeout_s,
+            tensors, counters = await client.fetch_state(donor.peer_id, stage=stage, peer_id=peer_id, timeout_s=timeout_s,
                                                          expected=expected_tensors(state))
             step = await compute.run(import_state, state, inner, tensors, counters)
         except NodeError as exc:

@@ -29,15 +29,18 @@ from noloco_node.pipeline.runtime import StageRuntime, StageShape
 from noloco_node.pipeline.worker import StageWorker
 from noloco_node.rpc.outer_service import OuterClient, OuterServicer, Traffic
 from noloco_node.rpc.server import NodeServer
-from noloco_node.rpc.stage_service import StageClient, StageServicer
-from noloco_node.security import build_admission
+from noloco_node.rpc.stage_service import GRPC_OPTIONS, StageClient, StageServicer
+from noloco_node.transport.dialer import Contact
+from noloco_node.transport.identity import NodeIdentity
+from noloco_node.security import build_admission, read_swarm_key
 from noloco_node.adapters import DhtMatching, DhtReplicas, GrpcStageTransport
 from noloco_node.runtime.compute import ComputeThread, compute_device
 from noloco_node.runtime.events import EventLog
 from noloco_node.runtime.faults import FaultInjector
 from noloco_node.runtime.memory import tune_allocator
 from noloco_node.sync.noloco import NoLoCoSync
-from noloco_node.joining import check_reachable, fetch_state
+from noloco_node.joining import announced_address, decide_reach, fetch_state, probe_reachable
+from noloco_node.transport.links import Links
 from noloco_node.sync.transfer import counters_json, export_state
 
 log = logging.getLogger(__name__)
@@ -70,7 +73,9 @@ class Node:
     async def start(self) -> None:
         cfg = self.config
         tune_allocator()
-        self.admission = build_admission(cfg.security)
+        self.links = Links(_identity(cfg.security.identity_file), swarm_key=read_swarm_key(cfg.security),
+                           max_skew_s=cfg.security.max_clock_skew_s, options=GRPC_OPTIONS)
+        self.admission = build_admission(cfg.security, self.links)
         self.faults = FaultInjector(cfg.faults.inject)
         self.corpus, self.tokenizer, self.manifest_hash = load_run_inputs(cfg)
         self.directory: PeerDirectory | None = None
@@ -111,12 +116,14 @@ class Node:
                 dtype=torch.float64 if dp else torch.float32, allreduce_s=cfg.timeouts.allreduce_s)
 
         self.server = NodeServer(cfg.network.host, cfg.network.port, admission=self.admission.interceptor,
+                                 credentials=self.links.certificate.server_credentials(),
                                  max_concurrent_rpcs=cfg.security.max_concurrent_rpcs)
         self.client = StageClient(run_id=cfg.run.run_id, manifest_hash=self.manifest_hash, codec=cfg.pipeline.activation_codec,
-                                  timeout_s=cfg.timeouts.rpc_s, observe=self._observe_rpc, identity=self.admission.identity)
+                                  timeout_s=cfg.timeouts.rpc_s, observe=self._observe_rpc, dialer=self.links.dialer)
         if self.directory is None:
             await self._start_directory()
-        self.peer_id = self.admission.identity.peer_id = self.directory.peer_id
+        self.peer_id = self.directory.peer_id
+        self.links.set_lookup(self._contact)
         shape = StageShape(stage=self.stage_index, num_stages=cfg.pipeline.num_stages, hidden_size=m.hidden_size,
                            seq_len=m.seq_len, microbatch_size=cfg.pipeline.microbatch_size, vocab_size=len(self.tokenizer))
         self.bans = Bans()
@@ -128,7 +135,8 @@ class Node:
             balanced_routing=cfg.pipeline.routing == "balanced" or dp, routing_seed=cfg.run.seed)
         max_bytes = cfg.pipeline.microbatch_size * m.seq_len * m.hidden_size * 4
         self.servicer = StageServicer(self.runtime, run_id=cfg.run.run_id, manifest_hash=self.manifest_hash,
-                                      max_payload_bytes=max_bytes)
+                                      max_payload_bytes=max_bytes, receive_s=cfg.timeouts.receive_s,
+                                      min_bytes_per_s=cfg.security.min_receive_bytes_per_s)
         self.server.add_stage(self.servicer)
         if cfg.outer.method == "noloco":
             self._build_sync(max_bytes=sum(p.numel() * 8 for p in self.stage.parameters()))
@@ -153,11 +161,10 @@ class Node:
         self.server.add_diagnostics(DiagnosticsServicer(run_id=cfg.run.run_id, version=__version__,
                                                         manifest_hash=self.manifest_hash, timeout_s=cfg.timeouts.connect_s))
         port = await self.server.start()
-        self.address = cfg.network.announce_addr or f"{cfg.network.host}:{port}"
-        if cfg.network.check_reachability:
-            await check_reachable(self.directory, address=self.address, peer_id=self.peer_id,
-                                  num_stages=cfg.pipeline.num_stages, run_id=cfg.run.run_id,
-                                  timeout_s=cfg.timeouts.connect_s, identity=self.admission.identity)
+        await self.links.attach(self.directory.p2p, self.server.bridge_port)
+        self.address = announced_address(cfg.network.host, port, cfg.network.announce_addr,
+                                         await self.directory.visible_maddrs())
+        await self._settle_reach()
         self.runtime.me = Hop(self.peer_id, self.address, self.stage_index)
         self.metrics_port = None
         if cfg.network.metrics_port is not None:
@@ -189,13 +196,39 @@ class Node:
                          resumed_from=self.resumed_from, fetched_state=self.fetched_state)
         log.info("stage %d serving at %s (peer %s, manifest %s)", self.stage_index, self.address, self.peer_id, self.manifest_hash)
 
-    async def _start_directory(self) -> None:
+    async def _start_directory(self, p2p_options: dict | None = None) -> None:
         cfg = self.config
         self.directory = await PeerDirectory.start(
             DirectoryIdentity(cfg.run.run_id, self.manifest_hash, __version__, cfg.pipeline.num_stages),
             initial_peers=list(cfg.network.initial_peers), host=cfg.network.host, port=cfg.network.dht_port,
             startup_timeout_s=cfg.timeouts.startup_s, swarm_key=self.admission.key,
-            max_skew_s=cfg.security.max_clock_skew_s)
+            max_skew_s=cfg.security.max_clock_skew_s, key=self.links.identity, p2p_options=p2p_options)
+
+    async def _settle_reach(self) -> None:
+        """Direct TLS if live peers can dial our address; otherwise restart our libp2p daemon as a
+        private peer that reserves a slot on a relay (the initial peers first) and serve over it."""
+        cfg = self.config
+        probe = lambda: probe_reachable(self.directory, self.links.dialer, address=self.address, peer_id=self.peer_id,  # noqa: E731
+                                        tls_cert=self.links.certificate.cert_der, num_stages=cfg.pipeline.num_stages,
+                                        run_id=cfg.run.run_id, timeout_s=cfg.timeouts.connect_s)
+        self.links.reach = await decide_reach(cfg.network.reach if cfg.network.check_reachability else "direct", probe)
+        if self.links.reach == "direct":
+            return
+        log.info("peers cannot dial %s: serving over libp2p through a relay instead", self.address)
+        await self.directory.shutdown()
+        await self._start_directory({"force_reachability": "private", "use_auto_relay": True,
+                                     "trusted_relays": list(cfg.network.relays or cfg.network.initial_peers)})
+        await self.links.attach(self.directory.p2p, self.server.bridge_port)
+        self.links.p2p_addrs = await self.links.wait_for_circuit(self.directory.visible_maddrs, cfg.timeouts.relay_s)
+        if not self.links.p2p_addrs:
+            log.warning("no relay reservation within %.0f s: only peers our daemon reaches by itself can call us",
+                        cfg.timeouts.relay_s)
+
+    async def _contact(self, peer_id: str):
+        record = await self.directory.record_of(peer_id)
+        if record is None:
+            return None
+        return Contact(record.peer_id, record.address, record.reach, record.tls_cert, tuple(record.p2p_addrs))
 
     async def _choose_stage(self) -> int:
         """`--stage auto`: the stage of our own checkpoint if there is exactly one, else the stage
@@ -220,7 +253,7 @@ class Node:
                                       gamma=cfg.outer.gamma)
         self.outer_traffic = Traffic()
         self.outer_client = OuterClient(run_id=cfg.run.run_id, manifest_hash=self.manifest_hash, max_bytes=max_bytes,
-                                        traffic=self.outer_traffic, faults=self.faults, identity=self.admission.identity)
+                                        traffic=self.outer_traffic, faults=self.faults, dialer=self.links.dialer)
         self.sync = NoLoCoSync(self.outer_state, client=self.outer_client, directory=DhtMatching(self.directory),
                                compute=self.compute, peer_id=self.peer_id, stage=self.stage_index, codec=cfg.outer.codec,
                                match_s=cfg.timeouts.match_s, max_distance_ratio=cfg.outer.max_distance_ratio,
@@ -331,7 +364,9 @@ class Node:
         return StageRecord(peer_id=self.peer_id, address=self.address, stage=self.stage_index,
                            inner_step=self.worker.inner_steps, outer_round=self.outer_round, status=self.status,
                            tokens_per_s=self.tokens_per_s, version=__version__,
-                           manifest_hash=self.manifest_hash, run_id=self.config.run.run_id, updated_at=time.time())
+                           manifest_hash=self.manifest_hash, run_id=self.config.run.run_id, updated_at=time.time(),
+                           reach=self.links.update_reach(), tls_cert=self.links.certificate.b64,
+                           p2p_addrs=self.links.p2p_addrs[:16])
 
     async def announce(self) -> None:
         await self.directory.announce(self.record(), ttl_s=self.config.timeouts.record_ttl_s)
@@ -416,7 +451,7 @@ class Node:
         if self.all_reduce is not None:
             await asyncio.to_thread(self.all_reduce.shutdown)
         for name, step in (("server", self.server.stop(1.0)), ("client", self.client.close()),
-                           ("dht", self.directory.shutdown())):
+                           ("links", self.links.close()), ("dht", self.directory.shutdown())):
             try:
                 await asyncio.wait_for(step, timeout=self.config.timeouts.connect_s + 5)
             except asyncio.TimeoutError:
@@ -431,3 +466,9 @@ class Node:
         from noloco_node.report import write_outputs
 
         write_outputs(self, out_dir)
+
+
+def _identity(path: str | None) -> NodeIdentity:
+    """The node's identity key: kept in `security.identity_file` (same peer id across restarts)
+    when set, else fresh for this process."""
+    return NodeIdentity.load_or_create(path) if path else NodeIdentity.generate()

@@ -1,19 +1,18 @@
-"""A node's admission pieces, built from `[security]`: the swarm key, the identity its outgoing
-calls carry, and the interceptor (with its per-peer guard) in front of its gRPC services."""
+"""A node's admission pieces, built from `[security]`: the swarm key, the per-peer guard and the
+interceptor in front of its gRPC services (which proves callers through the node's links)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from noloco_node.config import ConfigError, SecurityConfig
-from noloco_node.rpc.admission import AdmissionInterceptor, ClientIdentity, SwarmKeyError, load_swarm_key
+from noloco_node.rpc.admission import AdmissionInterceptor, SwarmKeyError, load_swarm_key
 from noloco_node.rpc.guard import PeerGuard
 
 
 @dataclass
 class Admission:
     key: bytes | None
-    identity: ClientIdentity
     guard: PeerGuard
     interceptor: AdmissionInterceptor
 
@@ -27,8 +26,11 @@ def read_swarm_key(cfg: SecurityConfig) -> bytes | None:
         raise ConfigError("security.swarm_key_file", str(exc), "give every peer the same file from `noloco-node keygen`") from None
 
 
-def build_admission(cfg: SecurityConfig) -> Admission:
+def build_admission(cfg: SecurityConfig, links) -> Admission:
+    """`links` (transport.links.Links) verifies call tokens and names the libp2p peer behind a
+    bridged connection."""
     key = read_swarm_key(cfg)
     guard = PeerGuard(requests_per_s=cfg.peer_requests_per_s, burst=cfg.peer_burst, max_streams=cfg.peer_max_streams,
                       ban_after_invalid=cfg.ban_after_invalid, ban_s=cfg.ban_s, ban_max_s=cfg.ban_max_s)
-    return Admission(key, ClientIdentity(key), guard, AdmissionInterceptor(key=key, max_skew_s=cfg.max_clock_skew_s, guard=guard))
+    return Admission(key, guard, AdmissionInterceptor(verifier=links.verifier, swarm_key=key, guard=guard,
+                                                      bridged=links.origin))

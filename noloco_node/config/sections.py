@@ -202,7 +202,8 @@ class OuterConfig:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class NetworkConfig:
     host: str = "127.0.0.1"
-    """Address the gRPC server binds."""
+    """Address the gRPC server and the libp2p daemon bind; 0.0.0.0 = every interface (peers are
+    then told the address the DHT peers observe, unless announce_addr says otherwise)."""
     port: int = 0
     """gRPC port; 0 = any free port."""
     announce_addr: str | None = None
@@ -217,7 +218,13 @@ class NetworkConfig:
     allreduce_announce: str | None = None
     """diloco/dp: host:port other replicas dial for the all-reduce (e.g. a WAN relay); None = direct."""
     check_reachability: bool = True
-    """At join, ask live peers to dial our announced address and fail (exit 4) if none can."""
+    """At join, ask live peers to dial our announced address (see `reach`)."""
+    reach: str = "auto"
+    """How peers reach this node: auto = direct TLS gRPC when live peers can dial our address, else
+    gRPC over libp2p (hole-punched or through a relay); direct = fail (exit 4) when they cannot;
+    libp2p = always over libp2p (behind NAT, skips the probe)."""
+    relays: tuple[str, ...] = ()
+    """Multiaddrs of public peers to reserve a relay slot on when behind NAT; () = the initial peers."""
 
     def __post_init__(self) -> None:
         if self.metrics_port is not None:
@@ -228,10 +235,8 @@ class NetworkConfig:
             host, _, port = self.announce_addr.rpartition(":")
             _require(bool(host) and port.isdigit(), "announce_addr", f"{self.announce_addr!r} is not host:port",
                      "use e.g. 203.0.113.7:31337")
-        elif self.host in ("0.0.0.0", "::", ""):
-            raise ConfigError("network.announce_addr", f"the node binds {self.host or 'every interface'}, which is "
-                              "not an address peers can dial", "pass the host:port peers should use with --announce-addr "
-                              "(and a fixed --port), e.g. --announce-addr 203.0.113.7:31337")
+        _require(self.reach in ("auto", "direct", "libp2p"), "reach", f"unknown reach {self.reach!r}",
+                 "use auto, direct or libp2p")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -243,6 +248,12 @@ class SecurityConfig:
     DHT request must carry an HMAC made with the same key; None = an open swarm."""
     max_clock_skew_s: float = 60.0
     """A signed call's timestamp may differ from our clock by at most this."""
+    identity_file: str | None = None
+    """This node's identity key (libp2p key, record and call signing key); created on first use.
+    Keeps the peer id across restarts; None = a fresh identity every start."""
+    min_receive_bytes_per_s: float = 1e6
+    """A Forward/Backward stream must deliver its payload at least this fast (after timeouts.receive_s
+    for the header): a stalled stream is cut with DEADLINE_EXCEEDED and its in-flight slot freed."""
     max_concurrent_rpcs: int = 64
     """Calls served at once, all peers together; more get RESOURCE_EXHAUSTED."""
     peer_max_streams: int = 16
@@ -259,7 +270,7 @@ class SecurityConfig:
     ban_max_s: float = 1800.0
 
     def __post_init__(self) -> None:
-        for name in ("max_clock_skew_s", "peer_requests_per_s", "ban_s", "ban_max_s"):
+        for name in ("max_clock_skew_s", "peer_requests_per_s", "ban_s", "ban_max_s", "min_receive_bytes_per_s"):
             _require(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}", "use a positive number")
         for name in ("max_concurrent_rpcs", "peer_max_streams", "peer_burst", "ban_after_invalid"):
             _require(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}", "use a positive integer")
@@ -273,6 +284,11 @@ class TimeoutsConfig:
     rpc_s: float = 30.0
     """Deadline of one Forward/Backward call."""
     connect_s: float = 5.0
+    receive_s: float = 10.0
+    """A caller must send a stream's header within this (and its payload within this plus its size
+    at security.min_receive_bytes_per_s), whatever deadline it set itself."""
+    relay_s: float = 30.0
+    """Behind NAT: how long to wait for a relay reservation before serving without one."""
     startup_s: float = 30.0
     """How long to wait for the DHT bootstrap before failing with a clear error."""
     match_s: float = 5.0

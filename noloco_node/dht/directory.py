@@ -1,7 +1,9 @@
 """PeerDirectory: a hivemind DHTNode in the node's own event loop that announces this node's
 stage record on a heartbeat and answers "which replicas of stage s are alive?".
 
-Records of another run, manifest or protocol version are ignored and logged once per peer.
+Records of another run, manifest or protocol version are ignored and logged once per peer. A
+record whose `peer_id` is not the one its signing key proves (the key in its subkey hashes to
+another peer id) is refused and counted: a node can only ever speak for itself.
 Lookups are cached for `cache_s` so routing does not hit the DHT per microbatch.
 """
 
@@ -16,11 +18,11 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
 from hivemind.dht.validation import CompositeValidator
 from hivemind.p2p import P2PDaemonError
-from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
 
 from noloco_node.dht.records import StageRecord, make_validators, stage_key
 from noloco_node.errors import BootstrapError
+from noloco_node.transport.identity import NodeIdentity, peer_id_of_owner_marker
 
 log = logging.getLogger(__name__)
 
@@ -45,20 +47,32 @@ class DirectoryIdentity:
 
 class PeerDirectory:
     def __init__(self, node: DHTNode, identity: DirectoryIdentity, signer: RSASignatureValidator, *,
-                 cache_s: float = 1.0) -> None:
-        self.node, self.identity, self.signer = node, identity, signer
+                 key: NodeIdentity, cache_s: float = 1.0) -> None:
+        self.node, self.identity, self.signer, self.key = node, identity, signer, key
         self.cache_s = cache_s
         self._cache: dict[int, tuple[float, list[StageRecord]]] = {}
-        self._ignored: set[str] = set()
+        self._ignored: set = set()
+        self.impostor_records = 0  # records refused because they claim another node's peer id
+        self._by_peer: dict[str, tuple[float, StageRecord]] = {}  # every accepted record, leaving ones too
         self.peer_id = node.peer_id.to_base58()
+        assert self.peer_id == key.peer_id, "the DHT must run under the node's own identity key"
+
+    @property
+    def p2p(self):
+        """The libp2p daemon this directory runs on (the libp2p transport shares it)."""
+        return self.node.p2p
 
     @classmethod
     async def start(cls, identity: DirectoryIdentity, *, initial_peers: list[str], host: str = "127.0.0.1",
                     port: int = 0, identity_path: str | None = None, startup_timeout_s: float = 30.0,
-                    client_mode: bool = False, swarm_key: bytes | None = None, max_skew_s: float = 60.0) -> PeerDirectory:
-        """Start the DHT node; raises BootstrapError with a fix when the initial peers cannot be reached."""
-        # Own key per directory (not hivemind's process-wide one): the subkey is this node's identity.
-        signer = RSASignatureValidator(RSAPrivateKey())
+                    client_mode: bool = False, swarm_key: bytes | None = None, max_skew_s: float = 60.0,
+                    key: NodeIdentity | None = None, p2p_options: dict | None = None) -> PeerDirectory:
+        """Start the DHT node under `key` (the node's identity: its libp2p key and record-signing key
+        at once); raises BootstrapError with a fix when the initial peers cannot be reached.
+        `p2p_options` go to hivemind.P2P.create (relay and reachability settings)."""
+        if key is None:
+            key = NodeIdentity.load_or_create(identity_path) if identity_path else NodeIdentity.generate()
+        signer = RSASignatureValidator(key.hivemind_key())
         validator = CompositeValidator(make_validators(identity.run_id, identity.num_stages, signer))
         authorizer = None
         if swarm_key is not None:
@@ -67,9 +81,10 @@ class PeerDirectory:
             authorizer = SwarmKeyAuthorizer(swarm_key, max_skew_s=max_skew_s)
         try:
             node = await asyncio.wait_for(DHTNode.create(
-                initial_peers=list(initial_peers), host_maddrs=[f"/ip4/{host}/tcp/{port}"], identity_path=identity_path,
+                initial_peers=list(initial_peers), host_maddrs=[f"/ip4/{host}/tcp/{port}"],
+                identity_path=key.identity_path(), check_if_identity_free=False,
                 record_validator=validator, client_mode=client_mode, startup_timeout=startup_timeout_s,
-                authorizer=authorizer,
+                authorizer=authorizer, **(p2p_options or {}),
             ), timeout=startup_timeout_s + 5)
         except (P2PDaemonError, asyncio.TimeoutError, OSError, RuntimeError) as exc:
             # hivemind raises RuntimeError when no initial peer answered a ping: they are down,
@@ -77,7 +92,7 @@ class PeerDirectory:
             where = ", ".join(initial_peers) or "(none)"
             hint = "" if swarm_key is not None else " (if the swarm uses a key, pass it with --swarm-key)"
             raise BootstrapError(f"could not join the DHT through initial peers {where}: {exc}{hint}".strip()) from None
-        return cls(node, identity, signer)
+        return cls(node, identity, signer, key=key)
 
     async def visible_maddrs(self) -> list[str]:
         return [str(m) for m in await self.node.get_visible_maddrs()]
@@ -96,10 +111,12 @@ class PeerDirectory:
         found = await self.node.get(stage_key(self.identity.run_id, stage), latest=True)
         records = []
         if found is not None and isinstance(found.value, dict):
-            for entry in found.value.values():
-                record = self._accept(entry.value, stage)
+            for subkey, entry in found.value.items():
+                record = self._accept(entry.value, stage, subkey)
                 if record is not None:
-                    records.append(record)
+                    self._by_peer[record.peer_id] = (now, record)
+                    if record.status != "leaving":
+                        records.append(record)
         records.sort(key=lambda r: r.peer_id)
         self._cache[stage] = (now, records)
         return records
@@ -112,17 +129,32 @@ class PeerDirectory:
         found = await self.node.get(stage_key(self.identity.run_id, stage), latest=True)
         records = []
         if found is not None and isinstance(found.value, dict):
-            for entry in found.value.values():
+            for subkey, entry in found.value.items():
                 try:
-                    records.append(StageRecord.parse_obj(entry.value))
+                    record = StageRecord.parse_obj(entry.value)
                 except Exception:  # noqa: BLE001 - malformed values are skipped
                     continue
+                if self._proven(record, subkey):
+                    records.append(record)
         return sorted(records, key=lambda r: r.peer_id)
 
-    def _accept(self, value: object, stage: int) -> StageRecord | None:
+    def _proven(self, record: StageRecord, subkey: object) -> bool:
+        """Whether the key that signed the record (hivemind checked the signature against the
+        subkey) proves the peer id the record claims; refused and counted if not."""
+        if peer_id_of_owner_marker(subkey) == record.peer_id:
+            return True
+        self.impostor_records += 1
+        if ("impostor", record.peer_id) not in self._ignored:
+            self._ignored.add(("impostor", record.peer_id))
+            log.warning("refusing a record that claims peer id %s but is signed by another key", record.peer_id[-8:])
+        return False
+
+    def _accept(self, value: object, stage: int, subkey: object) -> StageRecord | None:
         try:
             record = StageRecord.parse_obj(value)
         except Exception:  # noqa: BLE001 - any malformed value is skipped, never fatal
+            return None
+        if not self._proven(record, subkey):
             return None
         ident = self.identity
         reason = None
@@ -139,9 +171,23 @@ class PeerDirectory:
                 self._ignored.add(record.peer_id)
                 log.warning("ignoring peer %s: %s", record.peer_id[-8:], reason)
             return None
-        if record.status == "leaving":
-            return None
         return record
+
+    async def record_of(self, peer_id: str, max_age_s: float = 5.0) -> StageRecord | None:
+        """The latest record of `peer_id` (a leaving one too: it still drains its microbatches),
+        from the lookups of the last `max_age_s`, else from a fresh lookup of every stage."""
+        known = self._by_peer.get(peer_id)
+        if known is not None and time.monotonic() - known[0] < max_age_s:
+            return known[1]
+        for stage in range(self.identity.num_stages):
+            await self.replicas(stage, fresh=True)
+        known = self._by_peer.get(peer_id)
+        if known is None:
+            return None
+        if len(self._by_peer) > 4096:  # forget peers not seen for a long while
+            cutoff = time.monotonic() - 600
+            self._by_peer = {p: v for p, v in self._by_peer.items() if v[0] > cutoff}
+        return known[1]
 
     async def shutdown(self) -> None:
         await self.node.shutdown()

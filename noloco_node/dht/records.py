@@ -15,6 +15,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 
 STATUSES = ("joining", "serving", "matching", "leaving")
+REACHES = ("direct", "holepunched", "relayed")
 
 
 class StageRecord(pydantic.BaseModel):
@@ -31,6 +32,13 @@ class StageRecord(pydantic.BaseModel):
     manifest_hash: pydantic.StrictStr
     run_id: pydantic.StrictStr
     updated_at: pydantic.StrictFloat
+    reach: pydantic.StrictStr = "direct"
+    """How peers reach this node: `direct` (TLS gRPC at `address`), `holepunched` or `relayed`
+    (gRPC over a libp2p stream to `peer_id`, dialled through `p2p_addrs`)."""
+    tls_cert: pydantic.constr(strict=True, max_length=4096) = ""
+    """The node's self-signed TLS certificate (DER, base64): clients pin it."""
+    p2p_addrs: pydantic.conlist(pydantic.constr(strict=True, max_length=512), max_items=16) = []
+    """libp2p multiaddrs that reach the node (a /p2p-circuit address through its relay when relayed)."""
 
     class Config:
         extra = pydantic.Extra.forbid
@@ -39,6 +47,12 @@ class StageRecord(pydantic.BaseModel):
     def _known_status(cls, value: str) -> str:
         if value not in STATUSES:
             raise ValueError(f"unknown status {value!r}")
+        return value
+
+    @pydantic.validator("reach")
+    def _known_reach(cls, value: str) -> str:
+        if value not in REACHES:
+            raise ValueError(f"unknown reach {value!r}")
         return value
 
 

@@ -12,6 +12,8 @@ from torch import Tensor
 class Peer:
     peer_id: str
     address: str
+    reach: str = "direct"
+    """direct | holepunched | relayed: relayed replicas get a smaller share of the traffic."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,9 +35,9 @@ class StageTransport(Protocol):
                       activations: Tensor, labels: Tensor) -> None:
         """Deliver activations; raises PeerBusy, PeerUnavailable, InvalidPayload or ProtocolMismatch."""
 
-    async def backward(self, address: str, *, key: MicrobatchKey, target_stage: int, grad: Tensor,
+    async def backward(self, peer_id: str, *, key: MicrobatchKey, target_stage: int, grad: Tensor,
                        loss: float, num_tokens: int) -> None:
-        """Deliver the gradient of the receiver's output, with the microbatch loss."""
+        """Deliver the gradient of the receiver's output (the upstream hop `peer_id`), with the loss."""
 
 
 class ReplicaDirectory(Protocol):

@@ -11,6 +11,10 @@ Two policies (`pipeline.routing`; random is the default, dp always uses balanced
 - random: each sender walks a freshly shuffled cycle of the next stage's replicas, so its own
   load spreads evenly though the receivers' totals need not be equal.
 
+Replicas reached through a relay (their record says `relayed`) are drawn with weight
+RELAYED_WEIGHT against 1 for the others, as Petals does: still random, but the relay (a volunteer's
+bandwidth, an extra hop) carries a smaller share.
+
 A peer that fails a call is banned locally with exponential backoff (1 s, 2 s, 4 s ... up to
 `max_ban_s`), independent of what the DHT says; a success clears its record.
 """
@@ -22,6 +26,9 @@ import time
 from dataclasses import dataclass
 
 from noloco_node.pipeline.ports import Peer
+
+
+RELAYED_WEIGHT = 0.2
 
 
 @dataclass
@@ -75,6 +82,9 @@ class Router:
         usable = {p.peer_id: p for p in candidates if p.peer_id not in exclude and not self.bans.is_banned(p.peer_id)}
         if not usable:
             return None
+        if len(usable) > 1 and any(p.reach == "relayed" for p in usable.values()):
+            peers = sorted(usable.values(), key=lambda p: p.peer_id)
+            return self.rng.choices(peers, [RELAYED_WEIGHT if p.reach == "relayed" else 1.0 for p in peers])[0]
         while self._cycle:
             peer_id = self._cycle.pop()
             if peer_id in usable:

@@ -53,6 +53,7 @@ class Ticket:
     labels: Tensor | None = None
     loss: float = 0.0
     num_tokens: int = 0
+    downstream: str = ""  # the replica that accepted our forward: the only one whose gradient we take
 
 
 @dataclass
@@ -131,7 +132,7 @@ class StageRuntime:
         self.stats.forwards_received[ticket.route[-1].peer_id] += 1
         self._spawn(self._serve_forward(ticket, activations))
 
-    def admit_backward(self, header, spec: TensorSpec) -> Ticket:
+    def admit_backward(self, header, spec: TensorSpec, caller: str = "") -> Ticket:
         if header.target_stage != self.shape.stage:
             raise ProtocolMismatch(f"this node serves stage {self.shape.stage}, not stage {header.target_stage}")
         key = MicrobatchKey(header.microbatch.origin_peer, header.microbatch.sequence, header.microbatch.attempt)
@@ -141,6 +142,8 @@ class StageRuntime:
             raise UnknownMicrobatch(f"no saved input for microbatch {key} (expired or never seen)")
         if spec.dtype != "float32" or spec.shape != expected:
             raise InvalidPayload(f"gradient {spec.dtype}{list(spec.shape)} does not match the output float32{list(expected)}")
+        if caller and ticket.downstream and caller != ticket.downstream:
+            raise InvalidPayload(f"gradient for {key} from {caller[-8:]}, which the microbatch was not forwarded to")
         ticket.loss, ticket.num_tokens = float(header.loss), int(header.num_tokens)
         return ticket
 
@@ -241,6 +244,9 @@ class StageRuntime:
             try:
                 await self.transport.forward(peer, key=key, route=route, target_stage=self.shape.stage + 1,
                                              activations=output, labels=labels)
+                ticket = self.in_flight.get(key)
+                if ticket is not None:
+                    ticket.downstream = peer.peer_id
                 self.router.bans.clear(peer.peer_id)
                 self.stats.forwards_sent += 1
                 if balanced is peer:
@@ -260,7 +266,7 @@ class StageRuntime:
 
     async def _send_backward(self, upstream: Hop, key: MicrobatchKey, grad: Tensor, loss: float, tokens: int) -> None:
         try:
-            await self.transport.backward(upstream.address, key=key, target_stage=upstream.stage, grad=grad,
+            await self.transport.backward(upstream.peer_id, key=key, target_stage=upstream.stage, grad=grad,
                                           loss=loss, num_tokens=tokens)
             self.stats.backwards_sent += 1
         except NodeError as exc:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from noloco_node.rpc.admission import ClientIdentity, open_channel
+from noloco_node.transport.tls import TLS_NAME
 from noloco_node.wire.v1 import diag_pb2, diag_pb2_grpc
 
 
@@ -24,10 +24,18 @@ def valid_address(address: str) -> bool:
     return bool(sep and host and port.isdigit() and 0 < int(port) < 65536 and len(address) <= 255)
 
 
-async def health_check(address: str, timeout_s: float) -> tuple[bool, str, float]:
-    """Call grpc.health.v1 Check on `address`; returns (serving, detail, round trip seconds)."""
+def _channel(address: str, cert_pem: bytes | None) -> grpc.aio.Channel:
+    if cert_pem is None:
+        return grpc.aio.insecure_channel(address)
+    return grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=cert_pem),
+                                   options=[("grpc.ssl_target_name_override", TLS_NAME)])
+
+
+async def health_check(address: str, timeout_s: float, cert_pem: bytes | None = None) -> tuple[bool, str, float]:
+    """Call grpc.health.v1 Check on `address` (over TLS trusting only `cert_pem`, when given);
+    returns (serving, detail, round trip seconds)."""
     start = time.monotonic()
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with _channel(address, cert_pem) as channel:
         try:
             reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
                                                                       timeout=timeout_s)
@@ -54,9 +62,18 @@ class DiagnosticsServicer(diag_pb2_grpc.DiagnosticsServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"address {request.address[:80]!r} is not host:port")
         if self._slots.locked():
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many probes in flight; retry later")
+        cert_pem = None
+        if request.tls_cert:
+            try:
+                from cryptography import x509
+                from cryptography.hazmat.primitives import serialization
+
+                cert_pem = x509.load_der_x509_certificate(request.tls_cert).public_bytes(serialization.Encoding.PEM)
+            except ValueError:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "tls_cert is not a DER certificate")
         async with self._slots:
             self.probes += 1
-            reachable, detail, rtt = await health_check(request.address, self.timeout_s)
+            reachable, detail, rtt = await health_check(request.address, self.timeout_s, cert_pem)
         return diag_pb2.ProbeReply(reachable=reachable, detail=detail, rtt_s=rtt, server_time=arrived,
                                    version=self.version, manifest_hash=self.manifest_hash)
 
@@ -72,32 +89,35 @@ class ProbeResult:
     manifest_hash: str
 
 
-async def ask_probe(prober_address: str, *, address: str, run_id: str, timeout_s: float,
-                    identity: ClientIdentity | None = None) -> ProbeResult:
-    """Ask the node at `prober_address` to health-check `address`. Raises grpc.aio.AioRpcError
-    when the prober itself cannot be reached or refuses."""
-    async with open_channel(prober_address, identity) as channel:
-        sent = time.time()
-        reply = await diag_pb2_grpc.DiagnosticsStub(channel).Probe(
-            diag_pb2.ProbeRequest(run_id=run_id, address=address), timeout=2 * timeout_s + 1)
-        received = time.time()
+async def ask_probe(prober: str, *, address: str, run_id: str, timeout_s: float, dialer, tls_cert: bytes = b"") -> ProbeResult:
+    """Ask the peer `prober` (a peer id, dialled through `dialer`) to health-check `address`,
+    pinning `tls_cert`. Raises grpc.aio.AioRpcError or NodeError when the prober cannot be asked."""
+    channel, _ = await dialer.channel(prober)
+    sent = time.time()
+    reply = await diag_pb2_grpc.DiagnosticsStub(channel).Probe(
+        diag_pb2.ProbeRequest(run_id=run_id, address=address, tls_cert=tls_cert), timeout=2 * timeout_s + 1)
+    received = time.time()
     # The prober stamped its clock on arrival, then spent rtt_s probing: half of the rest is one way.
     one_way = max(0.0, received - sent - reply.rtt_s) / 2
-    return ProbeResult(prober_address, reply.reachable, reply.detail, reply.server_time - (sent + one_way),
+    return ProbeResult(prober, reply.reachable, reply.detail, reply.server_time - (sent + one_way),
                        reply.version, reply.manifest_hash)
 
 
-async def probe_from_peers(address: str, probers: list[str], *, run_id: str, timeout_s: float,
-                           wanted: int = 2, identity: ClientIdentity | None = None) -> tuple[list[ProbeResult], list[str]]:
-    """Ask up to `wanted` of `probers` (tried in order) to health-check `address`; returns the
-    answers and the errors of the probers that could not be asked."""
+async def probe_from_peers(address: str, probers: list[str], *, run_id: str, timeout_s: float, dialer,
+                           tls_cert: bytes = b"", wanted: int = 2) -> tuple[list[ProbeResult], list[str]]:
+    """Ask up to `wanted` of `probers` (peer ids, tried in order) to health-check `address`;
+    returns the answers and the errors of the probers that could not be asked."""
+    from noloco_node.errors import NodeError
+
     results, errors = [], []
     for prober in probers:
         if len(results) >= wanted:
             break
         try:
-            results.append(await ask_probe(prober, address=address, run_id=run_id, timeout_s=timeout_s,
-                                           identity=identity))
+            results.append(await ask_probe(prober, address=address, run_id=run_id, timeout_s=timeout_s, dialer=dialer,
+                                           tls_cert=tls_cert))
         except grpc.aio.AioRpcError as exc:
-            errors.append(f"{prober}: {exc.code().name} {exc.details()}")
+            errors.append(f"{prober[-8:]}: {exc.code().name} {exc.details()}")
+        except NodeError as exc:
+            errors.append(f"{prober[-8:]}: {exc}")
     return results, errors

@@ -23,8 +23,7 @@ from torch import Tensor
 
 from noloco_node.codec import DTYPES, CodecError, TensorSpec, decode_into, encode
 from noloco_node.errors import InvalidPayload, NodeError, PeerBusy, PeerUnavailable, ProtocolMismatch
-from noloco_node.rpc.admission import ClientIdentity, open_channel
-from noloco_node.rpc.stage_service import GRPC_OPTIONS
+from noloco_node.rpc.admission import CALLER
 from noloco_node.rpc.status import status_of
 from noloco_node.rpc.tensors import PayloadReceiver, header_to_spec, iter_chunks, spec_to_header
 from noloco_node.runtime.faults import FaultInjector
@@ -171,10 +170,17 @@ class OuterServicer(outer_pb2_grpc.OuterServicer):
         self.max_bytes, self.timeout_s = max_bytes, timeout_s
 
     async def Exchange(self, request_iterator, context):
-        first = await context.read()
+        try:  # a server-side deadline on the first message, whatever the client set
+            first = await asyncio.wait_for(context.read(), self.timeout_s)
+        except asyncio.TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"no PairRequest within {self.timeout_s:g} s")
         if first is grpc.aio.EOF or first is None or first.WhichOneof("kind") != "request":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Exchange must start with a PairRequest")
         request = first.request
+        caller = CALLER.get()
+        if caller and request.peer_id != caller:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"PairRequest names peer {request.peer_id[-8:]!r}, but the call is signed by {caller[-8:]}")
         if request.run.run_id != self.run_id or request.run.manifest_hash != self.manifest_hash or request.stage != self.stage:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"this node serves run {self.run_id}/{self.manifest_hash} stage {self.stage}")
@@ -206,6 +212,10 @@ class OuterServicer(outer_pb2_grpc.OuterServicer):
         if request.run.run_id != self.run_id or request.run.manifest_hash != self.manifest_hash or request.stage != self.stage:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"this node serves run {self.run_id}/{self.manifest_hash} stage {self.stage}")
+        caller = CALLER.get()
+        if caller and request.peer_id != caller:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"FetchStateRequest names peer {request.peer_id[-8:]!r}, but the call is signed by {caller[-8:]}")
         if self.donor is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this node does not donate state")
         tensors, counters = await self.donor.export_state()
@@ -231,36 +241,39 @@ def _reason(exc: BaseException) -> str:
 
 
 class OuterClient:
-    def __init__(self, *, run_id: str, manifest_hash: str, max_bytes: int, traffic: Traffic | None = None,
-                 faults: FaultInjector | None = None, identity: ClientIdentity | None = None) -> None:
+    """Pairing exchanges and state fetches, by peer id, through the dialer (transport/dialer.py)."""
+
+    def __init__(self, *, run_id: str, manifest_hash: str, max_bytes: int, dialer, traffic: Traffic | None = None,
+                 faults: FaultInjector | None = None) -> None:
         self.run = tensor_pb2.RunIdentity(run_id=run_id, manifest_hash=manifest_hash)
-        self.identity = identity
+        self.dialer = dialer
         self.faults = faults
         self.max_bytes = max_bytes
         self.traffic = traffic or Traffic()
-        self._channels: dict[str, tuple[grpc.aio.Channel, outer_pb2_grpc.OuterStub]] = {}
+        self._stubs: dict[int, outer_pb2_grpc.OuterStub] = {}
 
-    def _stub(self, address: str) -> outer_pb2_grpc.OuterStub:
-        if address not in self._channels:
-            channel = open_channel(address, self.identity, GRPC_OPTIONS)
-            self._channels[address] = (channel, outer_pb2_grpc.OuterStub(channel))
-        return self._channels[address][1]
+    async def _stub(self, peer_id: str) -> outer_pb2_grpc.OuterStub:
+        channel, _ = await self.dialer.channel(peer_id)
+        stub = self._stubs.get(id(channel))
+        if stub is None:
+            stub = self._stubs[id(channel)] = outer_pb2_grpc.OuterStub(channel)
+        return stub
 
-    async def exchange(self, address: str, request: outer_pb2.PairRequest, mine: EncodedSnapshot,
+    async def exchange(self, to: str, request: outer_pb2.PairRequest, mine: EncodedSnapshot,
                        expected: list[ExpectedTensor], codec: str, timeout_s: float) -> dict[str, Tensor]:
         """Propose a pair and, if accepted, exchange snapshots. Raises PeerBusy when refused."""
         request.run.CopyFrom(self.run)
-        call = self._stub(address).Exchange(timeout=timeout_s)
+        call = (await self._stub(to)).Exchange(timeout=timeout_s)
         try:
             await call.write(outer_pb2.ExchangeMessage(request=request))
             reply_message = await call.read()
             if reply_message is grpc.aio.EOF or reply_message.WhichOneof("kind") != "reply":
-                raise PeerUnavailable(f"{address} closed the exchange without a reply")
+                raise PeerUnavailable(f"{to} closed the exchange without a reply")
             reply = reply_message.reply
             if reply.decision == outer_pb2.PairReply.MISMATCH:
-                raise ProtocolMismatch(f"{address}: {reply.reason}")
+                raise ProtocolMismatch(f"{to}: {reply.reason}")
             if reply.decision != ACCEPT:
-                raise PeerBusy(f"{address}: {outer_pb2.PairReply.Decision.Name(reply.decision)} {reply.reason}".strip())
+                raise PeerBusy(f"{to}: {outer_pb2.PairReply.Decision.Name(reply.decision)} {reply.reason}".strip())
             received = await exchange_snapshots(call.read, call.write, mine, expected, codec, self.max_bytes, self.traffic,
                                                 self.faults)
             await call.done_writing()
@@ -268,31 +281,31 @@ class OuterClient:
             return received
         except grpc.aio.AioRpcError as exc:
             call.cancel()
-            raise PeerUnavailable(f"{address}: {exc.code().name} {exc.details() or ''}".strip()) from None
+            raise PeerUnavailable(f"{to}: {exc.code().name} {exc.details() or ''}".strip()) from None
         except asyncio.InvalidStateError:
             # A write after the partner ended the call (raised by an intercepted call instead of
             # the AioRpcError a plain one gives): the exchange failed, like any dropped partner.
             call.cancel()
-            raise PeerUnavailable(f"{address}: the partner ended the exchange") from None
+            raise PeerUnavailable(f"{to}: the partner ended the exchange") from None
         except BaseException:
             call.cancel()
             raise
 
-    async def fetch_state(self, address: str, *, stage: int, peer_id: str, timeout_s: float,
+    async def fetch_state(self, to: str, *, stage: int, peer_id: str, timeout_s: float,
                           expected: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> tuple[dict[str, Tensor], dict]:
         """Download a donor's state; every tensor is checked against `expected` before allocation."""
         request = outer_pb2.FetchStateRequest(run=self.run, stage=stage, peer_id=peer_id)
-        call = self._stub(address).FetchState(request, timeout=timeout_s)
+        call = (await self._stub(to)).FetchState(request, timeout=timeout_s)
         tensors: dict[str, Tensor] = {}
         try:
             first = await call.read()
             if first is grpc.aio.EOF or first.WhichOneof("kind") != "manifest":
-                raise InvalidPayload(f"{address} did not start FetchState with a manifest")
+                raise InvalidPayload(f"{to} did not start FetchState with a manifest")
             manifest = first.manifest
             if self.faults is not None:
                 await self.faults.hit("during_state_transfer")
             if manifest.num_tensors > len(expected) or manifest.payload_bytes > self.max_bytes * 4:
-                raise InvalidPayload(f"{address} declares {manifest.num_tensors} tensors / {manifest.payload_bytes} bytes")
+                raise InvalidPayload(f"{to} declares {manifest.num_tensors} tensors / {manifest.payload_bytes} bytes")
             for _ in range(manifest.num_tensors):
                 message = await call.read()
                 if message is grpc.aio.EOF or message.WhichOneof("kind") != "tensor":
@@ -314,11 +327,9 @@ class OuterClient:
                 tensors[header.name] = tensor
             return tensors, json.loads(manifest.counters_json)
         except grpc.aio.AioRpcError as exc:
-            raise PeerUnavailable(f"{address}: {exc.code().name} {exc.details() or ''}".strip()) from None
+            raise PeerUnavailable(f"{to}: {exc.code().name} {exc.details() or ''}".strip()) from None
         except (CodecError, ValueError) as exc:
-            raise InvalidPayload(f"{address}: {exc}") from None
+            raise InvalidPayload(f"{to}: {exc}") from None
 
     async def close(self) -> None:
-        for channel, _ in self._channels.values():
-            await channel.close()
-        self._channels.clear()
+        self._stubs.clear()

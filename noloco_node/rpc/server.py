@@ -1,4 +1,8 @@
-"""A grpc.aio server with the node's services and standard health checking on one port."""
+"""A grpc.aio server with the node's services and standard health checking.
+
+Two listening ports: the public one speaks TLS only (the node's self-signed certificate, pinned
+by clients through the signed DHT record), and a plaintext one on 127.0.0.1 that only the
+node's own libp2p bridge uses (the admission interceptor refuses any other connection there)."""
 
 from __future__ import annotations
 
@@ -19,15 +23,16 @@ STAGE_SERVICE = "noloco.wire.v1.Stage"
 class NodeServer:
     """Owns the grpc.aio server; `start` binds and returns the port actually bound."""
 
-    def __init__(self, host: str, port: int, *, admission: AdmissionInterceptor | None = None,
-                 max_concurrent_rpcs: int | None = None) -> None:
+    def __init__(self, host: str, port: int, *, credentials: grpc.ServerCredentials | None,
+                 admission: AdmissionInterceptor | None = None, max_concurrent_rpcs: int | None = None) -> None:
         self.admission = admission
         self.server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[admission] if admission else None,
                                       maximum_concurrent_rpcs=max_concurrent_rpcs)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.host, self.requested_port = host, port
+        self.host, self.requested_port, self.credentials = host, port, credentials
         self.port: int | None = None
+        self.bridge_port: int | None = None
 
     def add_stage(self, servicer: StageServicer) -> None:
         self._add(stage_pb2, "Stage", servicer)
@@ -54,7 +59,13 @@ class NodeServer:
         self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(descriptor.full_name, handlers),))
 
     async def start(self) -> int:
-        self.port = self.server.add_insecure_port(f"{self.host}:{self.requested_port}")
+        """Bind and start; returns the public (TLS) port."""
+        address = f"{self.host}:{self.requested_port}"
+        if self.credentials is None:  # unit tests of the services alone
+            self.port = self.server.add_insecure_port(address)
+        else:
+            self.port = self.server.add_secure_port(address, self.credentials)
+            self.bridge_port = self.server.add_insecure_port("127.0.0.1:0")
         if self.port == 0:
             raise OSError(f"could not bind gRPC port {self.host}:{self.requested_port} (in use? set network.port)")
         await self.server.start()

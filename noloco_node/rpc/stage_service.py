@@ -9,6 +9,7 @@ node: the handler releases what it reserved and the next request is served as us
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -20,7 +21,7 @@ from torch import Tensor
 
 from noloco_node.codec import DTYPES, CodecError, TensorSpec, decode_into
 from noloco_node.errors import InvalidPayload, NodeError, ProtocolMismatch, TooLarge
-from noloco_node.rpc.admission import ClientIdentity, open_channel
+from noloco_node.rpc.admission import CALLER
 from noloco_node.rpc.status import error_from_rpc, status_of
 from noloco_node.rpc.tensors import PayloadReceiver, encode_tensor, header_to_spec, iter_chunks
 from noloco_node.wire.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
@@ -55,8 +56,9 @@ class StageHandler(Protocol):
     async def accept_forward(self, ticket: Any, activations: Tensor) -> None:
         """Take the validated activations; must return quickly (compute happens off the RPC)."""
 
-    def admit_backward(self, header: stage_pb2.BackwardHeader, spec: TensorSpec) -> Any:
-        """Check the gradient against the saved microbatch; raise NodeError to refuse."""
+    def admit_backward(self, header: stage_pb2.BackwardHeader, spec: TensorSpec, caller: str = "") -> Any:
+        """Check the gradient against the saved microbatch (and, when `caller` is known, that it
+        comes from the replica the microbatch was forwarded to); raise NodeError to refuse."""
 
     async def accept_backward(self, ticket: Any, grad: Tensor) -> None:
         """Take the validated gradient; must return quickly."""
@@ -82,12 +84,19 @@ async def _receive(messages: AsyncIterator, spec: TensorSpec, max_bytes: int) ->
 
 
 class StageServicer(stage_pb2_grpc.StageServicer):
-    def __init__(self, handler: StageHandler, *, run_id: str, manifest_hash: str, max_payload_bytes: int) -> None:
+    """`receive_s` bounds how long a caller may take to send its header, and, with
+    `min_bytes_per_s`, its whole payload: a stream that stalls is cut with DEADLINE_EXCEEDED and
+    its in-flight slot freed, whatever deadline (or none) the client set."""
+
+    def __init__(self, handler: StageHandler, *, run_id: str, manifest_hash: str, max_payload_bytes: int,
+                 receive_s: float = 10.0, min_bytes_per_s: float = 1e6) -> None:
         self.handler = handler
         self.run_id, self.manifest_hash = run_id, manifest_hash
         self.max_payload_bytes = max_payload_bytes
+        self.receive_s, self.min_bytes_per_s = receive_s, min_bytes_per_s
         self.rejected: dict[str, int] = {}
         self.bytes_received = 0
+        self.cut_at_deadline = 0
 
     def _check_run(self, run: tensor_pb2.RunIdentity) -> None:
         if run.run_id != self.run_id or run.manifest_hash != self.manifest_hash:
@@ -113,14 +122,29 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         log.debug("%s rejected with %s: %s", method, code.name, error)
         await context.abort(code, str(error))
 
+    def _payload_deadline(self, started: float, spec: TensorSpec) -> float:
+        return started + self.receive_s + spec.payload_bytes / self.min_bytes_per_s
+
+    async def _cut(self, context, method: str, waited_s: float) -> None:
+        self.cut_at_deadline += 1
+        self.rejected["DEADLINE_EXCEEDED"] = self.rejected.get("DEADLINE_EXCEEDED", 0) + 1
+        await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                            f"{method} stream incomplete after {waited_s:.1f} s (this node's receive deadline)")
+
     async def Forward(self, request_iterator, context):
         ticket = None
+        started = asyncio.get_running_loop().time()
         try:
-            header = await self._first(request_iterator, "forward")
+            async with asyncio.timeout_at(started + self.receive_s):
+                header = await self._first(request_iterator, "forward")
             self._check_run(header.run)
+            caller = CALLER.get()
+            if caller and (not header.route or header.route[-1].peer_id != caller):
+                raise InvalidPayload(f"the route's last hop must be the caller {caller[-8:]}, who signed this call")
             spec = header_to_spec(header.activations)
             ticket = self.handler.admit_forward(header, spec)
-            tensor, size = await _receive(request_iterator, spec, self.max_payload_bytes)
+            async with asyncio.timeout_at(self._payload_deadline(started, spec)):
+                tensor, size = await _receive(request_iterator, spec, self.max_payload_bytes)
             accepted, ticket = ticket, None
             self.bytes_received += size
             await self.handler.accept_forward(accepted, tensor)
@@ -129,75 +153,84 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             if ticket is not None:
                 self.handler.release_forward(ticket)
             await self._abort(context, "Forward", error)
+        except TimeoutError:
+            if ticket is not None:
+                self.handler.release_forward(ticket)
+            await self._cut(context, "Forward", asyncio.get_running_loop().time() - started)
         except BaseException:
             if ticket is not None:
                 self.handler.release_forward(ticket)
             raise
 
     async def Backward(self, request_iterator, context):
+        started = asyncio.get_running_loop().time()
         try:
-            header = await self._first(request_iterator, "backward")
+            async with asyncio.timeout_at(started + self.receive_s):
+                header = await self._first(request_iterator, "backward")
             self._check_run(header.run)
             spec = header_to_spec(header.grad)
-            ticket = self.handler.admit_backward(header, spec)
-            tensor, size = await _receive(request_iterator, spec, self.max_payload_bytes)
+            ticket = self.handler.admit_backward(header, spec, CALLER.get())
+            async with asyncio.timeout_at(self._payload_deadline(started, spec)):
+                tensor, size = await _receive(request_iterator, spec, self.max_payload_bytes)
             self.bytes_received += size
             await self.handler.accept_backward(ticket, tensor)
             return stage_pb2.StageAck(bytes_received=size)
         except NodeError as error:
             await self._abort(context, "Backward", error)
+        except TimeoutError:
+            await self._cut(context, "Backward", asyncio.get_running_loop().time() - started)
 
 
 class StageClient:
-    """Sends activations and gradients to other nodes; one cached channel per address."""
+    """Sends activations and gradients to other nodes, by peer id, through the dialer
+    (transport/dialer.py: direct TLS or gRPC over libp2p, whichever the peer's record says)."""
 
-    def __init__(self, *, run_id: str, manifest_hash: str, codec: str, timeout_s: float,
-                 observe: Callable[[str, float], None] | None = None, identity: ClientIdentity | None = None) -> None:
+    def __init__(self, *, run_id: str, manifest_hash: str, codec: str, timeout_s: float, dialer,
+                 observe: Callable[[str, float], None] | None = None) -> None:
         self.run = tensor_pb2.RunIdentity(run_id=run_id, manifest_hash=manifest_hash)
-        self.identity = identity
+        self.dialer = dialer
         self.codec, self.timeout_s = codec, timeout_s
         self.observe = observe  # (method, seconds) after every call, for latency metrics
-        self._channels: dict[str, tuple[grpc.aio.Channel, stage_pb2_grpc.StageStub]] = {}
+        self._stubs: dict[int, stage_pb2_grpc.StageStub] = {}
         self.bytes_sent = 0
 
-    def _stub(self, address: str) -> stage_pb2_grpc.StageStub:
-        if address not in self._channels:
-            channel = open_channel(address, self.identity, GRPC_OPTIONS)
-            self._channels[address] = (channel, stage_pb2_grpc.StageStub(channel))
-        return self._channels[address][1]
+    async def _stub(self, peer_id: str) -> tuple[stage_pb2_grpc.StageStub, str]:
+        channel, path = await self.dialer.channel(peer_id)
+        stub = self._stubs.get(id(channel))
+        if stub is None:
+            stub = self._stubs[id(channel)] = stage_pb2_grpc.StageStub(channel)
+        return stub, path
 
-    async def forward(self, address: str, *, microbatch: stage_pb2.MicrobatchId, route: list[stage_pb2.Hop],
+    async def forward(self, peer_id: str, *, microbatch: stage_pb2.MicrobatchId, route: list[stage_pb2.Hop],
                       target_stage: int, activations: Tensor, labels: Tensor) -> None:
         tensor_header, payload = encode_tensor(activations, self.codec)
         header = stage_pb2.ForwardHeader(run=self.run, microbatch=microbatch, route=route, activations=tensor_header,
                                          labels=labels.reshape(-1).tolist(), target_stage=target_stage)
         messages = [stage_pb2.ForwardMessage(header=header)]
         messages += [stage_pb2.ForwardMessage(chunk=c) for c in iter_chunks(payload)]
-        await self._call(address, "Forward", messages)
-        self.bytes_sent += len(payload)
+        await self._call(peer_id, "Forward", messages, len(payload))
 
-    async def backward(self, address: str, *, microbatch: stage_pb2.MicrobatchId, target_stage: int, grad: Tensor,
+    async def backward(self, peer_id: str, *, microbatch: stage_pb2.MicrobatchId, target_stage: int, grad: Tensor,
                        loss: float, num_tokens: int) -> None:
         tensor_header, payload = encode_tensor(grad, self.codec)
         header = stage_pb2.BackwardHeader(run=self.run, microbatch=microbatch, grad=tensor_header, loss=loss,
                                           num_tokens=num_tokens, target_stage=target_stage)
         messages = [stage_pb2.BackwardMessage(header=header)]
         messages += [stage_pb2.BackwardMessage(chunk=c) for c in iter_chunks(payload)]
-        await self._call(address, "Backward", messages)
-        self.bytes_sent += len(payload)
+        await self._call(peer_id, "Backward", messages, len(payload))
 
-    async def _call(self, address: str, method: str, messages: list) -> None:
-        stub = self._stub(address)
+    async def _call(self, peer_id: str, method: str, messages: list, payload_bytes: int) -> None:
+        stub, path = await self._stub(peer_id)
         start = time.monotonic()
         try:
             await getattr(stub, method)(iter(messages), timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
-            raise error_from_rpc(exc, address) from None
+            raise error_from_rpc(exc, f"{peer_id[-8:]} ({path})") from None
         finally:
             if self.observe is not None:
                 self.observe(method, time.monotonic() - start)
+        self.bytes_sent += payload_bytes
+        self.dialer.count_sent(path, payload_bytes)
 
     async def close(self) -> None:
-        for channel, _ in self._channels.values():
-            await channel.close()
-        self._channels.clear()
+        self._stubs.clear()

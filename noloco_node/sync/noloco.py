@@ -134,7 +134,9 @@ class NoLoCoSync:
             if not candidates:
                 await _wait(self.done, min(0.1, deadline - time.monotonic()))
                 continue
-            await self._propose(self.rng.choice(candidates), inner_step, deadline, tried)
+            # Prefer a partner we reach without a relay; a relayed one only when nobody else matches.
+            unrelayed = [p for p in candidates if p.reach != "relayed"]
+            await self._propose(self.rng.choice(unrelayed or candidates), inner_step, deadline, tried)
         if self.partner is not None and not self.done.is_set():
             # A session we accepted is still streaming: give it its own deadline, then give up.
             await _wait(self.done, self.match_s)
@@ -156,7 +158,7 @@ class NoLoCoSync:
                                         nonce=os.urandom(8), send_slow_weights=self.state.needs_slow_weights)
         snapshot, _, expected, _ = self._frozen
         try:
-            received = await self.client.exchange(peer.address, request, snapshot, expected, self.codec,
+            received = await self.client.exchange(peer.peer_id, request, snapshot, expected, self.codec,
                                                   timeout_s=max(0.1, deadline - time.monotonic()))
         except PeerBusy:
             return

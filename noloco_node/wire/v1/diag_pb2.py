@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1enoloco_node/wire/v1/diag.proto\x12\x0enoloco.wire.v1\"/\n\x0cProbeRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"{\n\nProbeReply\x12\x11\n\treachable\x18\x01 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\x12\r\n\x05rtt_s\x18\x03 \x01(\x01\x12\x13\n\x0bserver_time\x18\x04 \x01(\x01\x12\x0f\n\x07version\x18\x05 \x01(\t\x12\x15\n\rmanifest_hash\x18\x06 \x01(\t2P\n\x0b\x44iagnostics\x12\x41\n\x05Probe\x12\x1c.noloco.wire.v1.ProbeRequest\x1a\x1a.noloco.wire.v1.ProbeReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1enoloco_node/wire/v1/diag.proto\x12\x0enoloco.wire.v1\"A\n\x0cProbeRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x10\n\x08tls_cert\x18\x03 \x01(\x0c\"{\n\nProbeReply\x12\x11\n\treachable\x18\x01 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\x12\r\n\x05rtt_s\x18\x03 \x01(\x01\x12\x13\n\x0bserver_time\x18\x04 \x01(\x01\x12\x0f\n\x07version\x18\x05 \x01(\t\x12\x15\n\rmanifest_hash\x18\x06 \x01(\t2P\n\x0b\x44iagnostics\x12\x41\n\x05Probe\x12\x1c.noloco.wire.v1.ProbeRequest\x1a\x1a.noloco.wire.v1.ProbeReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,9 +32,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'noloco_node.wire.v1.diag_pb
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PROBEREQUEST']._serialized_start=50
-  _globals['_PROBEREQUEST']._serialized_end=97
-  _globals['_PROBEREPLY']._serialized_start=99
-  _globals['_PROBEREPLY']._serialized_end=222
-  _globals['_DIAGNOSTICS']._serialized_start=224
-  _globals['_DIAGNOSTICS']._serialized_end=304
+  _globals['_PROBEREQUEST']._serialized_end=115
+  _globals['_PROBEREPLY']._serialized_start=117
+  _globals['_PROBEREPLY']._serialized_end=240
+  _globals['_DIAGNOSTICS']._serialized_start=242
+  _globals['_DIAGNOSTICS']._serialized_end=322
 # @@protoc_insertion_point(module_scope)

@@ -5,12 +5,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ProbeRequest(_message.Message):
-    __slots__ = ("run_id", "address")
+    __slots__ = ("run_id", "address", "tls_cert")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TLS_CERT_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     address: str
-    def __init__(self, run_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+    tls_cert: bytes
+    def __init__(self, run_id: _Optional[str] = ..., address: _Optional[str] = ..., tls_cert: _Optional[bytes] = ...) -> None: ...
 
 class ProbeReply(_message.Message):
     __slots__ = ("reachable", "detail", "rtt_s", "server_time", "version", "manifest_hash")

@@ -1,54 +1,95 @@
-"""Swarm-key tokens, the per-peer guard and the DHT authorizer, without a network."""
+"""Signed call tokens, identities, the per-peer guard and the DHT authorizer, without a network."""
 
 import asyncio
+import time
 
 import pytest
+from hivemind.p2p import PeerID
 from hivemind.proto import dht_pb2
 
 from noloco_node.dht.auth import SwarmKeyAuthorizer
-from noloco_node.rpc.admission import (AUTH_HEADER, PEER_HEADER, ClientIdentity, SwarmKeyError, load_swarm_key,
-                                       make_token, verify_token)
+from noloco_node.rpc.admission import SwarmKeyError, load_swarm_key
 from noloco_node.rpc.guard import PeerGuard
+from noloco_node.transport.credentials import AUTH_HEADER, KEY_HEADER, CallAuthError, CallSigner, CallVerifier
+from noloco_node.transport.identity import NodeIdentity, peer_id_of_owner_marker
 
 KEY, OTHER = b"k" * 32, b"o" * 32
 METHOD = "/noloco.wire.v1.Stage/Forward"
+ALICE, BOB, SERVER = NodeIdentity.generate(), NodeIdentity.generate(), NodeIdentity.generate()
 
 
-def test_token_round_trip_names_the_peer():
-    assert verify_token(KEY, make_token(KEY, "peerA", METHOD), METHOD, max_skew_s=5) == "peerA"
+def _verifier(key=None, skew=60.0):
+    return CallVerifier(SERVER.peer_id, swarm_key=key, max_skew_s=skew)
 
 
-# Tokens are made inside the test (not at collection, which may be minutes earlier than the run).
-@pytest.mark.parametrize("make, why", [
-    (lambda: None, "no swarm-key token"),
-    (lambda: "garbage", "malformed"),
-    (lambda: "peerA.notanumber.00", "malformed"),
-    (lambda: make_token(OTHER, "peerA", METHOD), "not made with this swarm's key"),
-    (lambda: make_token(KEY, "peerA", "/noloco.wire.v1.Outer/Exchange"), "not made with this swarm's key"),
-    (lambda: make_token(KEY, "peerA", METHOD, now=1_000.0), "from ours"),
-], ids=["missing", "garbage", "bad-stamp", "other-key", "other-method", "stale"])
-def test_bad_tokens_are_refused_with_the_reason(make, why):
-    with pytest.raises(SwarmKeyError, match=why):
-        verify_token(KEY, make(), METHOD, max_skew_s=60)
+def test_identity_peer_id_is_libp2ps_and_survives_a_restart(tmp_path):
+    path = tmp_path / "node.key"
+    first = NodeIdentity.load_or_create(path)
+    assert PeerID.from_identity(path.read_bytes()).to_base58() == first.peer_id
+    assert NodeIdentity.load_or_create(path).peer_id == first.peer_id
+    (tmp_path / "junk").write_bytes(b"junk")
+    with pytest.raises(ValueError, match="remove it"):
+        NodeIdentity.load_or_create(tmp_path / "junk")
 
 
-def test_a_forged_peer_id_breaks_the_mac():
-    peer, stamp, mac = make_token(KEY, "peerA", METHOD).split(".")
-    with pytest.raises(SwarmKeyError, match="not made with"):
-        verify_token(KEY, f"peerB.{stamp}.{mac}", METHOD, max_skew_s=60)
+def test_record_owner_marker_proves_the_signers_peer_id():
+    from hivemind.dht.crypto import RSASignatureValidator
+
+    marker = RSASignatureValidator(ALICE.hivemind_key()).local_public_key
+    assert peer_id_of_owner_marker(marker) == ALICE.peer_id != BOB.peer_id
+    assert peer_id_of_owner_marker(b"[owner:garbage]") is None and peer_id_of_owner_marker(b"plain") is None
 
 
-def test_skew_inside_the_bound_is_accepted():
-    import time
-
-    token = make_token(KEY, "peerA", METHOD, now=time.time() - 30)
-    assert verify_token(KEY, token, METHOD, max_skew_s=60) == "peerA"
+def test_signed_call_proves_the_caller():
+    metadata = dict(CallSigner(ALICE).metadata(METHOD, SERVER.peer_id))
+    assert _verifier().verify(metadata, METHOD) == ALICE.peer_id
 
 
-def test_client_identity_headers():
-    assert ClientIdentity(None, "p1").metadata(METHOD) == [(PEER_HEADER, "p1")]
-    [(name, value)] = ClientIdentity(KEY, "p1").metadata(METHOD)
-    assert name == AUTH_HEADER and verify_token(KEY, value, METHOD, 5) == "p1"
+@pytest.mark.parametrize("tamper, message", [
+    (lambda md: md.pop(AUTH_HEADER), "unsigned"),
+    (lambda md: md.update({KEY_HEADER: BOB.public_b64}), "does not belong"),
+    (lambda md: md.update({AUTH_HEADER: md[AUTH_HEADER].replace(ALICE.peer_id, BOB.peer_id)}), "does not belong"),
+    (lambda md: md.update({AUTH_HEADER: md[AUTH_HEADER][:-8] + "AAAAAAA="}), "does not verify"),
+])
+def test_forged_or_borrowed_tokens_are_refused(tamper, message):
+    metadata = dict(CallSigner(ALICE).metadata(METHOD, SERVER.peer_id))
+    tamper(metadata)
+    with pytest.raises(CallAuthError, match=message):
+        _verifier().verify(metadata, METHOD)
+
+
+def test_token_is_bound_to_server_method_and_time_and_cannot_be_replayed():
+    verifier = _verifier()
+    for_other_server = dict(CallSigner(ALICE).metadata(METHOD, BOB.peer_id))
+    with pytest.raises(CallAuthError, match="does not verify"):
+        verifier.verify(for_other_server, METHOD)
+    for_other_method = dict(CallSigner(ALICE).metadata("/noloco.wire.v1.Outer/Exchange", SERVER.peer_id))
+    with pytest.raises(CallAuthError, match="does not verify"):
+        verifier.verify(for_other_method, METHOD)
+    stale = dict(CallSigner(ALICE).metadata(METHOD, SERVER.peer_id, now=time.time() - 120))
+    with pytest.raises(CallAuthError, match="from ours"):
+        verifier.verify(stale, METHOD)
+    fresh = dict(CallSigner(ALICE).metadata(METHOD, SERVER.peer_id))
+    assert verifier.verify(fresh, METHOD) == ALICE.peer_id
+    with pytest.raises(CallAuthError, match="replay"):
+        verifier.verify(fresh, METHOD)
+    assert verifier.replays == 1
+
+
+def test_swarm_key_mac_is_required_in_a_keyed_swarm():
+    verifier = _verifier(key=KEY)
+    assert verifier.verify(dict(CallSigner(ALICE, KEY).metadata(METHOD, SERVER.peer_id)), METHOD) == ALICE.peer_id
+    for signer in (CallSigner(ALICE), CallSigner(ALICE, OTHER)):
+        with pytest.raises(CallAuthError, match="swarm's key"):
+            verifier.verify(dict(signer.metadata(METHOD, SERVER.peer_id)), METHOD)
+
+
+def test_verifier_tables_stay_bounded():
+    verifier = CallVerifier(SERVER.peer_id, swarm_key=None, max_skew_s=60, max_keys=2, max_nonces=5)
+    for identity in (ALICE, BOB, NodeIdentity.generate()):
+        for _ in range(4):
+            verifier.verify(dict(CallSigner(identity).metadata(METHOD, SERVER.peer_id)), METHOD)
+    assert len(verifier._keys) <= 2 and len(verifier._nonces) <= 5
 
 
 def test_key_file_errors_name_the_fix(tmp_path):

@@ -1,0 +1,93 @@
+"""A node's links, in one place: its identity, its TLS certificate, the signing and checking of
+calls, the libp2p bridge and the dialer. node.py builds one and hands its parts to the server,
+the clients and the admission interceptor; nothing here knows models or the DHT's records.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from noloco_node.transport.bridge import Libp2pBridge, PathTraffic
+from noloco_node.transport.credentials import CallSigner, CallVerifier
+from noloco_node.transport.dialer import Contact, Dialer
+from noloco_node.transport.identity import NodeIdentity
+from noloco_node.transport.tls import NodeCertificate
+
+log = logging.getLogger(__name__)
+
+
+class Links:
+    def __init__(self, identity: NodeIdentity, *, swarm_key: bytes | None, max_skew_s: float,
+                 lookup: Callable[[str], Awaitable[Contact | None]] | None = None, options: list | None = None) -> None:
+        self.identity = identity
+        self.certificate = NodeCertificate.generate()
+        self.signer = CallSigner(identity, swarm_key)
+        self.verifier = CallVerifier(identity.peer_id, swarm_key=swarm_key, max_skew_s=max_skew_s)
+        self.traffic = PathTraffic()
+        self.bridge: Libp2pBridge | None = None
+        self._lookup = lookup
+        self.dialer = Dialer(self.signer, lookup=self._find, traffic=self.traffic, options=options)
+        self.reach = "direct"
+        self.p2p_addrs: list[str] = []
+        self._seen = (0, 0)  # (holepunched, relayed) bytes at the last reach update
+
+    @property
+    def peer_id(self) -> str:
+        return self.identity.peer_id
+
+    def set_lookup(self, lookup: Callable[[str], Awaitable[Contact | None]]) -> None:
+        self._lookup = lookup
+
+    async def _find(self, peer_id: str) -> Contact | None:
+        return None if self._lookup is None else await self._lookup(peer_id)
+
+    def origin(self, grpc_peer: str) -> tuple[str, str] | None:
+        """For the admission interceptor: the libp2p peer behind a bridged loopback connection."""
+        return None if self.bridge is None else self.bridge.origin(grpc_peer)
+
+    async def attach(self, p2p, grpc_bridge_port: int) -> None:
+        """Serve and dial over `p2p` (again, after the daemon was restarted in relay mode)."""
+        if self.bridge is not None:
+            await self.bridge.close()
+        self.bridge = Libp2pBridge(p2p, traffic=self.traffic)
+        await self.bridge.serve(grpc_bridge_port)
+        self.dialer.bridge = self.bridge
+        await self.dialer.close()  # channels over the old daemon are dead
+
+    def update_reach(self) -> str:
+        """For a node that is not directly reachable: `holepunched` when everything libp2p carried
+        since the last update went over direct (hole-punched or reversed) connections, `relayed`
+        when any of it crossed a relay; unchanged when nothing moved."""
+        if self.reach == "direct":
+            return self.reach
+        now = (self.traffic.bytes[("holepunched", "in")] + self.traffic.bytes[("holepunched", "out")],
+               self.traffic.bytes[("relayed", "in")] + self.traffic.bytes[("relayed", "out")])
+        punched, relayed = now[0] - self._seen[0], now[1] - self._seen[1]
+        self._seen = now
+        if relayed > 0:
+            self.reach = "relayed"
+        elif punched > 0:
+            self.reach = "holepunched"
+        return self.reach
+
+    async def wait_for_circuit(self, visible_maddrs: Callable[[], Awaitable[list[str]]], timeout_s: float) -> list[str]:
+        """Poll our daemon's addresses until a relay reservation shows (a /p2p-circuit address)."""
+        deadline = time.monotonic() + timeout_s
+        addrs: list[str] = []
+        while time.monotonic() < deadline:
+            addrs = await visible_maddrs()
+            circuits = [a for a in addrs if "p2p-circuit" in a]
+            if circuits:
+                return circuits
+            await asyncio.sleep(0.5)
+        return []
+
+    async def close(self) -> None:
+        await self.dialer.close()
+        if self.bridge is not None:
+            await self.bridge.close()
+        self.identity.close()
+
