@@ -5,7 +5,9 @@ Checks, in order, with the exit code a failure returns (the first failure's code
   11 cuda     a GPU torch can use (only a failure with --require-gpu; otherwise informational)
   12 port     the gRPC port (network.port) can be bound on network.host
   13 dht      the bootstrap peers answer within timeouts.startup_s
-  14 reach    live peers can dial our announced address (they call our health endpoint)
+  14 reach    how peers will reach us: live peers dial our announced TLS address (they call our health
+              endpoint); if none can, the node is reached over libp2p (hole punching, else a relay),
+              which is no failure unless network.reach = "direct"
   15 clock    our clock is within --max-skew seconds of the peers' clocks
   16 compat   live peers run a compatible version and the same manifest (config + tokenizer)
 Checks that need peers are skipped (not failed) when the swarm has no live node yet.
@@ -120,40 +122,59 @@ async def _run_checks(config, args) -> list[Check]:
                         f"{len(records)} live node(s) in run {config.run.run_id!r}"))
     if not records:
         return checks + [Check(n, "skip", "no live node to ask yet") for n in ("reach", "clock", "compat")]
-    checks += await _reach_and_clock(config, args, [r.address for r in records], port_check.outcome == "ok")
+    checks += await _reach_and_clock(config, args, [r for r in records if r.reach == "direct"], port_check.outcome == "ok")
     checks.append(_compat_check(config, records, __version__, compatible_version))
     return checks
 
 
-async def _reach_and_clock(config, args, peer_addresses: list[str], port_free: bool) -> list[Check]:
+async def _reach_and_clock(config, args, probers: list, port_free: bool) -> list[Check]:
+    from noloco_node.joining import announced_address
     from noloco_node.rpc.diagnostics import probe_from_peers
     from noloco_node.rpc.server import NodeServer
+    from noloco_node.security import read_swarm_key
+    from noloco_node.transport.credentials import CallSigner
+    from noloco_node.transport.dialer import Contact, Dialer
+    from noloco_node.transport.identity import NodeIdentity
+    from noloco_node.transport.tls import NodeCertificate
 
     net = config.network
     if not port_free:
         return [Check("reach", "skip", "the port is not free"), Check("clock", "skip", "needs a probe")]
-    server = NodeServer(net.host, net.port)  # health endpoint only, for the peers' probe
+    if not probers:
+        return [Check("reach", "skip", "no directly reachable node to ask"), Check("clock", "skip", "needs a probe")]
+    certificate = NodeCertificate.generate()  # a throwaway TLS health endpoint, as join will serve
+    server = NodeServer(net.host, net.port, credentials=certificate.server_credentials())
     port = await server.start()
-    address = net.announce_addr or f"{net.host}:{port}"
-    try:
-        from noloco_node.rpc.admission import ClientIdentity
-        from noloco_node.security import read_swarm_key
+    address = announced_address(net.host, port, net.announce_addr, [])
+    contacts = {r.peer_id: Contact(r.peer_id, r.address, r.reach, r.tls_cert) for r in probers}
 
-        results, errors = await probe_from_peers(address, peer_addresses[:4], run_id=config.run.run_id,
-                                                 timeout_s=config.timeouts.connect_s,
-                                                 identity=ClientIdentity(read_swarm_key(config.security), "doctor"))
+    async def lookup(peer_id: str):
+        return contacts.get(peer_id)
+
+    dialer = Dialer(CallSigner(NodeIdentity.generate(), read_swarm_key(config.security)), lookup=lookup)
+    try:
+        results, errors = await probe_from_peers(address, list(contacts)[:4], run_id=config.run.run_id,
+                                                 timeout_s=config.timeouts.connect_s, dialer=dialer,
+                                                 tls_cert=certificate.cert_der)
     finally:
+        await dialer.close()
         await server.stop(0.5)
     if not results:
         return [Check("reach", "skip", f"no live node answered a probe request ({'; '.join(errors)[:200]})"),
                 Check("clock", "skip", "needs a probe")]
     reached = [r for r in results if r.reachable]
+    forward = ("for direct (faster) links, forward a fixed gRPC port (--port) to this machine and announce the "
+               "public host:port with --announce-addr; check the firewall")
     if reached:
-        reach = Check("reach", "ok", f"{len(reached)}/{len(results)} peer(s) reached {address}")
+        reach = Check("reach", "ok", f"{len(reached)}/{len(results)} peer(s) reached {address}: peers will dial us "
+                      "directly over TLS")
+    elif net.reach == "direct":
+        reach = Check("reach", "fail", f"no peer could reach {address}: {results[0].detail} (network.reach = direct)",
+                      forward + ", or set network.reach = \"auto\" to be reached over libp2p instead")
     else:
-        reach = Check("reach", "fail", f"no peer could reach {address}: {results[0].detail}",
-                      "forward the gRPC port to this machine and announce the public host:port with --announce-addr "
-                      "(and a fixed --port); check the firewall")
+        reach = Check("reach", "info", f"no peer could reach {address} ({results[0].detail}): this node is behind "
+                      "NAT or a firewall and will be reached over libp2p, hole-punched where the routers allow, "
+                      "else through a relay (a public peer; slower). Nothing to configure", forward)
     skew = max((r.skew_s for r in results), key=abs)
     if abs(skew) <= args.max_skew:
         clock = Check("clock", "ok", f"clock offset to peers {skew:+.3f} s")

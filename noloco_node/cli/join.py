@@ -20,10 +20,12 @@ def register(subparsers) -> None:
     p.add_argument("--initial-peers", nargs="*", metavar="MADDR", help="DHT multiaddrs to bootstrap from")
     p.add_argument("--stage", type=_stage, help="the stage to serve, or 'auto': the stage with the fewest live replicas "
                    "(ties: lowest), whose state is then fetched from a replica (pipeline.stage)")
-    p.add_argument("--host", help="address to bind (network.host; 0.0.0.0 needs --announce-addr)")
+    p.add_argument("--host", help="address to bind (network.host; 0.0.0.0 = every interface, announcing the address "
+                   "peers observe)")
     p.add_argument("--port", type=int, help="gRPC port (network.port, 0 = any)")
     p.add_argument("--announce-addr", metavar="HOST:PORT", help="the address peers dial (network.announce_addr); "
-                   "checked at join by asking live peers to call our health endpoint")
+                   "checked at join by asking live peers to call our health endpoint; behind NAT, leave it out: "
+                   "the node is then reached over libp2p (hole punching or a relay)")
     p.add_argument("--events", metavar="FILE", help="append a JSONL event stream here (log.events_file)")
     p.add_argument("--steps", type=int, default=0, help="stage 0: train until inner step N, then leave (a node that "
                    "resumed from its checkpoint or fetched a replica's state runs only what is left; 0 = serve until stopped)")
@@ -75,6 +77,8 @@ async def _serve(config, args: argparse.Namespace) -> int:
         if args.ready_file:
             in_flight = [[k.origin, k.sequence, k.attempt] for k in list(node.runtime.in_flight)]
             atomic_write_text(args.ready_file, json.dumps({"peer_id": node.peer_id, "address": node.address, "stage": node.stage_index,
+                                             "reach": node.links.reach, "tls_cert": node.links.certificate.b64,
+                                             "p2p_addrs": node.links.p2p_addrs,
                                              "maddrs": maddrs, "inner_step": node.worker.inner_steps,
                                              "outer_round": node.outer_round, "status": node.status,
                                              "metrics_port": node.metrics_port,

@@ -25,10 +25,11 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"run_id": config.run.run_id, "stages": config.pipeline.num_stages, "replicas": rows}, indent=2))
         return 0
     print(f"run {config.run.run_id}: {len(rows)} replicas over {config.pipeline.num_stages} stages")
-    header = f"{'stage':>5}  {'peer':<10} {'address':<22} {'inner':>6} {'round':>5} {'status':<9} {'tok/s':>8} {'version':<8} {'seen':>6}"
+    header = (f"{'stage':>5}  {'peer':<10} {'address':<22} {'reach':<12} {'inner':>6} {'round':>5} {'status':<9} "
+              f"{'tok/s':>8} {'version':<8} {'seen':>6}")
     print(header)
     for r in rows:
-        print(f"{r['stage']:>5}  {r['peer_id'][-8:]:<10} {r['address']:<22} {r['inner_step']:>6} {r['outer_round']:>5} "
+        print(f"{r['stage']:>5}  {r['peer_id'][-8:]:<10} {r['address']:<22} {r['reach']:<12} {r['inner_step']:>6} {r['outer_round']:>5} "
               f"{r['status']:<9} {r['tokens_per_s']:>8.0f} {r['version']:<8} {r['seen_s_ago']:>5.0f}s")
     empty = [s for s in range(config.pipeline.num_stages) if not any(r["stage"] == s for r in rows)]
     if empty:
@@ -50,9 +51,21 @@ async def _collect(config) -> list[dict]:
         now, rows = time.time(), []
         for stage in range(config.pipeline.num_stages):
             for record in await directory.all_records(stage):
-                row = record.dict()
+                row = record.dict(exclude={"tls_cert"})
+                row["tls_fingerprint"] = _fingerprint(record.tls_cert)
                 row["seen_s_ago"] = max(0.0, now - record.updated_at)
                 rows.append(row)
         return rows
     finally:
         await directory.shutdown()
+
+
+def _fingerprint(cert_b64: str) -> str:
+    """SHA-256 of the node's TLS certificate (what its clients pin), or "" without one."""
+    import base64
+    import hashlib
+
+    try:
+        return hashlib.sha256(base64.b64decode(cert_b64, validate=True)).hexdigest() if cert_b64 else ""
+    except ValueError:
+        return ""

@@ -112,19 +112,36 @@ async def main(args: argparse.Namespace) -> None:
         dht = await asyncio.to_thread(HivemindAllReduce.start_dht, peers, "127.0.0.1", args.dht_port, args.dht_announce)
         all_reduce = HivemindAllReduce([model.w.shape], initial_peers=peers, host="127.0.0.1", prefix="outer_test_diloco",
                                        target_group_size=args.group_size, matchmaking_s=args.matchmaking_s, dht=dht)
-    compute, bans, server = ComputeThread(), Bans(), NodeServer("127.0.0.1", args.port)
+    from noloco_node.rpc.admission import AdmissionInterceptor
+    from noloco_node.rpc.guard import PeerGuard
+    from noloco_node.rpc.stage_service import GRPC_OPTIONS
+    from noloco_node.transport.dialer import Contact
+    from noloco_node.transport.links import Links
+
+    links = Links(directory.key, swarm_key=None, max_skew_s=60.0, options=GRPC_OPTIONS)
+
+    async def lookup(peer_id: str):
+        r = await directory.record_of(peer_id)
+        return None if r is None else Contact(r.peer_id, r.address, r.reach, r.tls_cert, tuple(r.p2p_addrs))
+
+    links.set_lookup(lookup)
+    guard = PeerGuard(requests_per_s=1000, burst=1000, max_streams=64, ban_after_invalid=5, ban_s=30, ban_max_s=60)
+    compute, bans = ComputeThread(), Bans()
+    server = NodeServer("127.0.0.1", args.port, credentials=links.certificate.server_credentials(),
+                        admission=AdmissionInterceptor(verifier=links.verifier, swarm_key=None, guard=guard,
+                                                       bridged=links.origin))
     status = {"status": "serving", "round": 0, "address": ""}
 
     async def set_status(value: str, round_index: int) -> None:
         status.update(status=value, round=round_index)
         record = StageRecord(peer_id=directory.peer_id, address=status["address"], stage=0, inner_step=0,
                              outer_round=round_index, status=value, tokens_per_s=0.0, version=__version__,
-                             manifest_hash=MANIFEST, run_id=RUN, updated_at=time.time())
+                             manifest_hash=MANIFEST, run_id=RUN, updated_at=time.time(), tls_cert=links.certificate.b64)
         await directory.announce(record, ttl_s=30)
 
     max_bytes = 8 * max(1, model.w.numel()) + (1 << 20)
     traffic = Traffic()
-    client = OuterClient(run_id=RUN, manifest_hash=MANIFEST, max_bytes=max_bytes, traffic=traffic)
+    client = OuterClient(run_id=RUN, manifest_hash=MANIFEST, max_bytes=max_bytes, traffic=traffic, dialer=links.dialer)
     if all_reduce is not None:
         sync = DiLoCoSync(state, all_reduce=all_reduce, compute=compute, timeout_s=args.match_s + 10)
     else:
@@ -150,7 +167,7 @@ async def main(args: argparse.Namespace) -> None:
                                                     "counters": {k: v for k, v in vars(sync.counters).items() if k != "history"},
                                                     "history": sync.counters.history, "banned": bans.total}))
     await asyncio.sleep(1.0)  # let a partner finish reading our receipt before we close
-    for step in (server.stop(1.0), client.close(), directory.shutdown()):
+    for step in (server.stop(1.0), client.close(), links.close(), directory.shutdown()):
         try:
             await asyncio.wait_for(step, timeout=5)
         except asyncio.TimeoutError:
