@@ -28,6 +28,14 @@ def node_stats(self) -> dict:
                         "peers_banned": guard.stats.bans, "banned_now": guard.banned(),
                         "rate_limited": guard.stats.rate_limited, "over_stream_cap": guard.stats.over_stream_cap,
                         "refused_banned": guard.stats.refused_banned, "tracked_peers": guard.tracked()}
+    links = self.links
+    out["transport"] = {"reach": links.reach, "p2p_addrs": links.p2p_addrs, "bytes_by_path": links.traffic.as_dict(),
+                        "impostor_records": self.directory.impostor_records,
+                        "impostor_calls": self.admission.interceptor.impostors, "replayed_tokens": links.verifier.replays,
+                        "cut_at_receive_deadline": self.servicer.cut_at_deadline,
+                        "libp2p_streams": {"in": links.bridge.streams_in if links.bridge else 0,
+                                           "out": links.bridge.streams_out if links.bridge else 0}}
+    out["routing_bans"] = self.bans.banned_peers()
     out["faults_fired"] = [f"{point}:{action}" for point, action in self.faults.fired]
     counters = self.sync.counters if self.sync is not None else (self.dp_step.counters if self.dp_step else None)
     if counters is not None:

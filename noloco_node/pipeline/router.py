@@ -42,12 +42,14 @@ class Bans:
         self.base_s, self.max_ban_s, self.clock = base_s, max_ban_s, clock
         self._bans: dict[str, _Ban] = {}
         self.total = 0
+        self.ever: set[str] = set()  # every peer banned at least once (stats; bounded by the peers we route to)
 
     def ban(self, peer_id: str) -> float:
         strikes = self._bans[peer_id].strikes + 1 if peer_id in self._bans else 1
         duration = min(self.max_ban_s, self.base_s * 2 ** (strikes - 1))
         self._bans[peer_id] = _Ban(until=self.clock() + duration, strikes=strikes)
         self.total += 1
+        self.ever.add(peer_id)
         return duration
 
     def is_banned(self, peer_id: str) -> bool:
@@ -56,6 +58,10 @@ class Bans:
 
     def clear(self, peer_id: str) -> None:
         self._bans.pop(peer_id, None)
+
+    def banned_peers(self) -> list[str]:
+        """Every peer banned at least once, for stats."""
+        return sorted(self.ever)
 
     def active(self) -> int:
         return sum(1 for peer in self._bans if self.is_banned(peer))
