@@ -215,11 +215,12 @@ class Node:
         if self.links.reach == "direct":
             return
         log.info("peers cannot dial %s: serving over libp2p through a relay instead", self.address)
+        relays = list(cfg.network.relays or cfg.network.initial_peers)
         await self.directory.shutdown()
-        await self._start_directory({"force_reachability": "private", "use_auto_relay": True,
-                                     "trusted_relays": list(cfg.network.relays or cfg.network.initial_peers)})
+        await self._start_directory({"force_reachability": "private", "use_auto_relay": True, "trusted_relays": relays,
+                                     "daemon_flags": {"relayDiscovery": False}})
         await self.links.attach(self.directory.p2p, self.server.bridge_port)
-        self.links.p2p_addrs = await self.links.wait_for_circuit(self.directory.visible_maddrs, cfg.timeouts.relay_s)
+        self.links.p2p_addrs = await self.links.reserve_relays(relays, cfg.timeouts.relay_s)
         if not self.links.p2p_addrs:
             log.warning("no relay reservation within %.0f s: only peers our daemon reaches by itself can call us",
                         cfg.timeouts.relay_s)

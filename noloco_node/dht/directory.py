@@ -79,20 +79,33 @@ class PeerDirectory:
             from noloco_node.dht.auth import SwarmKeyAuthorizer
 
             authorizer = SwarmKeyAuthorizer(swarm_key, max_skew_s=max_skew_s)
+        options = dict(p2p_options or {})
+        daemon_flags = options.pop("daemon_flags", None)
+        p2p = None
         try:
+            if daemon_flags:  # p2pd flags hivemind does not expose: start the daemon ourselves
+                p2p = await _daemon_with_flags(daemon_flags).create(
+                    initial_peers=list(initial_peers), host_maddrs=[f"/ip4/{host}/tcp/{port}"],
+                    identity_path=key.identity_path(), check_if_identity_free=False, startup_timeout=startup_timeout_s,
+                    dht_mode="client" if client_mode else "server", **options)
+                options = {}
             node = await asyncio.wait_for(DHTNode.create(
-                initial_peers=list(initial_peers), host_maddrs=[f"/ip4/{host}/tcp/{port}"],
-                identity_path=key.identity_path(), check_if_identity_free=False,
-                record_validator=validator, client_mode=client_mode, startup_timeout=startup_timeout_s,
-                authorizer=authorizer, **(p2p_options or {}),
+                p2p=p2p, initial_peers=list(initial_peers), record_validator=validator, client_mode=client_mode,
+                authorizer=authorizer, **({} if p2p is not None else dict(
+                    host_maddrs=[f"/ip4/{host}/tcp/{port}"], identity_path=key.identity_path(),
+                    check_if_identity_free=False, startup_timeout=startup_timeout_s, **options)),
             ), timeout=startup_timeout_s + 5)
         except (P2PDaemonError, asyncio.TimeoutError, OSError, RuntimeError) as exc:
             # hivemind raises RuntimeError when no initial peer answered a ping: they are down,
             # unreachable, or (in a keyed swarm) ignoring us because our swarm key differs.
             where = ", ".join(initial_peers) or "(none)"
             hint = "" if swarm_key is not None else " (if the swarm uses a key, pass it with --swarm-key)"
+            if p2p is not None:
+                await p2p.shutdown()
             raise BootstrapError(f"could not join the DHT through initial peers {where}: {exc}{hint}".strip()) from None
-        return cls(node, identity, signer, key=key)
+        directory = cls(node, identity, signer, key=key)
+        directory._own_p2p = p2p
+        return directory
 
     async def visible_maddrs(self) -> list[str]:
         return [str(m) for m in await self.node.get_visible_maddrs()]
@@ -191,3 +204,19 @@ class PeerDirectory:
 
     async def shutdown(self) -> None:
         await self.node.shutdown()
+        if getattr(self, "_own_p2p", None) is not None:
+            await self._own_p2p.shutdown()
+
+
+def _daemon_with_flags(flags: dict):
+    """hivemind.P2P whose p2pd gets extra command-line flags, e.g. relayDiscovery=False, which
+    makes the trusted relays static: the reservation is made at once (~0.2 s) instead of after
+    auto-relay's three-minute wait for more relay candidates."""
+    from hivemind.p2p import P2P
+
+    class P2PWithFlags(P2P):
+        @staticmethod
+        def _make_process_args(*args, **kwargs):
+            return P2P._make_process_args(*args, **{**kwargs, **flags})
+
+    return P2PWithFlags

@@ -73,16 +73,19 @@ class Links:
             self.reach = "holepunched"
         return self.reach
 
-    async def wait_for_circuit(self, visible_maddrs: Callable[[], Awaitable[list[str]]], timeout_s: float) -> list[str]:
-        """Poll our daemon's addresses until a relay reservation shows (a /p2p-circuit address)."""
+    async def reserve_relays(self, relays: list[str], timeout_s: float) -> list[str]:
+        """Our circuit addresses (`<relay>/p2p-circuit/p2p/<us>`) through every relay our daemon
+        is connected to within `timeout_s`; its auto-relay client makes the reservation over that
+        connection. p2pd does not list circuit addresses among its own, so they are built here."""
+        wanted = {r.rsplit("/p2p/", 1)[-1]: r for r in relays if "/p2p/" in r}
         deadline = time.monotonic() + timeout_s
-        addrs: list[str] = []
-        while time.monotonic() < deadline:
-            addrs = await visible_maddrs()
-            circuits = [a for a in addrs if "p2p-circuit" in a]
-            if circuits:
-                return circuits
-            await asyncio.sleep(0.5)
+        while time.monotonic() < deadline and self.bridge is not None:
+            connected = {p.peer_id.to_base58() for p in await self.bridge.p2p.list_peers()}
+            ready = [addr for peer, addr in wanted.items() if peer in connected]
+            if ready:
+                await asyncio.sleep(1.0)  # the reservation follows the connection (~0.2 s measured)
+                return [f"{addr}/p2p-circuit/p2p/{self.peer_id}" for addr in ready]
+            await asyncio.sleep(0.25)
         return []
 
     async def close(self) -> None:
