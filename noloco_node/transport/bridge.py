@@ -36,6 +36,34 @@ def path_of(addr: object) -> str:
     return "relayed" if "p2p-circuit" in str(addr) else "holepunched"
 
 
+class _DaemonMaddr:
+    """A multiaddr as p2pd's go-multiaddr reads it. hivemind's Multiaddr.to_bytes() writes a
+    /p2p/<id> component as a CIDv1, which p2pd rejects ("length greater than remaining number of
+    bytes in buffer"), so circuit addresses (<relay>/p2p/<id>/p2p-circuit/p2p/<id>) could not be
+    handed to the daemon; go-multiaddr wants the raw multihash."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def to_bytes(self) -> bytes:
+        import base58
+        import varint
+
+        out = b""
+        for i, part in enumerate(self.text.split("/p2p/")):
+            if i > 0:
+                peer_id, _, rest = part.partition("/")
+                digest = base58.b58decode(peer_id)
+                out += varint.encode(421) + varint.encode(len(digest)) + digest  # 421: the p2p protocol code
+                part = "/" + rest if rest else ""
+            if part:
+                out += Multiaddr(part).to_bytes()
+        return out
+
+    def __str__(self) -> str:
+        return self.text
+
+
 class PathTraffic:
     """Bytes per path and direction, for /metrics and stats."""
 
@@ -145,7 +173,7 @@ class Libp2pBridge:
 
     async def _open(self, peer_id: str):
         peer = PeerID.from_base58(peer_id)
-        addrs = [Multiaddr(a) for a in self._addrs.get(peer_id, [])]
+        addrs = [_DaemonMaddr(a) for a in self._addrs.get(peer_id, [])]
         if addrs:
             try:  # teach our daemon where the peer is (a circuit address through its relay, say)
                 await asyncio.wait_for(self.p2p._client.connect(peer, addrs), self.connect_timeout_s)
