@@ -65,6 +65,13 @@ async def decide_reach(mode: str, probe) -> str:
     return "direct"
 
 
+async def public_libp2p_addrs(directory: PeerDirectory, num_stages: int) -> dict[str, list[str]]:
+    """Directly reachable peers and their libp2p addresses: a node behind NAT dials out to them so
+    their calls to it run over that connection instead of a relay (whose circuits p2pd caps)."""
+    return {r.peer_id: list(r.p2p_addrs) for s in range(num_stages) for r in await directory.replicas(s)
+            if r.reach == "direct" and r.p2p_addrs and r.peer_id != directory.peer_id}
+
+
 async def fetch_state(directory: PeerDirectory, client: OuterClient, compute: ComputeThread, state: OuterState,
                       inner: InnerOptimizer, *, stage: int, peer_id: str, timeout_s: float) -> dict | None:
     """Joining a stage that already has replicas: copy a random one's phi, m, Adam moments and

@@ -39,7 +39,7 @@ from noloco_node.runtime.events import EventLog
 from noloco_node.runtime.faults import FaultInjector
 from noloco_node.runtime.memory import tune_allocator
 from noloco_node.sync.noloco import NoLoCoSync
-from noloco_node.joining import announced_address, decide_reach, fetch_state, probe_reachable
+from noloco_node.joining import announced_address, decide_reach, fetch_state, probe_reachable, public_libp2p_addrs
 from noloco_node.transport.links import Links
 from noloco_node.sync.transfer import counters_json, export_state
 
@@ -165,6 +165,10 @@ class Node:
         self.address = announced_address(cfg.network.host, port, cfg.network.announce_addr,
                                          await self.directory.visible_maddrs())
         await self._settle_reach()
+        if self.links.reach == "direct":  # NATed peers dial these, so we can reach them without a relay
+            self.links.p2p_addrs = [a for a in await self.directory.visible_maddrs() if "/ip4/127." not in a][:8]
+        else:
+            await self.links.bridge.dial_out(await public_libp2p_addrs(self.directory, cfg.pipeline.num_stages))
         self.runtime.me = Hop(self.peer_id, self.address, self.stage_index)
         self.metrics_port = None
         if cfg.network.metrics_port is not None:
@@ -196,13 +200,13 @@ class Node:
                          resumed_from=self.resumed_from, fetched_state=self.fetched_state)
         log.info("stage %d serving at %s (peer %s, manifest %s)", self.stage_index, self.address, self.peer_id, self.manifest_hash)
 
-    async def _start_directory(self, p2p_options: dict | None = None) -> None:
+    async def _start_directory(self) -> None:
         cfg = self.config
         self.directory = await PeerDirectory.start(
             DirectoryIdentity(cfg.run.run_id, self.manifest_hash, __version__, cfg.pipeline.num_stages),
             initial_peers=list(cfg.network.initial_peers), host=cfg.network.host, port=cfg.network.dht_port,
             startup_timeout_s=cfg.timeouts.startup_s, swarm_key=self.admission.key,
-            max_skew_s=cfg.security.max_clock_skew_s, key=self.links.identity, p2p_options=p2p_options)
+            max_skew_s=cfg.security.max_clock_skew_s, key=self.links.identity)
 
     async def _settle_reach(self) -> None:
         """Direct TLS if live peers can dial our address; otherwise restart our libp2p daemon as a
@@ -216,9 +220,8 @@ class Node:
             return
         log.info("peers cannot dial %s: serving over libp2p through a relay instead", self.address)
         relays = list(cfg.network.relays or cfg.network.initial_peers)
-        await self.directory.shutdown()
-        await self._start_directory({"force_reachability": "private", "use_auto_relay": True, "trusted_relays": relays,
-                                     "daemon_flags": {"relayDiscovery": False}})
+        await self.directory.restart({"force_reachability": "private", "use_auto_relay": True, "trusted_relays": relays,
+                                      "daemon_flags": {"relayDiscovery": False}})
         await self.links.attach(self.directory.p2p, self.server.bridge_port)
         self.links.p2p_addrs = await self.links.reserve_relays(relays, cfg.timeouts.relay_s)
         if not self.links.p2p_addrs:
@@ -378,6 +381,8 @@ class Node:
             try:
                 await self.announce()
                 await self.runtime.expire_saved()
+                if self.links.reach != "direct" and self.links.bridge is not None:  # behind NAT: see joining.py
+                    await self.links.bridge.dial_out(await public_libp2p_addrs(self.directory, self.config.pipeline.num_stages))
             except Exception:  # noqa: BLE001 - a failed heartbeat is retried next period
                 log.exception("heartbeat failed")
 

@@ -105,7 +105,17 @@ class PeerDirectory:
             raise BootstrapError(f"could not join the DHT through initial peers {where}: {exc}{hint}".strip()) from None
         directory = cls(node, identity, signer, key=key)
         directory._own_p2p = p2p
+        directory._start_args = dict(initial_peers=initial_peers, host=host, port=port, startup_timeout_s=startup_timeout_s,
+                                     client_mode=client_mode, swarm_key=swarm_key, max_skew_s=max_skew_s, key=key)
         return directory
+
+    async def restart(self, p2p_options: dict) -> None:
+        """Start the DHT node again under the same identity with other libp2p settings (behind NAT:
+        a private peer with relays), in place, so everything holding this directory keeps working."""
+        await self.shutdown()
+        fresh = await PeerDirectory.start(self.identity, **self._start_args, p2p_options=p2p_options)
+        self.node, self.signer, self._own_p2p = fresh.node, fresh.signer, fresh._own_p2p
+        self._cache.clear()
 
     async def visible_maddrs(self) -> list[str]:
         return [str(m) for m in await self.node.get_visible_maddrs()]

@@ -193,6 +193,23 @@ class Libp2pBridge:
         await _splice(reader, writer, remote_reader, remote_writer, lambda n: self.traffic.add(path, "out", n),
                       lambda n: self.traffic.add(path, "in", n))
 
+    async def dial_out(self, peers: dict[str, list[str]], timeout_s: float = 5.0) -> int:
+        """Open libp2p connections from us to directly reachable peers (peer id -> their libp2p
+        addresses) we are not connected to. Behind NAT this is what lets those peers reach us
+        without the relay: libp2p runs their streams to us over the connection we opened."""
+        connected = {p.peer_id.to_base58() for p in await self.p2p.list_peers()}
+        opened = 0
+        for peer_id, addrs in peers.items():
+            if peer_id in connected or not addrs:
+                continue
+            try:
+                await asyncio.wait_for(self.p2p._client.connect(PeerID.from_base58(peer_id),
+                                                                [_DaemonMaddr(a) for a in addrs]), timeout_s)
+                opened += 1
+            except Exception as exc:  # noqa: BLE001 - retried on the next heartbeat
+                log.debug("could not dial out to %s: %s", peer_id[-8:], exc)
+        return opened
+
     async def connection_path(self, peer_id: str) -> str | None:
         """How our daemon is connected to `peer_id` right now (relayed / holepunched), or None."""
         try:
