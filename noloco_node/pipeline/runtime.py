@@ -143,7 +143,9 @@ class StageRuntime:
         if spec.dtype != "float32" or spec.shape != expected:
             raise InvalidPayload(f"gradient {spec.dtype}{list(spec.shape)} does not match the output float32{list(expected)}")
         if caller and ticket.downstream and caller != ticket.downstream:
-            raise InvalidPayload(f"gradient for {key} from {caller[-8:]}, which the microbatch was not forwarded to")
+            # FAILED_PRECONDITION, not a strike: an honest replica whose accept we never saw (our
+            # call timed out, we retried elsewhere) lands here too.
+            raise UnknownMicrobatch(f"gradient for {key} from {caller[-8:]}, which the microbatch was not forwarded to")
         ticket.loss, ticket.num_tokens = float(header.loss), int(header.num_tokens)
         return ticket
 

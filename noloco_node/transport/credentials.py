@@ -97,8 +97,11 @@ class CallVerifier:
         return key
 
     def _remember(self, nonce: str, now: float) -> None:
-        while self._nonces and (next(iter(self._nonces.values())) < now or len(self._nonces) >= self.max_nonces):
+        while self._nonces and next(iter(self._nonces.values())) < now:
             self._nonces.popitem(last=False)
+        if len(self._nonces) >= self.max_nonces:
+            # Forgetting a live nonce early would let its token be replayed: refuse instead.
+            raise CallAuthError("too many calls within the replay window; retry shortly")
         self._nonces[nonce] = now + 2 * self.max_skew_s
 
     def verify(self, metadata: dict[str, str], method: str, now: float | None = None) -> str:
@@ -117,7 +120,8 @@ class CallVerifier:
         message = _message(peer_id, self.audience, method, int(stamp), nonce)
         if self.swarm_key is not None:
             if not hmac.compare_digest(metadata.get(MAC_HEADER, ""), _mac(self.swarm_key, message)):
-                raise CallAuthError("token was not made with this swarm's key (security.swarm_key_file)")
+                raise CallAuthError("token does not check out under this swarm's key: a wrong swarm key "
+                                    "(security.swarm_key_file), or a token made for another node, method or time")
         key = self._public_key(peer_id, metadata.get(KEY_HEADER))
         try:
             signature = base64.urlsafe_b64decode(signature_b64)

@@ -1,5 +1,7 @@
 """A swarm with a key: its peers train and exchange as usual; a peer without the key (or with
-another key) is refused by every RPC and cannot put records into the swarm's DHT."""
+another key) is refused by every RPC and cannot put records into the swarm's DHT. The intruder
+speaks TLS to the node (pinning its published certificate) and signs its calls with an identity
+of its own: only the swarm key is missing or wrong."""
 
 import asyncio
 import json
@@ -14,9 +16,10 @@ from noloco_node import __version__
 from noloco_node.dht.directory import DirectoryIdentity, PeerDirectory
 from noloco_node.dht.records import StageRecord
 from noloco_node.errors import BootstrapError
-from noloco_node.rpc.admission import ClientIdentity
+from noloco_node.transport.identity import NodeIdentity
 from noloco_node.wire.v1 import diag_pb2, outer_pb2, stage_pb2
 
+from .clients import secure_channel, signed
 from .conftest import prepare_tokenizer, tiny_overrides
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -76,14 +79,16 @@ def test_swarm_key_admits_members_and_refuses_everyone_else(tmp_path, make_swarm
     assert listing.returncode == 0, listing.stderr[-2000:]
     assert {r["peer_id"] for r in json.loads(listing.stdout)["replicas"] if r["stage"] == 1} == {n.info["peer_id"] for n in servers}
 
-    address = servers[0].info["address"]
-    wrong_key = ClientIdentity(b"w" * 32, "intruder")
+    info = servers[0].info
+    address = info["address"]
+    intruder = NodeIdentity.generate()
 
     codes, wrong = {}, {}
-    with grpc.insecure_channel(address) as channel:
+    with secure_channel(info) as channel:
         for method, (kind, message) in CALLS.items():
             codes[method] = call_code(channel, method, kind, message)
-            wrong[method] = call_code(channel, method, kind, message, metadata=wrong_key.metadata(method))
+            wrong[method] = call_code(channel, method, kind, message,
+                                      metadata=signed(intruder, method, info, key=b"w" * 32))
         health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
     unauth = grpc.StatusCode.UNAUTHENTICATED
     assert codes == {m: unauth for m in CALLS}, codes

@@ -71,6 +71,13 @@ async def test_records_are_signed_and_schema_checked(directories):
     assert not await b.node.store(key, subkey=a.signer.local_public_key, value=forged, expiration_time=expires)
     found = await b.replicas(1, fresh=True)
     assert [r.peer_id for r in found] == [a.peer_id]
+    # Identity: b may store under its own subkey, but a record there that claims a's peer id (to
+    # divert a's traffic to b's address or certificate) is refused by every reader.
+    impostor = record(a.peer_id).copy(update={"address": "127.0.0.1:6666"})
+    assert await b.announce(impostor, ttl_s=30)
+    seen = await a.replicas(1, fresh=True)
+    assert [(r.peer_id, r.address) for r in seen] == [(a.peer_id, record(a.peer_id).address)]
+    assert a.impostor_records >= 1
     # Keys outside the run's stage keys are stored unchecked (hivemind's averager keeps its
     # matchmaking records there for the DiLoCo baseline); nothing of ours reads them.
     assert await b.node.store("averager_matchmaking_key", subkey=b.signer.local_public_key,

@@ -1,4 +1,5 @@
-"""Malformed Forward/Backward calls get the right gRPC status and the node keeps serving."""
+"""Malformed Forward/Backward calls get the right gRPC status and the node keeps serving. The
+client is a peer with its own identity: TLS pinning the node's certificate, every call signed."""
 
 import asyncio
 import math
@@ -10,16 +11,21 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from noloco_node.rpc.tensors import encode_tensor, iter_chunks
+from noloco_node.transport.identity import NodeIdentity
 from noloco_node.wire.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
 
+from .clients import aio_secure_channel, secure_channel, signed
 from .conftest import prepare_tokenizer, tiny_overrides
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 HIDDEN, SEQ = 32, 16
+FORWARD, BACKWARD = "/noloco.wire.v1.Stage/Forward", "/noloco.wire.v1.Stage/Backward"
 
 
-def forward_messages(run, *, shape=(1, SEQ, HIDDEN), values=None, codec="none", labels=None, truncate=0,
-                     reorder=False, sequence=0, payload_bytes=None):
+def forward_messages(run, me: str, *, shape=(1, SEQ, HIDDEN), values=None, codec="none", labels=None, truncate=0,
+                     reorder=False, sequence=0, payload_bytes=None, last_hop=None):
+    """A Forward whose route ends with the caller `me` (the node checks it against the signature),
+    or with `last_hop` when given."""
     tensor = values if values is not None else torch.randn(*shape) * 0.1
     header, payload = encode_tensor(tensor, codec)
     if payload_bytes is not None:
@@ -27,7 +33,7 @@ def forward_messages(run, *, shape=(1, SEQ, HIDDEN), values=None, codec="none", 
     b, t = shape[0], shape[1]
     fwd = stage_pb2.ForwardHeader(
         run=run, microbatch=stage_pb2.MicrobatchId(origin_peer="tester", sequence=sequence), target_stage=1,
-        route=[stage_pb2.Hop(peer_id="tester", address="127.0.0.1:9", stage=0)], activations=header,
+        route=[stage_pb2.Hop(peer_id=last_hop or me, address="127.0.0.1:9", stage=0)], activations=header,
         labels=labels if labels is not None else [1] * (b * t))
     chunks = list(iter_chunks(payload[: len(payload) - truncate], chunk_bytes=512))
     if reorder and len(chunks) > 1:
@@ -35,9 +41,9 @@ def forward_messages(run, *, shape=(1, SEQ, HIDDEN), values=None, codec="none", 
     return [stage_pb2.ForwardMessage(header=fwd)] + [stage_pb2.ForwardMessage(chunk=c) for c in chunks]
 
 
-async def call_forward(stub, messages):
+async def call_forward(stub, messages, metadata):
     try:
-        await stub.Forward(iter(messages), timeout=10)
+        await stub.Forward(iter(messages), timeout=10, metadata=metadata)
         return grpc.StatusCode.OK
     except grpc.aio.AioRpcError as exc:
         return exc.code()
@@ -50,29 +56,37 @@ def test_malformed_forwards_are_rejected_and_node_keeps_serving(tmp_path, make_s
     swarm = make_swarm(overrides)
     node = swarm.start_node(1, 0)
     swarm.wait_ready([node])
-    address, run = node.info["address"], tensor_pb2.RunIdentity(run_id=node.info["run_id"],
-                                                                manifest_hash=node.info["manifest_hash"])
+    run = tensor_pb2.RunIdentity(run_id=node.info["run_id"], manifest_hash=node.info["manifest_hash"])
+
+    me = NodeIdentity.generate()
+    info = node.info
+
+    def sig(method=FORWARD):
+        return signed(me, method, info)  # a fresh one-time token for each call
 
     async def scenario():
-        async with grpc.aio.insecure_channel(address) as channel:
+        async with aio_secure_channel(info) as channel:
             stub = stage_pb2_grpc.StageStub(channel)
+            fwd = lambda *a, **k: forward_messages(*a, me.peer_id, **k)  # noqa: E731
             results = {
-                "other run": await call_forward(stub, forward_messages(tensor_pb2.RunIdentity(run_id="x", manifest_hash="y"))),
-                "wrong hidden size": await call_forward(stub, forward_messages(run, shape=(1, SEQ, HIDDEN - 1))),
-                "too many sequences": await call_forward(stub, forward_messages(run, shape=(5, SEQ, HIDDEN))),
-                "truncated stream": await call_forward(stub, forward_messages(run, truncate=100)),
-                "chunks reordered": await call_forward(stub, forward_messages(run, reorder=True)),
-                "declared size wrong": await call_forward(stub, forward_messages(run, payload_bytes=10)),
-                "nan payload": await call_forward(stub, forward_messages(run, values=torch.full((1, SEQ, HIDDEN), math.nan))),
-                "labels outside vocab": await call_forward(stub, forward_messages(run, labels=[10**6] * SEQ)),
-                "wrong label count": await call_forward(stub, forward_messages(run, labels=[1] * 3)),
-                "oversize header": await call_forward(stub, forward_messages(run, labels=[1] * (9 << 20))),
-                "header missing": await call_forward(stub, forward_messages(run)[1:]),
+                "other run": await call_forward(stub, fwd(tensor_pb2.RunIdentity(run_id="x", manifest_hash="y")), sig()),
+                "wrong hidden size": await call_forward(stub, fwd(run, shape=(1, SEQ, HIDDEN - 1)), sig()),
+                "too many sequences": await call_forward(stub, fwd(run, shape=(5, SEQ, HIDDEN)), sig()),
+                "truncated stream": await call_forward(stub, fwd(run, truncate=100), sig()),
+                "chunks reordered": await call_forward(stub, fwd(run, reorder=True), sig()),
+                "declared size wrong": await call_forward(stub, fwd(run, payload_bytes=10), sig()),
+                "nan payload": await call_forward(stub, fwd(run, values=torch.full((1, SEQ, HIDDEN), math.nan)), sig()),
+                "labels outside vocab": await call_forward(stub, fwd(run, labels=[10**6] * SEQ), sig()),
+                "wrong label count": await call_forward(stub, fwd(run, labels=[1] * 3), sig()),
+                "oversize header": await call_forward(stub, fwd(run, labels=[1] * (9 << 20)), sig()),
+                "header missing": await call_forward(stub, fwd(run)[1:], sig()),
+                # A route whose last hop is not the peer that signed the call (an impersonation).
+                "route names another peer": await call_forward(stub, fwd(run, last_hop=info["peer_id"], sequence=3), sig()),
             }
-            garbage = channel.stream_unary("/noloco.wire.v1.Stage/Forward", request_serializer=lambda b: b,
+            garbage = channel.stream_unary(FORWARD, request_serializer=lambda b: b,
                                            response_deserializer=stage_pb2.StageAck.FromString)
             try:
-                await garbage(iter([os.urandom(64), b"\xff" * 32]), timeout=10)
+                await garbage(iter([os.urandom(64), b"\xff" * 32]), timeout=10, metadata=sig())
                 results["garbage bytes"] = grpc.StatusCode.OK
             except grpc.aio.AioRpcError as exc:
                 results["garbage bytes"] = exc.code()
@@ -80,14 +94,32 @@ def test_malformed_forwards_are_rejected_and_node_keeps_serving(tmp_path, make_s
                 run=run, microbatch=stage_pb2.MicrobatchId(origin_peer="tester", sequence=99), target_stage=1,
                 grad=encode_tensor(torch.zeros(1, SEQ, HIDDEN), "none")[0]))
             try:
-                await stub.Backward(iter([backward]), timeout=10)
+                await stub.Backward(iter([backward]), timeout=10, metadata=sig(BACKWARD))
                 results["backward unknown microbatch"] = grpc.StatusCode.OK
             except grpc.aio.AioRpcError as exc:
                 results["backward unknown microbatch"] = exc.code()
-            results["valid"] = await call_forward(stub, forward_messages(run, codec="bf16", sequence=1))
-            results["valid again"] = await call_forward(stub, forward_messages(run, sequence=2))
+            results["valid"] = await call_forward(stub, fwd(run, codec="bf16", sequence=1), sig())
+            results["valid again"] = await call_forward(stub, fwd(run, sequence=2), sig())
             health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
-            return results, health.status
+        # Unsigned: refused before any servicer code runs. The sync client, because grpc.aio's may
+        # report INTERNAL when the server ends a client-streaming call before the client finished
+        # writing (grpc/grpc#36066), which is what a refusing interceptor does.
+        with secure_channel(info) as sync_channel:
+            unsigned = sync_channel.stream_unary(FORWARD, request_serializer=stage_pb2.ForwardMessage.SerializeToString,
+                                                 response_deserializer=stage_pb2.StageAck.FromString)
+            try:
+                await asyncio.to_thread(unsigned, iter(forward_messages(run, me.peer_id, sequence=4)), timeout=10)
+                results["unsigned"] = grpc.StatusCode.OK
+            except grpc.RpcError as exc:
+                results["unsigned"] = exc.code()
+        # The public port speaks TLS only: a plaintext client fails at the handshake.
+        async with grpc.aio.insecure_channel(info["address"]) as plain:
+            try:
+                await health_pb2_grpc.HealthStub(plain).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+                results["plaintext"] = grpc.StatusCode.OK
+            except grpc.aio.AioRpcError as exc:
+                results["plaintext"] = exc.code()
+        return results, health.status
 
     results, health = asyncio.run(scenario())
     invalid = grpc.StatusCode.INVALID_ARGUMENT
@@ -97,7 +129,8 @@ def test_malformed_forwards_are_rejected_and_node_keeps_serving(tmp_path, make_s
         "labels outside vocab": invalid, "wrong label count": invalid,
         "oversize header": grpc.StatusCode.RESOURCE_EXHAUSTED, "header missing": invalid, "garbage bytes": invalid,
         "backward unknown microbatch": grpc.StatusCode.FAILED_PRECONDITION, "valid": grpc.StatusCode.OK,
-        "valid again": grpc.StatusCode.OK,
+        "valid again": grpc.StatusCode.OK, "route names another peer": invalid,
+        "unsigned": grpc.StatusCode.UNAUTHENTICATED, "plaintext": grpc.StatusCode.UNAVAILABLE,
     }
     assert health == health_pb2.HealthCheckResponse.SERVING
     assert node.proc.poll() is None, "the node must survive every malformed call"
@@ -105,4 +138,6 @@ def test_malformed_forwards_are_rejected_and_node_keeps_serving(tmp_path, make_s
     [stats] = swarm.node_stats().values()
     assert stats["rejected"]["INVALID_ARGUMENT"] >= 10 and stats["saved_inputs"] == 0
     assert stats["rejected"]["RESOURCE_EXHAUSTED"] == 1  # the oversize header, refused by our servicer
-    assert stats["forwards_received"] == {"tester": 2}
+    # Keyed by the route's last hop, which the node now requires to be the proven caller.
+    assert stats["forwards_received"] == {me.peer_id: 2}
+    assert stats["admission"]["refused"] == {"UNAUTHENTICATED": 1}  # the unsigned call, before any servicer code

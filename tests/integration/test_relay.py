@@ -1,5 +1,5 @@
 """The WAN relay on loopback: measured RTT and throughput match the profile within 15%, and a
-real gRPC health call through it pays the round trip."""
+real gRPC health call (over TLS, pinning the server's certificate) through it pays the round trip."""
 
 import asyncio
 import time
@@ -27,16 +27,18 @@ def test_jitter_never_goes_below_the_base_latency_and_keeps_order():
 def test_grpc_health_through_the_relay_pays_the_round_trip():
     from noloco_node.rpc.diagnostics import health_check
     from noloco_node.rpc.server import NodeServer
+    from noloco_node.transport.tls import NodeCertificate
 
     async def scenario():
-        server = NodeServer("127.0.0.1", 0)
+        cert = NodeCertificate.generate()
+        server = NodeServer("127.0.0.1", 0, credentials=cert.server_credentials())
         port = await server.start()
         relay = Relay(f"127.0.0.1:{port}", LinkProfile("wan", one_way_ms=30, mbit=20))
         await relay.start()
         try:
-            await health_check(relay.address, 10)  # connection set-up (several round trips)
+            await health_check(relay.address, 10, cert.cert_pem)  # connection set-up (several round trips)
             start = time.perf_counter()
-            serving, detail, _ = await health_check(relay.address, 10)
+            serving, detail, _ = await health_check(relay.address, 10, cert.cert_pem)
             return serving, detail, time.perf_counter() - start
         finally:
             await relay.close()
@@ -44,4 +46,4 @@ def test_grpc_health_through_the_relay_pays_the_round_trip():
 
     serving, detail, seconds = asyncio.run(scenario())
     assert serving, detail
-    assert seconds >= 0.060  # at least one 60 ms round trip (a new channel per call: more)
+    assert seconds >= 0.060  # at least one 60 ms round trip (a new channel per call, with its TLS handshake: more)

@@ -84,12 +84,21 @@ def test_swarm_key_mac_is_required_in_a_keyed_swarm():
             verifier.verify(dict(signer.metadata(METHOD, SERVER.peer_id)), METHOD)
 
 
-def test_verifier_tables_stay_bounded():
+def test_verifier_tables_stay_bounded_and_never_forget_a_live_nonce():
     verifier = CallVerifier(SERVER.peer_id, swarm_key=None, max_skew_s=60, max_keys=2, max_nonces=5)
     for identity in (ALICE, BOB, NodeIdentity.generate()):
-        for _ in range(4):
-            verifier.verify(dict(CallSigner(identity).metadata(METHOD, SERVER.peer_id)), METHOD)
-    assert len(verifier._keys) <= 2 and len(verifier._nonces) <= 5
+        verifier.verify(dict(CallSigner(identity).metadata(METHOD, SERVER.peer_id)), METHOD)
+    assert len(verifier._keys) <= 2
+    first = dict(CallSigner(ALICE).metadata(METHOD, SERVER.peer_id))
+    verifier.verify(first, METHOD)
+    verifier.verify(dict(CallSigner(ALICE).metadata(METHOD, SERVER.peer_id)), METHOD)
+    with pytest.raises(CallAuthError, match="too many calls"):  # full: refuse rather than forget
+        verifier.verify(dict(CallSigner(ALICE).metadata(METHOD, SERVER.peer_id)), METHOD)
+    with pytest.raises(CallAuthError, match="replay"):
+        verifier.verify(first, METHOD)
+    assert len(verifier._nonces) == 5
+    later = time.time() + 121  # past twice the skew window the old nonces expire and room returns
+    verifier.verify(dict(CallSigner(ALICE).metadata(METHOD, SERVER.peer_id, now=later)), METHOD, now=later)
 
 
 def test_key_file_errors_name_the_fix(tmp_path):
