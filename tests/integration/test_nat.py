@@ -1,5 +1,4 @@
-"""NOT YET PASSING, so not collected by the suite (run it by path: `pytest tests/integration/nat_scenario.py`).
-Where it stands is in issue 12's note. Volunteers behind home routers, in a real NAT topology (network namespaces, MASQUERADE, new
+"""Volunteers behind home routers, in a real NAT topology (network namespaces, MASQUERADE, new
 inbound connections dropped): two home nodes join with nothing but `--initial-peers` and
 `--stage auto` (plus the run's config file and a step count), are reached over libp2p (relayed
 by the bootstrap peer, or hole-punched), train with the public replicas, pair in outer rounds
