@@ -20,6 +20,12 @@ if [ ! -f "$stamp" ] || ! .venv/bin/python -c "import noloco_node, torch, hivemi
   rm -f .venv/.noloco-setup-*
   touch "$stamp"
 fi
+# The NAT test builds home routers in network namespaces with iptables (Debian's package). As root
+# with apt, install it when missing; elsewhere that test says why it skips.
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! command -v iptables >/dev/null; then
+  (apt-get install -y -qq iptables >/dev/null 2>&1 || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq iptables >/dev/null 2>&1; }) \
+    || echo "note: could not install iptables; the NAT topology test will skip" >&2
+fi
 if .venv/bin/python -m pip list 2>/dev/null | grep -qi '^nvidia-'; then
   command -v nvidia-smi >/dev/null || echo "warning: CUDA wheels are installed on a machine without nvidia-smi" >&2
 fi
