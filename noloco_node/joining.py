@@ -65,6 +65,58 @@ async def decide_reach(mode: str, probe) -> str:
     return "direct"
 
 
+async def wait_for_replicas(directory: PeerDirectory, num_stages: int, count: int, timeout_s: float) -> None:
+    """Block until every stage shows at least `count` live replicas (or raise TimeoutError)."""
+    import asyncio
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        sizes = [len(await directory.replicas(s, fresh=True)) for s in range(num_stages)]
+        if min(sizes) >= count:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"replicas per stage {sizes}, waited for {count} each")
+        await asyncio.sleep(0.25)
+
+
+def contact_lookup(directory: PeerDirectory):
+    """The dialer's lookup: a peer's current record as a transport Contact."""
+    from noloco_node.transport.dialer import Contact
+
+    async def lookup(peer_id: str):
+        record = await directory.record_of(peer_id)
+        if record is None:
+            return None
+        return Contact(record.peer_id, record.address, record.reach, record.tls_cert, tuple(record.p2p_addrs))
+    return lookup
+
+
+async def settle_reach(directory: PeerDirectory, links, cfg, *, address: str, bridge_port: int) -> None:
+    """Direct TLS if live peers can dial `address`; otherwise restart our libp2p daemon (in place)
+    as a private peer holding reservations on static relays (the initial peers unless
+    network.relays says otherwise), serve over the bridge, and dial out to the directly reachable
+    peers so they reach us over our own connections rather than a relay circuit."""
+    net, timeouts = cfg.network, cfg.timeouts
+    probe = lambda: probe_reachable(directory, links.dialer, address=address, peer_id=directory.peer_id,  # noqa: E731
+                                    tls_cert=links.certificate.cert_der, num_stages=cfg.pipeline.num_stages,
+                                    run_id=cfg.run.run_id, timeout_s=timeouts.connect_s)
+    links.reach = await decide_reach(net.reach if net.check_reachability else "direct", probe)
+    if links.reach == "direct":  # NATed peers dial these, so we can reach them without a relay
+        links.p2p_addrs = [a for a in await directory.visible_maddrs() if "/ip4/127." not in a][:8]
+        return
+    log.info("peers cannot dial %s: serving over libp2p (relay / hole punching) instead", address)
+    relays = list(net.relays or net.initial_peers)
+    # relayDiscovery=0 makes the trusted relays static: a reservation in ~0.2 s, not after 3 min.
+    await directory.restart({"force_reachability": "private", "use_auto_relay": True, "trusted_relays": relays,
+                             "daemon_flags": {"relayDiscovery": False}})
+    await links.attach(directory.p2p, bridge_port)
+    links.p2p_addrs = await links.reserve_relays(relays, timeouts.relay_s)
+    if not links.p2p_addrs:
+        log.warning("no relay reservation within %.0f s: only peers we dial ourselves can call us", timeouts.relay_s)
+    await links.bridge.dial_out(await public_libp2p_addrs(directory, cfg.pipeline.num_stages))
+
+
 async def public_libp2p_addrs(directory: PeerDirectory, num_stages: int) -> dict[str, list[str]]:
     """Directly reachable peers and their libp2p addresses: a node behind NAT dials out to them so
     their calls to it run over that connection instead of a relay (whose circuits p2pd caps)."""

@@ -30,7 +30,6 @@ from noloco_node.pipeline.worker import StageWorker
 from noloco_node.rpc.outer_service import OuterClient, OuterServicer, Traffic
 from noloco_node.rpc.server import NodeServer
 from noloco_node.rpc.stage_service import GRPC_OPTIONS, StageClient, StageServicer
-from noloco_node.transport.dialer import Contact
 from noloco_node.transport.identity import NodeIdentity
 from noloco_node.security import build_admission, read_swarm_key
 from noloco_node.adapters import DhtMatching, DhtReplicas, GrpcStageTransport
@@ -39,7 +38,8 @@ from noloco_node.runtime.events import EventLog
 from noloco_node.runtime.faults import FaultInjector
 from noloco_node.runtime.memory import tune_allocator
 from noloco_node.sync.noloco import NoLoCoSync
-from noloco_node.joining import announced_address, decide_reach, fetch_state, probe_reachable, public_libp2p_addrs
+from noloco_node.joining import (announced_address, contact_lookup, fetch_state, public_libp2p_addrs, settle_reach,
+                                 wait_for_replicas)
 from noloco_node.transport.links import Links
 from noloco_node.sync.transfer import counters_json, export_state
 
@@ -73,7 +73,7 @@ class Node:
     async def start(self) -> None:
         cfg = self.config
         tune_allocator()
-        self.links = Links(_identity(cfg.security.identity_file), swarm_key=read_swarm_key(cfg.security),
+        self.links = Links(NodeIdentity.from_file_or_fresh(cfg.security.identity_file), swarm_key=read_swarm_key(cfg.security),
                            max_skew_s=cfg.security.max_clock_skew_s, options=GRPC_OPTIONS)
         self.admission = build_admission(cfg.security, self.links)
         self.faults = FaultInjector(cfg.faults.inject)
@@ -123,7 +123,7 @@ class Node:
         if self.directory is None:
             await self._start_directory()
         self.peer_id = self.directory.peer_id
-        self.links.set_lookup(self._contact)
+        self.links.set_lookup(contact_lookup(self.directory))
         shape = StageShape(stage=self.stage_index, num_stages=cfg.pipeline.num_stages, hidden_size=m.hidden_size,
                            seq_len=m.seq_len, microbatch_size=cfg.pipeline.microbatch_size, vocab_size=len(self.tokenizer))
         self.bans = Bans()
@@ -164,11 +164,7 @@ class Node:
         await self.links.attach(self.directory.p2p, self.server.bridge_port)
         self.address = announced_address(cfg.network.host, port, cfg.network.announce_addr,
                                          await self.directory.visible_maddrs())
-        await self._settle_reach()
-        if self.links.reach == "direct":  # NATed peers dial these, so we can reach them without a relay
-            self.links.p2p_addrs = [a for a in await self.directory.visible_maddrs() if "/ip4/127." not in a][:8]
-        else:
-            await self.links.bridge.dial_out(await public_libp2p_addrs(self.directory, cfg.pipeline.num_stages))
+        await settle_reach(self.directory, self.links, cfg, address=self.address, bridge_port=self.server.bridge_port)
         self.runtime.me = Hop(self.peer_id, self.address, self.stage_index)
         self.metrics_port = None
         if cfg.network.metrics_port is not None:
@@ -207,32 +203,6 @@ class Node:
             initial_peers=list(cfg.network.initial_peers), host=cfg.network.host, port=cfg.network.dht_port,
             startup_timeout_s=cfg.timeouts.startup_s, swarm_key=self.admission.key,
             max_skew_s=cfg.security.max_clock_skew_s, key=self.links.identity)
-
-    async def _settle_reach(self) -> None:
-        """Direct TLS if live peers can dial our address; otherwise restart our libp2p daemon as a
-        private peer that reserves a slot on a relay (the initial peers first) and serve over it."""
-        cfg = self.config
-        probe = lambda: probe_reachable(self.directory, self.links.dialer, address=self.address, peer_id=self.peer_id,  # noqa: E731
-                                        tls_cert=self.links.certificate.cert_der, num_stages=cfg.pipeline.num_stages,
-                                        run_id=cfg.run.run_id, timeout_s=cfg.timeouts.connect_s)
-        self.links.reach = await decide_reach(cfg.network.reach if cfg.network.check_reachability else "direct", probe)
-        if self.links.reach == "direct":
-            return
-        log.info("peers cannot dial %s: serving over libp2p through a relay instead", self.address)
-        relays = list(cfg.network.relays or cfg.network.initial_peers)
-        await self.directory.restart({"force_reachability": "private", "use_auto_relay": True, "trusted_relays": relays,
-                                      "daemon_flags": {"relayDiscovery": False}})
-        await self.links.attach(self.directory.p2p, self.server.bridge_port)
-        self.links.p2p_addrs = await self.links.reserve_relays(relays, cfg.timeouts.relay_s)
-        if not self.links.p2p_addrs:
-            log.warning("no relay reservation within %.0f s: only peers our daemon reaches by itself can call us",
-                        cfg.timeouts.relay_s)
-
-    async def _contact(self, peer_id: str):
-        record = await self.directory.record_of(peer_id)
-        if record is None:
-            return None
-        return Contact(record.peer_id, record.address, record.reach, record.tls_cert, tuple(record.p2p_addrs))
 
     async def _choose_stage(self) -> int:
         """`--stage auto`: the stage of our own checkpoint if there is exactly one, else the stage
@@ -292,15 +262,9 @@ class Node:
             await self.save_snapshot(inner_step)
 
     async def save_snapshot(self, inner_step: int, *, final: bool = False) -> None:
-        """theta at `inner_step` as stage{s}-{peer}-step{k}.safetensors, or as ...-final.safetensors
-        when training has ended (experiments evaluate them)."""
-        from safetensors.torch import save_file
+        from noloco_node.report import save_snapshot
 
-        tensors = await self.compute.run(lambda: {n: p.detach().to("cpu", copy=True).contiguous()
-                                                  for n, p in self.stage.named_parameters()})
-        self.snapshot_dir.mkdir(parents=True, exist_ok=True)
-        name = f"stage{self.stage_index}-{self.peer_id[-8:]}-{'final' if final else f'step{inner_step}'}.safetensors"
-        await asyncio.to_thread(save_file, tensors, str(self.snapshot_dir / name))
+        await save_snapshot(self, inner_step, final=final)
 
     async def save_checkpoint(self) -> None:
         from noloco_node import checkpoint
@@ -388,14 +352,7 @@ class Node:
 
     async def wait_for_replicas(self, count: int, timeout_s: float) -> None:
         """Block until every stage shows at least `count` live replicas (or raise TimeoutError)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            sizes = [len(await self.directory.replicas(s, fresh=True)) for s in range(self.config.pipeline.num_stages)]
-            if min(sizes) >= count:
-                return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"replicas per stage {sizes}, waited for {count} each")
-            await asyncio.sleep(0.25)
+        await wait_for_replicas(self.directory, self.config.pipeline.num_stages, count, timeout_s)
 
     async def train(self, steps: int, on_inner_step=None) -> None:
         """Stage 0 only: run `steps` inner steps over this replica's data shard; `on_inner_step(step)`
@@ -473,8 +430,3 @@ class Node:
 
         write_outputs(self, out_dir)
 
-
-def _identity(path: str | None) -> NodeIdentity:
-    """The node's identity key: kept in `security.identity_file` (same peer id across restarts)
-    when set, else fresh for this process."""
-    return NodeIdentity.load_or_create(path) if path else NodeIdentity.generate()

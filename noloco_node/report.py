@@ -70,3 +70,17 @@ def write_outputs(self, out_dir: Path) -> None:
             tensors, counters = export_state(self.outer_state, self.worker.inner, inner_step=self.worker.inner_steps)
             save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / f"{name}.outer.safetensors"),
                       metadata={"counters": counters_json(counters)})
+
+
+async def save_snapshot(self, inner_step: int, *, final: bool = False) -> None:
+    """theta at `inner_step` as stage{s}-{peer}-step{k}.safetensors, or as ...-final.safetensors
+    when training has ended (experiments evaluate them)."""
+    import asyncio
+
+    from safetensors.torch import save_file
+
+    tensors = await self.compute.run(lambda: {n: p.detach().to("cpu", copy=True).contiguous()
+                                              for n, p in self.stage.named_parameters()})
+    self.snapshot_dir.mkdir(parents=True, exist_ok=True)
+    name = f"stage{self.stage_index}-{self.peer_id[-8:]}-{'final' if final else f'step{inner_step}'}.safetensors"
+    await asyncio.to_thread(save_file, tensors, str(self.snapshot_dir / name))

@@ -89,6 +89,11 @@ class NodeIdentity:
         return cls(rsa.generate_private_key(public_exponent=65537, key_size=2048))
 
     @classmethod
+    def from_file_or_fresh(cls, path: str | Path | None) -> NodeIdentity:
+        """`security.identity_file`: kept there (same peer id across restarts) when set, else fresh."""
+        return cls.load_or_create(path) if path else cls.generate()
+
+    @classmethod
     def load_or_create(cls, path: str | Path) -> NodeIdentity:
         """A persistent identity (hivemind's identity file format): same peer id across restarts."""
         path = Path(path).expanduser()
