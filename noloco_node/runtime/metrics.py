@@ -38,6 +38,25 @@ class _StatsCollector:
         yield self._gauge("noloco_saved_inputs", "Saved forward inputs held for backward", s["saved_inputs"])
         yield self._counter("noloco_bans", "Peers banned after failed calls", s["bans"])
         yield self._counter("noloco_busy_answers", "Forwards refused because the window was full", s["busy_answers"])
+        transport = s.get("transport") or {}
+        by_path = CounterMetricFamily("noloco_path_bytes", "Bytes per transport path (direct: TLS gRPC payload sent; "
+                                      "holepunched / relayed: bytes carried over libp2p streams)",
+                                      labels=[*self.labels, "path", "direction"])
+        for path, directions in (transport.get("bytes_by_path") or {}).items():
+            for direction, n in directions.items():
+                by_path.add_metric([*self.labels.values(), path, direction], n)
+        yield by_path
+        reach = GaugeMetricFamily("noloco_reach", "How peers reach this node (1 on the current path)",
+                                  labels=[*self.labels, "reach"])
+        for name in ("direct", "holepunched", "relayed"):
+            reach.add_metric([*self.labels.values(), name], 1.0 if transport.get("reach") == name else 0.0)
+        yield reach
+        yield self._counter("noloco_impostor_records", "DHT records refused: they claim another node's peer id",
+                            transport.get("impostor_records", 0))
+        yield self._counter("noloco_replayed_tokens", "Calls refused as replays of a used token",
+                            transport.get("replayed_tokens", 0))
+        yield self._counter("noloco_streams_cut", "Streams cut at this node's receive deadline",
+                            transport.get("cut_at_receive_deadline", 0))
         admission = s.get("admission")
         if admission is not None:
             refused = CounterMetricFamily("noloco_calls_refused", "Calls refused before any servicer ran, per status code",

@@ -40,3 +40,9 @@ def test_metrics_endpoint(tmp_path, make_swarm):
     assert latency and latency[0].value == steps * 2  # one Backward per microbatch
     received = {s.labels["service"]: s.value for s in families["noloco_bytes_received"].samples}
     assert received["stage"] > 0
+    # A loopback node is reached directly; its gradients went upstream over the direct TLS path.
+    reach = {s.labels["reach"]: s.value for s in families["noloco_reach"].samples}
+    assert reach == {"direct": 1.0, "holepunched": 0.0, "relayed": 0.0}
+    by_path = {(s.labels["path"], s.labels["direction"]): s.value for s in families["noloco_path_bytes"].samples
+               if s.name.endswith("_total")}
+    assert by_path.get(("direct", "out"), 0) > 0, by_path
