@@ -250,14 +250,14 @@ class OuterClient:
         self.faults = faults
         self.max_bytes = max_bytes
         self.traffic = traffic or Traffic()
-        self._stubs: dict[int, outer_pb2_grpc.OuterStub] = {}
+        self._stubs: dict[str, tuple[grpc.aio.Channel, outer_pb2_grpc.OuterStub]] = {}
 
     async def _stub(self, peer_id: str) -> outer_pb2_grpc.OuterStub:
         channel, _ = await self.dialer.channel(peer_id)
-        stub = self._stubs.get(id(channel))
-        if stub is None:
-            stub = self._stubs[id(channel)] = outer_pb2_grpc.OuterStub(channel)
-        return stub
+        known = self._stubs.get(peer_id)
+        if known is None or known[0] is not channel:  # keyed by peer: a replaced channel gets a new stub
+            known = self._stubs[peer_id] = (channel, outer_pb2_grpc.OuterStub(channel))
+        return known[1]
 
     async def exchange(self, to: str, request: outer_pb2.PairRequest, mine: EncodedSnapshot,
                        expected: list[ExpectedTensor], codec: str, timeout_s: float) -> dict[str, Tensor]:

@@ -191,15 +191,15 @@ class StageClient:
         self.dialer = dialer
         self.codec, self.timeout_s = codec, timeout_s
         self.observe = observe  # (method, seconds) after every call, for latency metrics
-        self._stubs: dict[int, stage_pb2_grpc.StageStub] = {}
+        self._stubs: dict[str, tuple[grpc.aio.Channel, stage_pb2_grpc.StageStub]] = {}
         self.bytes_sent = 0
 
     async def _stub(self, peer_id: str) -> tuple[stage_pb2_grpc.StageStub, str]:
         channel, path = await self.dialer.channel(peer_id)
-        stub = self._stubs.get(id(channel))
-        if stub is None:
-            stub = self._stubs[id(channel)] = stage_pb2_grpc.StageStub(channel)
-        return stub, path
+        known = self._stubs.get(peer_id)
+        if known is None or known[0] is not channel:  # keyed by peer: a replaced channel gets a new stub
+            known = self._stubs[peer_id] = (channel, stage_pb2_grpc.StageStub(channel))
+        return known[1], path
 
     async def forward(self, peer_id: str, *, microbatch: stage_pb2.MicrobatchId, route: list[stage_pb2.Hop],
                       target_stage: int, activations: Tensor, labels: Tensor) -> None:

@@ -3,7 +3,6 @@ declared size before allocating and checks chunk order and length while receivin
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator
 
 from torch import Tensor
@@ -67,16 +66,15 @@ class PayloadReceiver:
         self.buffer = bytearray(spec.payload_bytes)
         self.received = 0
         self.next_index = 0
-        self.digest = hashlib.sha256()
 
     def add(self, chunk: tensor_pb2.TensorChunk) -> None:
         if chunk.index != self.next_index:
             raise InvalidPayload(f"chunk {chunk.index} arrived where chunk {self.next_index} was expected")
-        end = self.received + len(chunk.data)
+        data = chunk.data  # each access to a bytes field copies it: read it once
+        end = self.received + len(data)
         if end > len(self.buffer):
             raise InvalidPayload(f"chunks exceed the declared {len(self.buffer)} payload bytes")
-        self.buffer[self.received:end] = chunk.data
-        self.digest.update(chunk.data)
+        self.buffer[self.received:end] = data
         self.received = end
         self.next_index += 1
 

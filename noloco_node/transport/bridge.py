@@ -91,23 +91,24 @@ async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, coun
             await writer.drain()
     except (ConnectionError, asyncio.IncompleteReadError, OSError):
         pass
-    finally:
-        try:
-            if writer.can_write_eof():
-                writer.write_eof()
-        except (OSError, RuntimeError):
-            pass
 
 
 async def _splice(a_reader, a_writer, b_reader, b_writer, count_ab, count_ba) -> None:
-    """Copy both ways until both directions end, then close both sides."""
+    """Copy both ways; when either side ends, close both. HTTP/2 never half-closes its socket, so
+    an end is always the link going away (a relay resetting its circuit, say): passing it on as a
+    clean half-close would let gRPC read a cut stream as one the sender ended early, and strike it."""
+    pumps = [asyncio.ensure_future(_pump(a_reader, b_writer, count_ab)),
+             asyncio.ensure_future(_pump(b_reader, a_writer, count_ba))]
     try:
-        await asyncio.gather(_pump(a_reader, b_writer, count_ab), _pump(b_reader, a_writer, count_ba))
+        await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
     finally:
+        for task in pumps:
+            task.cancel()
         for w in (a_writer, b_writer):
             try:
-                w.close()
-            except (OSError, RuntimeError):
+                transport = w.transport
+                transport.abort() if hasattr(transport, "abort") else w.close()
+            except (OSError, RuntimeError, AttributeError):
                 pass
 
 
@@ -155,7 +156,8 @@ class Libp2pBridge:
             await _splice(reader, writer, up_reader, up_writer, lambda n: self.traffic.add(path, "in", n),
                           lambda n: self.traffic.add(path, "out", n))
         finally:
-            self._origins.pop(local_port, None)
+            # gRPC may still be finishing calls of this connection: forget its origin a little later.
+            asyncio.get_running_loop().call_later(30.0, self._origins.pop, local_port, None)
 
     # ---- dialling: our gRPC channels out, over libp2p -----------------------------------
     async def endpoint(self, peer_id: str, addrs: list[str] | tuple[str, ...] = ()) -> str:
