@@ -73,45 +73,6 @@ LABELS = {
 }
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, n = n & 0x7F, n >> 7
-        out.append(byte | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
-class DaemonMultiaddr:
-    """A multiaddr in the binary form p2pd parses (for our own connect() calls). hivemind's
-    Multiaddr encodes a /p2p/<id> component as a CIDv1 (0x01 0x72 prefix) where go-multiaddr
-    expects the bare multihash, so p2pd refuses it ("length greater than remaining number of
-    bytes in buffer"); the bridge has its own equivalent."""
-
-    def __init__(self, text: str) -> None:
-        self.text = text
-
-    def to_bytes(self) -> bytes:
-        import base58
-        from hivemind.utils.multiaddr import Multiaddr
-
-        parts, out, i = self.text.strip("/").split("/"), b"", 0
-        while i < len(parts):
-            if parts[i] in ("p2p", "ipfs"):
-                digest = base58.b58decode(parts[i + 1])
-                out += _varint(421) + _varint(len(digest)) + digest
-                i += 2
-            elif parts[i] == "p2p-circuit":
-                out += _varint(290)
-                i += 1
-            else:
-                out += Multiaddr(f"/{parts[i]}/{parts[i + 1]}").to_bytes()
-                i += 2
-        return out
-
-    def __str__(self) -> str:
-        return self.text
-
 
 def _short(exc: BaseException, n: int = 160) -> str:
     text = " ".join(f"{type(exc).__name__}: {exc}".split())
@@ -267,21 +228,9 @@ class _P2PContext:
 def _private_daemon_class(discovery: bool):
     """hivemind.P2P whose p2pd runs with relayDiscovery=0, as a node behind NAT starts it (or
     with p2pd's default, relay discovery on, if `discovery`)."""
-    from hivemind.p2p import P2P
+    from noloco_node.dht.directory import daemon_with_flags
 
-    if discovery:
-        return P2P
-    try:
-        from noloco_node.dht.directory import _daemon_with_flags
-
-        return _daemon_with_flags({"relayDiscovery": False})
-    except ImportError:
-        class StaticRelays(P2P):
-            @staticmethod
-            def _make_process_args(*args, **kwargs):
-                return P2P._make_process_args(*args, **{**kwargs, "relayDiscovery": False})
-
-        return StaticRelays
+    return daemon_with_flags({} if discovery else {"relayDiscovery": False})
 
 
 def server_process(pipe, opts: dict) -> None:
@@ -546,8 +495,10 @@ def _dialer(signer, contact, bridge=None):
 async def _bridged_path(key: str, p2p, bridge, signer, contact, client_id: str, tensors: dict, timeout_s: float) -> StagePath:
     """A StagePath over `bridge`, first exactly as a node dials (Dialer -> Libp2pBridge.endpoint
     with the record's addresses); if that call fails, the daemon is connected with a correctly
-    encoded address (DaemonMultiaddr) and the call retried, and the note says so."""
+    encoded address (DaemonMaddr) and the call retried, and the note says so."""
     from hivemind.p2p import PeerID
+
+    from noloco_node.transport.bridge import DaemonMaddr
     from hivemind.utils.multiaddr import Multiaddr
 
     dialer = _dialer(signer, contact, bridge)
@@ -564,8 +515,8 @@ async def _bridged_path(key: str, p2p, bridge, signer, contact, client_id: str, 
     except Exception as exc:  # noqa: BLE001
         how = f"the bridge's connect() with them fails in p2pd: {_short(exc, 120)}"
     path.notes.append(f"first call as a node makes it failed ({first}); record addresses {list(contact.p2p_addrs)}: "
-                      f"{how}; connected the daemon with DaemonMultiaddr and retried")
-    await asyncio.wait_for(p2p._client.connect(peer, [DaemonMultiaddr(a) for a in contact.p2p_addrs]), 20)
+                      f"{how}; connected the daemon with DaemonMaddr and retried")
+    await asyncio.wait_for(p2p._client.connect(peer, [DaemonMaddr(a) for a in contact.p2p_addrs]), 20)
     await dialer.close()  # the channel that saw the failure is in reconnect backoff
     path.client = _stage_client(dialer, timeout_s)
     await asyncio.wait_for(path.call(False), 25)
@@ -577,13 +528,15 @@ async def _wait_for_reservation(server_id: str, circuits: list[str], wait_s: flo
     try, so the real client starts without dial backoff), or None and the last error."""
     from hivemind.p2p import P2P, PeerID
 
+    from noloco_node.transport.bridge import DaemonMaddr
+
     deadline, last = time.monotonic() + wait_s, ""
     peer = PeerID.from_base58(server_id)
     while time.monotonic() < deadline:
         for circuit in circuits:
             probe = await P2P.create(host_maddrs=[], no_listen=True)
             try:
-                await asyncio.wait_for(probe._client.connect(peer, [DaemonMultiaddr(circuit)]), 10)
+                await asyncio.wait_for(probe._client.connect(peer, [DaemonMaddr(circuit)]), 10)
                 return circuit, ""
             except Exception as exc:  # noqa: BLE001
                 last = _short(exc, 200)

@@ -51,7 +51,8 @@ class PeerDirectory:
         self.node, self.identity, self.signer, self.key = node, identity, signer, key
         self.cache_s = cache_s
         self._cache: dict[int, tuple[float, list[StageRecord]]] = {}
-        self._ignored: set = set()
+        self._ignored: set[str] = set()  # peers whose incompatible records were logged once
+        self._impostors: set[str] = set()  # claimed peer ids whose impostor records were logged once
         self.impostor_records = 0  # records refused because they claim another node's peer id
         self._by_peer: dict[str, tuple[float, StageRecord]] = {}  # every accepted record, leaving ones too
         self.peer_id = node.peer_id.to_base58()
@@ -80,21 +81,17 @@ class PeerDirectory:
 
             authorizer = SwarmKeyAuthorizer(swarm_key, max_skew_s=max_skew_s)
         options = dict(p2p_options or {})
-        daemon_flags = options.pop("daemon_flags", None)
+        daemon_flags = options.pop("daemon_flags", {})
         p2p = None
         try:
-            if daemon_flags:  # p2pd flags hivemind does not expose: start the daemon ourselves
-                p2p = await _daemon_with_flags(daemon_flags).create(
-                    initial_peers=list(initial_peers), host_maddrs=[f"/ip4/{host}/tcp/{port}"],
-                    identity_path=key.identity_path(), check_if_identity_free=False, startup_timeout=startup_timeout_s,
-                    dht_mode="client" if client_mode else "server", **options)
-                options = {}
+            # Our own P2P (DHTNode would make one without the flags hivemind does not expose).
+            p2p = await daemon_with_flags(daemon_flags).create(
+                initial_peers=list(initial_peers), host_maddrs=[f"/ip4/{host}/tcp/{port}"],
+                identity_path=key.identity_path(), check_if_identity_free=False, startup_timeout=startup_timeout_s,
+                dht_mode="client" if client_mode else "server", **options)
             node = await asyncio.wait_for(DHTNode.create(
                 p2p=p2p, initial_peers=list(initial_peers), record_validator=validator, client_mode=client_mode,
-                authorizer=authorizer, **({} if p2p is not None else dict(
-                    host_maddrs=[f"/ip4/{host}/tcp/{port}"], identity_path=key.identity_path(),
-                    check_if_identity_free=False, startup_timeout=startup_timeout_s, **options)),
-            ), timeout=startup_timeout_s + 5)
+                authorizer=authorizer), timeout=startup_timeout_s + 5)
         except (P2PDaemonError, asyncio.TimeoutError, OSError, RuntimeError) as exc:
             # hivemind raises RuntimeError when no initial peer answered a ping: they are down,
             # unreachable, or (in a keyed swarm) ignoring us because our swarm key differs.
@@ -167,8 +164,8 @@ class PeerDirectory:
         if peer_id_of_owner_marker(subkey) == record.peer_id:
             return True
         self.impostor_records += 1
-        if ("impostor", record.peer_id) not in self._ignored:
-            self._ignored.add(("impostor", record.peer_id))
+        if record.peer_id not in self._impostors and len(self._impostors) < 4096:
+            self._impostors.add(record.peer_id)
             log.warning("refusing a record that claims peer id %s but is signed by another key", record.peer_id[-8:])
         return False
 
@@ -213,16 +210,18 @@ class PeerDirectory:
         return known[1]
 
     async def shutdown(self) -> None:
-        await self.node.shutdown()
-        if getattr(self, "_own_p2p", None) is not None:
-            await self._own_p2p.shutdown()
+        await self.node.shutdown()  # does not stop a P2P it was handed
+        await self._own_p2p.shutdown()
 
 
-def _daemon_with_flags(flags: dict):
+def daemon_with_flags(flags: dict):
     """hivemind.P2P whose p2pd gets extra command-line flags, e.g. relayDiscovery=False, which
     makes the trusted relays static: the reservation is made at once (~0.2 s) instead of after
     auto-relay's three-minute wait for more relay candidates."""
     from hivemind.p2p import P2P
+
+    if not flags:
+        return P2P
 
     class P2PWithFlags(P2P):
         @staticmethod

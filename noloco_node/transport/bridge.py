@@ -36,7 +36,7 @@ def path_of(addr: object) -> str:
     return "relayed" if "p2p-circuit" in str(addr) else "holepunched"
 
 
-class _DaemonMaddr:
+class DaemonMaddr:
     """A multiaddr as p2pd's go-multiaddr reads it. hivemind's Multiaddr.to_bytes() writes a
     /p2p/<id> component as a CIDv1, which p2pd rejects ("length greater than remaining number of
     bytes in buffer"), so circuit addresses (<relay>/p2p/<id>/p2p-circuit/p2p/<id>) could not be
@@ -123,7 +123,6 @@ class Libp2pBridge:
         os.chmod(self._dir.name, 0o700)  # only this user's processes may speak as us through it
         self._endpoints: dict[str, tuple[asyncio.AbstractServer, str]] = {}
         self._addrs: dict[str, list[str]] = {}
-        self._tasks: set[asyncio.Task] = set()
         self.streams_in = 0
         self.streams_out = 0
 
@@ -175,7 +174,7 @@ class Libp2pBridge:
 
     async def _open(self, peer_id: str):
         peer = PeerID.from_base58(peer_id)
-        addrs = [_DaemonMaddr(a) for a in self._addrs.get(peer_id, [])]
+        addrs = [DaemonMaddr(a) for a in self._addrs.get(peer_id, [])]
         if addrs:
             try:  # teach our daemon where the peer is (a circuit address through its relay, say)
                 await asyncio.wait_for(self.p2p._client.connect(peer, addrs), self.connect_timeout_s)
@@ -206,7 +205,7 @@ class Libp2pBridge:
                 continue
             try:
                 await asyncio.wait_for(self.p2p._client.connect(PeerID.from_base58(peer_id),
-                                                                [_DaemonMaddr(a) for a in addrs]), timeout_s)
+                                                                [DaemonMaddr(a) for a in addrs]), timeout_s)
                 opened += 1
             except Exception as exc:  # noqa: BLE001 - retried on the next heartbeat
                 log.debug("could not dial out to %s: %s", peer_id[-8:], exc)
