@@ -20,8 +20,12 @@ def test_dp_two_replicas_stay_identical(tmp_path, make_swarm):
     # 3 microbatches per driver per batch: a per-sender random cycle over 2 replicas cannot split
     # that evenly, so only a balanced routing keeps every stage-1 replica at one batch per step.
     batch, seq_len = 6, 16
+    # Lockstep: a stage's gradient goes upstream only after its all-reduce, which under load can
+    # take longer than the tiny default re-issue deadline (5 s); a re-issue would then be
+    # computed twice by stage 1, so the microbatch deadline covers a slow round.
     overrides = tiny_overrides(tmp_path, **{"outer.method": "dp", "inner.total_steps": steps, "outer.allreduce_group_size": 2,
-                                            "timeouts.match_s": 1.5, "pipeline.batch_size": batch, "model.seq_len": seq_len})
+                                            "timeouts.match_s": 1.5, "pipeline.batch_size": batch, "model.seq_len": seq_len,
+                                            "timeouts.microbatch_s": 30.0})
     prepare_tokenizer(overrides)
     swarm = make_swarm(overrides)
     events = tmp_path / "events"
