@@ -58,8 +58,13 @@ class Peers:
         time.sleep(0.5)  # let every record propagate before the round (DHT store is asynchronous)
         self.go.touch()
         deadline = time.monotonic() + timeout_s
-        for _, proc in self.procs:
-            proc.wait(timeout=max(1, deadline - time.monotonic()))
+        for name, proc in self.procs:
+            try:
+                proc.wait(timeout=max(1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                out = (self.dir / f"{name}.out").exists()
+                raise AssertionError(f"{name} still running after {timeout_s:.0f} s (result written: {out}); its log:\n"
+                                     + (self.dir / f"{name}.log").read_text()[-4000:]) from None
         results = {}
         for name, _ in self.procs:
             out = self.dir / f"{name}.out"
