@@ -92,11 +92,12 @@ def contact_lookup(directory: PeerDirectory):
     return lookup
 
 
-async def settle_reach(directory: PeerDirectory, links, cfg, *, address: str, bridge_port: int) -> None:
-    """Direct TLS if live peers can dial `address`; otherwise restart our libp2p daemon (in place)
-    as a private peer holding reservations on static relays (the initial peers unless
-    network.relays says otherwise), serve over the bridge, and dial out to the directly reachable
-    peers so they reach us over our own connections rather than a relay circuit."""
+async def settle_reach(directory: PeerDirectory, links, cfg, *, address: str, server) -> None:
+    """Direct TLS if live peers can dial `address` (and then relay for peers behind NAT);
+    otherwise restart our libp2p daemon (in place) as a private peer holding reservations on
+    static relays (the initial peers unless network.relays says otherwise), serve over the bridge,
+    and dial out to the directly reachable peers so they reach us over our own connections. Two
+    NATed peers reach each other through a relay's splice (transport/relay.py)."""
     net, timeouts = cfg.network, cfg.timeouts
     probe = lambda: probe_reachable(directory, links.dialer, address=address, peer_id=directory.peer_id,  # noqa: E731
                                     tls_cert=links.certificate.cert_der, num_stages=cfg.pipeline.num_stages,
@@ -104,13 +105,14 @@ async def settle_reach(directory: PeerDirectory, links, cfg, *, address: str, br
     links.reach = await decide_reach(net.reach if net.check_reachability else "direct", probe)
     if links.reach == "direct":  # NATed peers dial these, so we can reach them without a relay
         links.p2p_addrs = [a for a in await directory.visible_maddrs() if "/ip4/127." not in a][:8]
+        await links.serve_relay()
         return
     log.info("peers cannot dial %s: serving over libp2p (relay / hole punching) instead", address)
     relays = list(net.relays or net.initial_peers)
     # relayDiscovery=0 makes the trusted relays static: a reservation in ~0.2 s, not after 3 min.
     await directory.restart({"force_reachability": "private", "use_auto_relay": True, "trusted_relays": relays,
                              "daemon_flags": {"relayDiscovery": False}})
-    await links.attach(directory.p2p, bridge_port)
+    await links.attach(directory.p2p, server.bridge_port, server.tls_target)
     links.p2p_addrs = await links.reserve_relays(relays, timeouts.relay_s)
     if not links.p2p_addrs:
         log.warning("no relay reservation within %.0f s: only peers we dial ourselves can call us", timeouts.relay_s)

@@ -161,10 +161,10 @@ class Node:
         self.server.add_diagnostics(DiagnosticsServicer(run_id=cfg.run.run_id, version=__version__,
                                                         manifest_hash=self.manifest_hash, timeout_s=cfg.timeouts.connect_s))
         port = await self.server.start()
-        await self.links.attach(self.directory.p2p, self.server.bridge_port)
+        await self.links.attach(self.directory.p2p, self.server.bridge_port, self.server.tls_target)
         self.address = announced_address(cfg.network.host, port, cfg.network.announce_addr,
                                          await self.directory.visible_maddrs())
-        await settle_reach(self.directory, self.links, cfg, address=self.address, bridge_port=self.server.bridge_port)
+        await settle_reach(self.directory, self.links, cfg, address=self.address, server=self.server)
         self.runtime.me = Hop(self.peer_id, self.address, self.stage_index)
         self.metrics_port = None
         if cfg.network.metrics_port is not None:

@@ -34,7 +34,9 @@ def node_stats(self) -> dict:
                         "impostor_calls": self.admission.interceptor.impostors, "replayed_tokens": links.verifier.replays,
                         "cut_at_receive_deadline": self.servicer.cut_at_deadline,
                         "libp2p_streams": {"in": links.bridge.streams_in if links.bridge else 0,
-                                           "out": links.bridge.streams_out if links.bridge else 0}}
+                                           "out": links.bridge.streams_out if links.bridge else 0,
+                                           "refused_in": links.bridge.refused_in if links.bridge else 0},
+                        "relay_served": links.relay.stats() if links.relay is not None else None}
     out["routing_bans"] = self.bans.banned_peers()
     out["faults_fired"] = [f"{point}:{action}" for point, action in self.faults.fired]
     counters = self.sync.counters if self.sync is not None else (self.dp_step.counters if self.dp_step else None)

@@ -31,6 +31,7 @@ async def _serve(config, args: argparse.Namespace) -> int:
     from noloco_node import __version__
     from noloco_node.dht.directory import DirectoryIdentity, PeerDirectory
     from noloco_node.security import read_swarm_key
+    from noloco_node.transport.relay import RelayService
 
     stop = stop_on_signals()
     Path(args.identity).parent.mkdir(parents=True, exist_ok=True)
@@ -39,6 +40,9 @@ async def _serve(config, args: argparse.Namespace) -> int:
         initial_peers=args.initial_peers, host=args.host, port=args.port, identity_path=args.identity,
         startup_timeout_s=config.timeouts.startup_s, swarm_key=read_swarm_key(config.security),
         max_skew_s=config.security.max_clock_skew_s)
+    # Nodes behind NAT reserve a slot here and reach each other through this splice (transport/relay.py).
+    relay = RelayService(directory.p2p)
+    await relay.start()
     maddrs = await directory.visible_maddrs()
     if args.maddr_file:
         atomic_write_text(args.maddr_file, "\n".join(maddrs) + "\n")
@@ -49,5 +53,6 @@ async def _serve(config, args: argparse.Namespace) -> int:
     try:
         await stop.wait()
     finally:
+        await relay.close()
         await directory.shutdown()
     return 0

@@ -77,17 +77,20 @@ class AdmissionInterceptor(grpc.aio.ServerInterceptor):
     def _prove(self, method: str, context) -> tuple[str, str]:
         """(proven peer id, path) of the caller; raises CallAuthError."""
         secure = context.auth_context().get("transport_security_type") == [b"ssl"]
-        origin = None if secure or self.bridged is None else self.bridged(context.peer())
+        # A TLS connection the bridge made is a relay splice: the origin names the relay, not the
+        # caller (end-to-end TLS and the call's signature prove the caller), and gives the path.
+        origin = None if self.bridged is None else self.bridged(context.peer())
         if not secure and origin is None:
             raise CallAuthError("plaintext connections are accepted only from this node's libp2p bridge; use TLS")
+        path = origin[1] if origin is not None else "direct"
         metadata = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
         if self.swarm_key is None and method.startswith(ANONYMOUS_PREFIXES) and "x-noloco-auth" not in metadata:
-            return "anon@" + _host_of(context.peer()), "direct" if secure else origin[1]
+            return "anon@" + _host_of(context.peer()), path
         peer = self.verifier.verify(metadata, method)
-        if origin is not None and origin[0] != peer:
+        if not secure and origin[0] != peer:
             self.impostors += 1
             raise CallAuthError(f"the token names peer {peer[:16]}... but libp2p proved {origin[0][:16]}...")
-        return peer, "direct" if secure else origin[1]
+        return peer, path
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)

@@ -73,6 +73,14 @@ class NodeServer:
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         return self.port
 
+    @property
+    def tls_target(self) -> tuple[str, int] | None:
+        """Where this host reaches our TLS listener (for relay splices delivered by the bridge)."""
+        if self.credentials is None or self.port is None:
+            return None
+        host = self.host.strip("[]")
+        return ("127.0.0.1" if host in ("0.0.0.0", "", "::") else host), self.port
+
     async def stop(self, grace_s: float = 2.0) -> None:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)

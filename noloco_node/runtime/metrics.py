@@ -57,6 +57,11 @@ class _StatsCollector:
                             transport.get("replayed_tokens", 0))
         yield self._counter("noloco_streams_cut", "Streams cut at this node's receive deadline",
                             transport.get("cut_at_receive_deadline", 0))
+        served = transport.get("relay_served")
+        if served is not None:
+            yield self._counter("noloco_relay_bytes", "Bytes this node relayed between peers behind NAT",
+                                served["bytes_relayed"])
+            yield self._gauge("noloco_relay_circuits_open", "Relay circuits open through this node", served["circuits_open"])
         admission = s.get("admission")
         if admission is not None:
             refused = CounterMetricFamily("noloco_calls_refused", "Calls refused before any servicer ran, per status code",

@@ -1,15 +1,18 @@
 """gRPC over libp2p: the same services, the same HTTP/2 bytes, carried on a libp2p stream.
 
 A node that cannot be dialled directly is reached through its libp2p daemon (hivemind's p2pd):
-hole-punched where libp2p manages it, through a circuit relay otherwise. The bridge keeps gRPC as
-the one definition of the protocol by moving bytes, not messages:
+over a libp2p connection between the two peers (hole-punched, or opened by the NATed side), or,
+between two NATed peers, through a public peer's relay splice (transport/relay.py). The bridge
+keeps gRPC as the one definition of the protocol by moving bytes, not messages:
 
     caller's gRPC channel -> unix socket (private dir) -> [bridge] -> libp2p stream "/noloco/grpc/1"
       -> callee's p2pd -> [bridge] -> TCP 127.0.0.1:<plaintext bridge port> -> callee's gRPC server
 
 libp2p encrypts the link (TLS 1.3 or Noise) and its handshake proves the remote peer id. The callee
 records which libp2p peer each of its loopback connections carries, so the admission interceptor
-can require the call's signed identity to be that same peer (rpc/admission.py).
+can require the call's signed identity to be that same peer (rpc/admission.py). Through a relay
+the caller's channel is TLS, pinned to the callee's certificate, end to end to the callee's TLS
+port ("/noloco/relayed/1"): the relay carries ciphertext, and the call's signature proves the caller.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import random
 import tempfile
 from collections import Counter
 from pathlib import Path
@@ -24,10 +28,12 @@ from pathlib import Path
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
+from noloco_node.transport.relay import RELAY_PROTOCOL, RELAYED_PROTOCOL, RelayRefused, ask_relay
+from noloco_node.transport.splice import splice
+
 log = logging.getLogger(__name__)
 
 PROTOCOL = "/noloco/grpc/1"
-_PIECE = 256 << 10
 
 
 def path_of(addr: object) -> str:
@@ -80,106 +86,114 @@ class PathTraffic:
         return out
 
 
-async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, count) -> None:
-    try:
-        while True:
-            data = await reader.read(_PIECE)
-            if not data:
-                break
-            writer.write(data)
-            count(len(data))
-            await writer.drain()
-    except (ConnectionError, asyncio.IncompleteReadError, OSError):
-        pass
-
-
-async def _splice(a_reader, a_writer, b_reader, b_writer, count_ab, count_ba) -> None:
-    """Copy both ways; when either side ends, close both. HTTP/2 never half-closes its socket, so
-    an end is always the link going away (a relay resetting its circuit, say): passing it on as a
-    clean half-close would let gRPC read a cut stream as one the sender ended early, and strike it."""
-    pumps = [asyncio.ensure_future(_pump(a_reader, b_writer, count_ab)),
-             asyncio.ensure_future(_pump(b_reader, a_writer, count_ba))]
-    try:
-        await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for task in pumps:
-            task.cancel()
-        for w in (a_writer, b_writer):
-            try:
-                transport = w.transport
-                transport.abort() if hasattr(transport, "abort") else w.close()
-            except (OSError, RuntimeError, AttributeError):
-                pass
-
-
 class Libp2pBridge:
-    def __init__(self, p2p: P2P, *, traffic: PathTraffic | None = None, connect_timeout_s: float = 10.0) -> None:
+    def __init__(self, p2p: P2P, *, traffic: PathTraffic | None = None, connect_timeout_s: float = 10.0,
+                 max_streams_in: int = 256) -> None:
         self.p2p = p2p
         self.traffic = traffic or PathTraffic()
         self.connect_timeout_s = connect_timeout_s
-        self._origins: dict[int, tuple[str, str]] = {}  # local port of a loopback connection -> (peer id, path)
+        # (host, port) of our side of a connection into our gRPC server -> (libp2p peer id, path)
+        self._origins: dict[tuple[str, int], tuple[str, str]] = {}
         self._grpc_port: int | None = None
+        self._tls_target: tuple[str, int] | None = None
         self._dir = tempfile.TemporaryDirectory(prefix="noloco-bridge-")
         os.chmod(self._dir.name, 0o700)  # only this user's processes may speak as us through it
-        self._endpoints: dict[str, tuple[asyncio.AbstractServer, str]] = {}
+        self._endpoints: dict[tuple[str, str], tuple[asyncio.AbstractServer, str]] = {}
         self._addrs: dict[str, list[str]] = {}
+        self._relays: dict[str, list[tuple[str, str]]] = {}
+        self.max_streams_in = max_streams_in
+        self.open_in = 0
         self.streams_in = 0
         self.streams_out = 0
+        self.refused_in = 0
 
     # ---- serving: libp2p streams in, to our gRPC server ---------------------------------
-    async def serve(self, grpc_port: int) -> None:
-        """Accept libp2p streams for our gRPC server listening (plaintext) on 127.0.0.1:grpc_port."""
-        self._grpc_port = grpc_port
+    async def serve(self, grpc_port: int, tls_target: tuple[str, int] | None = None) -> None:
+        """Accept libp2p streams for our gRPC server: "/noloco/grpc/1" to its plaintext port
+        (127.0.0.1:grpc_port, where admission checks the call against the peer libp2p proved) and,
+        with `tls_target` (host, port of its TLS listener), "/noloco/relayed/1" from a relay to the
+        TLS port (end-to-end TLS; the call's signature proves the caller)."""
+        self._grpc_port, self._tls_target = grpc_port, tls_target
         await self.p2p.add_binary_stream_handler(PROTOCOL, self._on_stream)
+        if tls_target is not None:
+            await self.p2p.add_binary_stream_handler(RELAYED_PROTOCOL, self._on_relayed)
 
     def origin(self, grpc_peer: str) -> tuple[str, str] | None:
-        """(libp2p peer id, path) of the loopback connection gRPC names `ipv4:127.0.0.1:PORT`."""
+        """(libp2p peer id, path) of a connection the bridge made, as gRPC names its client end
+        (`ipv4:127.0.0.1:PORT`); None for any other connection."""
         host, _, port = grpc_peer.rpartition(":")
-        if host not in ("ipv4:127.0.0.1", "ipv6:[::1]") or not port.isdigit():
+        kind, _, host = host.partition(":")
+        if kind not in ("ipv4", "ipv6") or not port.isdigit():
             return None
-        return self._origins.get(int(port))
+        return self._origins.get((host.strip("[]"), int(port)))
 
     async def _on_stream(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer_id, path = info.peer_id.to_base58(), path_of(info.addr)
-        self.streams_in += 1
-        try:
-            up_reader, up_writer = await asyncio.wait_for(
-                asyncio.open_connection("127.0.0.1", self._grpc_port), self.connect_timeout_s)
-        except (OSError, asyncio.TimeoutError):
+        await self._deliver(info.peer_id.to_base58(), path_of(info.addr), ("127.0.0.1", self._grpc_port), reader, writer)
+
+    async def _on_relayed(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await self._deliver(info.peer_id.to_base58(), "relayed", self._tls_target, reader, writer)
+
+    async def _deliver(self, peer_id: str, path: str, server: tuple[str, int], reader, writer) -> None:
+        if self.open_in >= self.max_streams_in:
+            self.refused_in += 1
             writer.close()
             return
-        local_port = up_writer.get_extra_info("sockname")[1]
-        # Registered before a byte is forwarded, so gRPC cannot see the call before its origin.
-        self._origins[local_port] = (peer_id, path)
+        self.streams_in += 1
+        self.open_in += 1
         try:
-            await _splice(reader, writer, up_reader, up_writer, lambda n: self.traffic.add(path, "in", n),
-                          lambda n: self.traffic.add(path, "out", n))
+            try:
+                up_reader, up_writer = await asyncio.wait_for(asyncio.open_connection(*server), self.connect_timeout_s)
+            except (OSError, asyncio.TimeoutError):
+                writer.close()
+                return
+            local = up_writer.get_extra_info("sockname")[:2]
+            # Registered before a byte is forwarded, so gRPC cannot see the call before its origin.
+            self._origins[local] = (peer_id, path)
+            try:
+                await splice(reader, writer, up_reader, up_writer, lambda n: self.traffic.add(path, "in", n),
+                             lambda n: self.traffic.add(path, "out", n))
+            finally:
+                # gRPC may still be finishing calls of this connection: forget its origin a little later.
+                asyncio.get_running_loop().call_later(30.0, self._origins.pop, local, None)
         finally:
-            # gRPC may still be finishing calls of this connection: forget its origin a little later.
-            asyncio.get_running_loop().call_later(30.0, self._origins.pop, local_port, None)
+            self.open_in -= 1
 
     # ---- dialling: our gRPC channels out, over libp2p -----------------------------------
     async def endpoint(self, peer_id: str, addrs: list[str] | tuple[str, ...] = ()) -> str:
-        """A gRPC target (unix socket) whose connections are carried to `peer_id` over libp2p."""
+        """A gRPC target (unix socket) whose connections are carried to `peer_id` over libp2p
+        (a connection between us, which the NATed side may have opened, or a libp2p circuit)."""
         if addrs:
             self._addrs[peer_id] = list(addrs)
-        known = self._endpoints.get(peer_id)
+        return await self._endpoint("libp2p", peer_id, self._on_local)
+
+    async def relay_endpoint(self, peer_id: str, relays: list[tuple[str, str]]) -> str:
+        """A gRPC target whose connections reach `peer_id`'s TLS port through one of `relays`
+        ((relay peer id, relay multiaddr)), tried in random order (transport/relay.py). The channel
+        on top must be TLS, pinned to `peer_id`'s certificate: the relay sees only ciphertext."""
+        self._relays[peer_id] = list(relays)
+        return await self._endpoint("relay", peer_id, self._on_local_relayed)
+
+    async def _endpoint(self, kind: str, peer_id: str, handler) -> str:
+        known = self._endpoints.get((kind, peer_id))
         if known is not None:
             return known[1]
         sock = str(Path(self._dir.name) / f"{len(self._endpoints)}.sock")
-        server = await asyncio.start_unix_server(lambda r, w: self._on_local(peer_id, r, w), path=sock)
+        server = await asyncio.start_unix_server(lambda r, w: handler(peer_id, r, w), path=sock)
         target = f"unix:{sock}"
-        self._endpoints[peer_id] = (server, target)
+        self._endpoints[(kind, peer_id)] = (server, target)
         return target
+
+    async def _connect(self, peer: PeerID, addrs: list[str]) -> None:
+        if addrs:
+            try:  # teach our daemon where the peer is
+                await asyncio.wait_for(self.p2p._client.connect(peer, [DaemonMaddr(a) for a in addrs]),
+                                       self.connect_timeout_s)
+            except Exception as exc:  # noqa: BLE001 - the stream open after this reports the real failure
+                log.debug("connect to %s via %s failed: %s", peer.to_base58()[-8:], addrs, exc)
 
     async def _open(self, peer_id: str):
         peer = PeerID.from_base58(peer_id)
-        addrs = [DaemonMaddr(a) for a in self._addrs.get(peer_id, [])]
-        if addrs:
-            try:  # teach our daemon where the peer is (a circuit address through its relay, say)
-                await asyncio.wait_for(self.p2p._client.connect(peer, addrs), self.connect_timeout_s)
-            except Exception as exc:  # noqa: BLE001 - the stream open below reports the real failure
-                log.debug("connect to %s via %s failed: %s", peer_id[-8:], addrs, exc)
+        await self._connect(peer, self._addrs.get(peer_id, []))
         return await asyncio.wait_for(self.p2p.call_binary_stream_handler(peer, PROTOCOL), self.connect_timeout_s)
 
     async def _on_local(self, peer_id: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -191,8 +205,39 @@ class Libp2pBridge:
             return
         self.streams_out += 1
         path = path_of(info.addr)
-        await _splice(reader, writer, remote_reader, remote_writer, lambda n: self.traffic.add(path, "out", n),
-                      lambda n: self.traffic.add(path, "in", n))
+        await splice(reader, writer, remote_reader, remote_writer, lambda n: self.traffic.add(path, "out", n),
+                     lambda n: self.traffic.add(path, "in", n))
+
+    async def _open_relayed(self, peer_id: str):
+        relays = list(self._relays.get(peer_id, []))
+        random.shuffle(relays)
+        errors = []
+        for relay_id, relay_addr in relays:
+            relay = PeerID.from_base58(relay_id)
+            try:
+                await self._connect(relay, [relay_addr])
+                _, remote_reader, remote_writer = await asyncio.wait_for(
+                    self.p2p.call_binary_stream_handler(relay, RELAY_PROTOCOL), self.connect_timeout_s)
+                try:
+                    await ask_relay(remote_reader, remote_writer, peer_id, self.connect_timeout_s)
+                except RelayRefused:
+                    remote_writer.close()
+                    raise
+                return remote_reader, remote_writer
+            except Exception as exc:  # noqa: BLE001 - try the next relay
+                errors.append(f"{relay_id[-8:]}: {exc or type(exc).__name__}")
+        raise ConnectionError(f"no relay reached {peer_id[-8:]} ({'; '.join(errors) or 'its record names no relay'})")
+
+    async def _on_local_relayed(self, peer_id: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            remote_reader, remote_writer = await self._open_relayed(peer_id)
+        except ConnectionError as exc:
+            log.info("%s", exc)
+            writer.close()
+            return
+        self.streams_out += 1
+        await splice(reader, writer, remote_reader, remote_writer, lambda n: self.traffic.add("relayed", "out", n),
+                     lambda n: self.traffic.add("relayed", "in", n))
 
     async def dial_out(self, peers: dict[str, list[str]], timeout_s: float = 5.0) -> int:
         """Open libp2p connections from us to directly reachable peers (peer id -> their libp2p
@@ -228,6 +273,8 @@ class Libp2pBridge:
         self._endpoints.clear()
         try:
             await self.p2p.remove_binary_stream_handler(PROTOCOL)
+            if self._tls_target is not None:
+                await self.p2p.remove_binary_stream_handler(RELAYED_PROTOCOL)
         except Exception:  # noqa: BLE001 - the daemon may already be gone
             pass
         self._dir.cleanup()

@@ -2,7 +2,8 @@
 
 - `direct`: TLS to the record's address, trusting only the certificate in the record.
 - `holepunched` / `relayed`: gRPC over a libp2p stream (transport/bridge.py) to the record's peer
-  id, through the record's libp2p addresses (its relay circuit, say).
+  id when our daemon holds a connection to it (hole-punched, or opened by the NATed peer);
+  otherwise TLS (pinned as above) through one of the relays the record names (transport/relay.py).
 Every call on every channel is signed for the peer we mean to reach (transport/credentials.py).
 Channels are cached per peer and replaced when the peer's record changes how it is reached.
 """
@@ -19,6 +20,7 @@ from noloco_node.errors import PeerUnavailable
 from noloco_node.transport.bridge import Libp2pBridge, PathTraffic
 from noloco_node.transport.channels import open_channel
 from noloco_node.transport.credentials import CallSigner
+from noloco_node.transport.relay import relays_of
 from noloco_node.transport.tls import CertificateError, pem_from_record, pinned_credentials
 
 log = logging.getLogger(__name__)
@@ -69,9 +71,24 @@ class Dialer:
                                 options=self.options), "direct"
         if self.bridge is None:
             raise PeerUnavailable(f"peer {contact.peer_id[-8:]} is reached over libp2p, which this client lacks")
+        relays = relays_of(contact.p2p_addrs)
+        if relays and await self.via_relay(contact):
+            # No libp2p connection of our own to the peer: through a relay's splice, TLS end to end.
+            try:
+                credentials = pinned_credentials(pem_from_record(contact.tls_cert))
+            except CertificateError as exc:
+                raise PeerUnavailable(f"peer {contact.peer_id[-8:]} publishes no usable certificate: {exc}") from None
+            target = await self.bridge.relay_endpoint(contact.peer_id, relays)
+            return open_channel(target, self.signer, contact.peer_id, credentials=credentials,
+                                options=self.options), "relayed"
         target = await self.bridge.endpoint(contact.peer_id, contact.p2p_addrs)
         # Keepalive pings stay as configured; the libp2p link below has its own.
         return open_channel(target, self.signer, contact.peer_id, options=self.options), contact.reach
+
+    async def via_relay(self, contact: Contact) -> bool:
+        """Whether to reach a peer behind NAT through a relay's splice: yes unless our daemon holds
+        a direct libp2p connection to it (hole-punched, or one it opened to us)."""
+        return await self.bridge.connection_path(contact.peer_id) != "holepunched"
 
     def count_sent(self, path: str, nbytes: int) -> None:
         """Payload bytes sent on the direct path (libp2p paths are counted by the bridge itself)."""

@@ -14,6 +14,7 @@ from noloco_node.transport.bridge import Libp2pBridge, PathTraffic
 from noloco_node.transport.credentials import CallSigner, CallVerifier
 from noloco_node.transport.dialer import Contact, Dialer
 from noloco_node.transport.identity import NodeIdentity
+from noloco_node.transport.relay import RelayService
 from noloco_node.transport.tls import NodeCertificate
 
 log = logging.getLogger(__name__)
@@ -28,6 +29,7 @@ class Links:
         self.verifier = CallVerifier(identity.peer_id, swarm_key=swarm_key, max_skew_s=max_skew_s)
         self.traffic = PathTraffic()
         self.bridge: Libp2pBridge | None = None
+        self.relay: RelayService | None = None
         self._lookup = lookup
         self.dialer = Dialer(self.signer, lookup=self._find, traffic=self.traffic, options=options)
         self.reach = "direct"
@@ -48,14 +50,25 @@ class Links:
         """For the admission interceptor: the libp2p peer behind a bridged loopback connection."""
         return None if self.bridge is None else self.bridge.origin(grpc_peer)
 
-    async def attach(self, p2p, grpc_bridge_port: int) -> None:
-        """Serve and dial over `p2p` (again, after the daemon was restarted in relay mode)."""
+    async def attach(self, p2p, grpc_bridge_port: int, tls_target: tuple[str, int] | None = None) -> None:
+        """Serve and dial over `p2p` (again, after the daemon was restarted in relay mode).
+        `tls_target` (host, port of our TLS listener) lets relays splice callers to it."""
         if self.bridge is not None:
             await self.bridge.close()
+        if self.relay is not None:  # a restarted daemon serves no relay until serve_relay() again
+            await self.relay.close()
+            self.relay = None
         self.bridge = Libp2pBridge(p2p, traffic=self.traffic)
-        await self.bridge.serve(grpc_bridge_port)
+        await self.bridge.serve(grpc_bridge_port, tls_target)
         self.dialer.bridge = self.bridge
         await self.dialer.close()  # channels over the old daemon are dead
+
+    async def serve_relay(self) -> RelayService:
+        """Relay for peers behind NAT (a directly reachable node does; see transport/relay.py)."""
+        if self.relay is None and self.bridge is not None:
+            self.relay = RelayService(self.bridge.p2p)
+            await self.relay.start()
+        return self.relay
 
     def update_reach(self) -> str:
         """For a node that is not directly reachable: `holepunched` when everything libp2p carried
@@ -90,6 +103,8 @@ class Links:
 
     async def close(self) -> None:
         await self.dialer.close()
+        if self.relay is not None:
+            await self.relay.close()
         if self.bridge is not None:
             await self.bridge.close()
         self.identity.close()
