@@ -75,13 +75,18 @@ async def _echo(reader, writer):
     writer.close()
 
 
+_TASKS: set = set()  # the event loop keeps only weak references to tasks
+
+
 async def _pipe_to(handler):
     """A (reader, writer) whose other end is served by `handler`."""
     import socket
 
     ours, theirs = socket.socketpair()
     their_reader, their_writer = await asyncio.open_connection(sock=theirs)
-    asyncio.ensure_future(handler(their_reader, their_writer))
+    task = asyncio.ensure_future(handler(their_reader, their_writer))
+    _TASKS.add(task)
+    task.add_done_callback(_TASKS.discard)
     return await asyncio.open_connection(sock=ours)
 
 
