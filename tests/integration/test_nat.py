@@ -1,7 +1,8 @@
 """Volunteers behind home routers, in a real NAT topology (network namespaces, MASQUERADE, new
 inbound connections dropped): two home nodes join with nothing but `--initial-peers` and
-`--stage auto` (plus the run's config file and a step count), are reached over libp2p (relayed
-by the bootstrap peer, or hole-punched), train with the public replicas, pair in outer rounds
+`--stage auto` (plus the run's config file and a step count), are reached over libp2p (over
+connections they opened to public peers, and through the bootstrap's relay splice between the two
+homes), train with the public replicas, pair in outer rounds
 with each other and with the public replica of their stage, and `status` says how each is reached.
 Neither home node can be dialled directly from the public namespace, checked before training."""
 
@@ -135,3 +136,7 @@ def test_home_nodes_behind_nat_join_train_and_pair(tmp_path):
     paired_with = {p: {h.get("partner") for h in stats[p]["outer_history"] if h.get("outcome") == "paired"}
                    for p in home_ids}
     assert home_ids[1] in paired_with[home_ids[0]] or home_ids[0] in paired_with[home_ids[1]], paired_with
+    # Home to home runs through the bootstrap's relay splice, and it is not capped the way p2pd's
+    # circuits are (128 KiB per direction): together the homes moved more than that through it.
+    relayed = [stats[p]["transport"]["bytes_by_path"].get("relayed", {}) for p in home_ids]
+    assert sum(r.get("out", 0) for r in relayed) > 2 * 131072, relayed
