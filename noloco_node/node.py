@@ -19,7 +19,7 @@ from noloco_node.config import ConfigError, NodeConfig
 from noloco_node.manifest import load_run_inputs
 from noloco_node.dht.directory import DirectoryIdentity, PeerDirectory, least_served_stage
 from noloco_node.dht.records import StageRecord
-from noloco_node.model.stage import build_stage, llama_config
+from noloco_node.model.build import build_run_stage, run_model
 from noloco_node.optim.inner import InnerOptimizer, InnerSchedule
 from noloco_node.optim.state import OuterState
 from noloco_node.pipeline.driver import Stage0Driver
@@ -82,10 +82,8 @@ class Node:
         if self.stage_index is None:
             self.stage_index = await self._choose_stage()
         m = cfg.model
-        llama = llama_config(vocab_size=len(self.tokenizer), hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
-                             num_layers=m.num_layers, num_heads=m.num_heads, max_seq_len=m.seq_len,
-                             attn_implementation=m.attn_implementation)
-        self.stage = build_stage(llama, seed=cfg.run.seed, stage_index=self.stage_index, num_stages=cfg.pipeline.num_stages)
+        llama, ranges = run_model(cfg, len(self.tokenizer))
+        self.stage = build_run_stage(cfg, llama, ranges, self.stage_index)
         self.device = compute_device(cfg.pipeline.device)
         self.stage.to(self.device)  # built (and seeded) on CPU, so every device starts from the same phi_0
         inner = cfg.inner
@@ -124,7 +122,7 @@ class Node:
             await self._start_directory()
         self.peer_id = self.directory.peer_id
         self.links.set_lookup(contact_lookup(self.directory))
-        shape = StageShape(stage=self.stage_index, num_stages=cfg.pipeline.num_stages, hidden_size=m.hidden_size,
+        shape = StageShape(stage=self.stage_index, num_stages=cfg.pipeline.num_stages, hidden_size=llama.hidden_size,
                            seq_len=m.seq_len, microbatch_size=cfg.pipeline.microbatch_size, vocab_size=len(self.tokenizer))
         self.bans = Bans()
         self.runtime = StageRuntime(
@@ -133,7 +131,7 @@ class Node:
             me=Hop(self.peer_id, "", self.stage_index), max_in_flight=cfg.pipeline.max_in_flight,
             send_deadline_s=cfg.timeouts.rpc_s, delay_before_forward_s=cfg.faults.delay_before_forward_s, faults=self.faults,
             balanced_routing=cfg.pipeline.routing == "balanced" or dp, routing_seed=cfg.run.seed)
-        max_bytes = cfg.pipeline.microbatch_size * m.seq_len * m.hidden_size * 4
+        max_bytes = cfg.pipeline.microbatch_size * m.seq_len * llama.hidden_size * 4
         self.servicer = StageServicer(self.runtime, run_id=cfg.run.run_id, manifest_hash=self.manifest_hash,
                                       max_payload_bytes=max_bytes, receive_s=cfg.timeouts.receive_s,
                                       min_bytes_per_s=cfg.security.min_receive_bytes_per_s)

@@ -45,25 +45,54 @@ class RunConfig:
                  "use letters, digits, '-' or '_'")
 
 
+# The paper's shapes as the authors' configs build them (noloco-reference.md section 2.1), and
+# today's tiny default: hidden, intermediate, decoder layers, attention heads.
+MODEL_PRESETS = {"tiny": (128, 352, 4, 4), "small": (768, 3072, 12, 12), "medium": (2048, 8192, 24, 32),
+                 "large": (4096, 16384, 32, 32)}
+_SHAPE_FIELDS = ("hidden_size", "intermediate_size", "num_layers", "num_heads")
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelConfig:
-    hidden_size: int = 128
-    intermediate_size: int = 352
-    num_layers: int = 4
-    num_heads: int = 4
+    preset: str = "tiny"
+    """tiny | small | medium | large (the paper's three shapes); the shape fields override it."""
+    config: str | None = None
+    """A local Hugging Face LlamaConfig JSON (or a directory holding config.json) instead of a preset."""
+    init_from: str | None = None
+    """A local Hugging Face Llama checkpoint directory: phi_0 is its weights (continued pre-training)."""
+    hidden_size: int | None = None
+    intermediate_size: int | None = None
+    num_layers: int | None = None
+    num_heads: int | None = None
     seq_len: int = 128
     """Tokens per training sequence."""
     attn_implementation: str = "sdpa"
     """'sdpa' or 'eager'; the causal mask is always passed explicitly."""
 
     def __post_init__(self) -> None:
-        for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "seq_len"):
-            _require(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}", "use a positive integer")
-        _require(self.hidden_size % self.num_heads == 0, "num_heads",
-                 f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}",
-                 "choose num_heads that divides hidden_size")
+        _require(self.preset in MODEL_PRESETS, "preset", f"unknown preset {self.preset!r}",
+                 f"use one of {', '.join(MODEL_PRESETS)}, or model.config = PATH")
+        _require(not (self.config and self.init_from), "config", "model.config and model.init_from are both set",
+                 "keep only init_from: the checkpoint's config.json is the model's config")
+        for name in _SHAPE_FIELDS:
+            value = getattr(self, name)
+            _require(value is None or not (self.config or self.init_from), name,
+                     f"is set, but the model comes from {'model.config' if self.config else 'model.init_from'}",
+                     f"remove model.{name} (edit the config JSON instead)")
+            _require(value is None or value >= 1, name, f"must be >= 1, got {value}", "use a positive integer")
+        _require(self.seq_len >= 1, "seq_len", f"must be >= 1, got {self.seq_len}", "use a positive integer")
+        if not (self.config or self.init_from):
+            shape = self.shape()
+            _require(shape["hidden_size"] % shape["num_heads"] == 0, "num_heads",
+                     f"hidden_size {shape['hidden_size']} is not divisible by num_heads {shape['num_heads']}",
+                     "choose num_heads that divides hidden_size")
         _require(self.attn_implementation in ("sdpa", "eager"), "attn_implementation",
                  f"unknown value {self.attn_implementation!r}", "use 'sdpa' or 'eager'")
+
+    def shape(self) -> dict[str, int]:
+        """The preset's shape with the fields that are set applied over it."""
+        base = dict(zip(_SHAPE_FIELDS, MODEL_PRESETS[self.preset]))
+        return {name: getattr(self, name) or base[name] for name in _SHAPE_FIELDS}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -115,6 +144,10 @@ class PipelineConfig:
     """Where this stage computes: auto (cuda if torch sees a GPU, else cpu), cpu, cuda or cuda:N."""
     bf16_autocast: bool = True
     """On a GPU, run the stage's compute under bf16 autocast (fp32 master weights, phi and m)."""
+    layers_per_stage: tuple[int, ...] = ()
+    """Decoder layers per stage, e.g. [7, 5]; empty = split by per-token compute cost (model/split.py)."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward instead of keeping them (less memory)."""
 
     def __post_init__(self) -> None:
         _require(self.num_stages >= 1, "num_stages", f"must be >= 1, got {self.num_stages}", "use a positive integer")
@@ -132,6 +165,12 @@ class PipelineConfig:
                  "device", f"unknown device {self.device!r}", "use auto, cpu, cuda or cuda:N")
         _require(self.activation_codec in CODECS, "activation_codec", f"unknown codec {self.activation_codec!r}",
                  f"use one of {', '.join(CODECS)}")
+        _require(not self.layers_per_stage or len(self.layers_per_stage) == self.num_stages, "layers_per_stage",
+                 f"has {len(self.layers_per_stage)} entries but num_stages is {self.num_stages}",
+                 f"give one layer count per stage ({self.num_stages}), or leave it empty to split by cost")
+        _require(all(n >= 1 for n in self.layers_per_stage), "layers_per_stage",
+                 f"{list(self.layers_per_stage)} gives a stage no decoder layer",
+                 "give every stage >= 1 layer, or leave it empty to split by cost")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -380,9 +419,16 @@ class NodeConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def __post_init__(self) -> None:
-        _require(self.model.num_layers >= self.pipeline.num_stages, "pipeline.num_stages",
-                 f"{self.pipeline.num_stages} stages but only {self.model.num_layers} decoder layers (model.num_layers)",
+        if self.model.config or self.model.init_from:
+            return  # the layer count is in the model's config.json (checked when the model is built)
+        layers = self.model.shape()["num_layers"]
+        _require(layers >= self.pipeline.num_stages, "pipeline.num_stages",
+                 f"{self.pipeline.num_stages} stages but only {layers} decoder layers (model.num_layers)",
                  "use at most model.num_layers stages, or more layers")
+        _require(not self.pipeline.layers_per_stage or sum(self.pipeline.layers_per_stage) == layers,
+                 "pipeline.layers_per_stage", f"{list(self.pipeline.layers_per_stage)} sums to "
+                 f"{sum(self.pipeline.layers_per_stage)} but the model has {layers} decoder layers",
+                 f"give {self.pipeline.num_stages} counts that sum to {layers}, or leave it empty to split by cost")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -391,7 +437,10 @@ class NodeConfig:
         """Hash of what every peer of a run must agree on (model, layout, seed, optimizer, data
         tokenization); `extra` adds runtime facts such as the tokenizer's hash."""
         d = self.to_dict()
-        manifest = {"run": d["run"], "model": d["model"], "num_stages": d["pipeline"]["num_stages"],
+        # Paths differ between machines: the files' contents enter through `extra` (manifest.py).
+        model = {k: v for k, v in d["model"].items() if k not in ("config", "init_from")}
+        manifest = {"run": d["run"], "model": model, "num_stages": d["pipeline"]["num_stages"],
+                    "layers_per_stage": d["pipeline"]["layers_per_stage"],
                     "inner": d["inner"], "outer": d["outer"], "vocab_size": d["data"]["vocab_size"], "extra": list(extra)}
         return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:16]
 

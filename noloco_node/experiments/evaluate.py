@@ -20,7 +20,8 @@ from safetensors.torch import load_file
 from noloco_node.config import NodeConfig
 from noloco_node.data.loader import PackedSequences
 from noloco_node.manifest import load_run_inputs
-from noloco_node.model.stage import LlamaStage, build_stage, llama_config
+from noloco_node.model.build import build_run_stage, run_model
+from noloco_node.model.stage import LlamaStage
 
 SNAPSHOT = re.compile(r"stage(\d+)-(\w{8})-(?:step(\d+)|final)\.safetensors$")
 
@@ -73,11 +74,9 @@ def evaluate_snapshots(config: NodeConfig, snapshot_dir: Path, columns: list[lis
     the row at `final_step`, replacing a step row there: with random routing the replicas of a
     stage > 0 need not end on exactly the drivers' last step, so that step's row may be missing."""
     inputs, labels, tokenizer = held_out_windows(config, eval_sequences)
-    m, p = config.model, config.pipeline
-    llama = llama_config(vocab_size=len(tokenizer), hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
-                         num_layers=m.num_layers, num_heads=m.num_heads, max_seq_len=m.seq_len,
-                         attn_implementation=m.attn_implementation)
-    stages = [build_stage(llama, seed=config.run.seed, stage_index=s, num_stages=p.num_stages) for s in range(p.num_stages)]
+    p = config.pipeline
+    llama, ranges = run_model(config, len(tokenizer))
+    stages = [build_run_stage(config, llama, ranges, s) for s in range(p.num_stages)]
     for stage in stages:
         stage.eval()
     rows = []

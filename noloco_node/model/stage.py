@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import Tensor, nn
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
@@ -35,11 +36,13 @@ class LlamaStage(nn.Module):
     """One contiguous slice of a Llama. `forward` maps token ids (stage 0) or hidden states
     [batch, seq, hidden] to hidden states, or to logits [batch, seq, vocab] on the last stage."""
 
-    def __init__(self, config: LlamaConfig, full: LlamaForCausalLM, stage_index: int, num_stages: int) -> None:
+    def __init__(self, config: LlamaConfig, full: LlamaForCausalLM, stage_index: int, num_stages: int,
+                 layer_range: range | None = None) -> None:
         super().__init__()
         self.config = config
         self.stage_index, self.num_stages = stage_index, num_stages
-        self.layer_range = stage_layer_ranges(config.num_hidden_layers, num_stages)[stage_index]
+        self.layer_range = layer_range if layer_range is not None else \
+            stage_layer_ranges(config.num_hidden_layers, num_stages)[stage_index]
         self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
         self.model = nn.Module()
         if self.is_first:
@@ -49,6 +52,7 @@ class LlamaStage(nn.Module):
             self.model.norm = full.model.norm
             self.lm_head = full.lm_head
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
+        self.activation_checkpointing = False
         self._mask_cache: tuple[tuple, Tensor] | None = None
 
     def _mask(self, hidden: Tensor) -> Tensor:
@@ -64,8 +68,15 @@ class LlamaStage(nn.Module):
         position_embeddings = self.rotary_emb(hidden, position_ids)
         mask = self._mask(hidden)
         for layer in self.model.layers.values():
-            hidden = layer(hidden, attention_mask=mask, position_ids=position_ids,
-                           position_embeddings=position_embeddings)
+            if self.activation_checkpointing and self.training and torch.is_grad_enabled():
+                # Keep only each layer's input; recompute its inside during backward.
+                hidden = torch.utils.checkpoint.checkpoint(
+                    layer, hidden, attention_mask=mask, position_ids=position_ids,
+                    position_embeddings=position_embeddings, use_reentrant=False)
+            else:
+                hidden = layer(hidden, attention_mask=mask, position_ids=position_ids,
+                               position_embeddings=position_embeddings)
+            hidden = hidden[0] if isinstance(hidden, tuple) else hidden
         if self.is_last:
             return self.lm_head(self.model.norm(hidden))
         return hidden
@@ -85,11 +96,26 @@ def build_full_model(config: LlamaConfig, seed: int) -> LlamaForCausalLM:
         return LlamaForCausalLM(config)
 
 
-def build_stage(config: LlamaConfig, *, seed: int, stage_index: int, num_stages: int) -> LlamaStage:
-    """Exactly stage `stage_index` of `num_stages`, identical on every replica built from `seed`."""
+def load_full_model(config: LlamaConfig, path: str) -> LlamaForCausalLM:
+    """A Hugging Face Llama checkpoint's weights in float32. A checkpoint that ties its LM head to
+    the embedding gets an untied copy: the two live on different stages."""
+    model = LlamaForCausalLM.from_pretrained(path, torch_dtype=torch.float32, local_files_only=True)
+    if model.lm_head.weight is model.model.embed_tokens.weight:
+        model.lm_head.weight = nn.Parameter(model.model.embed_tokens.weight.detach().clone())
+    model.config.tie_word_embeddings = False
+    if model.config.vocab_size != config.vocab_size or model.config.num_hidden_layers != config.num_hidden_layers:
+        raise ValueError(f"the checkpoint at {path} does not match its config.json")
+    return model
+
+
+def build_stage(config: LlamaConfig, *, seed: int, stage_index: int, num_stages: int,
+                layer_range: range | None = None, init_from: str | None = None) -> LlamaStage:
+    """Exactly stage `stage_index` of `num_stages` (decoder layers `layer_range`; even split if
+    None), identical on every replica built from `seed`, or from the checkpoint at `init_from`."""
     if not 0 <= stage_index < num_stages:
         raise ValueError(f"stage_index {stage_index} is outside 0..{num_stages - 1}")
-    return LlamaStage(config, build_full_model(config, seed), stage_index, num_stages)
+    full = load_full_model(config, init_from) if init_from else build_full_model(config, seed)
+    return LlamaStage(config, full, stage_index, num_stages, layer_range)
 
 
 def llama_config(*, vocab_size: int, hidden_size: int, intermediate_size: int, num_layers: int,

@@ -24,7 +24,8 @@ from torch import Tensor
 
 from noloco_node.codec import decode, encode
 from noloco_node.config import NodeConfig
-from noloco_node.model.stage import LlamaStage, build_stage, llama_config
+from noloco_node.model.build import build_run_stage, run_model
+from noloco_node.model.stage import LlamaStage
 from noloco_node.optim.inner import InnerOptimizer, InnerSchedule
 from noloco_node.optim.state import OuterState
 
@@ -56,10 +57,8 @@ class LocalSimulation:
         self.config, self.num_replicas = config, num_replicas
         self.num_stages = config.pipeline.num_stages
         self.rng = random.Random(config.run.seed if seed is None else seed)
-        m, inner = config.model, config.inner
-        self.llama = llama_config(vocab_size=vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
-                                  num_layers=m.num_layers, num_heads=m.num_heads, max_seq_len=m.seq_len,
-                                  attn_implementation=m.attn_implementation)
+        inner = config.inner
+        self.llama, ranges = run_model(config, vocab_size)
         schedule = InnerSchedule(lr_max=inner.lr, warmup_steps=inner.warmup_steps, total_steps=inner.total_steps,
                                  min_lr_ratio=inner.min_lr_ratio)
         outer = config.outer
@@ -67,7 +66,7 @@ class LocalSimulation:
         for s in range(self.num_stages):
             row = []
             for _ in range(num_replicas):
-                stage = build_stage(self.llama, seed=config.run.seed, stage_index=s, num_stages=self.num_stages)
+                stage = build_run_stage(config, self.llama, ranges, s)
                 row.append(Replica(
                     stage=stage,
                     inner=InnerOptimizer(stage.parameters(), schedule, betas=(inner.beta1, inner.beta2), eps=inner.eps,

@@ -38,6 +38,9 @@ def test_python_dash_m_works():
     (["config", "show", "--set", "outer.alpha=abc"], "outer.alpha"),
     (["config", "show", "--set", "pipeline.batchsize=4"], "pipeline.batchsize"),
     (["demo", "--steps", "1", "--set", "inner.lr=-1"], "inner.lr"),
+    (["config", "show", "--set", "pipeline.layers_per_stage=3,3"], "pipeline.layers_per_stage"),
+    (["config", "show", "--set", "pipeline.layers_per_stage=4,0"], "pipeline.layers_per_stage"),
+    (["config", "show", "--set", "model.preset=huge"], "model.preset"),
 ])
 def test_bad_config_exits_2_naming_the_field(args, field):
     result = run_cli(*args)
