@@ -1,0 +1,114 @@
+"""`noloco-node export | eval | generate`: the trained model as a Hugging Face model directory,
+its held-out loss, and text from it. All offline: nothing is downloaded."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from noloco_node.cli.common import add_config_flags, resolve_config
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("export", help="write the trained model as a Hugging Face model directory",
+                              description="Build a standard Hugging Face model directory (config.json, safetensors "
+                                          "weights, tokenizer) from node checkpoints of every stage. The run's "
+                                          "config (--config/--set) names the model and tokenizer.")
+    p.add_argument("--from-checkpoint", nargs="+", type=Path, required=True, metavar="DIR",
+                   help="checkpoint directories (checkpoint.dir of the nodes) that hold every stage between them")
+    p.add_argument("--out", type=Path, required=True, help="the model directory to write")
+    p.add_argument("--average", action="store_true", help="average all checkpoints of a stage instead of taking the newest")
+    add_config_flags(p)
+    p.set_defaults(run=run_export)
+
+    p = subparsers.add_parser("eval", help="held-out loss and perplexity of a model directory on the run's data")
+    p.add_argument("model_dir", type=Path)
+    p.add_argument("--sequences", type=int, default=32, help="held-out sequences to evaluate (default 32)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    add_config_flags(p)
+    p.set_defaults(run=run_eval)
+
+    p = subparsers.add_parser("generate", help="print a continuation of a prompt from a model directory")
+    p.add_argument("model_dir", type=Path)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=40)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(run=run_generate)
+
+
+def _model_dir(path: Path) -> Path:
+    from noloco_node.config import ConfigError
+
+    if not (path / "config.json").is_file():
+        raise ConfigError("model_dir", f"{path} holds no config.json", "point at a directory `noloco-node export` wrote")
+    return path
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from noloco_node.export import ExportError, weights_from_checkpoints, write_model_dir
+    from noloco_node.manifest import load_run_inputs
+    from noloco_node.model.build import resolve_llama_config
+
+    config = resolve_config(args)
+    _, tokenizer, manifest_hash = load_run_inputs(config)
+    try:
+        weights, kind = weights_from_checkpoints(list(args.from_checkpoint), config, manifest_hash, average=args.average)
+        out = write_model_dir(args.out, resolve_llama_config(config.model, len(tokenizer)), weights, tokenizer)
+    except ExportError as exc:
+        print(f"noloco-node export: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {out} ({sum(t.numel() for t in weights.values()):,} parameters, {kind} weights"
+          f"{', replicas averaged' if args.average else ''})")
+    return 0
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from noloco_node.experiments.evaluate import held_out_windows
+
+    config = resolve_config(args)
+    model = AutoModelForCausalLM.from_pretrained(_model_dir(args.model_dir), local_files_only=True, torch_dtype=torch.float32)
+    model.eval()
+    inputs, labels, tokenizer = held_out_windows(config, args.sequences)
+    if len(tokenizer) > model.config.vocab_size:
+        print(f"noloco-node eval: the run's tokenizer has {len(tokenizer)} tokens, the model {model.config.vocab_size}; "
+              "pass the run's --config", file=sys.stderr)
+        return 1
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for i in range(0, len(inputs), 8):
+            logits = model(input_ids=inputs[i:i + 8]).logits.float()
+            total += torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[i:i + 8].reshape(-1),
+                                                       reduction="sum").item()
+            count += labels[i:i + 8].numel()
+    loss = total / count
+    result = {"model_dir": str(args.model_dir), "sequences": len(inputs), "tokens": count, "loss": loss,
+              "perplexity": math.exp(loss)}
+    print(json.dumps(result) if args.json else f"held-out loss {loss:.4f}, perplexity {math.exp(loss):.2f} "
+                                               f"({len(inputs)} sequences, {count} tokens)")
+    return 0
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    directory = _model_dir(args.model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, torch_dtype=torch.float32)
+    model.eval()
+    ids = tokenizer(args.prompt, return_tensors="pt", add_special_tokens=False).input_ids
+    torch.manual_seed(args.seed)
+    sampling = args.temperature > 0
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
+                             do_sample=sampling, temperature=args.temperature if sampling else None, top_p=None, top_k=None,
+                             pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
+    print(args.prompt + tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+    return 0
