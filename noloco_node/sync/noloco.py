@@ -107,7 +107,10 @@ class NoLoCoSync:
         return snapshot, expected, self.codec
 
     async def finish(self, peer_id: str, received: dict[str, Tensor] | None, reason: str) -> None:
-        await self._complete(peer_id, received, reason)
+        # The RPC reporting this is cancelled when its caller vanishes, possibly while the step is
+        # being applied: the round's one update must still finish (and set `done`), or outer_step
+        # would wait for it forever (seen under CI load in test_partner_dies_mid_exchange).
+        await asyncio.shield(self._complete(peer_id, received, reason))
 
     # ---- the round ------------------------------------------------------------------------
     async def outer_step(self, inner_step: int, round_index: int) -> str:

@@ -43,4 +43,7 @@ def test_demo_noloco_d4_p2(tmp_path):
     assert outer["paired"] > 0 and outer["paired"] + outer["solo"] == outer["rounds"]
     spread = summary["replica_spread_last"]
     assert spread is not None and 0 < spread < 1.0
-    assert all(b > 0 for b in summary["bytes_sent_outer"].values())
+    # Every node that paired sent its snapshot. (Without a barrier a replica can run a round
+    # ahead of the others and step solo every time: a CI run under load saw 2 of 8 do so.)
+    assert all(summary["bytes_sent_outer"][name] > 0 for name, node in nodes.items() if node["outer"]["paired"] > 0)
+    assert sum(b > 0 for b in summary["bytes_sent_outer"].values()) >= 4

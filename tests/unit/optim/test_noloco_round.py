@@ -1,0 +1,54 @@
+"""A round's one update survives the cancellation of the RPC that reports it: the servicer's
+call is cancelled when a partner vanishes, possibly while the step is being applied."""
+
+import asyncio
+import random
+import time
+
+import torch
+from torch import nn
+
+from noloco_node.optim.state import OuterState
+from noloco_node.pipeline.router import Bans
+from noloco_node.sync.noloco import NoLoCoSync
+
+
+class SlowCompute:
+    """Runs the function in a thread after a delay, like a busy compute thread under load."""
+
+    async def run(self, fn, *args):
+        await asyncio.sleep(0.2)
+        return await asyncio.to_thread(fn, *args)
+
+
+class NoPeers:
+    async def matching(self, stage, round_index):
+        return []
+
+
+def test_cancelled_finish_still_completes_the_round():
+    model = nn.Module()
+    model.w = nn.Parameter(torch.ones(4))
+    state = OuterState(model.named_parameters(), alpha=0.5, beta=0.7)
+
+    async def set_status(*_):
+        return None
+
+    sync = NoLoCoSync(state, client=None, directory=NoPeers(), compute=SlowCompute(), peer_id="me", stage=0,
+                      codec="none", match_s=1.0, max_distance_ratio=10.0, bans=Bans(), set_status=set_status,
+                      rng=random.Random(0))
+
+    async def scenario():
+        round_task = asyncio.ensure_future(sync.outer_step(inner_step=1, round_index=1))
+        await asyncio.sleep(0.3)  # the round is matching (its snapshot frozen)
+        sync.partner = "gone"  # an accepted incoming session whose caller then died ...
+        finish = asyncio.ensure_future(sync.finish("gone", None, "timed_out"))
+        await asyncio.sleep(0.05)
+        finish.cancel()  # ... and gRPC cancels its handler while the solo step is applied
+        started = time.monotonic()
+        outcome = await asyncio.wait_for(round_task, 10)
+        return outcome, time.monotonic() - started
+
+    outcome, waited = asyncio.run(scenario())
+    assert outcome == "solo" and sync.counters.solo == 1 and sync.counters.rounds == 1
+    assert waited < 5
