@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from noloco_node import checkpoint
+from noloco_node.cli.main import main
 from noloco_node.manifest import load_run_inputs
 from noloco_node.model.build import build_run_stage, run_model
 from noloco_node.optim.inner import InnerOptimizer, InnerSchedule
@@ -43,7 +44,7 @@ def _replica_checkpoint(config, llama, ranges, stage_index, directory, manifest_
     return {n: t.clone() for n, t in outer.phi.items()}
 
 
-def test_export_from_checkpoints_loads_in_transformers_and_matches_the_stages(tmp_path):
+def test_export_from_checkpoints_loads_in_transformers_and_matches_the_stages(tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
     overrides = tiny_overrides(tmp_path, **{"pipeline.num_stages": 2, "data.holdout_fraction": 0.05})
@@ -86,16 +87,16 @@ def test_export_from_checkpoints_loads_in_transformers_and_matches_the_stages(tm
             mean = (phis[(s, 0)][name].double() + phis[(s, 1)][name].double()) / 2
             assert torch.allclose(state[name].double(), mean, rtol=0, atol=1e-7), name
 
+    # The same CLI in this process (the console script is tested above; this saves the imports).
+    sets = [a for o in overrides for a in ("--set", o)]
     # A checkpoint of another run is refused, naming what to pass.
-    result = cli(overrides + ["run.seed=5"], "export", "--from-checkpoint", str(tmp_path / "ckpt00"),
-                 str(tmp_path / "ckpt10"), "--out", str(tmp_path / "wrong"))
-    assert result.returncode == 1 and "another run or model" in result.stderr, result.stderr[-2000:]
+    assert main(["export", "--from-checkpoint", str(tmp_path / "ckpt00"), str(tmp_path / "ckpt10"), "--out",
+                 str(tmp_path / "wrong"), *sets, "--set", "run.seed=5"]) == 1
+    assert "another run or model" in capsys.readouterr().err
 
-    result = cli(overrides, "eval", str(out), "--json", "--sequences", "8")
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert main(["eval", str(out), "--json", "--sequences", "8", *sets]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["sequences"] >= 1 and report["perplexity"] == pytest.approx(2.718281828 ** report["loss"], rel=1e-6)
-    result = subprocess.run([sys.executable, "-m", "noloco_node", "generate", str(out), "--prompt", "In the beginning",
-                             "--max-new-tokens", "12"], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.startswith("In the beginning") and len(result.stdout.strip()) > len("In the beginning")
+    assert main(["generate", str(out), "--prompt", "In the beginning", "--max-new-tokens", "12"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("In the beginning") and len(text.strip()) > len("In the beginning")
