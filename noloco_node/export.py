@@ -103,3 +103,93 @@ def write_model_dir(out: Path, llama_config, weights: dict[str, torch.Tensor], t
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return out
+
+
+def expected_state(llama_config, layer_range: range, stage: int, num_stages: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The tensors a donor's FetchState may send for one stage (phi, m, Adam moments), from the
+    model's config alone (on the meta device: nothing is allocated)."""
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        full = LlamaForCausalLM(llama_config)
+    out = {}
+    for name, param in full.named_parameters():
+        parts = name.split(".")
+        mine = (name.startswith("model.embed_tokens") and stage == 0) or \
+               (name.startswith(("model.norm", "lm_head")) and stage == num_stages - 1) or \
+               (parts[:2] == ["model", "layers"] and int(parts[2]) in layer_range)
+        if mine:
+            for kind in ("phi", "momentum", "adam_exp_avg", "adam_exp_avg_sq"):
+                out[f"{kind}/{name}"] = (tuple(param.shape), torch.float32)
+    return out
+
+
+async def fetch_replicas(config: NodeConfig, manifest_hash: str, llama_config, ranges: list[range], *,
+                         every_replica: bool, timeout_s: float) -> dict[int, list[tuple[str, dict[str, torch.Tensor], dict]]]:
+    """stage -> [(peer id, phi, counters)] fetched over FetchState from live replicas: one per
+    stage (the first of a random order that answers), or every replica with `every_replica`."""
+    import random
+
+    from noloco_node import __version__
+    from noloco_node.dht.directory import DirectoryIdentity, PeerDirectory
+    from noloco_node.errors import NodeError
+    from noloco_node.joining import contact_lookup
+    from noloco_node.rpc.outer_service import OuterClient
+    from noloco_node.rpc.stage_service import GRPC_OPTIONS
+    from noloco_node.security import read_swarm_key
+    from noloco_node.transport.bridge import Libp2pBridge
+    from noloco_node.transport.identity import NodeIdentity
+    from noloco_node.transport.links import Links
+
+    p = config.pipeline
+    swarm_key = read_swarm_key(config.security)
+    directory = await PeerDirectory.start(
+        DirectoryIdentity(config.run.run_id, manifest_hash, __version__, p.num_stages),
+        initial_peers=list(config.network.initial_peers), host=config.network.host, client_mode=True,
+        startup_timeout_s=config.timeouts.startup_s, swarm_key=swarm_key, max_skew_s=config.security.max_clock_skew_s)
+    links = Links(NodeIdentity.generate(), swarm_key=swarm_key, max_skew_s=config.security.max_clock_skew_s,
+                  lookup=contact_lookup(directory), options=GRPC_OPTIONS)
+    links.bridge = links.dialer.bridge = Libp2pBridge(directory.p2p, traffic=links.traffic)  # NATed replicas too
+    # The largest stage's state in bytes (float32): the bound on what a donor may send us.
+    max_bytes = 4 * max(sum(_numel(shape) for shape, _ in expected_state(llama_config, r, i, p.num_stages).values())
+                        for i, r in enumerate(ranges))
+    client = OuterClient(run_id=config.run.run_id, manifest_hash=manifest_hash, max_bytes=max_bytes, dialer=links.dialer)
+    found: dict[int, list[tuple[str, dict[str, torch.Tensor], dict]]] = {}
+    try:
+        for stage in range(p.num_stages):
+            expected = expected_state(llama_config, ranges[stage], stage, p.num_stages)
+            replicas = [r.peer_id for r in await directory.replicas(stage, fresh=True)]
+            if not replicas:
+                raise ExportError(f"no live replica of stage {stage} in run {config.run.run_id!r} with this model "
+                                  f"(manifest {manifest_hash}); is the swarm up, and is this its --config?")
+            random.shuffle(replicas)
+            errors = []
+            for peer in replicas:
+                try:
+                    tensors, counters = await client.fetch_state(peer, stage=stage, peer_id=links.peer_id,
+                                                                 timeout_s=timeout_s, expected=expected)
+                except NodeError as exc:
+                    errors.append(f"{peer[-8:]}: {exc}")
+                    continue
+                phi = {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("phi/")}
+                found.setdefault(stage, []).append((peer, phi, counters))
+                log.info("stage %d: phi of %s (inner step %s, outer round %s)", stage, peer[-8:],
+                         counters.get("inner_step"), counters.get("outer_round"))
+                if not every_replica:
+                    break
+            if stage not in found:
+                raise ExportError(f"no replica of stage {stage} gave its state: {'; '.join(errors)}")
+            if every_replica and errors:
+                raise ExportError(f"--average needs every replica of stage {stage}; these failed: {'; '.join(errors)}")
+    finally:
+        await client.close()
+        await links.close()
+        await directory.shutdown()
+    return found
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

@@ -19,7 +19,7 @@ from noloco_node.config import ConfigError, NodeConfig
 from noloco_node.manifest import load_run_inputs
 from noloco_node.dht.directory import DirectoryIdentity, PeerDirectory, least_served_stage
 from noloco_node.dht.records import StageRecord
-from noloco_node.model.build import build_run_stage, run_model
+from noloco_node.model.build import build_run_stage, check_fits, run_model
 from noloco_node.optim.inner import InnerOptimizer, InnerSchedule
 from noloco_node.optim.state import OuterState
 from noloco_node.pipeline.driver import Stage0Driver
@@ -83,8 +83,9 @@ class Node:
             self.stage_index = await self._choose_stage()
         m = cfg.model
         llama, ranges = run_model(cfg, len(self.tokenizer))
-        self.stage = build_run_stage(cfg, llama, ranges, self.stage_index)
         self.device = compute_device(cfg.pipeline.device)
+        check_fits(cfg, llama, ranges, self.stage_index, self.device)  # before anything is allocated
+        self.stage = build_run_stage(cfg, llama, ranges, self.stage_index)
         self.stage.to(self.device)  # built (and seeded) on CPU, so every device starts from the same phi_0
         inner = cfg.inner
         schedule = InnerSchedule(lr_max=inner.lr, warmup_steps=inner.warmup_steps, total_steps=inner.total_steps,

@@ -29,6 +29,8 @@ def register(subparsers) -> None:
     p.add_argument("--events", metavar="FILE", help="append a JSONL event stream here (log.events_file)")
     p.add_argument("--steps", type=int, default=0, help="stage 0: train until inner step N, then leave (a node that "
                    "resumed from its checkpoint or fetched a replica's state runs only what is left; 0 = serve until stopped)")
+    p.add_argument("--serve-after", action="store_true", help="stage 0 with --steps: keep serving after the last "
+                   "step (phi for joiners and `export --initial-peers`) until stopped")
     p.add_argument("--wait-replicas", type=int, default=1, help="stage 0: wait until every stage has this many replicas")
     p.add_argument("--threads", type=int, help="torch threads for this process (default: all cores)")
     p.add_argument("--out", help="write this node's stats (and weights with --save-weights) here on exit")
@@ -105,6 +107,9 @@ async def _serve(config, args: argparse.Namespace) -> int:
             if not stop.is_set():
                 # Until inner step N: a resumed node or one that fetched a replica's state starts past 0.
                 await _race(node.train(max(0, args.steps - node.worker.inner_steps), on_inner_step=report), stop)
+                if args.serve_after and not stop.is_set():
+                    await report()
+                    await stop.wait()
         else:
             await stop.wait()
     finally:

@@ -15,12 +15,17 @@ from noloco_node.cli.common import add_config_flags, resolve_config
 def register(subparsers) -> None:
     p = subparsers.add_parser("export", help="write the trained model as a Hugging Face model directory",
                               description="Build a standard Hugging Face model directory (config.json, safetensors "
-                                          "weights, tokenizer) from node checkpoints of every stage. The run's "
+                                          "weights, tokenizer) from a live swarm (phi of a replica of every stage, "
+                                          "over FetchState) or from node checkpoints of every stage. The run's "
                                           "config (--config/--set) names the model and tokenizer.")
-    p.add_argument("--from-checkpoint", nargs="+", type=Path, required=True, metavar="DIR",
-                   help="checkpoint directories (checkpoint.dir of the nodes) that hold every stage between them")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--initial-peers", nargs="+", metavar="MADDR", help="a live swarm's DHT multiaddrs")
+    source.add_argument("--from-checkpoint", nargs="+", type=Path, metavar="DIR",
+                        help="checkpoint directories (checkpoint.dir of the nodes) that hold every stage between them")
     p.add_argument("--out", type=Path, required=True, help="the model directory to write")
-    p.add_argument("--average", action="store_true", help="average all checkpoints of a stage instead of taking the newest")
+    p.add_argument("--average", action="store_true",
+                   help="average every live replica (or every checkpoint) of a stage instead of taking one")
+    p.add_argument("--timeout-s", type=float, default=300.0, help="deadline of each state download (live export)")
     add_config_flags(p)
     p.set_defaults(run=run_export)
 
@@ -53,15 +58,27 @@ def run_export(args: argparse.Namespace) -> int:
     from noloco_node.manifest import load_run_inputs
     from noloco_node.model.build import resolve_llama_config
 
-    config = resolve_config(args)
+    config = resolve_config(args, flags={"network": {"initial_peers": args.initial_peers}})
     _, tokenizer, manifest_hash = load_run_inputs(config)
     try:
-        weights, kind = weights_from_checkpoints(list(args.from_checkpoint), config, manifest_hash, average=args.average)
+        if args.initial_peers:
+            import asyncio
+
+            from noloco_node.export import fetch_replicas, merge_stages
+            from noloco_node.model.build import run_model
+
+            llama, ranges = run_model(config, len(tokenizer))
+            found = asyncio.run(fetch_replicas(config, manifest_hash, llama, ranges, every_replica=args.average,
+                                               timeout_s=args.timeout_s))
+            weights = merge_stages({s: [phi for _, phi, _ in got] for s, got in found.items()}, args.average)
+            kind = "phi of " + ", ".join(f"stage {s}: {' + '.join(p[-8:] for p, _, _ in got)}" for s, got in sorted(found.items()))
+        else:
+            weights, kind = weights_from_checkpoints(list(args.from_checkpoint), config, manifest_hash, average=args.average)
         out = write_model_dir(args.out, resolve_llama_config(config.model, len(tokenizer)), weights, tokenizer)
     except ExportError as exc:
         print(f"noloco-node export: {exc}", file=sys.stderr)
         return 1
-    print(f"wrote {out} ({sum(t.numel() for t in weights.values()):,} parameters, {kind} weights"
+    print(f"wrote {out} ({sum(t.numel() for t in weights.values()):,} parameters, {kind}"
           f"{', replicas averaged' if args.average else ''})")
     return 0
 

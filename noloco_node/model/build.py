@@ -129,3 +129,25 @@ def build_run_stage(cfg, config: LlamaConfig, ranges: list[range], stage_index: 
                         layer_range=ranges[stage_index], init_from=cfg.model.init_from)
     stage.activation_checkpointing = cfg.pipeline.activation_checkpointing
     return stage
+
+
+def check_fits(cfg, config: LlamaConfig, ranges: list[range], stage_index: int, device, *, headroom: float = 0.9) -> None:
+    """Refuse (ConfigError) a stage whose estimated training memory exceeds `headroom` of what
+    `device` has free, saying how much it needs and what to change (model/memory.py)."""
+    from noloco_node.model.memory import GIB, available_bytes, describe, estimate
+
+    p = cfg.pipeline
+    need = estimate(config, ranges[stage_index], first=stage_index == 0, last=stage_index == p.num_stages - 1,
+                    outer=cfg.outer.method in ("noloco", "diloco"), max_in_flight=p.max_in_flight,
+                    microbatch=p.microbatch_size, seq_len=cfg.model.seq_len, checkpointing=p.activation_checkpointing)
+    free = available_bytes(device)
+    if free is None or need.total <= headroom * free:
+        return
+    fixes = ["more stages (pipeline.num_stages, or fewer layers here with pipeline.layers_per_stage)"]
+    if not p.activation_checkpointing:
+        fixes.append("pipeline.activation_checkpointing = true")
+    if p.max_in_flight > 1 and need.saved_inputs_bytes > 0.1 * need.total:
+        fixes.append("a smaller pipeline.max_in_flight")
+    fixes.append("a smaller model (model.preset)")
+    raise ConfigError("model", f"stage {stage_index} needs about {describe(need)}, but {device} has "
+                               f"{free / GIB:.2f} GiB free", "use " + ", or ".join(fixes))

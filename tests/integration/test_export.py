@@ -3,15 +3,18 @@ directory (`noloco-node export --from-checkpoint`) that plain `transformers` loa
 logits equal the stages chained, with `--average` the mean of the replicas' phi; `eval` and
 `generate` run on it."""
 
+import asyncio
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
 from noloco_node import checkpoint
 from noloco_node.cli.main import main
+from noloco_node.config import load_config
 from noloco_node.manifest import load_run_inputs
 from noloco_node.model.build import build_run_stage, run_model
 from noloco_node.optim.inner import InnerOptimizer, InnerSchedule
@@ -100,3 +103,92 @@ def test_export_from_checkpoints_loads_in_transformers_and_matches_the_stages(tm
     assert main(["generate", str(out), "--prompt", "In the beginning", "--max-new-tokens", "12"]) == 0
     text = capsys.readouterr().out
     assert text.startswith("In the beginning") and len(text.strip()) > len("In the beginning")
+
+
+def _read(node) -> dict:
+    return json.loads(node.ready_file.read_text())
+
+
+def _wait_until(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.25)
+
+
+def test_live_export_from_a_2x2_swarm(tmp_path, make_swarm):
+    """A live 2-stage x 2-replica NoLoCo swarm after 6 steps: `export --initial-peers` loads in plain
+    transformers with the logits of the replicas' stages chained; `--average` is the mean of every
+    replica's phi; the nodes' checkpoints (written as they stop) export to the same model."""
+    from transformers import AutoModelForCausalLM
+
+    from noloco_node.export import fetch_replicas
+
+    overrides = tiny_overrides(tmp_path, **{"pipeline.num_stages": 2, "outer.method": "noloco",
+                                            "outer.inner_steps_per_outer": 2, "timeouts.match_s": 3.0})
+    config, _, tokenizer = prepare_tokenizer(overrides)
+    _, _, manifest_hash = load_run_inputs(config)
+    swarm = make_swarm(overrides)
+    ck = {(s, r): tmp_path / f"ck{s}{r}" for s in range(2) for r in range(2)}
+    stage1 = [swarm.start_node(1, r, "--set", f"checkpoint.dir={ck[(1, r)]}") for r in range(2)]
+    swarm.wait_ready(stage1)
+    stage0 = [swarm.start_node(0, r, "--steps", "6", "--serve-after", "--wait-replicas", "2", "--set",
+                               f"checkpoint.dir={ck[(0, r)]}") for r in range(2)]
+    swarm.wait_ready(stage0)
+    _wait_until(lambda: all(_read(n)["inner_step"] >= 6 and _read(n)["outer_round"] >= 3 for n in stage0), 240,
+                "stage 0 to finish 6 steps and 3 outer rounds")
+    # Quiet: stage 1 has stepped on everything it received and its last rounds are over.
+    last = None
+    while True:
+        now = [(_read(n)["inner_step"], _read(n)["outer_round"], _read(n)["status"]) for n in stage0 + stage1]
+        if now == last and all(status != "matching" for _, _, status in now):
+            break
+        last = now
+        time.sleep(config.timeouts.match_s + 1)
+
+    sets = [a for o in overrides for a in ("--set", o)]
+    live, averaged = tmp_path / "live", tmp_path / "live-avg"
+    for out, extra in ((live, []), (averaged, ["--average"])):
+        result = subprocess.run([sys.executable, "-m", "noloco_node", "export", "--initial-peers", swarm.maddr,
+                                 "--out", str(out), *extra, *sets], capture_output=True, text=True, timeout=240)
+        assert result.returncode == 0, result.stderr[-3000:]
+        print(result.stdout.strip())
+
+    llama, ranges = run_model(config, len(tokenizer))
+    found = asyncio.run(fetch_replicas(load_config(overrides=overrides + [f"network.initial_peers={swarm.maddr}"]),
+                                       manifest_hash, llama, ranges, every_replica=True, timeout_s=60))
+    assert sorted(len(v) for v in found.values()) == [2, 2], {s: [p for p, _, _ in v] for s, v in found.items()}
+
+    exported = AutoModelForCausalLM.from_pretrained(live, local_files_only=True, torch_dtype=torch.float32)
+    state = exported.state_dict()
+    chosen = []
+    for s in range(2):  # the plain export took one live replica's phi, whole
+        match = [phi for _, phi, _ in found[s] if all(torch.equal(state[n], t) for n, t in phi.items())]
+        assert match, f"stage {s}: the export is no replica's phi"
+        chosen.append(match[0])
+    stages = [build_run_stage(config, llama, ranges, s) for s in range(2)]
+    with torch.no_grad():
+        for stage, phi in zip(stages, chosen):
+            for name, param in stage.named_parameters():
+                param.copy_(phi[name])
+        tokens = torch.randint(0, len(tokenizer), (2, 16), generator=torch.Generator().manual_seed(3))
+        assert torch.allclose(exported(input_ids=tokens).logits, stages[1](stages[0](tokens)), rtol=1e-5, atol=1e-6)
+    trained = [phi for s in range(2) for _, phi, _ in found[s]]
+    initial = [build_run_stage(config, llama, ranges, s) for s in range(2)]
+    assert any(not torch.equal(phi[n], p) for phi, st in zip(trained[::2], initial) for n, p in st.named_parameters()), \
+        "phi never moved: the swarm did not train"
+
+    avg_state = AutoModelForCausalLM.from_pretrained(averaged, local_files_only=True, torch_dtype=torch.float32).state_dict()
+    for s in range(2):
+        (_, a, _), (_, b, _) = found[s]
+        for name in a:
+            mean = ((a[name].double() + b[name].double()) / 2).float()
+            assert torch.allclose(avg_state[name], mean, rtol=0, atol=1e-7), name
+
+    swarm.stop()  # SIGTERM: every node writes its checkpoint as it leaves
+    from_ck = tmp_path / "from-ck"
+    result = cli(overrides, "export", "--from-checkpoint", *map(str, ck.values()), "--out", str(from_ck), "--average")
+    assert result.returncode == 0, result.stderr[-3000:]
+    ck_state = AutoModelForCausalLM.from_pretrained(from_ck, local_files_only=True, torch_dtype=torch.float32).state_dict()
+    for name, tensor in avg_state.items():
+        assert torch.equal(ck_state[name], tensor), name

@@ -55,3 +55,33 @@ def test_thousand_microbatches_leave_no_saved_inputs_and_bounded_rss(tmp_path, m
     growth = {label: peak[label] - warm[label] for label in warm}
     print(f"RSS after warm-up {warm} MB, peak after {peak} MB, growth {growth} MB")
     assert all(g < RSS_GROWTH_BOUND_MB for g in growth.values()), growth
+
+
+def test_a_stage_that_cannot_fit_is_refused_before_allocating(tmp_path):
+    """The paper's large model as one stage needs ~9.6B x 24 bytes of training state alone: `join`
+    exits 2 at once with the estimate and the fixes, having allocated none of it."""
+    import subprocess
+    import sys
+
+    from noloco_node.config import load_config
+    from noloco_node.model.build import run_model
+    from noloco_node.model.memory import available_bytes, estimate
+
+    overrides = tiny_overrides(tmp_path, **{"pipeline.num_stages": 1, "model.preset": "large"})
+    overrides = [o for o in overrides if not o.startswith(("model.hidden_size", "model.intermediate_size",
+                                                            "model.num_layers", "model.num_heads"))]
+    config, _, tokenizer = prepare_tokenizer(overrides)
+    llama, ranges = run_model(config, len(tokenizer))
+    import torch
+
+    need = estimate(llama, ranges[0], first=True, last=True, outer=False, max_in_flight=8, microbatch=2, seq_len=16,
+                    checkpointing=False)
+    assert need.total > available_bytes(torch.device("cpu")), "this machine could hold it: the check would not fire"
+    sets = [a for o in overrides for a in ("--set", o)]
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "noloco_node", "join", "--stage", "0", "--initial-peers",
+                             "/ip4/127.0.0.1/tcp/9/p2p/QmaCpDMGvV2BGHeYERUEnRQAwe3N8SzbUtfsmvsqQLuvuJ", *sets],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "needs about" in result.stderr and "activation_checkpointing" in result.stderr, result.stderr[-2000:]
+    print(f"\nrefused in {time.monotonic() - started:.1f} s: {result.stderr.strip()[-400:]}")

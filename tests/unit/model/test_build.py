@@ -138,3 +138,35 @@ def test_model_config_errors_name_the_field(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_config(overrides=[f"model.init_from={tmp_path / 'ck'}", "model.hidden_size=64"])
     assert info.value.field == "model.hidden_size" and "remove" in str(info.value)
+
+
+@pytest.mark.parametrize("stage_index", [0, 1])
+def test_memory_estimate_counts_the_stages_parameters(stage_index):
+    from noloco_node.model.memory import stage_params
+
+    cfg = load_config(overrides=["pipeline.num_stages=2"])
+    config, ranges = run_model(cfg, 4096)
+    stage = build_run_stage(cfg, config, ranges, stage_index)
+    assert stage_params(config, ranges[stage_index], first=stage_index == 0, last=stage_index == 1) == \
+        sum(p.numel() for p in stage.parameters())
+
+
+def test_a_stage_that_cannot_fit_is_refused_with_numbers_and_fixes(monkeypatch):
+    from noloco_node.model import build, memory
+
+    cfg = load_config(overrides=["model.preset=medium", "pipeline.num_stages=2", "model.seq_len=1024"])
+    config, ranges = run_model(cfg, 4096)
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 8 << 30)  # an 8 GiB device
+    with pytest.raises(ConfigError) as info:
+        build.check_fits(cfg, config, ranges, 1, torch.device("cpu"))
+    text = str(info.value)
+    assert "needs about" in text and "8.00 GiB free" in text and "activation_checkpointing = true" in text
+    # ~0.8B parameters x 24 bytes (theta, grad, Adam x2, phi, m) is ~18 GiB before any activation.
+    need = memory.estimate(config, ranges[1], first=False, last=True, outer=True, max_in_flight=8, microbatch=1,
+                           seq_len=1024, checkpointing=False)
+    assert need.state_bytes == 24 * need.params and need.params > 700_000_000
+    light = memory.estimate(config, ranges[1], first=False, last=True, outer=True, max_in_flight=8, microbatch=1,
+                            seq_len=1024, checkpointing=True)
+    assert light.activation_bytes < need.activation_bytes / 4  # checkpointing keeps layer inputs only
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 1 << 40)  # 1 TiB: fits
+    build.check_fits(cfg, config, ranges, 1, torch.device("cpu"))
