@@ -90,7 +90,7 @@ def run_eval(args: argparse.Namespace) -> int:
     from noloco_node.experiments.evaluate import held_out_windows
 
     config = resolve_config(args)
-    model = AutoModelForCausalLM.from_pretrained(_model_dir(args.model_dir), local_files_only=True, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(_model_dir(args.model_dir), local_files_only=True, dtype=torch.float32)
     model.eval()
     inputs, labels, tokenizer = held_out_windows(config, args.sequences)
     if len(tokenizer) > model.config.vocab_size:
@@ -118,7 +118,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
     directory = _model_dir(args.model_dir)
     tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=torch.float32)
     model.eval()
     ids = tokenizer(args.prompt, return_tensors="pt", add_special_tokens=False).input_ids
     torch.manual_seed(args.seed)

@@ -99,7 +99,7 @@ def build_full_model(config: LlamaConfig, seed: int) -> LlamaForCausalLM:
 def load_full_model(config: LlamaConfig, path: str) -> LlamaForCausalLM:
     """A Hugging Face Llama checkpoint's weights in float32. A checkpoint that ties its LM head to
     the embedding gets an untied copy: the two live on different stages."""
-    model = LlamaForCausalLM.from_pretrained(path, torch_dtype=torch.float32, local_files_only=True)
+    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
     if model.lm_head.weight is model.model.embed_tokens.weight:
         model.lm_head.weight = nn.Parameter(model.model.embed_tokens.weight.detach().clone())
     model.config.tie_word_embeddings = False

@@ -65,7 +65,7 @@ def test_export_from_checkpoints_loads_in_transformers_and_matches_the_stages(tm
                  "--out", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
     assert (out / "config.json").is_file() and list(out.glob("*.safetensors")) and (out / "tokenizer.json").is_file()
-    model = AutoModelForCausalLM.from_pretrained(out, local_files_only=True, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(out, local_files_only=True, dtype=torch.float32)
 
     # The stages chained, with phi of replica 0 loaded, give the same logits as the exported model.
     stages = [build_run_stage(config, llama, ranges, s) for s in range(2)]
@@ -83,7 +83,7 @@ def test_export_from_checkpoints_loads_in_transformers_and_matches_the_stages(tm
     result = cli(overrides, "export", "--from-checkpoint", *(str(tmp_path / f"ckpt{s}{r}") for s in range(2) for r in range(2)),
                  "--out", str(averaged_dir), "--average")
     assert result.returncode == 0, result.stderr[-3000:]
-    averaged = AutoModelForCausalLM.from_pretrained(averaged_dir, local_files_only=True, torch_dtype=torch.float32)
+    averaged = AutoModelForCausalLM.from_pretrained(averaged_dir, local_files_only=True, dtype=torch.float32)
     state = averaged.state_dict()
     for (s, _), phi in list(phis.items())[:2]:
         for name in phi:
@@ -159,7 +159,7 @@ def test_live_export_from_a_2x2_swarm(tmp_path, make_swarm):
                                        manifest_hash, llama, ranges, every_replica=True, timeout_s=60))
     assert sorted(len(v) for v in found.values()) == [2, 2], {s: [p for p, _, _ in v] for s, v in found.items()}
 
-    exported = AutoModelForCausalLM.from_pretrained(live, local_files_only=True, torch_dtype=torch.float32)
+    exported = AutoModelForCausalLM.from_pretrained(live, local_files_only=True, dtype=torch.float32)
     state = exported.state_dict()
     chosen = []
     for s in range(2):  # the plain export took one live replica's phi, whole
@@ -178,7 +178,7 @@ def test_live_export_from_a_2x2_swarm(tmp_path, make_swarm):
     assert any(not torch.equal(phi[n], p) for phi, st in zip(trained[::2], initial) for n, p in st.named_parameters()), \
         "phi never moved: the swarm did not train"
 
-    avg_state = AutoModelForCausalLM.from_pretrained(averaged, local_files_only=True, torch_dtype=torch.float32).state_dict()
+    avg_state = AutoModelForCausalLM.from_pretrained(averaged, local_files_only=True, dtype=torch.float32).state_dict()
     for s in range(2):
         (_, a, _), (_, b, _) = found[s]
         for name in a:
@@ -189,6 +189,6 @@ def test_live_export_from_a_2x2_swarm(tmp_path, make_swarm):
     from_ck = tmp_path / "from-ck"
     result = cli(overrides, "export", "--from-checkpoint", *map(str, ck.values()), "--out", str(from_ck), "--average")
     assert result.returncode == 0, result.stderr[-3000:]
-    ck_state = AutoModelForCausalLM.from_pretrained(from_ck, local_files_only=True, torch_dtype=torch.float32).state_dict()
+    ck_state = AutoModelForCausalLM.from_pretrained(from_ck, local_files_only=True, dtype=torch.float32).state_dict()
     for name, tensor in avg_state.items():
         assert torch.equal(ck_state[name], tensor), name
