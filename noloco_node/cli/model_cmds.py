@@ -29,8 +29,12 @@ def register(subparsers) -> None:
     add_config_flags(p)
     p.set_defaults(run=run_export)
 
-    p = subparsers.add_parser("eval", help="held-out loss and perplexity of a model directory on the run's data")
-    p.add_argument("model_dir", type=Path)
+    p = subparsers.add_parser("eval", help="held-out loss and perplexity of a model directory, or of a live swarm, "
+                                           "on the run's data")
+    p.add_argument("model_dir", type=Path, nargs="?", help="a model directory `export` wrote")
+    p.add_argument("--initial-peers", nargs="+", metavar="MADDR",
+                   help="instead: evaluate the live swarm as the reference does (column d = replica d of every "
+                        "stage, fixed routing; the ensemble's loss is the columns' mean)")
     p.add_argument("--sequences", type=int, default=32, help="held-out sequences to evaluate (default 32)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     add_config_flags(p)
@@ -89,7 +93,12 @@ def run_eval(args: argparse.Namespace) -> int:
 
     from noloco_node.experiments.evaluate import held_out_windows
 
-    config = resolve_config(args)
+    config = resolve_config(args, flags={"network": {"initial_peers": args.initial_peers}})
+    if args.initial_peers:
+        return _eval_swarm(config, args)
+    if args.model_dir is None:
+        print("noloco-node eval: give a MODEL_DIR, or --initial-peers MADDR for a live swarm", file=sys.stderr)
+        return 2
     model = AutoModelForCausalLM.from_pretrained(_model_dir(args.model_dir), local_files_only=True, dtype=torch.float32)
     model.eval()
     inputs, labels, tokenizer = held_out_windows(config, args.sequences)
@@ -128,4 +137,35 @@ def run_generate(args: argparse.Namespace) -> int:
                              do_sample=sampling, temperature=args.temperature if sampling else None, top_p=None, top_k=None,
                              pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
     print(args.prompt + tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+    return 0
+
+
+def _eval_swarm(config, args: argparse.Namespace) -> int:
+    import asyncio
+
+    from noloco_node.experiments.evaluate import column_losses, held_out_windows, weight_spread
+    from noloco_node.export import ExportError, fetch_replicas
+    from noloco_node.manifest import load_run_inputs
+    from noloco_node.model.build import build_run_stage, run_model
+
+    _, _, manifest_hash = load_run_inputs(config)
+    inputs, labels, tokenizer = held_out_windows(config, args.sequences)
+    llama, ranges = run_model(config, len(tokenizer))
+    try:
+        found = asyncio.run(fetch_replicas(config, manifest_hash, llama, ranges, every_replica=True, timeout_s=300.0))
+    except ExportError as exc:
+        print(f"noloco-node eval: {exc}", file=sys.stderr)
+        return 1
+    per_stage = [sorted(found[s], key=lambda e: e[0]) for s in range(config.pipeline.num_stages)]
+    width = min(len(r) for r in per_stage)  # D columns; a stage with more replicas contributes its first D
+    columns = [[per_stage[s][d][1] for s in range(len(per_stage))] for d in range(width)]
+    stages = [build_run_stage(config, llama, ranges, s).eval() for s in range(len(per_stage))]
+    losses = column_losses(stages, columns, inputs, labels)
+    loss = sum(losses) / len(losses)
+    result = {"swarm": list(config.network.initial_peers), "columns": width, "column_losses": losses, "loss": loss,
+              "perplexity": math.exp(loss), "spread": weight_spread(columns) if width > 1 else 0.0,
+              "replicas": [[peer for peer, _, _ in r] for r in per_stage], "sequences": len(inputs)}
+    print(json.dumps(result) if args.json else
+          f"swarm held-out loss {loss:.4f} (mean of {width} columns: {', '.join(f'{x:.4f}' for x in losses)}), "
+          f"perplexity {math.exp(loss):.2f}, replica spread {result['spread']:.3g}")
     return 0

@@ -86,19 +86,27 @@ def evaluate_snapshots(config: NodeConfig, snapshot_dir: Path, columns: list[lis
         if any(f is None for column in wanted for f in column):
             continue  # a node left before this step: the step is not comparable
         weights = [[load_file(str(f)) for f in column] for column in wanted]
-        losses = []
-        with torch.no_grad():
-            for column in weights:
-                for stage, tensors in zip(stages, column):
-                    for name, param in stage.named_parameters():
-                        param.copy_(tensors[name])
-                hidden = inputs
-                for stage in stages:
-                    hidden = stage(hidden)
-                losses.append(float(LlamaStage.loss(hidden, labels)))
+        losses = column_losses(stages, weights, inputs, labels)
         rows.append({"step": step, "val_loss": sum(losses) / len(losses), "column_losses": losses,
                      "spread": weight_spread(weights), "final": is_final})
     return rows
+
+
+def column_losses(stages: list[LlamaStage], columns: list[list[dict[str, torch.Tensor]]], inputs: torch.Tensor,
+                  labels: torch.Tensor) -> list[float]:
+    """The reference's evaluation: column d routes every sequence through replica d of each stage
+    (fixed routing); one held-out loss per column (their mean is the ensemble's val_loss)."""
+    losses = []
+    with torch.no_grad():
+        for column in columns:
+            for stage, tensors in zip(stages, column):
+                for name, param in stage.named_parameters():
+                    param.copy_(tensors[name])
+            hidden = inputs
+            for stage in stages:
+                hidden = stage(hidden)
+            losses.append(float(LlamaStage.loss(hidden, labels)))
+    return losses
 
 
 def weight_spread(weights: list[list[dict[str, torch.Tensor]]]) -> float:

@@ -185,6 +185,19 @@ def test_live_export_from_a_2x2_swarm(tmp_path, make_swarm):
             mean = ((a[name].double() + b[name].double()) / 2).float()
             assert torch.allclose(avg_state[name], mean, rtol=0, atol=1e-7), name
 
+    # The live swarm evaluated as the reference does: column d = replica d (by peer id) of each stage.
+    result = subprocess.run([sys.executable, "-m", "noloco_node", "eval", "--initial-peers", swarm.maddr, "--json",
+                             "--sequences", "8", *sets], capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    from noloco_node.experiments.evaluate import column_losses, held_out_windows
+
+    inputs, labels, _ = held_out_windows(config, 8)
+    columns = [[sorted(found[s], key=lambda e: e[0])[d][1] for s in range(2)] for d in range(2)]
+    expected = column_losses([st.eval() for st in stages], columns, inputs, labels)
+    assert report["columns"] == 2 and report["column_losses"] == pytest.approx(expected, rel=1e-5)
+    assert report["loss"] == pytest.approx(sum(expected) / 2, rel=1e-5) and report["spread"] > 0
+
     swarm.stop()  # SIGTERM: every node writes its checkpoint as it leaves
     from_ck = tmp_path / "from-ck"
     result = cli(overrides, "export", "--from-checkpoint", *map(str, ck.values()), "--out", str(from_ck), "--average")
