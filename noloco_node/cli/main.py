@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except ValueError as exc:
         # Data and tokenizer problems raise ValueError naming the config field (data.path, ...).
-        if str(exc).split(":", 1)[0] in {"data.path", "data.tokenizer", "data"}:
+        if str(exc).split(":", 1)[0] in {"data.path", "data.tokenizer", "data.holdout_fraction", "data"}:
             print(f"noloco-node: {exc}", file=sys.stderr)
             return 2
         raise

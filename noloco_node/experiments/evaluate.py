@@ -27,6 +27,9 @@ SNAPSHOT = re.compile(r"stage(\d+)-(\w{8})-(?:step(\d+)|final)\.safetensors$")
 
 
 def held_out_windows(config: NodeConfig, count: int) -> tuple[torch.Tensor, torch.Tensor, object]:
+    if config.data.holdout_fraction <= 0:
+        raise ValueError("data.holdout_fraction: is 0, so the run holds no data out for evaluation; "
+                         "set it (e.g. 0.02) for the run")
     corpus, tokenizer, _ = load_run_inputs(config)
     windows = PackedSequences(corpus, tokenizer, seq_len=config.model.seq_len, split="validation",
                               holdout_fraction=config.data.holdout_fraction, seed=config.run.seed, shuffle_buffer=0)

@@ -97,6 +97,8 @@ def test_export_from_checkpoints_loads_in_transformers_and_matches_the_stages(tm
                  str(tmp_path / "wrong"), *sets, "--set", "run.seed=5"]) == 1
     assert "another run or model" in capsys.readouterr().err
 
+    assert main(["eval", str(out), "--sequences", "8", *sets, "--set", "data.holdout_fraction=0"]) == 2
+    assert "data.holdout_fraction" in capsys.readouterr().err
     assert main(["eval", str(out), "--json", "--sequences", "8", *sets]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["sequences"] >= 1 and report["perplexity"] == pytest.approx(2.718281828 ** report["loss"], rel=1e-6)
@@ -124,7 +126,7 @@ def test_live_export_from_a_2x2_swarm(tmp_path, make_swarm):
 
     from noloco_node.export import fetch_replicas
 
-    overrides = tiny_overrides(tmp_path, **{"pipeline.num_stages": 2, "outer.method": "noloco",
+    overrides = tiny_overrides(tmp_path, **{"pipeline.num_stages": 2, "outer.method": "noloco", "data.holdout_fraction": 0.05,
                                             "outer.inner_steps_per_outer": 2, "timeouts.match_s": 3.0})
     config, _, tokenizer = prepare_tokenizer(overrides)
     _, _, manifest_hash = load_run_inputs(config)
