@@ -41,8 +41,13 @@ async def probe_reachable(directory: PeerDirectory, dialer, *, address: str, tls
     peers = [r.peer_id for s in range(num_stages) for r in await directory.replicas(s, fresh=True)
              if r.peer_id != peer_id and r.reach == "direct"]
     random.Random(peer_id).shuffle(peers)
-    results, errors = await probe_from_peers(address, peers[:4], run_id=run_id, timeout_s=timeout_s, dialer=dialer,
-                                             tls_cert=tls_cert)
+    for attempt in range(2):
+        # Once more with twice the deadline when no prober answered at all (a loaded machine):
+        # an unanswered probe would otherwise read as "nobody to ask" and pass an unreachable address.
+        results, errors = await probe_from_peers(address, peers[:4], run_id=run_id, timeout_s=timeout_s * (1 + attempt),
+                                                 dialer=dialer, tls_cert=tls_cert)
+        if results or not errors:
+            break
     if results:
         if not any(r.reachable for r in results):
             log.info("peers cannot reach %s: %s", address, "; ".join(f"{r.prober[-8:]}: {r.detail}" for r in results))

@@ -63,7 +63,6 @@ def test_a_stage_that_cannot_fit_is_refused_before_allocating(tmp_path):
     import subprocess
     import sys
 
-    from noloco_node.config import load_config
     from noloco_node.model.build import run_model
     from noloco_node.model.memory import available_bytes, estimate
 

@@ -7,7 +7,6 @@ with each other and with the public replica of their stage, and `status` says ho
 Neither home node can be dialled directly from the public namespace, checked before training."""
 
 import json
-import socket
 import subprocess
 import sys
 import time

@@ -9,7 +9,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from noloco_node.config import ConfigError, load_config
-from noloco_node.model.build import build_run_stage, files_fingerprint, resolve_llama_config, run_model, stage_ranges
+from noloco_node.model.build import build_run_stage, files_fingerprint, resolve_llama_config, run_model
 from noloco_node.model.split import per_token_costs
 
 PAPER_VOCAB = 128002  # noloco-reference.md 2.1: the counts below are the authors' configs at this vocab
