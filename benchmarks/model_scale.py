@@ -17,20 +17,18 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
+from two_stage_runs import one_process, two_stage_swarm
+
 from noloco_node.codec import encode
 from noloco_node.config import load_config
 from noloco_node.data.corpus import resolve_corpus
-from noloco_node.data.loader import PackedSequences
 from noloco_node.data.tokenizer import load_tokenizer
-from noloco_node.experiments.launcher import LocalSwarm
 from noloco_node.model.build import run_model
 from noloco_node.model.memory import stage_params
-from noloco_node.pipeline.local import LocalSimulation
 
 
 def overrides(args, cache_dir: str) -> list[str]:
@@ -39,53 +37,6 @@ def overrides(args, cache_dir: str) -> list[str]:
             f"pipeline.activation_codec={args.codec}", "inner.lr=1e-4", "inner.warmup_steps=1",
             f"inner.total_steps={args.steps + args.warmup}", "outer.method=none", "timeouts.rpc_s=600",
             "timeouts.microbatch_s=1200", "timeouts.receive_s=600"]
-
-
-def peak_rss_mb(pid: int) -> float | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return None
-
-
-def one_process(config, corpus, tokenizer, args) -> tuple[float, float | None]:
-    torch.set_num_threads(2)
-    sim = LocalSimulation(config, num_replicas=1, vocab_size=len(tokenizer))
-    batches = PackedSequences(corpus, tokenizer, seq_len=args.seq_len, holdout_fraction=0.0, shuffle_buffer=0).batches(args.batch)
-    for _ in range(args.warmup):
-        sim.train_step([next(batches)])
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        sim.train_step([next(batches)])
-    rate = args.steps * args.batch * args.seq_len / (time.perf_counter() - start)
-    return rate, peak_rss_mb(__import__("os").getpid())
-
-
-def swarm(sets: list[str], args, out: Path) -> dict:
-    total = args.steps + args.warmup
-    with LocalSwarm(out, overrides=sets, threads=1) as local:
-        local.start_bootstrap()
-        server = local.start_node(1, 0)
-        local.wait_ready([server])
-        driver = local.start_node(0, 0, "--steps", str(total))
-        deadline = time.monotonic() + 3600
-        rss = {0: None, 1: None}
-        while driver.proc.poll() is None and time.monotonic() < deadline:
-            for stage, node in ((0, driver), (1, server)):
-                value = peak_rss_mb(node.proc.pid)
-                rss[stage] = value if value is not None else rss[stage]
-            time.sleep(1.0)
-        if driver.proc.returncode != 0:
-            raise RuntimeError(driver.log_file.read_text()[-2000:])
-        rss[1] = peak_rss_mb(server.proc.pid) or rss[1]
-        local.stop()
-        stats = {s["stage"]: s for s in local.node_stats().values()}
-    times = stats[0]["step_times"]
-    return {"tok_s": args.steps * args.batch * args.seq_len / (times[-1] - times[args.warmup - 1]), "peak_rss_mb": rss,
-            "bytes_per_hop": stats[0]["bytes_sent"] / max(1, stats[0]["forwards_sent"])}
 
 
 def main() -> None:
@@ -113,7 +64,7 @@ def main() -> None:
               flush=True)
         baseline, rss_one = one_process(config, corpus, tokenizer, args)
         print(f"one process, 2 threads:              {baseline:9.1f} tokens/s, peak RSS {rss_one:.0f} MB", flush=True)
-        piped = swarm(sets, args, Path(tmp) / "swarm")
+        piped = two_stage_swarm(sets, args, Path(tmp) / "swarm")
         print(f"P=2 x 1 over gRPC, 1 thread/process: {piped['tok_s']:9.1f} tokens/s, peak RSS stage 0 "
               f"{piped['peak_rss_mb'][0]:.0f} MB, stage 1 {piped['peak_rss_mb'][1]:.0f} MB")
         print(f"ratio swarm / one process:           {piped['tok_s'] / baseline:9.3f}")

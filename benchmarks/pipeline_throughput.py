@@ -13,17 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-import time
 from pathlib import Path
 
-import torch
+from two_stage_runs import one_process, two_stage_swarm
 
 from noloco_node.config import load_config
 from noloco_node.data.corpus import resolve_corpus
-from noloco_node.data.loader import PackedSequences
 from noloco_node.data.tokenizer import load_tokenizer
-from noloco_node.experiments.launcher import LocalSwarm
-from noloco_node.pipeline.local import LocalSimulation
 
 
 def overrides(args, cache_dir: str) -> list[str]:
@@ -32,34 +28,6 @@ def overrides(args, cache_dir: str) -> list[str]:
             f"pipeline.batch_size={args.batch}", f"pipeline.microbatch_size={args.micro}", "pipeline.num_stages=2",
             f"pipeline.activation_codec={args.codec}", "inner.lr=1e-3", "inner.warmup_steps=1",
             f"inner.total_steps={args.steps + args.warmup}", "outer.method=none", "pipeline.max_in_flight=16"]
-
-
-def one_process(config, corpus, tokenizer, args) -> float:
-    torch.set_num_threads(2)
-    sim = LocalSimulation(config, num_replicas=1, vocab_size=len(tokenizer))
-    batches = PackedSequences(corpus, tokenizer, seq_len=args.seq_len, holdout_fraction=0.0, shuffle_buffer=0).batches(args.batch)
-    for _ in range(args.warmup):
-        sim.train_step([next(batches)])
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        sim.train_step([next(batches)])
-    return args.steps * args.batch * args.seq_len / (time.perf_counter() - start)
-
-
-def swarm(sets: list[str], args, out: Path) -> float:
-    total = args.steps + args.warmup
-    with LocalSwarm(out, overrides=sets, threads=1) as local:
-        local.start_bootstrap()
-        server = local.start_node(1, 0)
-        local.wait_ready([server])
-        driver = local.start_node(0, 0, "--steps", str(total))
-        local.wait_exit([driver], timeout_s=1800)
-        if driver.proc.returncode != 0:
-            raise RuntimeError(driver.log_file.read_text()[-2000:])
-        local.stop()
-        [stats] = [s for s in local.node_stats().values() if s["stage"] == 0]
-    times = stats["step_times"]
-    return args.steps * args.batch * args.seq_len / (times[-1] - times[args.warmup - 1])
 
 
 def main() -> None:
@@ -80,9 +48,9 @@ def main() -> None:
         tokenizer = load_tokenizer(None, corpus, vocab_size=config.data.vocab_size, cache_dir=config.data.cache_path)
         print(f"model: hidden {args.hidden}, {args.layers} layers, vocab {len(tokenizer)}, seq {args.seq_len}; "
               f"batch {args.batch} in microbatches of {args.micro}; activations {args.codec}; {args.steps} timed steps")
-        baseline = one_process(config, corpus, tokenizer, args)
+        baseline, _ = one_process(config, corpus, tokenizer, args)
         print(f"one process, 2 threads:              {baseline:9.0f} tokens/s")
-        piped = swarm(sets, args, Path(tmp) / "swarm")
+        piped = two_stage_swarm(sets, args, Path(tmp) / "swarm")["tok_s"]
         print(f"P=2 x 1 over gRPC, 1 thread/process: {piped:9.0f} tokens/s")
         print(f"ratio swarm / one process:           {piped / baseline:9.3f}")
         print(json.dumps({"one_process_tok_s": baseline, "swarm_tok_s": piped, "ratio": piped / baseline}))

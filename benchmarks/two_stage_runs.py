@@ -1,0 +1,63 @@
+"""Shared by pipeline_throughput.py and model_scale.py: one model trained as P=2 stages x 1
+replica over gRPC (one torch thread per process) and the same model in one process with the same
+total threads (two), on the same data. Not a benchmark by itself."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from noloco_node.data.loader import PackedSequences
+from noloco_node.experiments.launcher import LocalSwarm
+from noloco_node.pipeline.local import LocalSimulation
+
+
+def peak_rss_mb(pid: int) -> float | None:
+    """The process's peak resident memory (VmHWM), or None once it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def one_process(config, corpus, tokenizer, args) -> tuple[float, float | None]:
+    """(tokens/s over args.steps after args.warmup steps, this process's peak RSS in MB)."""
+    torch.set_num_threads(2)
+    sim = LocalSimulation(config, num_replicas=1, vocab_size=len(tokenizer))
+    batches = PackedSequences(corpus, tokenizer, seq_len=args.seq_len, holdout_fraction=0.0, shuffle_buffer=0).batches(args.batch)
+    for _ in range(args.warmup):
+        sim.train_step([next(batches)])
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        sim.train_step([next(batches)])
+    return args.steps * args.batch * args.seq_len / (time.perf_counter() - start), peak_rss_mb(os.getpid())
+
+
+def two_stage_swarm(sets: list[str], args, out: Path, timeout_s: float = 3600) -> dict:
+    """tokens/s (from stage 0's step timestamps, start-up excluded), each stage's peak RSS and the
+    stage-0 node's payload bytes per forward sent."""
+    with LocalSwarm(out, overrides=sets, threads=1) as local:
+        local.start_bootstrap()
+        server = local.start_node(1, 0)
+        local.wait_ready([server])
+        driver = local.start_node(0, 0, "--steps", str(args.steps + args.warmup))
+        deadline = time.monotonic() + timeout_s
+        rss: dict[int, float | None] = {0: None, 1: None}
+        while driver.proc.poll() is None and time.monotonic() < deadline:
+            for stage, node in ((0, driver), (1, server)):
+                rss[stage] = peak_rss_mb(node.proc.pid) or rss[stage]
+            time.sleep(1.0)
+        if driver.proc.returncode != 0:
+            raise RuntimeError(driver.log_file.read_text()[-2000:])
+        rss[1] = peak_rss_mb(server.proc.pid) or rss[1]
+        local.stop()
+        stats = {s["stage"]: s for s in local.node_stats().values()}
+    times = stats[0]["step_times"]
+    return {"tok_s": args.steps * args.batch * args.seq_len / (times[-1] - times[args.warmup - 1]), "peak_rss_mb": rss,
+            "bytes_per_hop": stats[0]["bytes_sent"] / max(1, stats[0]["forwards_sent"])}
