@@ -170,3 +170,41 @@ def test_a_stage_that_cannot_fit_is_refused_with_numbers_and_fixes(monkeypatch):
     assert light.activation_bytes < need.activation_bytes / 4  # checkpointing keeps layer inputs only
     monkeypatch.setattr(memory, "available_bytes", lambda device: 1 << 40)  # 1 TiB: fits
     build.check_fits(cfg, config, ranges, 1, torch.device("cpu"))
+
+
+def _learnable_batches(num: int, seed: int, vocab: int = 300, batch: int = 4, length: int = 17):
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(num):  # next token = (token + 1) mod vocab
+        seq = (torch.randint(0, vocab, (batch, 1), generator=gen) + torch.arange(length)) % vocab
+        out.append((seq[:, :-1], seq[:, 1:]))
+    return out
+
+
+_TRAIN = ["model.seq_len=16", "pipeline.num_stages=2", "pipeline.batch_size=4", "pipeline.microbatch_size=2",
+          "inner.lr=1e-2", "inner.warmup_steps=1", "inner.total_steps=40", "outer.inner_steps_per_outer=2"]
+
+
+def test_training_from_init_from_starts_at_the_checkpoints_loss(tmp_path):
+    from noloco_node.model.stage import LlamaStage
+    from noloco_node.pipeline.local import LocalSimulation
+
+    saved = _save_checkpoint(tmp_path)
+    sim = LocalSimulation(load_config(overrides=[f"model.init_from={tmp_path}", *_TRAIN]), num_replicas=2, vocab_size=300)
+    batches = _learnable_batches(2, seed=0)
+    with torch.no_grad():
+        expected = [LlamaStage.loss(saved(inputs[m:m + 2]).logits, labels[m:m + 2]).item()
+                    for inputs, labels in batches for m in (0, 2)]
+    assert sim.train_step(batches) == pytest.approx(sum(expected) / len(expected), rel=1e-5)
+
+
+def test_a_config_json_model_trains(tmp_path):
+    from noloco_node.pipeline.local import LocalSimulation
+
+    _save_checkpoint(tmp_path)  # only its config.json is used: the weights start from the run's seed
+    sim = LocalSimulation(load_config(overrides=[f"model.config={tmp_path / 'config.json'}", *_TRAIN]), num_replicas=2,
+                          vocab_size=300)
+    assert sim.llama.num_key_value_heads == 2  # the JSON's grouped-query attention, not a preset's
+    for step in range(24):
+        sim.train_step(_learnable_batches(2, seed=step))
+    assert sum(sim.losses[-3:]) / 3 < 0.8 * sum(sim.losses[:3]) / 3  # ln 300 = 5.7 at the start
