@@ -11,7 +11,7 @@ from collections.abc import Callable
 import grpc
 from google.protobuf import message_factory
 from google.protobuf.message import DecodeError
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2
 
 from noloco_node.rpc.admission import AdmissionInterceptor
 from noloco_node.rpc.stage_service import GRPC_OPTIONS, StageServicer
@@ -28,8 +28,8 @@ class NodeServer:
         self.admission = admission
         self.server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[admission] if admission else None,
                                       maximum_concurrent_rpcs=max_concurrent_rpcs)
-        self.health = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.health = _StrictHealth()
+        self._add(health_pb2, "Health", self.health)
         self.host, self.requested_port, self.credentials = host, port, credentials
         self.port: int | None = None
         self.bridge_port: int | None = None
@@ -84,6 +84,21 @@ class NodeServer:
     async def stop(self, grace_s: float = 2.0) -> None:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
+
+
+class _StrictHealth(health.aio.HealthServicer):
+    """grpc_health's servicer, answering undecodable requests INVALID_ARGUMENT as every other
+    service does (registered through `_add`, whose deserializer hands it None)."""
+
+    async def Check(self, request, context):
+        if request is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "undecodable HealthCheckRequest")
+        return await super().Check(request, context)
+
+    async def Watch(self, request, context):
+        if request is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "undecodable HealthCheckRequest")
+        return await super().Watch(request, context)
 
 
 def _lenient(parse: Callable[[bytes], object]) -> Callable[[bytes], object | None]:

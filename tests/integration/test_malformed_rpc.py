@@ -101,6 +101,19 @@ def test_malformed_forwards_are_rejected_and_node_keeps_serving(tmp_path, make_s
             results["valid"] = await call_forward(stub, fwd(run, codec="bf16", sequence=1), sig())
             results["valid again"] = await call_forward(stub, fwd(run, sequence=2), sig())
             health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+            for method in ("Check", "Watch"):  # health is open (unsigned), and must answer garbage as the others do
+                kind = channel.unary_unary if method == "Check" else channel.unary_stream
+                call = kind(f"/grpc.health.v1.Health/{method}", request_serializer=lambda b: b,
+                            response_deserializer=health_pb2.HealthCheckResponse.FromString)
+                try:
+                    reply = call(b"\xff" * 16, timeout=5)
+                    if method == "Watch":
+                        reply = [r async for r in reply]
+                    else:
+                        await reply
+                    results[f"health {method} garbage"] = grpc.StatusCode.OK
+                except grpc.aio.AioRpcError as exc:
+                    results[f"health {method} garbage"] = exc.code()
         # Unsigned: refused before any servicer code runs. The sync client, because grpc.aio's may
         # report INTERNAL when the server ends a client-streaming call before the client finished
         # writing (grpc/grpc#36066), which is what a refusing interceptor does.
@@ -131,6 +144,7 @@ def test_malformed_forwards_are_rejected_and_node_keeps_serving(tmp_path, make_s
         "backward unknown microbatch": grpc.StatusCode.FAILED_PRECONDITION, "valid": grpc.StatusCode.OK,
         "valid again": grpc.StatusCode.OK, "route names another peer": invalid,
         "unsigned": grpc.StatusCode.UNAUTHENTICATED, "plaintext": grpc.StatusCode.UNAVAILABLE,
+        "health Check garbage": invalid, "health Watch garbage": invalid,
     }
     assert health == health_pb2.HealthCheckResponse.SERVING
     assert node.proc.poll() is None, "the node must survive every malformed call"
