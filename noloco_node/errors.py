@@ -38,6 +38,14 @@ class InvalidPayload(NodeError):
     code = "invalid-payload"
 
 
+class PoisonedPayload(InvalidPayload):
+    """Values that would corrupt the stage (non-finite, or far outside its running range): the
+    sender is banned at once (`security.ban_after_poisoned`), not after `ban_after_invalid` strikes."""
+
+    code = "poisoned-payload"
+    hint = "the sender's values are non-finite or far outside this stage's recent range; check its model and codec"
+
+
 class ProtocolMismatch(NodeError):
     code = "protocol-mismatch"
     hint = "every peer of a run needs the same run_id, config manifest and software version"

@@ -37,6 +37,9 @@ def node_stats(self) -> dict:
                                            "out": links.bridge.streams_out if links.bridge else 0,
                                            "refused_in": links.bridge.refused_in if links.bridge else 0},
                         "relay_served": links.relay.stats() if links.relay is not None else None}
+    w = self.worker
+    out["integrity"] = {"skipped_steps": w.inner.skipped_steps, "weights_repaired": w.repairs,
+                        "dropped_non_finite": w.dropped_non_finite, "payloads_refused": self.servicer.rejected.get("poisoned", 0)}
     out["routing_bans"] = self.bans.banned_peers()
     out["faults_fired"] = [f"{point}:{action}" for point, action in self.faults.fired]
     counters = self.sync.counters if self.sync is not None else (self.dp_step.counters if self.dp_step else None)

@@ -31,6 +31,7 @@ def build_admission(cfg: SecurityConfig, links) -> Admission:
     bridged connection."""
     key = read_swarm_key(cfg)
     guard = PeerGuard(requests_per_s=cfg.peer_requests_per_s, burst=cfg.peer_burst, max_streams=cfg.peer_max_streams,
-                      ban_after_invalid=cfg.ban_after_invalid, ban_s=cfg.ban_s, ban_max_s=cfg.ban_max_s)
+                      ban_after_invalid=cfg.ban_after_invalid, ban_s=cfg.ban_s, ban_max_s=cfg.ban_max_s,
+                      ban_after_poisoned=cfg.ban_after_poisoned)
     return Admission(key, guard, AdmissionInterceptor(verifier=links.verifier, swarm_key=key, guard=guard,
                                                       bridged=links.origin))

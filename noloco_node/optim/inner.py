@@ -57,6 +57,7 @@ class InnerOptimizer:
             self.params, lr=schedule.lr_at(1), betas=betas, eps=eps, weight_decay=weight_decay
         )
         self.step_count = 0
+        self.skipped_steps = 0  # steps whose gradients were not finite: Adam did not step
 
     def export_moments(self, names: dict[int, str]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         """Adam moments as 'adam_exp_avg/<name>' / 'adam_exp_avg_sq/<name>' copies, and each
@@ -83,12 +84,24 @@ class InnerOptimizer:
         return float(torch.nn.utils.clip_grad_norm_(grads, self.clip_norm)) if grads else 0.0
 
     def step(self, *, clip: bool = True) -> tuple[float, float]:
-        """Take one inner step; returns (lr used, gradient norm before clipping, 0.0 if not clipped)."""
+        """Take one inner step; returns (lr used, gradient norm before clipping).
+
+        A step whose gradients are not finite is skipped: the gradients are dropped, Adam and the
+        weights are untouched, `skipped_steps` counts it, and the step counter still advances so
+        the schedule and the outer rounds stay in step with the other replicas. The norm is
+        then NaN or inf."""
         lr = self.schedule.lr_at(self.step_count + 1)
         for group in self.adam.param_groups:
             group["lr"] = lr
-        norm = self.clip_gradients() if clip else 0.0
-        self.adam.step()
+        norm = self.clip_gradients() if clip else self.gradient_norm()
+        if math.isfinite(norm):
+            self.adam.step()
+        else:
+            self.skipped_steps += 1
         self.adam.zero_grad(set_to_none=True)
         self.step_count += 1
         return lr, norm
+
+    def gradient_norm(self) -> float:
+        grads = [p.grad.detach() for p in self.params if p.grad is not None]
+        return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0

@@ -2,20 +2,37 @@
 input; on backward, recompute from the saved input with grad enabled (stage-level activation
 checkpointing, as the reference), backpropagate, accumulate, and step the inner optimizer every
 `batch_size` sequences. Saved inputs expire after a TTL so a lost peer cannot leak memory.
+
+Integrity (optim/integrity.py): a non-finite loss is never backpropagated, a non-finite output or
+input gradient is never handed on, an inner step with non-finite gradients is skipped, and
+weights found non-finite after a step are restored from the last good slow weights.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Hashable
+from typing import Any, Hashable
 
 import torch
 from torch import Tensor
 
+from noloco_node.errors import NodeError
 from noloco_node.model.stage import LlamaStage
 from noloco_node.optim.inner import InnerOptimizer
+from noloco_node.optim.integrity import all_finite, repair_weights
+from noloco_node.runtime.faults import FaultInjector
+
+log = logging.getLogger(__name__)
+
+
+class NonFiniteValues(NodeError):
+    """This stage computed a non-finite value from a microbatch; the microbatch is dropped here."""
+
+    code = "non-finite"
 
 
 @dataclass
@@ -30,7 +47,9 @@ class StageWorker:
 
     def __init__(self, stage: LlamaStage, inner: InnerOptimizer, *, batch_size: int, saved_ttl_s: float,
                  auto_step: bool, clock=time.monotonic, device: torch.device | str = "cpu",
-                 bf16_autocast: bool = True) -> None:
+                 bf16_autocast: bool = True, faults: FaultInjector | None = None,
+                 slow_weights: Callable[[], dict[str, Tensor] | None] | None = None,
+                 emit: Callable[..., Any] | None = None) -> None:
         self.stage, self.inner = stage, inner
         self.device = torch.device(device)
         # On a GPU: bf16 autocast for the stage's compute; weights, phi and m stay fp32 masters.
@@ -42,6 +61,15 @@ class StageWorker:
         self.sequences_total = 0
         self.tokens_total = 0
         self.last_lr = 0.0
+        self.faults = faults or FaultInjector()
+        self.emit = emit or (lambda event, **fields: None)  # the node's event stream (thread-safe)
+        self.params = dict(stage.named_parameters())
+        # Where bad weights are restored from: phi when the method keeps one, else (dp, none) a
+        # copy of theta this worker refreshes every 10 good steps.
+        self.slow_weights = slow_weights or (lambda: None)
+        self._own_copy = None if slow_weights is not None else self._copy_theta()
+        self.dropped_non_finite = 0
+        self.repairs = 0
 
     def forward(self, key: Hashable, inputs: Tensor, *, keep_graph: bool = False) -> Tensor:
         """Forward without a graph, keeping `inputs` for the backward's recompute; or, with
@@ -55,7 +83,7 @@ class StageWorker:
                 saved.output = self.stage(inputs)
             return self._to_host(saved.output.detach())
         with torch.no_grad(), self._autocast():
-            return self._to_host(self.stage(inputs))
+            return self._to_host(self._finite(self.stage(inputs), key, "output"))
 
     def forward_backward_last(self, inputs: Tensor, labels: Tensor) -> tuple[Tensor, float, int]:
         """Last stage: loss (token mean, scaled by b/B for accumulation), backward; returns
@@ -63,6 +91,7 @@ class StageWorker:
         x = self._to_device(inputs).detach().requires_grad_()
         with self._autocast():
             loss = LlamaStage.loss(self.stage(x), self._to_device(labels))
+        self._finite(loss.detach(), "last stage", "loss")  # before backward: the accumulated gradients stay clean
         (loss * (inputs.shape[0] / self.batch_size)).backward()
         self._count(inputs.shape[0], labels.numel())
         return self._to_host(x.grad), float(loss.detach()), labels.numel()
@@ -82,7 +111,14 @@ class StageWorker:
             output.backward(grad_output.to(output.dtype))
             grad_input = None if self.stage.is_first else x.grad
         self._count(inputs.shape[0], inputs.shape[0] * inputs.shape[1])
-        return self._to_host(grad_input)
+        return self._to_host(grad_input if grad_input is None else self._finite(grad_input, key, "input gradient"))
+
+    def _finite(self, tensor: Tensor, key, what: str) -> Tensor:
+        if not bool(torch.isfinite(tensor).all()):
+            self.dropped_non_finite += 1
+            self.emit("non_finite", what=what, microbatch=str(key), inner_step=self.inner_steps)
+            raise NonFiniteValues(f"{what} of {key} is not finite; the microbatch is dropped here")
+        return tensor
 
     def _autocast(self):
         return torch.autocast("cuda", dtype=torch.bfloat16) if self.autocast else contextlib.nullcontext()
@@ -111,9 +147,39 @@ class StageWorker:
             self.step()
 
     def step(self) -> float:
-        self.last_lr, _ = self.inner.step()
+        self._inject_nan_gradients()
+        self.last_lr, norm = self.inner.step()
         self.sequences_since_step = max(0, self.sequences_since_step - self.batch_size)
+        self._after_step(norm)
         return self.last_lr
+
+    def _inject_nan_gradients(self) -> None:
+        if self.faults.poison("inner_step") is not None:  # tests: a step whose gradients went NaN
+            for p in self.inner.params:
+                p.grad = torch.full_like(p, float("nan"))
+
+    def _after_step(self, norm: float) -> None:
+        step = self.inner_steps
+        if not norm == norm or norm in (float("inf"), float("-inf")):
+            log.warning("inner step %d skipped: gradient norm %s (%d skipped so far)", step, norm, self.inner.skipped_steps)
+            self.emit("inner_step_skipped", inner_step=step, grad_norm=str(norm), skipped=self.inner.skipped_steps)
+        scale = self.faults.poison("weights")  # tests: weights that went bad anyway
+        if scale is not None:
+            with torch.no_grad():
+                for p in self.params.values():
+                    p.mul_(scale)
+        if not all_finite(self.params.values()):
+            source = self.slow_weights() if self._own_copy is None else self._own_copy
+            done = repair_weights(self.params, source, self.inner.adam.state)
+            self.repairs += 1
+            log.error("inner step %d: weights went non-finite; restored from %s", step,
+                      done or "nothing (no finite copy): this replica is dropping its microbatches")
+            self.emit("weights_repaired", inner_step=step, source=done)
+        elif self._own_copy is not None and step % 10 == 0:
+            self._own_copy = self._copy_theta()
+
+    def _copy_theta(self) -> dict[str, Tensor]:
+        return {n: p.detach().clone() for n, p in self.params.items()}
 
     def take_gradients(self) -> list[Tensor]:
         """Data-parallel: clip this stage's accumulated gradients (per stage, before any
@@ -131,9 +197,11 @@ class StageWorker:
         pending = [p.grad for p in self.inner.params]
         for p, g in zip(self.inner.params, grads):
             p.grad = g.to(p.device, p.dtype)
-        self.last_lr, _ = self.inner.step(clip=False)
+        self._inject_nan_gradients()
+        self.last_lr, norm = self.inner.step(clip=False)
         for p, g in zip(self.inner.params, pending):
             p.grad = g
+        self._after_step(norm)
         return self.last_lr
 
     def output_shape(self, key: Hashable) -> tuple[int, ...] | None:

@@ -34,6 +34,8 @@ ANONYMOUS_PREFIXES = ("/noloco.wire.v1.Diagnostics/",)
 # message claims about its sender (a route's last hop, a pairing request's peer id).
 CALLER: contextvars.ContextVar[str] = contextvars.ContextVar("noloco_caller", default="")
 CALLER_PATH: contextvars.ContextVar[str] = contextvars.ContextVar("noloco_caller_path", default="")
+# Set by a servicer that refused values which would corrupt the stage: the caller is banned at once.
+POISONED: contextvars.ContextVar[bool] = contextvars.ContextVar("noloco_poisoned", default=False)
 
 
 class SwarmKeyError(ValueError):
@@ -112,14 +114,17 @@ class AdmissionInterceptor(grpc.aio.ServerInterceptor):
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
             CALLER.set(peer)
             CALLER_PATH.set(path)
+            POISONED.set(False)
             return peer
 
         def finished(peer: str, context) -> None:
             code = context.code()
             invalid = "invalid_argument" if code == grpc.StatusCode.INVALID_ARGUMENT else None
-            banned_s = self.guard.finish(peer, invalid)
+            poisoned = invalid is not None and POISONED.get()
+            banned_s = self.guard.finish(peer, "poisoned" if poisoned else invalid, at_once=poisoned)
             if banned_s is not None:
-                log.warning("banned peer %s for %.0f s after repeated invalid messages (last on %s)", peer, banned_s, method)
+                log.warning("banned peer %s for %.0f s after %s (last on %s)", peer, banned_s,
+                            "values that would corrupt this stage" if poisoned else "repeated invalid messages", method)
 
         def wrap_call(behavior):
             if behavior is None:

@@ -34,9 +34,11 @@ class GuardStats:
 
 class PeerGuard:
     def __init__(self, *, requests_per_s: float, burst: int, max_streams: int, ban_after_invalid: int,
-                 ban_s: float, ban_max_s: float, max_peers: int = 4096, clock=time.monotonic) -> None:
+                 ban_s: float, ban_max_s: float, max_peers: int = 4096, clock=time.monotonic,
+                 ban_after_poisoned: int = 1) -> None:
         self.rate, self.burst, self.max_streams = requests_per_s, burst, max_streams
         self.ban_after, self.ban_s, self.ban_max_s = ban_after_invalid, ban_s, ban_max_s
+        self.ban_after_poisoned = ban_after_poisoned
         self.max_peers, self.clock = max_peers, clock
         self._peers: OrderedDict[str, _PeerState] = OrderedDict()
         self.stats = GuardStats()
@@ -73,7 +75,7 @@ class PeerGuard:
         state.active += 1
         return None
 
-    def finish(self, peer: str, invalid: str | None = None) -> float | None:
+    def finish(self, peer: str, invalid: str | None = None, *, at_once: bool = False) -> float | None:
         """End a call admitted earlier; `invalid` names the reason when the peer sent bad data.
         Returns the ban length in seconds when this call earned the peer a ban."""
         state = self._peers.get(peer)
@@ -82,13 +84,15 @@ class PeerGuard:
         state.active = max(0, state.active - 1)
         if invalid is None:
             return None
-        return self.strike(peer, invalid)
+        return self.strike(peer, invalid, at_once=at_once)
 
-    def strike(self, peer: str, reason: str) -> float | None:
+    def strike(self, peer: str, reason: str, *, at_once: bool = False) -> float | None:
+        """Count an invalid message; `at_once` (values that would corrupt us) bans after
+        `ban_after_poisoned` strikes (by default on the first) instead of `ban_after_invalid`."""
         state = self._state(peer)
         self.stats.invalid[reason] = self.stats.invalid.get(reason, 0) + 1
         state.invalid += 1
-        if state.invalid < self.ban_after:
+        if state.invalid < (self.ban_after_poisoned if at_once else self.ban_after):
             return None
         state.invalid = 0
         state.bans += 1

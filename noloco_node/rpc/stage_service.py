@@ -3,7 +3,8 @@
 The servicer validates in this order, before it allocates or computes: run identity
 (FAILED_PRECONDITION), tensor header (INVALID_ARGUMENT), the handler's shape and admission
 checks (INVALID_ARGUMENT / RESOURCE_EXHAUSTED / FAILED_PRECONDITION), then the payload: chunk order, exact
-length, decodability and finite values (INVALID_ARGUMENT). A rejected call never disturbs the
+length, decodability, and values: finite and within the stage's running bounds (INVALID_ARGUMENT,
+and the sender is banned at once; see optim/integrity.py). A rejected call never disturbs the
 node: the handler releases what it reserved and the next request is served as usual.
 """
 
@@ -20,8 +21,9 @@ import torch
 from torch import Tensor
 
 from noloco_node.codec import DTYPES, CodecError, TensorSpec, decode_into
-from noloco_node.errors import InvalidPayload, NodeError, ProtocolMismatch, TooLarge
-from noloco_node.rpc.admission import CALLER
+from noloco_node.errors import InvalidPayload, NodeError, PoisonedPayload, ProtocolMismatch, TooLarge
+from noloco_node.optim.integrity import RunningBounds
+from noloco_node.rpc.admission import CALLER, POISONED
 from noloco_node.rpc.status import error_from_rpc, status_of
 from noloco_node.rpc.tensors import PayloadReceiver, encode_tensor, header_to_spec, iter_chunks
 from noloco_node.wire.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
@@ -78,8 +80,6 @@ async def _receive(messages: AsyncIterator, spec: TensorSpec, max_bytes: int) ->
         decode_into(spec, payload, out)
     except CodecError as exc:
         raise InvalidPayload(str(exc)) from None
-    if out.is_floating_point() and not torch.isfinite(out).all():
-        raise InvalidPayload("payload holds non-finite values")
     return out, len(payload)
 
 
@@ -89,7 +89,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
     its in-flight slot freed, whatever deadline (or none) the client set."""
 
     def __init__(self, handler: StageHandler, *, run_id: str, manifest_hash: str, max_payload_bytes: int,
-                 receive_s: float = 10.0, min_bytes_per_s: float = 1e6) -> None:
+                 receive_s: float = 10.0, min_bytes_per_s: float = 1e6, rms_factor: float = 1000.0,
+                 max_abs: float = 1e6) -> None:
         self.handler = handler
         self.run_id, self.manifest_hash = run_id, manifest_hash
         self.max_payload_bytes = max_payload_bytes
@@ -97,6 +98,13 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         self.rejected: dict[str, int] = {}
         self.bytes_received = 0
         self.cut_at_deadline = 0
+        # Values are checked against this stage's own recent traffic, per direction (integrity.py).
+        self.bounds = {kind: RunningBounds(factor=rms_factor, max_abs=max_abs) for kind in ("forward", "backward")}
+
+    def _check_values(self, kind: str, tensor: Tensor) -> None:
+        why = self.bounds[kind].check(tensor)
+        if why is not None:
+            raise PoisonedPayload(why)
 
     def _check_run(self, run: tensor_pb2.RunIdentity) -> None:
         if run.run_id != self.run_id or run.manifest_hash != self.manifest_hash:
@@ -119,6 +127,10 @@ class StageServicer(stage_pb2_grpc.StageServicer):
     async def _abort(self, context: grpc.aio.ServicerContext, method: str, error: NodeError) -> None:
         code = status_of(error)
         self.rejected[code.name] = self.rejected.get(code.name, 0) + 1
+        if isinstance(error, PoisonedPayload):
+            self.rejected["poisoned"] = self.rejected.get("poisoned", 0) + 1
+            POISONED.set(True)
+            log.warning("%s refused: %s", method, error)
         log.debug("%s rejected with %s: %s", method, code.name, error)
         await context.abort(code, str(error))
 
@@ -145,6 +157,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             ticket = self.handler.admit_forward(header, spec)
             async with asyncio.timeout_at(self._payload_deadline(started, spec)):
                 tensor, size = await _receive(request_iterator, spec, self.max_payload_bytes)
+            self._check_values("forward", tensor)
             accepted, ticket = ticket, None
             self.bytes_received += size
             await self.handler.accept_forward(accepted, tensor)
@@ -172,6 +185,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             ticket = self.handler.admit_backward(header, spec, CALLER.get())
             async with asyncio.timeout_at(self._payload_deadline(started, spec)):
                 tensor, size = await _receive(request_iterator, spec, self.max_payload_bytes)
+            self._check_values("backward", tensor)
             self.bytes_received += size
             await self.handler.accept_backward(ticket, tensor)
             return stage_pb2.StageAck(bytes_received=size)

@@ -5,8 +5,10 @@ A spec is "POINT:ACTION[=SECONDS][@N|%P]":
   stall=S        the point sleeps S seconds (peers see a node that stopped answering)
   delay=S        the same sleep, meant to be shorter than the peers' deadlines
   error          the operation at that point fails (raises InjectedFault)
-  poison[=X]     send_snapshot only: the outer snapshot we send carries NaN (or our fast weights
-                 times X) while our own weights stay honest: a lying peer, for tests
+  poison[=X]     send_snapshot: the outer snapshot we send carries NaN (or our fast weights times
+                 X) while our own weights stay honest: a lying peer, for tests. inner_step: the
+                 step's gradients are NaN. weights: after the step, theta is multiplied by X
+                 (NaN without =X): a replica whose weights went bad
   @N             only the Nth time the point is reached (1-based); %P: each time with probability P.
 Without @N or %P the fault fires every time. Points off by default cost one dict lookup.
 """
@@ -26,7 +28,9 @@ from noloco_node.errors import NodeError
 
 log = logging.getLogger(__name__)
 
-POINTS = ("before_forward", "mid_backward", "during_exchange", "during_state_transfer", "send_snapshot")
+POINTS = ("before_forward", "mid_backward", "during_exchange", "during_state_transfer", "send_snapshot",
+          "inner_step", "weights")
+POISON_POINTS = ("send_snapshot", "inner_step", "weights")
 ACTIONS = ("crash", "stall", "delay", "error", "poison")
 CRASH_EXIT_CODE = 17
 _SPEC = re.compile(r"^(?P<point>[a-z_]+):(?P<action>[a-z]+)(=(?P<seconds>[0-9.]+))?(@(?P<nth>\d+)|%(?P<p>[0-9.]+))?$")
@@ -58,8 +62,8 @@ def parse_fault(spec: str) -> Fault:
         raise FaultSpecError(f"unknown point {point!r} in {spec!r} (points: {', '.join(POINTS)})")
     if action not in ACTIONS:
         raise FaultSpecError(f"unknown action {action!r} in {spec!r} (actions: {', '.join(ACTIONS)})")
-    if (action == "poison") != (point == "send_snapshot"):
-        raise FaultSpecError(f"{spec!r}: poison is the only action at send_snapshot, and only there")
+    if (action == "poison") != (point in POISON_POINTS):
+        raise FaultSpecError(f"{spec!r}: poison is the only action at {', '.join(POISON_POINTS)}, and only there")
     if action in ("stall", "delay") and match["seconds"] is None:
         raise FaultSpecError(f"{spec!r}: {action} needs =SECONDS")
     probability = float(match["p"]) if match["p"] is not None else None
@@ -104,9 +108,9 @@ class FaultInjector:
             elif fault.action == "error":
                 raise InjectedFault(f"injected error at {point}")
 
-    def poison(self) -> float | None:
-        """For send_snapshot: NaN or the scale to corrupt the outgoing snapshot with, else None."""
-        for fault in self._due("send_snapshot"):
+    def poison(self, point: str = "send_snapshot") -> float | None:
+        """At a poison point: NaN or the scale to corrupt with, else None."""
+        for fault in self._due(point):
             return fault.seconds if fault.seconds else math.nan
         return None
 

@@ -38,6 +38,13 @@ class _StatsCollector:
         yield self._gauge("noloco_saved_inputs", "Saved forward inputs held for backward", s["saved_inputs"])
         yield self._counter("noloco_bans", "Peers banned after failed calls", s["bans"])
         yield self._counter("noloco_busy_answers", "Forwards refused because the window was full", s["busy_answers"])
+        integrity = s.get("integrity") or {}
+        yield self._counter("noloco_inner_steps_skipped", "Inner steps skipped: their gradients were not finite",
+                            integrity.get("skipped_steps", 0))
+        yield self._counter("noloco_weights_repaired", "Times this stage's weights went non-finite and were restored",
+                            integrity.get("weights_repaired", 0))
+        yield self._counter("noloco_payloads_refused", "Received tensors refused: non-finite or outside the running bounds",
+                            integrity.get("payloads_refused", 0))
         transport = s.get("transport") or {}
         by_path = CounterMetricFamily("noloco_path_bytes", "Bytes per transport path (direct: TLS gRPC payload sent; "
                                       "holepunched / relayed: bytes carried over libp2p streams)",

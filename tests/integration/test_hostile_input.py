@@ -41,7 +41,8 @@ def test_fuzzed_node_survives_stays_bounded_and_keeps_training(tmp_path, make_sw
                                             "inner.total_steps": steps, "security.swarm_key_file": str(key_file)})
     prepare_tokenizer(overrides)
     swarm = make_swarm(overrides)
-    target = swarm.start_node(1, 0, "--set", "security.ban_after_invalid=1000000000")
+    target = swarm.start_node(1, 0, "--set", "security.ban_after_invalid=1000000000",
+                              "--set", "security.ban_after_poisoned=1000000000")
     swarm.wait_ready([target])
     info = target.info
     pool = IdentityPool(8)

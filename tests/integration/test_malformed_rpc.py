@@ -51,7 +51,8 @@ async def call_forward(stub, messages, metadata):
 
 def test_malformed_forwards_are_rejected_and_node_keeps_serving(tmp_path, make_swarm):
     # One client sends every bad case: the ban it would earn (tested in test_hostile_input) is off here.
-    overrides = tiny_overrides(tmp_path, **{"pipeline.num_stages": 2, "security.ban_after_invalid": 1000})
+    overrides = tiny_overrides(tmp_path, **{"pipeline.num_stages": 2, "security.ban_after_invalid": 1000,
+                                            "security.ban_after_poisoned": 1000})
     prepare_tokenizer(overrides)
     swarm = make_swarm(overrides)
     node = swarm.start_node(1, 0)

@@ -1,0 +1,89 @@
+"""Inner-loop integrity: bounds on received tensors that follow the stage's own running
+statistics, and the check that keeps non-finite values out of theta, phi, m and Adam's state.
+
+Finite is not enough. Activations of +-3e38 are finite, but the next RMSNorm squares them to inf
+and every gradient after that is NaN: one such microbatch used to destroy a replica for good. So
+a received tensor must also have an RMS within `factor` of the median RMS of the recent tensors
+this stage accepted in the same direction, and no element above `max_abs`. Pure torch; knows
+nothing of networking.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+from collections import deque
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+
+def tensor_rms(tensor: Tensor) -> float:
+    """Root mean square, without overflowing on values near float32's limit (+-3e38 squares to inf)."""
+    if tensor.numel() == 0:
+        return 0.0
+    peak = float(tensor.detach().abs().max())
+    if not math.isfinite(peak) or peak == 0.0:
+        return peak
+    scaled = tensor.detach().to(torch.float32) / peak
+    return peak * float(scaled.pow(2).mean().sqrt())
+
+
+class RunningBounds:
+    """Accepts a tensor when its largest element is within `max_abs` and, once `min_samples`
+    tensors have been accepted, its RMS within [median / factor, median * factor] of the last
+    `window` accepted ones. The median (not the max) so that an attacker must own most of the
+    window to drag the bounds, and a growing RMS (training) moves them along."""
+
+    def __init__(self, *, factor: float, max_abs: float, window: int = 64, min_samples: int = 8) -> None:
+        if factor <= 1.0:
+            raise ValueError(f"factor must be > 1, got {factor}")
+        self.factor, self.max_abs, self.min_samples = factor, max_abs, min_samples
+        self.recent: deque[float] = deque(maxlen=window)
+        self.refused = 0
+
+    def check(self, tensor: Tensor) -> str | None:
+        """None if acceptable (and then counted into the window), else why not."""
+        peak = float(tensor.detach().abs().max()) if tensor.numel() else 0.0
+        if not math.isfinite(peak):
+            return self._refuse("payload holds non-finite values")
+        if peak > self.max_abs:
+            return self._refuse(f"payload holds |x| = {peak:.3g}, above this node's limit {self.max_abs:.3g}")
+        rms = tensor_rms(tensor)
+        if len(self.recent) >= self.min_samples:
+            median = statistics.median(self.recent)
+            low, high = median / self.factor, median * self.factor
+            if median > 0 and not low <= rms <= high:
+                return self._refuse(f"payload RMS {rms:.3g} is outside [{low:.3g}, {high:.3g}] "
+                                    f"({self.factor:g}x around the median of the last {len(self.recent)} accepted)")
+        self.recent.append(rms)
+        return None
+
+    def _refuse(self, reason: str) -> str:
+        self.refused += 1
+        return reason
+
+
+def all_finite(tensors: Iterable[Tensor]) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point())
+
+
+def repair_weights(params: dict[str, torch.nn.Parameter], phi: dict[str, Tensor] | None,
+                   adam_state: dict) -> str | None:
+    """Called when a stage's weights are found non-finite: theta <- phi (the last slow weights,
+    which only ever take validated values) and Adam's moments for any parameter whose state is
+    not finite are dropped. Returns what was done ("phi"), or None when there is no finite phi to
+    restore from (the caller must then fetch state from a healthy replica)."""
+    if phi is None or not all_finite(phi.values()):
+        return None
+    with torch.no_grad():
+        for name, param in params.items():
+            param.data.copy_(phi[name])  # all of theta: a finite-looking tensor may have taken part in the fault
+            state = adam_state.get(param)
+            if state and not all_finite(v for v in state.values() if isinstance(v, Tensor)):
+                del adam_state[param]
+    return "phi"
