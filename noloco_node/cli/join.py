@@ -66,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
 async def _serve(config, args: argparse.Namespace) -> int:
     from noloco_node.node import Node
     from noloco_node.runtime.logging import setup_logging
+    from noloco_node.runtime.reporting import TrainingLog, read_node
 
     stop = stop_on_signals()
     node = Node(config, out_dir=Path(args.out) if args.out else None, save_weights=args.save_weights)
@@ -74,8 +75,14 @@ async def _serve(config, args: argparse.Namespace) -> int:
     await node.start()
     setup_logging(logging.getLevelName(logging.getLogger().level), prefix=f"{node.peer_id[-6:]} s{node.stage_index}")
     maddrs = await node.directory.visible_maddrs()
+    progress = _progress(config.log.progress)
+    # The progress line shows the same on a terminal; without one, step lines go to the log instead.
+    training = TrainingLog(config.log.every_steps if progress is None else 0,
+                           total=args.steps if node.stage_index == 0 and args.steps > 0 else None)
 
     async def report(_step: int = 0) -> None:
+        if training.due(node.worker.inner_steps):
+            training.step(read_node(node))
         if args.ready_file:
             in_flight = [[k.origin, k.sequence, k.attempt] for k in list(node.runtime.in_flight)]
             atomic_write_text(args.ready_file, json.dumps({"peer_id": node.peer_id, "address": node.address, "stage": node.stage_index,
@@ -88,8 +95,6 @@ async def _serve(config, args: argparse.Namespace) -> int:
                                              "saved_inputs": len(node.worker.saved),
                                              "run_id": config.run.run_id}))
 
-    progress = _progress(config.log.progress)
-
     async def report_periodically() -> None:
         ticks = 0
         while True:
@@ -100,7 +105,8 @@ async def _serve(config, args: argparse.Namespace) -> int:
                 progress.update(_progress_text(node))
 
     await report()
-    reporter = asyncio.create_task(report_periodically()) if args.ready_file or progress is not None else None
+    # Always polled: stages > 0 have no per-step callback here, and their step lines come from it.
+    reporter = asyncio.create_task(report_periodically())
     try:
         if node.stage_index == 0 and args.steps > 0:
             await _race(node.wait_for_replicas(args.wait_replicas, config.timeouts.startup_s), stop)
@@ -113,11 +119,13 @@ async def _serve(config, args: argparse.Namespace) -> int:
         else:
             await stop.wait()
     finally:
-        if reporter is not None:
-            reporter.cancel()
+        reporter.cancel()
         if progress is not None:
             progress.close()
-        await node.stop()
+        try:
+            await node.stop()
+        finally:  # after stop: bytes, drained and dropped microbatches are final
+            training.summary(read_node(node))
     return 0
 
 

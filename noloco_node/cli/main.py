@@ -8,6 +8,7 @@ node announces, 10-19 `doctor` checks (see `noloco-node doctor --help`), 1 anyth
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from noloco_node import __version__
@@ -34,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     from noloco_node.runtime.logging import setup_logging
 
     setup_logging(args.log_level)
+    _quiet_native_logs(args.log_level)
     try:
         return int(args.run(args) or 0)
     except ConfigError as exc:
@@ -51,6 +53,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"noloco-node: {exc}", file=sys.stderr)
             return 2
         raise
+
+
+def _quiet_native_logs(level: str) -> None:
+    """Below DEBUG, keep libraries that log on their own out of the console: gRPC's C core (its
+    INFO line 'fork_posix ... skipping fork() handlers' whenever a node process forks while gRPC
+    threads run) and hivemind's own handler, which installs itself at INFO on import (so a process
+    hivemind forks during start-up keeps INFO). Set before either is imported, and inherited by
+    child processes; a value the user set wins."""
+    if level.upper() != "DEBUG":
+        os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+        os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
 
 
 if __name__ == "__main__":

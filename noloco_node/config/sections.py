@@ -372,10 +372,16 @@ class LogConfig:
     """Append a JSONL event stream here (started, inner_step, outer_round, checkpoint, stopping, ...)."""
     progress: str = "auto"
     """A live progress line on stderr: auto (only on a terminal), on or off."""
+    every_steps: int = 10
+    """Without the progress line (no terminal: systemd, Docker), `join` logs a step line every N
+    inner steps (step, loss, lr, tokens/s, in flight, outer outcome, bytes); 0 = none. The closing
+    summary is logged either way."""
 
     def __post_init__(self) -> None:
         _require(self.progress in ("auto", "on", "off"), "progress", f"unknown value {self.progress!r}",
                  "use auto, on or off")
+        _require(isinstance(self.every_steps, int) and self.every_steps >= 0, "every_steps",
+                 f"must be an integer >= 0, got {self.every_steps!r}", "use e.g. 10, or 0 for no step lines")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -1,0 +1,148 @@
+"""What `join` says about training in its log, for nodes without a terminal (systemd, Docker):
+a step line every `log.every_steps` inner steps and one closing summary line.
+
+Formatting is pure (a `Snapshot` of plain numbers in, one line out) so it is tested without a
+node; `read_node` gathers the numbers from a running Node's existing attributes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+log = logging.getLogger("noloco_node.training")
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    stage: int
+    step: int  # this stage's inner steps
+    tokens: int  # tokens this stage processed
+    lr: float | None
+    loss: float | None = None  # stage 0: mean loss of the latest inner step; other stages have none
+    first_loss: float | None = None
+    in_flight: int = 0
+    served: int = 0  # stages > 0: forwards received from upstream
+    outer: dict | None = None  # counters (rounds, paired, solo, rejected); None = no outer method
+    last_round: dict | None = None  # the latest outer round: {"round", "outcome", ...}
+    bytes_sent: int = 0  # pipeline and outer payloads
+    bytes_received: int = 0  # pipeline payloads
+    dropped: int = 0  # stage 0: microbatches given up; other stages: forwards dropped here
+    issued: int | None = None  # stage 0: distinct microbatches issued
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+def _steps(snap: Snapshot, total: int | None) -> str:
+    return f"{snap.step}/{total}" if total else str(snap.step)
+
+
+def _lr(lr: float | None) -> str:
+    return f"lr {lr:.1e}" if lr is not None else "lr -"
+
+
+def _outer(snap: Snapshot) -> str:
+    if snap.outer is None:
+        return "outer off"
+    if snap.last_round is None:
+        return "outer no round yet"
+    return f"outer {snap.last_round.get('outcome', '?')} (round {snap.last_round.get('round', '?')})"
+
+
+def _bytes(snap: Snapshot) -> str:
+    return f"sent {format_bytes(snap.bytes_sent)} recv {format_bytes(snap.bytes_received)}"
+
+
+def step_line(snap: Snapshot, *, total: int | None, tokens_per_s: float) -> str:
+    """E.g. `step 40/200 | loss 5.123 | lr 3.0e-04 | 812 tok/s | in flight 3 | outer paired (round 4) |
+    sent 1.2 MB recv 1.1 MB`; stages > 0 show `served N mb` (microbatches received) where stage 0 shows
+    its loss."""
+    if snap.stage == 0:
+        own = f"loss {snap.loss:.3f}" if snap.loss is not None else "loss -"
+    else:
+        own = f"served {snap.served} mb"
+    return " | ".join([f"step {_steps(snap, total)}", own, _lr(snap.lr), f"{tokens_per_s:.0f} tok/s",
+                       f"in flight {snap.in_flight}", _outer(snap), _bytes(snap)])
+
+
+def summary_line(snap: Snapshot, *, total: int | None, wall_s: float) -> str:
+    """E.g. `summary: stage 0 | 200/200 steps | 61.2 s | 790 tok/s mean | loss 8.301 -> 5.012 | outer 5 rounds:
+    4 paired, 1 solo, 0 rejected | sent 12.0 MB recv 11.5 MB | dropped 0 of 800 microbatches`."""
+    parts = [f"summary: stage {snap.stage}", f"{_steps(snap, total)} steps", f"{wall_s:.1f} s",
+             f"{snap.tokens / max(wall_s, 1e-6):.0f} tok/s mean"]
+    if snap.stage == 0:
+        parts.append(f"loss {snap.first_loss:.3f} -> {snap.loss:.3f}" if snap.loss is not None else "loss -")
+    else:
+        parts.append(f"served {snap.served} microbatches")
+    if snap.outer is None:
+        parts.append("outer off")
+    else:
+        o = snap.outer
+        parts.append(f"outer {o.get('rounds', 0)} rounds: {o.get('paired', 0)} paired, {o.get('solo', 0)} solo, "
+                     f"{o.get('rejected', 0)} rejected")
+    parts.append(_bytes(snap))
+    parts.append(f"dropped {snap.dropped} of {snap.issued} microbatches" if snap.issued is not None
+                 else f"dropped {snap.dropped} microbatches")
+    return " | ".join(parts)
+
+
+class TrainingLog:
+    """Logs a step line when a multiple of `every_steps` is reached or passed (stages > 0 are polled,
+    so they may see step 41 first) and the summary once; tokens/s on a step line is the rate since
+    the previous line (the first: since serving)."""
+
+    def __init__(self, every_steps: int, total: int | None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.every_steps, self.total, self.clock = every_steps, total, clock
+        self.started = self._mark = clock()
+        self._mark_tokens = 0
+        self._next = every_steps
+        self.summarized = False
+
+    def due(self, step: int) -> bool:
+        return self.every_steps > 0 and step >= self._next
+
+    def step(self, snap: Snapshot) -> str | None:
+        if not self.due(snap.step):
+            return None
+        now = self.clock()
+        rate = (snap.tokens - self._mark_tokens) / max(now - self._mark, 1e-6)
+        self._mark, self._mark_tokens = now, snap.tokens
+        self._next = (snap.step // self.every_steps + 1) * self.every_steps
+        line = step_line(snap, total=self.total, tokens_per_s=rate)
+        log.info("%s", line)
+        return line
+
+    def summary(self, snap: Snapshot) -> str | None:
+        if self.summarized:
+            return None
+        self.summarized = True
+        line = summary_line(snap, total=self.total, wall_s=self.clock() - self.started)
+        log.info("%s", line)
+        return line
+
+
+def read_node(node) -> Snapshot:
+    """The numbers a step line and the summary need, from a started Node's attributes."""
+    runtime, driver = node.runtime, node.driver
+    counters = node.sync.counters if node.sync is not None else (node.dp_step.counters if node.dp_step else None)
+    outer = None if counters is None else {k: v for k, v in vars(counters).items() if k != "history"}
+    last_round = counters.history[-1] if counters is not None and counters.history else None
+    losses = driver.log.step_losses if driver is not None else []
+    lr = driver.log.lrs[-1] if driver is not None and driver.log.lrs else (node.worker.last_lr or None)
+    stats = runtime.stats
+    return Snapshot(
+        stage=node.stage_index, step=node.worker.inner_steps, tokens=node.worker.tokens_total, lr=lr,
+        loss=losses[-1] if losses else None, first_loss=losses[0] if losses else None,
+        in_flight=len(runtime.in_flight), served=sum(stats.forwards_received.values()), outer=outer,
+        last_round=last_round, bytes_sent=node.client.bytes_sent + node.outer_bytes_sent(),
+        bytes_received=node.servicer.bytes_received,
+        dropped=driver.counters.dropped if driver is not None else stats.dropped_here,
+        issued=driver.counters.issued if driver is not None else None)

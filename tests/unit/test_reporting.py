@@ -1,0 +1,127 @@
+"""join's log lines without a terminal: the step line, the summary, when they are logged, and
+what they read from a node."""
+
+import logging
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+
+from noloco_node.config import ConfigError, load_config
+from noloco_node.runtime.reporting import Snapshot, TrainingLog, format_bytes, read_node, step_line, summary_line
+
+PAIRED = {"rounds": 5, "paired": 4, "solo": 1, "rejected": 0, "timed_out": 0}
+
+
+def stage0(**kw) -> Snapshot:
+    values = dict(stage=0, step=40, tokens=64_000, lr=3e-4, loss=5.1234, first_loss=8.3012, in_flight=3, outer=PAIRED,
+                  last_round={"round": 4, "outcome": "paired", "partner": "x"}, bytes_sent=1_234_567,
+                  bytes_received=1_100_000, dropped=0, issued=800)
+    values.update(kw)
+    return Snapshot(**values)
+
+
+def test_format_bytes_picks_a_readable_unit():
+    assert [format_bytes(n) for n in (0, 999, 1234, 1_234_567, 2.5e9, 5e12)] == \
+        ["0 B", "999 B", "1.2 kB", "1.2 MB", "2.5 GB", "5000.0 GB"]
+
+
+def test_stage0_step_line_has_every_field_in_order():
+    assert step_line(stage0(), total=200, tokens_per_s=812.4) == (
+        "step 40/200 | loss 5.123 | lr 3.0e-04 | 812 tok/s | in flight 3 | outer paired (round 4) | "
+        "sent 1.2 MB recv 1.1 MB")
+
+
+def test_later_stage_shows_microbatches_served_instead_of_a_loss():
+    snap = Snapshot(stage=2, step=7, tokens=10, lr=1e-3, served=28, outer=PAIRED, last_round=None)
+    line = step_line(snap, total=None, tokens_per_s=3.0)
+    assert line.startswith("step 7 | served 28 mb | lr 1.0e-03 | 3 tok/s")
+    assert "loss" not in line and "outer no round yet" in line
+
+
+def test_step_line_before_any_loss_and_without_an_outer_method():
+    line = step_line(stage0(loss=None, lr=None, outer=None, last_round=None), total=None, tokens_per_s=0)
+    assert line.startswith("step 40 | loss - | lr - | 0 tok/s") and "outer off" in line
+
+
+def test_stage0_summary():
+    assert summary_line(stage0(step=200), total=200, wall_s=80.0) == (
+        "summary: stage 0 | 200/200 steps | 80.0 s | 800 tok/s mean | loss 8.301 -> 5.123 | outer 5 rounds: "
+        "4 paired, 1 solo, 0 rejected | sent 1.2 MB recv 1.1 MB | dropped 0 of 800 microbatches")
+
+
+def test_later_stage_summary_and_a_stopped_early_stage0():
+    later = summary_line(Snapshot(stage=1, step=3, tokens=30, lr=None, served=12, dropped=2), total=None, wall_s=10.0)
+    assert later == ("summary: stage 1 | 3 steps | 10.0 s | 3 tok/s mean | served 12 microbatches | outer off | "
+                     "sent 0 B recv 0 B | dropped 2 microbatches")
+    early = summary_line(stage0(step=0, loss=None, first_loss=None, issued=0), total=12, wall_s=1.0)
+    assert "0/12 steps" in early and "loss -" in early
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_training_log_logs_each_multiple_once_with_the_rate_since_the_last_line(caplog):
+    clock = Clock()
+    report = TrainingLog(4, total=12, clock=clock)
+    caplog.set_level(logging.INFO, logger="noloco_node.training")
+    assert [report.step(stage0(step=s, tokens=s * 100)) for s in (1, 2, 3)] == [None, None, None]
+    clock.now += 2.0
+    assert " 200 tok/s" in report.step(stage0(step=4, tokens=400))
+    assert report.step(stage0(step=4, tokens=400)) is None  # the same step polled again
+    clock.now += 1.0
+    # A polled stage may first see a step past the multiple: one line, and the next is due at 12.
+    assert "step 9/12" in report.step(stage0(step=9, tokens=900))
+    assert not report.due(11) and report.due(12)
+    clock.now += 7.0
+    summary = report.summary(stage0(step=12, tokens=1200))
+    assert summary.startswith("summary: stage 0 | 12/12 steps | 10.0 s | 120 tok/s")
+    assert report.summary(stage0(step=12)) is None  # once, however shutdown reaches it
+    messages = [r.getMessage() for r in caplog.records if r.name == "noloco_node.training"]
+    assert len(messages) == 3 and all(r.levelno == logging.INFO for r in caplog.records)
+
+
+def test_every_steps_zero_logs_no_step_lines_but_the_summary():
+    report = TrainingLog(0, total=None)
+    assert not report.due(10**6) and report.step(stage0(step=10**6)) is None
+    assert report.summary(stage0()) is not None
+
+
+def fake_node(*, stage: int, driver: bool, sync: bool) -> SimpleNamespace:
+    counters = SimpleNamespace(rounds=2, paired=1, solo=1, rejected=0, history=[{"round": 2, "outcome": "solo"}])
+    log = SimpleNamespace(step_losses=[7.5, 6.25], lrs=[1e-3, 2e-3])
+    stats = SimpleNamespace(forwards_received=Counter(p=3, q=4), dropped_here=2)
+    return SimpleNamespace(
+        stage_index=stage, dp_step=None,
+        driver=SimpleNamespace(log=log, counters=SimpleNamespace(dropped=1, issued=16)) if driver else None,
+        sync=SimpleNamespace(counters=counters) if sync else None,
+        worker=SimpleNamespace(inner_steps=8, tokens_total=512, last_lr=5e-4),
+        runtime=SimpleNamespace(in_flight={"a": 1, "b": 2}, stats=stats),
+        client=SimpleNamespace(bytes_sent=1000), outer_bytes_sent=lambda: 500,
+        servicer=SimpleNamespace(bytes_received=700))
+
+
+def test_read_node_stage0_takes_loss_and_lr_from_the_driver():
+    snap = read_node(fake_node(stage=0, driver=True, sync=True))
+    assert (snap.loss, snap.first_loss, snap.lr, snap.step, snap.tokens) == (6.25, 7.5, 2e-3, 8, 512)
+    assert snap.in_flight == 2
+    assert (snap.bytes_sent, snap.bytes_received, snap.dropped, snap.issued) == (1500, 700, 1, 16)
+    assert snap.outer == {"rounds": 2, "paired": 1, "solo": 1, "rejected": 0} and snap.last_round["outcome"] == "solo"
+
+
+def test_read_node_later_stage_without_outer_method():
+    snap = read_node(fake_node(stage=1, driver=False, sync=False))
+    assert (snap.loss, snap.lr, snap.served, snap.dropped, snap.issued) == (None, 5e-4, 7, 2, None)
+    assert snap.outer is None and snap.last_round is None
+
+
+@pytest.mark.parametrize("value", ["-1", "2.5"])
+def test_every_steps_must_be_a_non_negative_integer(value):
+    with pytest.raises(ConfigError, match="log.every_steps"):
+        load_config(overrides=[f"log.every_steps={value}"])
+    assert load_config(overrides=["log.every_steps=0"]).log.every_steps == 0
