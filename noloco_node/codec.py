@@ -1,4 +1,4 @@
-"""Tensor codecs for the wire: `none`, `bf16`, `int8` blockwise absmax. Pure torch, no grpc.
+"""Tensor codecs for the wire: `none`, `bf16`, `int8` blockwise absmax, `topk`. Pure torch, no grpc.
 
 A codec turns a tensor into (TensorSpec, payload bytes) and decodes payload bytes into a
 preallocated tensor. Receivers validate a spec against their expectations and limits with
@@ -6,6 +6,10 @@ preallocated tensor. Receivers validate a spec against their expectations and li
 
 int8 layout: ceil(n / block_size) little-endian float32 scales (absmax / 127 per block), then n
 int8 values. Zero blocks have scale 0 and decode to 0.
+
+topk layout (sparse; for outer deltas): `nnz` little-endian int32 indices into the flattened
+tensor, strictly increasing, then `nnz` values in the declared dtype. Every other element decodes
+to 0. The sender chooses nnz (the largest-|x| fraction, see `topk_count`); the spec declares it.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-CODECS = ("none", "bf16", "int8")
+CODECS = ("none", "bf16", "int8", "topk")
 DEFAULT_INT8_BLOCK = 64
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -43,6 +47,8 @@ class TensorSpec:
     codec: str
     block_size: int = 0
     payload_bytes: int = 0
+    nnz: int = 0
+    """topk: number of (index, value) pairs; 0 for the dense codecs."""
 
     @property
     def numel(self) -> int:
@@ -64,17 +70,24 @@ def expected_payload_bytes(spec: TensorSpec) -> int:
         raise CodecError(f"codec {spec.codec!r} needs a floating dtype, got {spec.dtype!r}")
     if spec.codec == "bf16":
         return 2 * n
+    if spec.codec == "topk":
+        if not 0 <= spec.nnz <= n or n >= 2**31:
+            raise CodecError(f"topk codec declares {spec.nnz} entries for a tensor of {n}")
+        return spec.nnz * (4 + DTYPES[spec.dtype].itemsize)
     if spec.block_size < 1:
         raise CodecError(f"int8 codec needs block_size >= 1, got {spec.block_size}")
     return 4 * math.ceil(n / spec.block_size) + n
 
 
-def encode(tensor: Tensor, codec: str, *, block_size: int = DEFAULT_INT8_BLOCK) -> tuple[TensorSpec, bytes]:
-    """Encode `tensor` (any device) with `codec`; returns its spec and the payload bytes."""
+def encode(tensor: Tensor, codec: str, *, block_size: int = DEFAULT_INT8_BLOCK,
+           fraction: float = 0.01) -> tuple[TensorSpec, bytes]:
+    """Encode `tensor` (any device) with `codec`; returns its spec and the payload bytes.
+    `fraction` is topk's share of elements sent (the largest magnitudes)."""
     dtype = DTYPE_NAMES.get(tensor.dtype)
     if dtype is None:
         raise CodecError(f"cannot encode dtype {tensor.dtype}")
     flat = tensor.detach().reshape(-1).cpu()
+    nnz = 0
     if codec == "none":
         payload = _to_bytes(flat.contiguous())
         spec_block = 0
@@ -84,10 +97,14 @@ def encode(tensor: Tensor, codec: str, *, block_size: int = DEFAULT_INT8_BLOCK) 
     elif codec == "int8":
         payload = _encode_int8(flat, block_size)
         spec_block = block_size
+    elif codec == "topk":
+        nnz = topk_count(flat.numel(), fraction)
+        payload = _encode_topk(flat, nnz)
+        spec_block = 0
     else:
         raise CodecError(f"unknown codec {codec!r}; expected one of {', '.join(CODECS)}")
     spec = TensorSpec(dtype=dtype, shape=tuple(tensor.shape), codec=codec, block_size=spec_block,
-                      payload_bytes=len(payload))
+                      payload_bytes=len(payload), nnz=nnz)
     expected_payload_bytes(spec)  # rejects e.g. bf16 of int64
     return spec, payload
 
@@ -104,6 +121,8 @@ def decode_into(spec: TensorSpec, payload: bytes | bytearray | memoryview, out: 
         target.copy_(_from_bytes(payload, DTYPES[spec.dtype]))
     elif spec.codec == "bf16":
         target.copy_(_from_bytes(payload, torch.int16).view(torch.bfloat16))
+    elif spec.codec == "topk":
+        _decode_topk(payload, spec, target)
     else:
         _decode_int8(payload, spec, target)
     return out
@@ -161,3 +180,33 @@ def _decode_int8(payload: bytes | bytearray | memoryview, spec: TensorSpec, targ
     if full:
         torch.mul(q[:full].view(-1, block), scales[: n // block, None], out=target[:full].view(-1, block))
     target[full:].copy_(q[full:].float() * scales[-1])
+
+
+def topk_count(numel: int, fraction: float) -> int:
+    """Entries topk sends for `numel` elements: ceil(fraction * numel), at least 1 unless empty."""
+    if not 0.0 < fraction <= 1.0:
+        raise CodecError(f"topk fraction must be in (0, 1], got {fraction}")
+    return min(numel, max(1, math.ceil(fraction * numel))) if numel else 0
+
+
+def _encode_topk(flat: Tensor, k: int) -> bytes:
+    if flat.numel() >= 2**31:
+        raise CodecError(f"topk codec indexes with int32: {flat.numel()} elements are too many")
+    if not torch.isfinite(flat).all():
+        raise CodecError("topk codec cannot encode non-finite values")
+    # Sorted indices make the payload canonical (one encoding per selection) and easy to validate.
+    indices = torch.topk(flat.abs(), k, sorted=False).indices.sort().values if k else torch.empty(0, dtype=torch.long)
+    values = flat[indices].contiguous()
+    return _to_bytes(indices.to(torch.int32)) + _to_bytes(values.view(torch.int16) if values.dtype == torch.bfloat16 else values)
+
+
+def _decode_topk(payload: bytes | bytearray | memoryview, spec: TensorSpec, target: Tensor) -> None:
+    k, n = spec.nnz, spec.numel
+    view = memoryview(payload)
+    indices = _from_bytes(view[: 4 * k], torch.int32).long()
+    if k and (indices[0] < 0 or indices[-1] >= n or (k > 1 and not bool((indices[1:] > indices[:-1]).all()))):
+        raise CodecError(f"topk indices must be strictly increasing within [0, {n})")
+    target.zero_()
+    dtype = DTYPES[spec.dtype]
+    values = _from_bytes(view[4 * k:], torch.int16).view(dtype) if dtype == torch.bfloat16 else _from_bytes(view[4 * k:], dtype)
+    target[indices] = values.to(target.dtype)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 
 from noloco_node import __version__
-from noloco_node.config import ConfigError, NodeConfig
+from noloco_node.config import NodeConfig
 from noloco_node.manifest import load_run_inputs
 from noloco_node.dht.directory import DirectoryIdentity, PeerDirectory, least_served_stage
 from noloco_node.dht.records import StageRecord
@@ -60,10 +60,6 @@ class Node:
         self.sync: NoLoCoSync | None = None
         self._outer_lock = asyncio.Lock()
         self._background: set[asyncio.Task] = set()
-        method, outer = config.outer.method, config.outer
-        if method == "noloco" and outer.gamma != outer.beta:
-            raise ConfigError("outer.gamma", "the networked exchange sends fast weights only, which needs gamma == beta",
-                              "leave outer.gamma unset (= beta), or run gamma != beta with `noloco-node demo --local`")
         self.driver: Stage0Driver | None = None
         self.metrics = None
         self.fetched_state: dict | None = None
@@ -138,7 +134,7 @@ class Node:
                                       min_bytes_per_s=cfg.security.min_receive_bytes_per_s)
         self.server.add_stage(self.servicer)
         if cfg.outer.method == "noloco":
-            self._build_sync(max_bytes=sum(p.numel() * 8 for p in self.stage.parameters()))
+            self._build_sync(max_bytes=sum(p.numel() * 16 for p in self.stage.parameters()))
         elif cfg.outer.method == "dp":
             from noloco_node.sync.dp import DataParallelStep
 
@@ -228,10 +224,10 @@ class Node:
         self.outer_client = OuterClient(run_id=cfg.run.run_id, manifest_hash=self.manifest_hash, max_bytes=max_bytes,
                                         traffic=self.outer_traffic, faults=self.faults, dialer=self.links.dialer)
         self.sync = NoLoCoSync(self.outer_state, client=self.outer_client, directory=DhtMatching(self.directory),
-                               compute=self.compute, peer_id=self.peer_id, stage=self.stage_index, codec=cfg.outer.codec,
+                               compute=self.compute, peer_id=self.peer_id, stage=self.stage_index, codec=cfg.outer.codec_phi,
                                match_s=cfg.timeouts.match_s, max_distance_ratio=cfg.outer.max_distance_ratio,
                                bans=Bans(), set_status=self._set_status, rng=random.Random(self.peer_id + "outer"),
-                               faults=self.faults)
+                               faults=self.faults, codec_delta=cfg.outer.codec_delta)
         self.server.add_outer(OuterServicer(self.sync, run_id=cfg.run.run_id, manifest_hash=self.manifest_hash,
                                             stage=self.stage_index, max_bytes=max_bytes, timeout_s=cfg.timeouts.match_s,
                                             traffic=self.outer_traffic, donor=self, faults=self.faults))

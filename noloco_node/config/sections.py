@@ -210,9 +210,17 @@ class OuterConfig:
     beta: float | None = None
     """Outer learning rate; None = 0.7."""
     gamma: float | None = None
-    """NoLoCo local-averaging coefficient; None = beta (then only fast weights travel)."""
+    """NoLoCo local-averaging coefficient; None = beta. Any value runs over the network: peers
+    then exchange slow weights phi and outer delta Delta (codec_phi, codec_delta)."""
     codec: str = "bf16"
-    """Wire codec of outer snapshots: none, bf16 or int8."""
+    """Wire codec of outer snapshots (none, bf16 or int8): the default of codec_phi and codec_delta."""
+    codec_phi: str | None = None
+    """Wire codec of the slow weights phi, and of the fast weights when only they travel (gamma ==
+    beta and codec_phi == codec_delta): none, bf16 or int8; None = codec."""
+    codec_delta: str | None = None
+    """Wire codec of the outer delta theta - phi: none, bf16, int8, or topk:F (the largest-|x|
+    fraction F, e.g. topk:0.05, with the rest kept on the node and sent in later rounds);
+    None = codec."""
     max_distance_ratio: float = 10.0
     """Reject a partner's snapshot farther from our slow weights than this many times our own drift."""
     allreduce_group_size: int = 0
@@ -233,9 +241,26 @@ class OuterConfig:
         _require(0.0 <= self.alpha < 1.0, "alpha", f"must be in [0, 1), got {self.alpha}", "use 0.5 (noloco) or 0.3 (diloco)")
         _require(self.beta >= 0.0, "beta", f"must be >= 0, got {self.beta}", "use 0.7")
         _require(self.codec in CODECS, "codec", f"unknown codec {self.codec!r}", f"use one of {', '.join(CODECS)}")
+        for name in ("codec_phi", "codec_delta"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, self.codec)
+        _require(self.codec_phi in CODECS, "codec_phi", f"unknown codec {self.codec_phi!r}",
+                 f"use one of {', '.join(CODECS)} (top-k is for codec_delta only: phi is dense)")
+        fraction = self._topk_fraction(self.codec_delta)
+        _require(self.codec_delta in CODECS or (fraction is not None and 0 < fraction <= 1), "codec_delta",
+                 f"unknown codec {self.codec_delta!r}", f"use one of {', '.join(CODECS)}, or topk:F with a fraction 0 < F <= 1 (e.g. topk:0.05)")
         _require(self.max_distance_ratio > 0, "max_distance_ratio", f"must be > 0, got {self.max_distance_ratio}", "use 10")
         _require(self.allreduce_group_size >= 0, "allreduce_group_size", f"must be >= 0, got {self.allreduce_group_size}",
                  "use the number of replicas per stage, or 0")
+
+    @staticmethod
+    def _topk_fraction(codec: str) -> float | None:
+        """'topk:0.05' -> 0.05; None for anything else."""
+        kind, _, text = codec.partition(":")
+        try:
+            return float(text) if kind == "topk" else None
+        except ValueError:
+            return None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

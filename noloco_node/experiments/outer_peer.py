@@ -2,8 +2,10 @@
 process: the product's parts unchanged (DHT directory, gRPC Outer service, NoLoCoSync, hivemind
 all-reduce, OuterState) without a model. Used by the outer-step tests and benchmarks/outer_sync.py.
 
-The state comes from --state (safetensors with phi, theta, momentum) or is random with --numel;
-the new phi, momentum, theta and the round's outcome, time and bytes are written to --out.
+The state comes from --state (safetensors with phi, theta, momentum, and optionally offset2 ...
+offsetN: before round r >= 2 theta is set to phi + offset<r>) or is random with --numel; the new
+phi, momentum, theta (and phi@r, momentum@r after each of --rounds rounds) and the rounds'
+outcomes, times and bytes are written to --out.
 Fault injection for tests: --poison (NaN or 1e6-scaled fast weights), --die-after-writes.
 
     python -m noloco_node.experiments.outer_peer --state S --out O --ready-file R --go-file G [--initial-peers M]
@@ -51,7 +53,11 @@ def parse() -> argparse.Namespace:
     p.add_argument("--ready-file", required=True)
     p.add_argument("--go-file", required=True)
     p.add_argument("--initial-peers", nargs="*", default=[])
-    p.add_argument("--codec", default="none")
+    p.add_argument("--codec", default="none", help="phi (or theta) codec")
+    p.add_argument("--codec-delta", help="outer delta codec (default: --codec), e.g. topk:0.05")
+    p.add_argument("--payload", choices=["theta", "phi+delta"], help="force the snapshot form (default: the node picks)")
+    p.add_argument("--gamma", type=float, help="default: beta")
+    p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--alpha", type=float, default=0.5)
     p.add_argument("--beta", type=float, default=0.7)
     p.add_argument("--match-s", type=float, default=5.0)
@@ -77,7 +83,7 @@ async def main(args: argparse.Namespace) -> None:
                    "momentum": torch.zeros(args.numel)}
     model = nn.Module()
     model.w = nn.Parameter(tensors["phi"].clone())
-    state = OuterState(model.named_parameters(), alpha=args.alpha, beta=args.beta)
+    state = OuterState(model.named_parameters(), alpha=args.alpha, beta=args.beta, gamma=args.gamma)
     state.momentum["w"] = tensors["momentum"].clone()
     with torch.no_grad():
         model.w.copy_(tensors["theta"])
@@ -139,7 +145,7 @@ async def main(args: argparse.Namespace) -> None:
                              manifest_hash=MANIFEST, run_id=RUN, updated_at=time.time(), tls_cert=links.certificate.b64)
         await directory.announce(record, ttl_s=30)
 
-    max_bytes = 8 * max(1, model.w.numel()) + (1 << 20)
+    max_bytes = 16 * max(1, model.w.numel()) + (1 << 20)  # phi and delta, float64
     traffic = Traffic()
     client = OuterClient(run_id=RUN, manifest_hash=MANIFEST, max_bytes=max_bytes, traffic=traffic, dialer=links.dialer)
     if all_reduce is not None:
@@ -147,7 +153,8 @@ async def main(args: argparse.Namespace) -> None:
     else:
         sync = NoLoCoSync(state, client=client, directory=DhtMatching(directory), compute=compute,
                           peer_id=directory.peer_id, stage=0, codec=args.codec, match_s=args.match_s,
-                          max_distance_ratio=10.0, bans=bans, set_status=set_status)
+                          max_distance_ratio=10.0, bans=bans, set_status=set_status, codec_delta=args.codec_delta,
+                          payload=args.payload)
         server.add_outer(OuterServicer(sync, run_id=RUN, manifest_hash=MANIFEST, stage=0, max_bytes=max_bytes,
                                        timeout_s=args.match_s, traffic=traffic))
     port = await server.start()
@@ -158,9 +165,16 @@ async def main(args: argparse.Namespace) -> None:
     while not os.path.exists(args.go_file):
         await asyncio.sleep(0.02)
     log.info("round starts")
-    outcome = await sync.outer_step(inner_step=50, round_index=1)
-    log.info("round done: %s", outcome)
-    save_file({"phi": state.phi["w"], "momentum": state.momentum["w"], "theta": model.w.detach().clone()}, args.out)
+    per_round = {}
+    for round_index in range(1, args.rounds + 1):
+        if round_index > 1 and f"offset{round_index}" in tensors:
+            with torch.no_grad():
+                model.w.copy_(state.phi["w"] + tensors[f"offset{round_index}"])
+        outcome = await sync.outer_step(inner_step=50 * round_index, round_index=round_index)
+        log.info("round %d done: %s", round_index, outcome)
+        per_round.update({f"phi@{round_index}": state.phi["w"].clone(), f"momentum@{round_index}": state.momentum["w"].clone()})
+    save_file({"phi": state.phi["w"], "momentum": state.momentum["w"], "theta": model.w.detach().clone(), **per_round},
+              args.out)
     bytes_sent = traffic.bytes_sent if all_reduce is None else all_reduce.bytes_sent
     Path(args.out + ".json").write_text(json.dumps({"outcome": outcome, "peer_id": directory.peer_id,
                                                     "bytes_sent": bytes_sent, "method": args.method,

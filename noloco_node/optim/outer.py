@@ -9,7 +9,8 @@ NoLoCo over a group G = self + peers:
     phi   <- phi + m
     theta <- phi
 With gamma == beta this equals m <- alpha*m + beta*(mean_G(theta) - phi_self), so peers only need
-to send theta. With no peers it is the solo step m <- alpha*m + beta*Delta_self.
+to send theta (`noloco_step`); for any gamma they send phi and Delta (`noloco_step_sent`). With
+no peers it is the solo step m <- alpha*m + beta*Delta_self.
 
 For bit-identical group means on both sides of an exchange, pass the *wire-format* values:
 the peer's decoded tensors and, as `theta`, this replica's own theta as it was sent. The group
@@ -83,6 +84,48 @@ def noloco_step(
         pull = beta * (delta_sum / group_size) + gamma * (phi_sum / group_size - phi)
 
     new_momentum = alpha * momentum + pull
+    return phi + new_momentum, new_momentum
+
+
+def noloco_step_sent(
+    phi: Tensor,
+    momentum: Tensor,
+    own: tuple[Tensor, Tensor],
+    peers: Sequence[tuple[Tensor, Tensor]],
+    *,
+    alpha: float,
+    beta: float,
+    gamma: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """The NoLoCo step from (slow weights, outer delta) snapshots as they travelled: any gamma.
+
+        m <- alpha*m + beta*mean_G(Delta) + gamma*(mean_G(phi) - phi_self)
+
+    Args:
+        phi, momentum: this replica's exact slow weights and outer momentum.
+        own: this replica's (phi, Delta) as the partner decodes them, so both sides of a pair
+            average the same values; with a lossless codec they are (phi, theta - phi).
+        peers: (phi, Delta) of every other group member, decoded from the wire.
+
+    Returns:
+        (new_phi, new_momentum) in phi's dtype, as `noloco_step`. With a lossless wire and
+        own = (phi, theta - phi) the result is bit-identical to `noloco_step`'s.
+    """
+    gamma = beta if gamma is None else gamma
+    dtype = phi.dtype
+    _check_same(phi, momentum, "momentum")
+    own_phi, own_delta = own
+    _check_same(phi, own_phi, "own phi")
+    _check_same(phi, own_delta, "own delta")
+    phi_sum, delta_sum = own_phi.to(dtype, copy=True), own_delta.to(dtype, copy=True)
+    for index, (peer_phi, peer_delta) in enumerate(peers):
+        _check_same(phi, peer_phi, f"peers[{index}] phi")
+        _check_same(phi, peer_delta, f"peers[{index}] delta")
+        phi_sum += peer_phi.to(dtype)
+        delta_sum += peer_delta.to(dtype)
+    group_size = 1 + len(peers)
+    pull = beta * (delta_sum / group_size) + gamma * (phi_sum / group_size - phi)
+    new_momentum = alpha * momentum.to(dtype) + pull
     return phi + new_momentum, new_momentum
 
 

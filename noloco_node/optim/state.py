@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import Tensor, nn
 
-from noloco_node.optim.outer import diloco_step, noloco_step
+from noloco_node.optim.outer import diloco_step, noloco_step, noloco_step_sent
 
 PeerGroupSnapshot = Mapping[str, tuple[Tensor | None, Tensor]]
 """One peer's snapshot: parameter name -> (phi or None, theta)."""
@@ -73,20 +73,42 @@ class OuterState:
                 (while the exchange ran) is kept: theta <- new phi + (theta now - frozen). With no
                 progress in between this is exactly theta <- new phi.
         """
+        def step(name: str, device: torch.device) -> tuple[Tensor, Tensor]:
+            param = self.params[name]
+            theta = own[name] if own is not None else (frozen[name] if frozen is not None else param.detach())
+            received = [(None if phi is None else phi.to(device), theta_peer.to(device))
+                        for phi, theta_peer in (peer[name] for peer in peers)]
+            return noloco_step(self.phi[name], theta.to(device), self.momentum[name], received,
+                               alpha=self.alpha, beta=self.beta, gamma=self.gamma)
+
+        self._apply_pair(peers, step, frozen)
+
+    def apply_noloco_sent(self, peers: list[Mapping[str, tuple[Tensor, Tensor]]],
+                          own: Mapping[str, tuple[Tensor, Tensor]], frozen: Mapping[str, Tensor] | None = None) -> None:
+        """Apply the NoLoCo step from (phi, Delta) snapshots (`noloco_step_sent`), for any gamma.
+
+        Args:
+            peers: per other group member, name -> (phi, Delta) as decoded from the wire.
+            own: name -> this replica's (phi, Delta) as the partner decodes them.
+            frozen: as in `apply_noloco`.
+        """
+        def step(name: str, device: torch.device) -> tuple[Tensor, Tensor]:
+            mine = (own[name][0].to(device), own[name][1].to(device))
+            received = [(peer[name][0].to(device), peer[name][1].to(device)) for peer in peers]
+            return noloco_step_sent(self.phi[name], self.momentum[name], mine, received,
+                                    alpha=self.alpha, beta=self.beta, gamma=self.gamma)
+
+        self._apply_pair(peers, step, frozen)
+
+    def _apply_pair(self, peers: list[Mapping], step, frozen: Mapping[str, Tensor] | None) -> None:
         for name in self.params:
             missing = [i for i, peer in enumerate(peers) if name not in peer]
             if missing:
                 raise KeyError(f"peer snapshots {missing} lack parameter {name!r}")
         with torch.no_grad():
             for name, param in self.params.items():
-                theta = own[name] if own is not None else (frozen[name] if frozen is not None else param.detach())
-                device = self.phi[name].device  # received tensors arrive on the host; phi may live on a GPU
-                received = [(None if phi is None else phi.to(device), theta_peer.to(device))
-                            for phi, theta_peer in (peer[name] for peer in peers)]
-                new_phi, new_m = noloco_step(
-                    self.phi[name], theta.to(device), self.momentum[name], received,
-                    alpha=self.alpha, beta=self.beta, gamma=self.gamma,
-                )
+                # received tensors arrive on the host; phi may live on a GPU
+                new_phi, new_m = step(name, self.phi[name].device)
                 progress = None if frozen is None else param.detach().to(new_phi.dtype) - frozen[name]
                 self._commit(name, new_phi, new_m)
                 if progress is not None:

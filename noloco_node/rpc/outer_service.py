@@ -63,6 +63,8 @@ class ExpectedTensor:
     name: str
     shape: tuple[int, ...]
     dtype: str
+    codec: str = ""
+    """Wire codec this tensor must use; empty = the exchange's codec (phi and Delta may differ)."""
 
 
 class OuterHandler(Protocol):
@@ -126,9 +128,10 @@ async def exchange_snapshots(read, write, mine: EncodedSnapshot, expected: list[
         for want in expected:
             header = await next_message("tensor")
             spec = header_to_spec(header)
-            if header.name != want.name or spec.shape != want.shape or spec.dtype != want.dtype or spec.codec != codec:
+            want_codec = want.codec or codec
+            if header.name != want.name or spec.shape != want.shape or spec.dtype != want.dtype or spec.codec != want_codec:
                 raise InvalidPayload(f"tensor {header.name!r} {spec.dtype}{list(spec.shape)}/{spec.codec} does not match "
-                                     f"{want.name!r} {want.dtype}{list(want.shape)}/{codec}")
+                                     f"{want.name!r} {want.dtype}{list(want.shape)}/{want_codec}")
             receiver = PayloadReceiver(spec, max_bytes=budget)
             while not receiver.complete:
                 receiver.add(await next_message("chunk"))

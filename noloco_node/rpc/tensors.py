@@ -12,7 +12,8 @@ from noloco_node.errors import InvalidPayload
 from noloco_node.wire.v1 import tensor_pb2
 
 CHUNK_BYTES = 1 << 20  # 1 MiB: best for grpc streams on this machine (transport.md)
-_CODEC_TO_PB = {"none": tensor_pb2.CODEC_NONE, "bf16": tensor_pb2.CODEC_BF16, "int8": tensor_pb2.CODEC_INT8_BLOCKWISE}
+_CODEC_TO_PB = {"none": tensor_pb2.CODEC_NONE, "bf16": tensor_pb2.CODEC_BF16, "int8": tensor_pb2.CODEC_INT8_BLOCKWISE,
+                "topk": tensor_pb2.CODEC_TOPK}
 _CODEC_FROM_PB = {v: k for k, v in _CODEC_TO_PB.items()}
 _DTYPE_TO_PB = {"float32": tensor_pb2.DTYPE_FLOAT32, "float64": tensor_pb2.DTYPE_FLOAT64,
                 "bfloat16": tensor_pb2.DTYPE_BFLOAT16, "float16": tensor_pb2.DTYPE_FLOAT16, "int64": tensor_pb2.DTYPE_INT64}
@@ -22,7 +23,7 @@ _DTYPE_FROM_PB = {v: k for k, v in _DTYPE_TO_PB.items()}
 def spec_to_header(spec: TensorSpec, name: str = "") -> tensor_pb2.TensorHeader:
     return tensor_pb2.TensorHeader(name=name, dtype=_DTYPE_TO_PB[spec.dtype], shape=list(spec.shape),
                                    codec=_CODEC_TO_PB[spec.codec], block_size=spec.block_size,
-                                   payload_bytes=spec.payload_bytes)
+                                   payload_bytes=spec.payload_bytes, nnz=spec.nnz)
 
 
 def header_to_spec(header: tensor_pb2.TensorHeader) -> TensorSpec:
@@ -35,7 +36,7 @@ def header_to_spec(header: tensor_pb2.TensorHeader) -> TensorSpec:
         raise InvalidPayload(f"tensor rank {len(header.shape)} is too large")
     spec = TensorSpec(dtype=_DTYPE_FROM_PB[header.dtype], shape=tuple(int(d) for d in header.shape),
                       codec=_CODEC_FROM_PB[header.codec], block_size=int(header.block_size),
-                      payload_bytes=int(header.payload_bytes))
+                      payload_bytes=int(header.payload_bytes), nnz=int(header.nnz))
     try:
         expected = expected_payload_bytes(spec)
     except CodecError as exc:

@@ -8,11 +8,19 @@ is pending it refuses others, except the crossing case (A->B and B->A at once), 
 resolve the same way: the session proposed by the smaller peer id wins. Received snapshots are
 validated (finite, within a distance bound) before use; a bad one is rejected, its sender banned,
 and the node takes the solo step.
+
+What travels (snapshot.py): slow weights phi and outer delta Delta, each with its own codec
+(outer.codec_phi, outer.codec_delta), so any alpha, beta, gamma runs; or, when gamma == beta and
+one dense codec serves both, theta alone (the same update in half the bytes). The round's history
+entry names the form ("payload") with its bytes and the codec's relative error. A top-k Delta
+keeps what it dropped as a residual on this node (optim/compress.py), committed only when the
+pair step used what was sent.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import random
@@ -30,7 +38,8 @@ from noloco_node.pipeline.router import Bans
 from noloco_node.rpc.outer_service import OuterClient
 from noloco_node.runtime.compute import ComputeThread
 from noloco_node.runtime.faults import FaultInjector
-from noloco_node.sync.snapshot import check_snapshot, freeze
+from noloco_node.optim.compress import ErrorFeedback
+from noloco_node.sync.snapshot import PHI_DELTA, THETA, Frozen, check_snapshot, choose_payload, freeze, unpack
 from noloco_node.wire.v1 import outer_pb2
 
 log = logging.getLogger(__name__)
@@ -51,7 +60,9 @@ class OuterCounters:
     timed_out: int = 0
     mixed_rounds: int = 0  # diloco/dp: all-reduce groups that spanned rounds
     partial_rounds: int = 0  # diloco/dp: all-reduces that delivered part of the mean only
-    history: list[dict] = field(default_factory=list)  # one entry per round: round, outcome, partner, seconds
+    # one entry per round: round, outcome, partner, seconds, payload ("theta" or "phi+delta"),
+    # bytes per tensor kind, delta_rel_error (and phi_rel_error), codecs
+    history: list[dict] = field(default_factory=list)
 
 
 async def _wait(event: asyncio.Event, timeout_s: float) -> None:
@@ -66,10 +77,19 @@ class NoLoCoSync:
     def __init__(self, state: OuterState, *, client: OuterClient, directory: MatchingDirectory,
                  compute: ComputeThread, peer_id: str, stage: int, codec: str, match_s: float,
                  max_distance_ratio: float, bans: Bans, set_status: Callable[[str, int], Awaitable[None]],
-                 rng: random.Random | None = None, faults: FaultInjector | None = None) -> None:
+                 rng: random.Random | None = None, faults: FaultInjector | None = None,
+                 codec_delta: str | None = None, payload: str | None = None) -> None:
+        """`codec` encodes phi (or theta); `codec_delta` the outer delta (default: `codec`).
+        `payload` forces the snapshot form ("theta" or "phi+delta"; tests, benchmarks); None
+        lets the node choose (theta wherever it loses nothing)."""
         self.faults = faults
         self.state, self.client, self.directory, self.compute = state, client, directory, compute
-        self.peer_id, self.stage, self.codec = peer_id, stage, codec
+        self.peer_id, self.stage = peer_id, stage
+        self.codec_phi, self.codec_delta = codec, codec_delta or codec
+        self.payload = payload or choose_payload(state, self.codec_phi, self.codec_delta)
+        if self.payload == THETA and choose_payload(state, self.codec_phi, self.codec_delta) != THETA:
+            raise ValueError("theta alone carries the pair update only with gamma == beta and one dense codec for phi and delta")
+        self.feedback = ErrorFeedback()
         self.match_s, self.max_distance_ratio = match_s, max_distance_ratio
         self.bans, self.set_status = bans, set_status
         self.rng = rng or random.Random()
@@ -80,15 +100,15 @@ class NoLoCoSync:
         self.outgoing: str | None = None
         self.done = asyncio.Event()  # the round's update has been applied
         self.claimed = False  # a completion (pair or solo) is under way for this round
-        self._frozen = None
+        self._frozen: Frozen | None = None
 
     # ---- responder side (rpc.OuterHandler) ------------------------------------------------
     def decide(self, request: outer_pb2.PairRequest) -> outer_pb2.PairReply:
         def reply(decision, reason="", wait_s=0.0):
             return Reply(decision=decision, reason=reason, wait_s=wait_s, peer_id=self.peer_id)
 
-        if request.send_slow_weights != self.state.needs_slow_weights:
-            return reply(Reply.MISMATCH, "gamma/beta settings differ")
+        if request.send_slow_weights != (self.payload == PHI_DELTA):
+            return reply(Reply.MISMATCH, f"snapshot forms differ: this node sends {self.payload} (outer gamma or codecs differ)")
         if not self.matching or self.round is None:
             return reply(Reply.BUSY, "not matching")
         if request.round != self.round:
@@ -103,8 +123,7 @@ class NoLoCoSync:
         return reply(Reply.ACCEPT)
 
     def frozen(self):
-        snapshot, _, expected, _ = self._frozen
-        return snapshot, expected, self.codec
+        return self._frozen.snapshot, self._frozen.expected, self.codec_phi
 
     async def finish(self, peer_id: str, received: dict[str, Tensor] | None, reason: str) -> None:
         # The RPC reporting this is cancelled when its caller vanishes, possibly while the step is
@@ -121,7 +140,8 @@ class NoLoCoSync:
         self.claimed = False
         self._outcome = ("solo", None)
         poison = self.faults.poison() if self.faults is not None else None
-        self._frozen = await self.compute.run(freeze, self.state, self.codec, poison)
+        self._frozen = await self.compute.run(functools.partial(
+            freeze, self.state, self.payload, self.codec_phi, self.codec_delta, dict(self.feedback.residual), poison))
         self.matching = True
         await self.set_status("matching", round_index)
         deadline = start + self.match_s
@@ -150,7 +170,7 @@ class NoLoCoSync:
         outcome, partner = self._outcome
         self.counters.rounds += 1
         self.counters.history.append({"round": round_index, "outcome": outcome, "partner": partner,
-                                      "seconds": time.monotonic() - start})
+                                      "seconds": time.monotonic() - start, **self._frozen.stats})
         await self.set_status("serving", round_index + 1)
         return outcome
 
@@ -158,10 +178,10 @@ class NoLoCoSync:
         tried.add(peer.peer_id)
         self.outgoing = peer.peer_id
         request = outer_pb2.PairRequest(stage=self.stage, round=self.round, inner_step=inner_step, peer_id=self.peer_id,
-                                        nonce=os.urandom(8), send_slow_weights=self.state.needs_slow_weights)
-        snapshot, _, expected, _ = self._frozen
+                                        nonce=os.urandom(8), send_slow_weights=self.payload == PHI_DELTA)
         try:
-            received = await self.client.exchange(peer.peer_id, request, snapshot, expected, self.codec,
+            received = await self.client.exchange(peer.peer_id, request, self._frozen.snapshot, self._frozen.expected,
+                                                  self.codec_phi,
                                                   timeout_s=max(0.1, deadline - time.monotonic()))
         except PeerBusy:
             return
@@ -190,26 +210,31 @@ class NoLoCoSync:
         if self.claimed:
             return
         self.claimed = True  # first completion wins; claimed before awaiting so no second one runs
-        if received is not None:
-            problem = check_snapshot(self.state, received, max_distance_ratio=self.max_distance_ratio)
+        frozen = self._frozen
+        peer = None if received is None else unpack(received, frozen.payload, list(self.state.params))
+        if peer is not None:
+            problem = check_snapshot(self.state, peer, max_distance_ratio=self.max_distance_ratio)
             if problem is not None:
                 log.warning("round %d: snapshot from %s rejected: %s", self.round, (peer_id or "?")[-8:], problem)
-                received, reason = None, "rejected"
+                peer, reason = None, "rejected"
         if reason == "rejected":
             self.counters.rejected += 1
             if peer_id is not None:
                 self.bans.ban(peer_id)
         elif reason == "timed_out" and peer_id is not None:
             self.counters.timed_out += 1
-        if received is not None:
-            _, own_wire, _, frozen = self._frozen
-            peer = {name: (None, tensor) for name, tensor in received.items()}
-            await self.compute.run(self.state.apply_noloco, [peer], own_wire, frozen)
+        if peer is not None:
+            if frozen.payload == THETA:
+                own = {name: theta for name, (_, theta) in frozen.own.items()}
+                await self.compute.run(self.state.apply_noloco, [peer], own, frozen.theta)
+            else:
+                await self.compute.run(self.state.apply_noloco_sent, [peer], frozen.own, frozen.theta)
+                self.feedback.commit(frozen.residual)  # our pair step used what we sent: keep what it left out
             self.counters.paired += 1
             self._outcome = ("paired", peer_id)
             log.info("round %d: paired with %s", self.round, peer_id[-8:])
         else:
-            await self.compute.run(self.state.apply_noloco, [], None, self._frozen[3])
+            await self.compute.run(self.state.apply_noloco, [], None, frozen.theta)
             self.counters.solo += 1
             self._outcome = ("solo", None)
             log.info("round %d: solo step (%s)", self.round, reason)

@@ -1,53 +1,155 @@
-"""Freezing an outer snapshot for the wire, and validating a partner's before it is used."""
+"""Freezing an outer snapshot for the wire, and validating a partner's before it is used.
+
+Two forms travel (both sides must use the same; PairRequest.send_slow_weights says which):
+- "theta": the fast weights, one tensor per parameter. With gamma == beta the pair update
+  beta*mean(Delta) + gamma*(mean(phi) - phi_self) equals beta*(mean(theta) - phi_self), so theta is
+  all a partner needs, in half the bytes. Chosen only when it carries the same information as
+  the other form: gamma == beta and one dense codec for both phi and Delta.
+- "phi+delta": slow weights and outer delta Delta = theta - phi, tensors "phi/<name>" and
+  "delta/<name>", each with its own codec: what the paper and the reference exchange; any gamma.
+  Delta compresses much better than phi (it is small and, for top-k, sparse-friendly).
+"""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from noloco_node.codec import decode, encode
+from noloco_node.optim.compress import encode_tensor, parse_codec, wire_name
 from noloco_node.optim.state import OuterState
 from noloco_node.rpc.outer_service import EncodedSnapshot, ExpectedTensor
 
-
-def freeze(state: OuterState, codec: str, poison: float | None = None,
-           ) -> tuple[EncodedSnapshot, dict[str, Tensor], list[ExpectedTensor], dict[str, Tensor]]:
-    """Encode this replica's fast weights; returns the wire snapshot, our own theta as the partner
-    will decode it (so both sides average identical values), what we expect back, and the exact
-    frozen theta (to carry over inner progress made while the exchange runs). `poison` (fault
-    injection only) corrupts what is sent: NaN, or theta times that factor."""
-    tensors, own_wire, expected, frozen = [], {}, [], {}
-    for name, (_, theta) in state.snapshot().items():
-        sent = theta if poison is None else (torch.full_like(theta, math.nan) if math.isnan(poison) else theta * poison)
-        spec, payload = encode(sent, codec)
-        tensors.append((name, spec, payload))
-        own_wire[name] = decode(*encode(theta, codec)) if poison is not None else decode(spec, payload)
-        expected.append(ExpectedTensor(name, tuple(theta.shape), spec.dtype))
-        frozen[name] = theta
-    return EncodedSnapshot(tensors), own_wire, expected, frozen
+THETA, PHI_DELTA = "theta", "phi+delta"
 
 
-def check_snapshot(state: OuterState, received: dict[str, Tensor], *, max_distance_ratio: float,
-                   floor: float = 1e-3) -> str | None:
-    """Why `received` must not be used, or None if it passes.
+def choose_payload(state: OuterState, codec_phi: str, codec_delta: str) -> str:
+    """The snapshot form this node sends: theta only where it loses nothing against phi+delta."""
+    same_dense = codec_phi == codec_delta and parse_codec(codec_delta)[0] != "topk"
+    return THETA if state.gamma == state.beta and same_dense else PHI_DELTA
 
-    Finite everywhere, and ||theta_peer - phi|| <= ratio * max(||theta - phi||, floor * ||phi||):
-    an honest partner's fast weights drift from our slow weights about as far as ours do.
+
+@dataclass
+class Frozen:
+    """One round's snapshot: what is sent and what this side uses of its own values."""
+
+    snapshot: EncodedSnapshot
+    expected: list[ExpectedTensor]
+    own: dict[str, tuple[Tensor | None, Tensor]]
+    """name -> our values as the partner decodes them: (None, theta) or (phi, Delta)."""
+    theta: dict[str, Tensor]
+    """The exact frozen theta (to carry over inner progress made while the exchange runs)."""
+    payload: str
+    residual: dict[str, Tensor] = field(default_factory=dict)
+    """topk residuals to keep if the pair step is applied with what was sent."""
+    stats: dict[str, object] = field(default_factory=dict)
+    """For the round's history: payload form, bytes per kind, relative errors."""
+
+
+def _poisoned(theta: Tensor, poison: float | None) -> Tensor:
+    if poison is None:
+        return theta
+    return torch.full_like(theta, math.nan) if math.isnan(poison) else theta * poison
+
+
+def _ratio(num2: float, den2: float) -> float:
+    return math.sqrt(num2 / den2) if den2 > 0 else 0.0
+
+
+def freeze(state: OuterState, payload: str, codec_phi: str, codec_delta: str,
+           residuals: Mapping[str, Tensor] | None = None, poison: float | None = None) -> Frozen:
+    """Encode this replica's snapshot in `payload` form. `residuals` are the topk residuals
+    carried from earlier rounds. `poison` (fault injection only) corrupts what is sent: NaN, or
+    theta times that factor, as a lying peer would; our own side always uses honest values."""
+    residuals = residuals or {}
+    tensors, expected, own, frozen, new_residual = [], [], {}, {}, {}
+    sizes = {THETA: 0} if payload == THETA else {"phi": 0, "delta": 0}
+    err2, ref2, phi_err2, phi2 = 0.0, 0.0, 0.0, 0.0
+    with torch.no_grad():
+        for name, param in state.params.items():
+            phi = state.phi[name]
+            theta = param.detach().to(phi.dtype, copy=True)
+            frozen[name] = theta
+            dtype = str(theta.dtype).removeprefix("torch.")
+            if payload == THETA:
+                mine = encode_tensor(theta, codec_phi)
+                sent = mine if poison is None else encode_tensor(_poisoned(theta, poison), codec_phi)
+                tensors.append((name, sent.spec, sent.payload))
+                expected.append(ExpectedTensor(name, tuple(theta.shape), dtype, wire_name(codec_phi)))
+                own[name] = (None, mine.decoded)
+                sizes[THETA] += len(sent.payload)
+                # The error the wire adds to our pull, relative to our drift ||Delta||.
+                err2 += float((mine.decoded.double() - theta.double()).pow(2).sum())
+                ref2 += float((theta.double() - phi.double()).pow(2).sum())
+                continue
+            delta = theta - phi
+            enc_phi = encode_tensor(phi, codec_phi)
+            enc_delta = encode_tensor(delta, codec_delta, residuals.get(name))
+            sent_delta = enc_delta if poison is None else encode_tensor(_poisoned(theta, poison) - phi, codec_delta)
+            tensors += [(f"phi/{name}", enc_phi.spec, enc_phi.payload),
+                        (f"delta/{name}", sent_delta.spec, sent_delta.payload)]
+            expected += [ExpectedTensor(f"phi/{name}", tuple(phi.shape), dtype, wire_name(codec_phi)),
+                         ExpectedTensor(f"delta/{name}", tuple(phi.shape), dtype, wire_name(codec_delta))]
+            own[name] = (enc_phi.decoded, enc_delta.decoded)
+            if enc_delta.residual is not None:
+                new_residual[name] = enc_delta.residual
+            sizes["phi"] += len(enc_phi.payload)
+            sizes["delta"] += len(sent_delta.payload)
+            target = delta if residuals.get(name) is None or enc_delta.residual is None else delta + residuals[name]
+            err2 += float((enc_delta.decoded.double() - target.double()).pow(2).sum())
+            ref2 += float(target.double().pow(2).sum())
+            phi_err2 += float((enc_phi.decoded.double() - phi.double()).pow(2).sum())
+            phi2 += float(phi.double().pow(2).sum())
+    stats: dict[str, object] = {"payload": payload, "bytes": sizes, "delta_rel_error": _ratio(err2, ref2)}
+    if payload == PHI_DELTA:
+        stats["phi_rel_error"] = _ratio(phi_err2, phi2)
+        stats["codecs"] = {"phi": codec_phi, "delta": codec_delta}
+    else:
+        stats["codecs"] = {"theta": codec_phi}
+    return Frozen(EncodedSnapshot(tensors), expected, own, frozen, payload, new_residual, stats)
+
+
+def unpack(received: Mapping[str, Tensor], payload: str, names: list[str]) -> dict[str, tuple[Tensor | None, Tensor]]:
+    """Wire tensors -> name -> (None, theta) or (phi, Delta); a missing tensor is left out."""
+    if payload == THETA:
+        return {n: (None, received[n]) for n in names if n in received}
+    return {n: (received[f"phi/{n}"], received[f"delta/{n}"]) for n in names
+            if f"phi/{n}" in received and f"delta/{n}" in received}
+
+
+def check_snapshot(state: OuterState, received: Mapping[str, tuple[Tensor | None, Tensor]], *,
+                   max_distance_ratio: float, floor: float = 1e-3) -> str | None:
+    """Why `received` (as from `unpack`) must not be used, or None if it passes.
+
+    Finite everywhere, and the partner's fast weights (theta, or phi + Delta) and, when sent,
+    its slow weights within ratio * max(||theta - phi||, floor * ||phi||) of our slow weights:
+    an honest partner's weights drift from ours about as far as our own fast weights do. The
+    slow weights are bounded too, since the gamma term reads them on their own.
     """
-    dist2, delta2, phi2 = 0.0, 0.0, 0.0
+    theta2, phi_peer2, delta2, phi2 = 0.0, 0.0, 0.0, 0.0
     for name, param in state.params.items():
-        peer = received.get(name)
-        if peer is None:
+        entry = received.get(name)
+        if entry is None:
             return f"missing tensor {name}"
-        if not torch.isfinite(peer).all():
-            return f"non-finite values in {name}"
+        peer_phi, values = entry
+        for kind, tensor in (("slow weights", peer_phi), ("values", values)):
+            if tensor is not None and not torch.isfinite(tensor).all():
+                return f"non-finite {kind} in {name}"
         phi = state.phi[name]
-        dist2 += float((peer.to(phi.dtype) - phi).pow(2).sum())
+        if peer_phi is None:
+            peer_theta = values.to(phi.dtype)
+        else:
+            peer_phi = peer_phi.to(device=phi.device, dtype=phi.dtype)
+            peer_theta = peer_phi + values.to(device=phi.device, dtype=phi.dtype)
+            phi_peer2 += float((peer_phi - phi).pow(2).sum())
+        theta2 += float((peer_theta.to(phi.device) - phi).pow(2).sum())
         delta2 += float((param.detach().to(phi.dtype) - phi).pow(2).sum())
         phi2 += float(phi.pow(2).sum())
     bound = max_distance_ratio * max(math.sqrt(delta2), floor * math.sqrt(phi2))
-    if math.sqrt(dist2) > bound:
-        return f"distance to our slow weights {math.sqrt(dist2):.3g} exceeds the bound {bound:.3g}"
+    for what, dist in (("fast", math.sqrt(theta2)), ("slow", math.sqrt(phi_peer2))):
+        if dist > bound:
+            return f"distance of the partner's {what} weights to our slow weights {dist:.3g} exceeds the bound {bound:.3g}"
     return None

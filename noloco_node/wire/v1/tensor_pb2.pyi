@@ -13,6 +13,7 @@ class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CODEC_NONE: _ClassVar[Codec]
     CODEC_BF16: _ClassVar[Codec]
     CODEC_INT8_BLOCKWISE: _ClassVar[Codec]
+    CODEC_TOPK: _ClassVar[Codec]
 
 class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -26,6 +27,7 @@ CODEC_UNSPECIFIED: Codec
 CODEC_NONE: Codec
 CODEC_BF16: Codec
 CODEC_INT8_BLOCKWISE: Codec
+CODEC_TOPK: Codec
 DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT32: DType
 DTYPE_FLOAT64: DType
@@ -34,20 +36,22 @@ DTYPE_FLOAT16: DType
 DTYPE_INT64: DType
 
 class TensorHeader(_message.Message):
-    __slots__ = ("name", "dtype", "shape", "codec", "block_size", "payload_bytes")
+    __slots__ = ("name", "dtype", "shape", "codec", "block_size", "payload_bytes", "nnz")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NNZ_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: DType
     shape: _containers.RepeatedScalarFieldContainer[int]
     codec: Codec
     block_size: int
     payload_bytes: int
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., codec: _Optional[_Union[Codec, str]] = ..., block_size: _Optional[int] = ..., payload_bytes: _Optional[int] = ...) -> None: ...
+    nnz: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., codec: _Optional[_Union[Codec, str]] = ..., block_size: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., nnz: _Optional[int] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
     __slots__ = ("index", "data")

@@ -1,0 +1,160 @@
+"""Slow weights phi and outer delta Delta on the wire between real peer processes (outer_peer.py):
+gamma != beta reaches the oracle (codec none, float64, 1e-9); gamma == beta picks the theta form
+by itself and says so; V1 and V2 over the phi+delta form; each lossy codec gives both sides the
+math applied to the decoded wire values; top-k's residual travels in the next round."""
+
+import numpy as np
+import pytest
+import torch
+
+from noloco_node.codec import decode, encode
+from noloco_node.optim.outer import noloco_step_sent
+from tests.integration.test_outer_exchange import A, B, Peers, t
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+f64 = torch.float64
+
+
+@pytest.fixture
+def peers(tmp_path):
+    p = Peers(tmp_path)
+    yield p
+    p.stop()
+
+
+V1 = {"a": ([0.7, -1.75, 0.7625, 2.9375], [-0.3, 0.25, 0.2625, -0.0625]),
+      "b": ([0.5, -1.35, 0.8625, 2.5375], [0.5, -0.35, -0.1375, 0.5375])}
+V2 = {"a": ([0.48, -1.44125, 0.885, 2.94125], [-0.22, 0.30875, 0.1225, 0.00375]),
+      "b": ([0.82, -1.62125, 0.715, 3.12125], [0.32, -0.27125, -0.1475, 0.58375])}
+
+
+def oracle(phis, thetas, moms, a, b, g):
+    """noloco-reference.md section 10: independent of the product's code."""
+    P, T, M = (np.asarray(x, float) for x in (phis, thetas, moms))
+    Mn = a * M + b * (T - P).mean(0) + g * (P.mean(0) - P)
+    return P + Mn, Mn
+
+
+def wire(x, codec):
+    name, _, fraction = codec.partition(":")
+    spec, payload = encode(x, name, fraction=float(fraction or 1))
+    return decode(spec, payload)
+
+
+def random_state(seed, n=257):
+    # Replicas' slow weights stay close (they start equal); far apart, a partner is rejected.
+    g = torch.Generator().manual_seed(seed)
+    phi = torch.randn(n, generator=torch.Generator().manual_seed(0), dtype=f64) + 0.02 * torch.randn(n, generator=g, dtype=f64)
+    return {"phi": phi, "theta": phi + 0.05 * torch.randn(n, generator=g, dtype=f64),
+            "momentum": 0.01 * torch.randn(n, generator=g, dtype=f64)}
+
+
+def lists(state):
+    """What Peers.start saves (it builds the tensors itself)."""
+    return {k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+
+
+def test_gamma_not_beta_reaches_the_oracle(peers):
+    alpha, beta, gamma = 0.45, 0.8, 0.25
+    states = {"a": random_state(1), "b": random_state(2)}
+    for name, state in states.items():
+        peers.start(name, lists(state), "--codec", "none", "--alpha", str(alpha), "--beta", str(beta), "--gamma", str(gamma))
+    results = peers.run_round()
+    want_phi, want_m = oracle([states[n]["phi"] for n in "ab"], [states[n]["theta"] for n in "ab"],
+                              [states[n]["momentum"] for n in "ab"], alpha, beta, gamma)
+    for i, name in enumerate("ab"):
+        r = results[name]
+        assert r["outcome"] == "paired"
+        entry = r["history"][0]
+        assert entry["payload"] == "phi+delta" and entry["delta_rel_error"] == 0.0
+        assert entry["bytes"] == {"phi": 257 * 8, "delta": 257 * 8}
+        np.testing.assert_allclose(r["phi"].numpy(), want_phi[i], atol=1e-9, rtol=0)
+        np.testing.assert_allclose(r["momentum"].numpy(), want_m[i], atol=1e-9, rtol=0)
+        assert torch.equal(r["theta"], r["phi"])
+
+
+def test_gamma_equal_beta_takes_the_theta_form_by_itself(peers):
+    for name, state in (("a", A), ("b", B)):
+        peers.start(name, state, "--codec", "none")  # gamma unset = beta
+    results = peers.run_round()
+    for name in "ab":
+        entry = results[name]["history"][0]
+        assert entry["outcome"] == "paired" and entry["payload"] == "theta" and entry["bytes"] == {"theta": 4 * 8}
+        torch.testing.assert_close(results[name]["phi"], t(V1[name][0]), atol=1e-9, rtol=0)
+        torch.testing.assert_close(results[name]["momentum"], t(V1[name][1]), atol=1e-9, rtol=0)
+
+
+def test_v1_then_v2_over_phi_and_delta(peers):
+    offsets = {"a": [0.25, 0.0, -0.125, 0.5], "b": [-0.25, 0.125, 0.0, 0.0]}  # V2's new fast weights - phi
+    for name, state in (("a", A), ("b", B)):
+        peers.start(name, {**state, "offset2": offsets[name]}, "--codec", "none", "--payload", "phi+delta",
+                    "--rounds", "2")
+    results = peers.run_round()
+    for name in "ab":
+        r = results[name]
+        assert [e["payload"] for e in r["history"]] == ["phi+delta"] * 2
+        assert [e["outcome"] for e in r["history"]] == ["paired"] * 2
+        for key, vectors in (("@1", V1), ("@2", V2)):
+            torch.testing.assert_close(r["phi" + key], t(vectors[name][0]), atol=1e-9, rtol=0)
+            torch.testing.assert_close(r["momentum" + key], t(vectors[name][1]), atol=1e-9, rtol=0)
+
+
+@pytest.mark.parametrize("codec_phi,codec_delta", [("bf16", "none"), ("none", "int8"), ("bf16", "topk:0.1")])
+def test_lossy_codecs_give_both_sides_the_math_on_wire_values(peers, codec_phi, codec_delta):
+    alpha, beta, gamma = 0.5, 0.7, 0.4
+    states = {"a": random_state(3), "b": random_state(4)}
+    for name, state in states.items():
+        peers.start(name, lists(state), "--codec", codec_phi, "--codec-delta", codec_delta, "--gamma", str(gamma))
+    results = peers.run_round()
+    on_wire = {n: (wire(s["phi"], codec_phi), wire(s["theta"] - s["phi"], codec_delta)) for n, s in states.items()}
+    for me, other in (("a", "b"), ("b", "a")):
+        r = results[me]
+        assert r["outcome"] == "paired" and r["history"][0]["payload"] == "phi+delta"
+        phi, m = noloco_step_sent(states[me]["phi"], states[me]["momentum"], on_wire[me], [on_wire[other]],
+                                  alpha=alpha, beta=beta, gamma=gamma)
+        assert torch.equal(r["phi"], phi) and torch.equal(r["momentum"], m)
+        error = r["history"][0]["delta_rel_error"]
+        assert (error == 0.0) if codec_delta == "none" else (0 < error < 1)
+
+
+def test_topk_residual_travels_in_the_next_round(peers):
+    """The same Delta twice: round 2 sends topk(Delta + what round 1 dropped), on both sides."""
+    alpha, beta, gamma, codec = 0.5, 0.7, 0.4, "topk:0.1"
+    states = {"a": random_state(5), "b": random_state(6)}
+    for name, state in states.items():
+        delta = state["theta"] - state["phi"]
+        peers.start(name, lists({**state, "offset2": delta}), "--codec", "none", "--codec-delta", codec,
+                    "--gamma", str(gamma), "--rounds", "2")
+    results = peers.run_round()
+    phi, mom, sent, residual = {}, {}, {}, {}
+    for n, s in states.items():  # round 1, as the math on the wire values
+        delta = s["theta"] - s["phi"]
+        sent[n] = wire(delta, codec)
+        residual[n] = delta - sent[n]
+    for me, other in (("a", "b"), ("b", "a")):
+        phi[me], mom[me] = noloco_step_sent(states[me]["phi"], states[me]["momentum"], (states[me]["phi"], sent[me]),
+                                            [(states[other]["phi"], sent[other])], alpha=alpha, beta=beta, gamma=gamma)
+        assert torch.equal(results[me]["phi@1"], phi[me])
+    # Round 2 starts from theta = new phi + the same Delta; the node recomputes Delta = theta - phi.
+    delta2 = {n: (phi[n] + (s["theta"] - s["phi"])) - phi[n] for n, s in states.items()}
+    round2 = {n: (phi[n], wire(delta2[n] + residual[n], codec)) for n in states}
+    without_feedback = {n: (phi[n], sent[n]) for n in states}
+    for me, other in (("a", "b"), ("b", "a")):
+        r = results[me]
+        assert [e["outcome"] for e in r["history"]] == ["paired"] * 2
+        want, want_m = noloco_step_sent(phi[me], mom[me], round2[me], [round2[other]], alpha=alpha, beta=beta, gamma=gamma)
+        assert torch.equal(r["phi@2"], want) and torch.equal(r["momentum@2"], want_m)
+        stale, _ = noloco_step_sent(phi[me], mom[me], without_feedback[me], [without_feedback[other]],
+                                    alpha=alpha, beta=beta, gamma=gamma)
+        assert not torch.allclose(r["phi@2"], stale, atol=1e-6, rtol=0)
+        carried = (sent[me] == 0) & (round2[me][1] != 0)  # dropped in round 1, sent in round 2
+        assert carried.any()
+        assert r["history"][0]["bytes"]["delta"] == r["history"][1]["bytes"]["delta"] == 26 * (4 + 8)
+
+
+def test_lone_peer_with_gamma_takes_the_solo_step(peers):
+    peers.start("a", A, "--codec", "none", "--gamma", "0.3", "--match-s", "1")
+    r = peers.run_round()["a"]
+    assert r["outcome"] == "solo" and r["history"][0]["payload"] == "phi+delta"
+    torch.testing.assert_close(r["phi"], t([1.4, -2.45, 0.325, 3.2]), atol=1e-9, rtol=0)
+    torch.testing.assert_close(r["momentum"], t([0.4, -0.45, -0.175, 0.2]), atol=1e-9, rtol=0)
