@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 
 from noloco_node.experiments.outer_rounds import run_round
+from noloco_node.experiments.process_group import raise_on_signals
 
 
 def main() -> None:
@@ -35,7 +36,8 @@ def main() -> None:
           f"{os.cpu_count()} cores shared by all peers")
     print(f"{'N':>3} {'method':<7} {'median s':>9} {'max s':>7} {'MB/node':>8} {'outcomes':<24}")
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
+    # SIGTERM too unwinds through run_round's `finally`, which ends the round's peers.
+    with raise_on_signals(), tempfile.TemporaryDirectory() as tmp:
         for n in args.sizes:
             results = {}
             for method in ("noloco", "diloco"):

@@ -12,6 +12,7 @@ import torch
 
 from noloco_node.data.loader import PackedSequences
 from noloco_node.experiments.launcher import LocalSwarm
+from noloco_node.experiments.process_group import raise_on_signals
 from noloco_node.pipeline.local import LocalSimulation
 
 
@@ -42,7 +43,8 @@ def one_process(config, corpus, tokenizer, args) -> tuple[float, float | None]:
 def two_stage_swarm(sets: list[str], args, out: Path, timeout_s: float = 3600) -> dict:
     """tokens/s (from stage 0's step timestamps, start-up excluded), each stage's peak RSS and the
     stage-0 node's payload bytes per forward sent."""
-    with LocalSwarm(out, overrides=sets, threads=1) as local:
+    # SIGTERM too unwinds through LocalSwarm.__exit__, so a killed benchmark leaves no nodes behind.
+    with raise_on_signals(), LocalSwarm(out, overrides=sets, threads=1) as local:
         local.start_bootstrap()
         server = local.start_node(1, 0)
         local.wait_ready([server])

@@ -8,10 +8,12 @@ import argparse
 import json
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 
 from noloco_node.cli.common import add_config_flags, resolve_config
+from noloco_node.experiments.process_group import Interrupted, raise_on_signals
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +53,20 @@ def _prepare_tokenizer(config) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.steps < 1 or args.replicas < 1:
         raise SystemExit("demo: --steps and --replicas must be >= 1")
+    # SIGTERM/SIGINT/SIGHUP, from start-up on, unwind through the swarm's `with`: its nodes get
+    # SIGTERM and drain, then whatever is left of its process group is killed.
+    try:
+        with raise_on_signals():
+            return _run(args)
+    except Interrupted as stop:
+        from noloco_node.runtime.logging import ProgressLine
+
+        ProgressLine().close()  # end a half-written progress line on a terminal
+        print(f"noloco-node demo: stopped by {stop}; the local swarm was stopped", file=sys.stderr)
+        return stop.exit_code
+
+
+def _run(args: argparse.Namespace) -> int:
     flags = {"pipeline": {"num_stages": args.stages}, "outer": {"method": args.method}}
     base = demo_defaults(args.steps)
     base["outer"]["allreduce_group_size"] = args.replicas  # the demo knows how many replicas it starts

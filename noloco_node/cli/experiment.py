@@ -32,7 +32,15 @@ def run(args: argparse.Namespace) -> int:
 
     command = "noloco-node " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["experiment"] \
         else f"noloco-node experiment {args.scenario or ''} --out {args.out}"
-    result = run_experiment(scenario, Path(args.out), command)
+    from noloco_node.experiments.process_group import Interrupted, raise_on_signals
+
+    # A stop signal unwinds through the running cell's `finally`: its swarm and relay are stopped.
+    try:
+        with raise_on_signals():
+            result = run_experiment(scenario, Path(args.out), command)
+    except Interrupted as stop:
+        print(f"noloco-node experiment: stopped by {stop}; the running cell's swarm was stopped", file=sys.stderr)
+        return stop.exit_code
     failed = [r["cell"] for r in result["cells"] if r["status"] != "ok"]
     if failed:
         print(f"noloco-node: {len(failed)} cell(s) failed: {', '.join(failed)} (see the report)", file=sys.stderr)

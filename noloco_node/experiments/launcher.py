@@ -1,6 +1,8 @@
 """LocalSwarm: a bootstrap peer and D replicas x P stages as separate `noloco-node` processes on
 127.0.0.1. Readiness comes from files the processes write, never from sleeps; stopping is SIGTERM,
-then SIGKILL after a grace period, by pid. Used by `noloco-node demo` and the integration tests.
+then SIGKILL after a grace period, by pid, then a sweep of the swarm's process group (see
+process_group.py: the swarm also dies with the launcher). Used by `noloco-node demo`, `experiment`,
+the benchmarks and the integration tests.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from noloco_node.experiments.process_group import ProcessGroup
 
 
 @dataclass
@@ -37,6 +41,7 @@ class LocalSwarm:
         self.bootstrap: subprocess.Popen | None = None
         self.maddr: str | None = None
         self.nodes: list[NodeProcess] = []
+        self.group = ProcessGroup()
         (self.out_dir / "logs").mkdir(parents=True, exist_ok=True)
         (self.out_dir / "ready").mkdir(parents=True, exist_ok=True)
         (self.out_dir / "nodes").mkdir(parents=True, exist_ok=True)
@@ -53,10 +58,10 @@ class LocalSwarm:
 
     def start_bootstrap(self) -> str:
         maddr_file = self.out_dir / "bootstrap.maddr"
-        log = open(self.out_dir / "logs" / "bootstrap.log", "w")
-        self.bootstrap = subprocess.Popen(
-            self._cmd("bootstrap", "--identity", str(self.out_dir / "bootstrap.key"), "--maddr-file", str(maddr_file)),
-            stdout=log, stderr=subprocess.STDOUT, env=self._env(), start_new_session=True)
+        with open(self.out_dir / "logs" / "bootstrap.log", "w") as log:
+            self.bootstrap = self.group.spawn(
+                self._cmd("bootstrap", "--identity", str(self.out_dir / "bootstrap.key"), "--maddr-file", str(maddr_file)),
+                stdout=log, stderr=subprocess.STDOUT, env=self._env())
         deadline = time.monotonic() + self.startup_timeout_s
         while not maddr_file.exists():
             if self.bootstrap.poll() is not None or time.monotonic() > deadline:
@@ -71,11 +76,11 @@ class LocalSwarm:
         ready = self.out_dir / "ready" / f"{name}.json"
         ready.unlink(missing_ok=True)
         log_path = self.out_dir / "logs" / f"{name}.log"
-        log = open(log_path, "a")
-        proc = subprocess.Popen(
-            self._cmd("join", "--stage", str(stage), "--initial-peers", self.maddr, "--threads", str(self.threads),
-                      "--out", str(self.out_dir / "nodes"), "--ready-file", str(ready), *extra),
-            stdout=log, stderr=subprocess.STDOUT, env=self._env(), start_new_session=True)
+        with open(log_path, "a") as log:
+            proc = self.group.spawn(
+                self._cmd("join", "--stage", str(stage), "--initial-peers", self.maddr, "--threads", str(self.threads),
+                          "--out", str(self.out_dir / "nodes"), "--ready-file", str(ready), *extra),
+                stdout=log, stderr=subprocess.STDOUT, env=self._env())
         node = NodeProcess(stage, replica, proc, ready, log_path, extra=tuple(extra))
         self.nodes.append(node)
         return node
@@ -125,9 +130,11 @@ class LocalSwarm:
 
     def stop(self, grace_s: float = 45.0) -> None:
         """SIGTERM every node at once (they drain and checkpoint in parallel), SIGKILL whoever is
-        still running after `grace_s`, then stop the bootstrap peer they were withdrawing from.
-        The default covers a node's worst graceful exit: withdraw (connect_s) + finish an outer
-        round (2 match_s + 10) + drain (drain_s), with the default timeouts."""
+        still running after `grace_s`, then stop the bootstrap peer they were withdrawing from,
+        then anything else left in the swarm's process group (a p2pd daemon, a child started
+        as a stop signal arrived). The default covers a node's worst graceful exit: withdraw
+        (connect_s) + finish an outer round (2 match_s + 10) + drain (drain_s), with the default
+        timeouts."""
         running = [node.proc for node in self.nodes if node.proc.poll() is None]
         for proc in running:
             proc.send_signal(signal.SIGTERM)
@@ -140,6 +147,7 @@ class LocalSwarm:
                 proc.wait(timeout=10)
         if self.bootstrap is not None:
             self.terminate(self.bootstrap)
+        self.group.drain(grace_s=5.0)
 
     def node_stats(self) -> dict[str, dict]:
         """Stats files the nodes wrote on exit, keyed by peer id."""

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from noloco_node.experiments.ports import RelayProcess, free_ports
+from noloco_node.experiments.process_group import ProcessGroup
 from noloco_node.netem.relay import LinkProfile
 
 
@@ -22,7 +23,7 @@ def run_round(method: str, n: int, work: Path, *, numel: int, codec: str = "bf16
     work.mkdir(parents=True, exist_ok=True)
     go = work / "go"
     go.unlink(missing_ok=True)
-    procs, maddr, relay = [], None, None
+    procs, maddr, relay, group = [], None, None, ProcessGroup()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     ports = free_ports(4 * n)
     grpc_ports, grpc_relays, dht_ports, dht_relays = (ports[i * n:(i + 1) * n] for i in range(4))
@@ -41,8 +42,8 @@ def run_round(method: str, n: int, work: Path, *, numel: int, codec: str = "bf16
                         "--dht-port", str(dht_ports[i]), "--dht-announce", f"127.0.0.1:{dht_relays[i]}"]
             if maddr:
                 cmd += ["--initial-peers", maddr]
-            log = open(work / f"p{i}.log", "w")
-            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True))
+            with open(work / f"p{i}.log", "w") as log:
+                procs.append(group.spawn(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
             deadline = time.monotonic() + 120
             while not ready.exists():
                 if procs[-1].poll() is not None or time.monotonic() > deadline:
@@ -59,5 +60,6 @@ def run_round(method: str, n: int, work: Path, *, numel: int, codec: str = "bf16
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+        group.drain(grace_s=5.0)  # a killed hivemind peer leaves its p2pd daemon in the group
         if relay is not None:
             relay.stop()

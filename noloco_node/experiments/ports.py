@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from noloco_node.experiments.process_group import ProcessGroup
 from noloco_node.netem.relay import LinkProfile
 
 
@@ -39,7 +40,7 @@ class RelayProcess:
         for listen, upstream in routes.items():
             cmd += ["--route", f"{listen}=127.0.0.1:{upstream}"]
         self.log = open(work_dir / "relay.log", "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = ProcessGroup().spawn(cmd, stdout=self.log, stderr=subprocess.STDOUT)  # dies with the launcher
         deadline = time.monotonic() + 30
         while not ready.exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:
