@@ -137,3 +137,26 @@ def test_check_snapshot_bounds_slow_weights_on_their_own():
     nan = {"w": (phi, torch.full((100,), float("nan"), dtype=torch.float64))}
     assert "non-finite" in check_snapshot(state, nan, max_distance_ratio=10.0)
     assert unpack({"phi/w": phi}, PHI_DELTA, ["w"]) == {}  # a half snapshot is "missing tensor w"
+
+
+def test_partners_must_share_the_snapshot_form():
+    """A theta sender and a phi+delta sender cannot pair: MISMATCH before anything streams."""
+    from noloco_node.pipeline.router import Bans
+    from noloco_node.sync.noloco import NoLoCoSync
+    from noloco_node.wire.v1 import outer_pb2
+
+    def sync(gamma, codec_delta=None, payload=None):
+        return NoLoCoSync(outer_state(vector(4), vector(4), gamma=gamma), client=None, directory=None, compute=None,
+                          peer_id="me", stage=0, codec="bf16", codec_delta=codec_delta, match_s=1.0,
+                          max_distance_ratio=10.0, bans=Bans(), set_status=None, payload=payload)
+
+    assert sync(None).payload == THETA and sync(0.3).payload == PHI_DELTA
+    assert sync(None, "topk:0.1").payload == PHI_DELTA and sync(None, payload=PHI_DELTA).payload == PHI_DELTA
+    with pytest.raises(ValueError, match="gamma == beta"):
+        sync(0.3, payload=THETA)
+    node = sync(0.3)
+    node.matching, node.round = True, 1
+    theta_request = outer_pb2.PairRequest(round=1, peer_id="other", send_slow_weights=False)
+    assert node.decide(theta_request).decision == outer_pb2.PairReply.MISMATCH
+    assert node.decide(outer_pb2.PairRequest(round=1, peer_id="other", send_slow_weights=True)).decision == \
+        outer_pb2.PairReply.ACCEPT
