@@ -96,19 +96,10 @@ class Node:
         self.dp_step = None
         if cfg.outer.method in ("diloco", "dp"):
             # hivemind forks its DHT and averager processes: do it before gRPC starts any thread.
-            import torch
+            from noloco_node.dht.averaging import build_all_reduce
 
-            from noloco_node.dht.averaging import HivemindAllReduce
-            from noloco_node.dht.records import key_prefix
-
-            self.all_reduce = HivemindAllReduce(
-                [p.shape for p in self.stage.parameters()], initial_peers=list(cfg.network.initial_peers),
-                host=cfg.network.host, prefix=f"{key_prefix(cfg.run.run_id)}_stage{self.stage_index}_{cfg.outer.method}",
-                target_group_size=cfg.outer.allreduce_group_size or 64, matchmaking_s=cfg.timeouts.match_s,
-                port=cfg.network.allreduce_port, announce=cfg.network.allreduce_announce,
-                swarm_key=self.admission.key, max_skew_s=cfg.security.max_clock_skew_s,
-                # dp: gradients averaged in float64 so every replica rounds the same mean (averaging.py)
-                dtype=torch.float64 if dp else torch.float32, allreduce_s=cfg.timeouts.allreduce_s)
+            self.all_reduce = build_all_reduce(cfg, self.stage_index, [p.shape for p in self.stage.parameters()],
+                                               self.admission.key)
 
         self.server = NodeServer(cfg.network.host, cfg.network.port, admission=self.admission.interceptor,
                                  credentials=self.links.certificate.server_credentials(),

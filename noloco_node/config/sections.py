@@ -224,9 +224,9 @@ class OuterConfig:
     max_distance_ratio: float = 10.0
     """Reject a partner's snapshot farther from our slow weights than this many times our own drift."""
     allreduce_group_size: int = 0
-    """diloco/dp: replicas of a stage expected in each all-reduce (a group forms as soon as this
-    many are there, else after timeouts.match_s with whoever came); 0 = unknown (up to 64, so every
-    round waits the full match_s)."""
+    """diloco/dp: replicas of a stage in each all-reduce. Every round's group is all of them, at that
+    round: a round that misses one fails for its members within its deadline and each steps solo
+    (counted). 0 = unknown: any 2 to 64 replicas of the round that meet within timeouts.match_s."""
 
     def __post_init__(self) -> None:
         _require(self.method in METHODS, "method", f"unknown method {self.method!r}", f"use one of {', '.join(METHODS)}")

@@ -4,7 +4,7 @@ hivemind DHT peer.
 hivemind runs both as forked processes; create this before the node starts gRPC (forking a
 process with live gRPC threads is unsafe). Knows hivemind and torch tensors, not models.
 
-Two properties of hivemind's all-reduce this module handles:
+Three properties of hivemind's all-reduce this module handles:
 - Each member gets the mean as `local + (mean - local)`, rounded in the tensors' dtype, so in
   fp32 the members' results differ where the replicas' values nearly cancel (by an ulp of the
   local value, not of the mean). For data-parallel gradients Adam turns that into different
@@ -16,6 +16,13 @@ Two properties of hivemind's all-reduce this module handles:
   about once in a few dozen rounds, "peer X sent 8 parts, but we expected 16"). Those warnings
   are counted through a counter shared with the forked averager, and `mean` reports such a round
   as incomplete instead of passing a partial mean off as the group mean.
+- Matchmaking knows no rounds: any averagers looking at once under one key form a group, so a
+  lagging replica landed in the next round's group (seen: 26 mixed-round groups of 96 in a 4 x 2
+  DiLoCo demo), and with min_group_size 2 a group formed with whoever came within
+  min_matchmaking_time. Each round therefore gets its own group key (`round_key_bits`), which
+  hivemind checks on every join request, and with a known membership D the group must be all D
+  (`min_group_size`): a round either averages over every replica of that round or fails for all
+  its members within the deadline, which the caller counts as a solo step.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -31,6 +39,13 @@ log = logging.getLogger(__name__)
 
 # hivemind's loggers whose "received N% ..." warnings mean that a member used its own values.
 _PARTIAL_LOGGERS = ("hivemind.averaging.partition",)
+_ROUND_BITS = 32
+
+
+def round_key_bits(round_index: int) -> str:
+    """The group-key bits of a round (hivemind's key is `prefix.0b<bits>`): averagers of different
+    rounds never share a key, so they can never share a group."""
+    return format(round_index % (1 << _ROUND_BITS), f"0{_ROUND_BITS}b")
 
 
 class _PartialResultCounter(logging.Handler):
@@ -51,7 +66,7 @@ class HivemindAllReduce:
     """Averages a fixed list of tensors with every replica of a stage that joins the same round."""
 
     def __init__(self, shapes: list[torch.Size], *, initial_peers: list[str], host: str, prefix: str,
-                 target_group_size: int, matchmaking_s: float, dht=None, port: int = 0,
+                 target_group_size: int, matchmaking_s: float, min_group_size: int = 2, dht=None, port: int = 0,
                  announce: str | None = None, swarm_key: bytes | None = None, max_skew_s: float = 60.0,
                  dtype: torch.dtype = torch.float32, allreduce_s: float = 60.0) -> None:
         from hivemind.averaging import DecentralizedAverager
@@ -65,10 +80,12 @@ class HivemindAllReduce:
         self.averager = DecentralizedAverager(
             [torch.zeros(s, dtype=dtype) for s in shapes], dht=self.dht, prefix=prefix, target_group_size=target_group_size,
             # hivemind: request_timeout must stay below min_matchmaking_time, or matchmaking can deadlock.
-            min_group_size=2, min_matchmaking_time=max(1.0, matchmaking_s), request_timeout=max(1.0, matchmaking_s) / 2,
+            min_group_size=max(2, min(min_group_size, target_group_size)), min_matchmaking_time=max(1.0, matchmaking_s),
+            request_timeout=max(1.0, matchmaking_s) / 2,
             # Without these an all-reduce whose peer stream stalls waits forever (seen: two of three
             # replicas stuck until our own deadline, then no further rounds).
-            next_chunk_timeout=max(5.0, 2 * matchmaking_s), allreduce_timeout=allreduce_s, start=True)
+            next_chunk_timeout=max(5.0, 2 * matchmaking_s), allreduce_timeout=allreduce_s,
+            initial_group_bits=round_key_bits(0), start=True)
         self.allreduce_s = allreduce_s
         self.bytes_sent = 0
         self.element_size = torch.finfo(dtype).bits // 8
@@ -96,15 +113,19 @@ class HivemindAllReduce:
                    round_index: int = 0) -> tuple[list[Tensor], int, bool, bool]:
         """Mean of `tensors` over the group that forms; returns (means, group size, whether every
         member was at `round_index`, whether the whole mean arrived). A group of one (nobody else
-        joined in time) returns the inputs unchanged with size 1. hivemind's matchmaking does not
-        separate rounds, so a lagging replica can land in a group of the next round, and a round
-        can deliver part of the mean only: both are reported, not hidden."""
+        joined in time) returns the inputs unchanged with size 1. Only averagers at `round_index`
+        can join (the round's own group key), but a round can deliver part of the mean only, and
+        that is reported, not hidden."""
         with self.averager.get_tensors() as shared:
             for dst, src in zip(shared, tensors):
                 dst.copy_(src)
         warnings_before = self.partial_warnings.value
         loop = asyncio.get_running_loop()
-        control = self.averager.step(gather=round_index, timeout=timeout_s, allow_retries=True, wait=False)
+        # Both calls wait on the averager process, which a loaded machine can keep busy for a
+        # while: off the event loop, so this node's gRPC keeps serving meanwhile.
+        await loop.run_in_executor(None, partial(self.averager.set_group_bits, round_key_bits(round_index)))
+        control = await loop.run_in_executor(None, partial(self.averager.step, gather=round_index, timeout=timeout_s,
+                                                           allow_retries=True, wait=False))
         try:
             # hivemind's own timeout covers matchmaking only; an all-reduce whose group stalls could
             # block forever, so the round has a hard deadline of its own.
@@ -131,3 +152,22 @@ class HivemindAllReduce:
             logging.getLogger(name).removeHandler(self._handler)
         self.averager.shutdown()
         self.dht.shutdown()
+
+
+def build_all_reduce(cfg, stage: int, shapes: list[torch.Size], swarm_key: bytes | None) -> HivemindAllReduce:
+    """The diloco/dp all-reduce of this node's stage from its NodeConfig. hivemind forks its DHT and
+    averager processes: call this before gRPC starts any thread.
+
+    With a known membership (outer.allreduce_group_size = D) every round's group is all D replicas
+    or the round fails; unknown (0), any 2 or more that meet within timeouts.match_s average."""
+    from noloco_node.dht.records import key_prefix
+
+    outer, net, dp = cfg.outer, cfg.network, cfg.outer.method == "dp"
+    known = outer.allreduce_group_size
+    return HivemindAllReduce(
+        shapes, initial_peers=list(net.initial_peers), host=net.host,
+        prefix=f"{key_prefix(cfg.run.run_id)}_stage{stage}_{outer.method}", target_group_size=known or 64,
+        min_group_size=known or 2, matchmaking_s=cfg.timeouts.match_s, port=net.allreduce_port,
+        announce=net.allreduce_announce, swarm_key=swarm_key, max_skew_s=cfg.security.max_clock_skew_s,
+        # dp: gradients averaged in float64 so every replica rounds the same mean (module docstring)
+        dtype=torch.float64 if dp else torch.float32, allreduce_s=cfg.timeouts.allreduce_s)

@@ -9,7 +9,7 @@ import multiprocessing
 
 import torch
 
-from noloco_node.dht.averaging import HivemindAllReduce, _PartialResultCounter
+from noloco_node.dht.averaging import HivemindAllReduce, _PartialResultCounter, round_key_bits
 
 PARTITION = logging.getLogger("hivemind.averaging.partition")
 
@@ -32,12 +32,18 @@ class _StandInAverager:
     def __init__(self, shapes, dtype, other, warn: str | None) -> None:
         self.buffer = [torch.zeros(s, dtype=dtype) for s in shapes]
         self.other, self.warn = other, warn
+        self.group_bits = ""
+        self.stepped_with_bits: list[str] = []
+
+    def set_group_bits(self, group_bits: str) -> None:
+        self.group_bits = group_bits
 
     @contextlib.contextmanager
     def get_tensors(self):
         yield self.buffer
 
     def step(self, gather, timeout, allow_retries, wait):
+        self.stepped_with_bits.append(self.group_bits)
         for mine, theirs in zip(self.buffer, self.other):
             mean = (mine + theirs.to(mine.dtype)) / 2
             mine.add_(mean - mine)
@@ -71,6 +77,8 @@ def test_a_clean_round_is_complete_and_rounds_the_same_mean():
     with _attached(ar):
         means, group, same, complete = asyncio.run(ar.mean(ours, timeout_s=1.0, round_index=3))
     assert (group, same, complete, ar.partial_rounds) == (2, True, True, 0)
+    # Matched under round 3's own group key: a replica at another round cannot join this group.
+    assert ar.averager.stepped_with_bits == [round_key_bits(3)] and round_key_bits(3) != round_key_bits(4)
     for m, a, b in zip(means, ours, theirs):
         assert m.dtype == torch.float32 and torch.equal(m, ((a.double() + b.double()) / 2).float())
 
