@@ -36,7 +36,7 @@ class DhtReplicas:
         self.directory = directory
 
     async def replicas(self, stage: int) -> list[Peer]:
-        return [Peer(r.peer_id, r.address, r.reach) for r in await self.directory.replicas(stage)]
+        return [Peer(r.peer_id, r.address, r.reach, r.capacity) for r in await self.directory.replicas(stage)]
 
 
 class DhtMatching:
@@ -46,5 +46,5 @@ class DhtMatching:
         self.directory = directory
 
     async def matching(self, stage: int, round_index: int) -> list[Peer]:
-        return [Peer(r.peer_id, r.address, r.reach) for r in await self.directory.replicas(stage, fresh=True)
+        return [Peer(r.peer_id, r.address, r.reach, r.capacity) for r in await self.directory.replicas(stage, fresh=True)
                 if r.status == "matching" and r.outer_round == round_index]

@@ -36,6 +36,7 @@ from noloco_node.adapters import DhtMatching, DhtReplicas, GrpcStageTransport
 from noloco_node.runtime.compute import ComputeThread, compute_device
 from noloco_node.runtime.events import EventLog
 from noloco_node.runtime.faults import FaultInjector
+from noloco_node.runtime.throughput import ThroughputMeter
 from noloco_node.runtime.memory import tune_allocator
 from noloco_node.sync.noloco import NoLoCoSync
 from noloco_node.joining import (announced_address, contact_lookup, fetch_state, public_libp2p_addrs, settle_reach,
@@ -52,7 +53,7 @@ class Node:
         self.sequential = config.pipeline.deterministic
         self.microbatch_timeout_s = config.timeouts.microbatch_s
         self.stage_index = config.pipeline.stage
-        self.compute = ComputeThread()
+        self.compute, self.meter = ComputeThread(), ThroughputMeter()
         self.events = EventLog(config.log.events_file)
         self.started_at = time.monotonic()
         self.status = "joining"
@@ -91,7 +92,9 @@ class Node:
         dp = cfg.outer.method == "dp"
         self.worker = StageWorker(self.stage, optimizer, batch_size=cfg.pipeline.batch_size,
                                   saved_ttl_s=cfg.timeouts.saved_input_ttl_s, auto_step=self.stage_index != 0 and not dp,
-                                  device=self.device, bf16_autocast=cfg.pipeline.bf16_autocast)
+                                  device=self.device, bf16_autocast=cfg.pipeline.bf16_autocast, faults=self.faults,
+                                  emit=self.events.emit, slow_weights=None if dp or cfg.outer.method == "none" else
+                                  lambda: self.outer_state.phi, compute_delay_s=cfg.faults.compute_delay_s)
         self.all_reduce = None
         self.dp_step = None
         if cfg.outer.method in ("diloco", "dp"):
@@ -115,14 +118,16 @@ class Node:
         self.bans = Bans()
         self.runtime = StageRuntime(
             shape=shape, worker=self.worker, compute=self.compute, transport=GrpcStageTransport(self.client),
-            directory=DhtReplicas(self.directory), router=Router(self.bans, random.Random(self.peer_id)),
+            directory=DhtReplicas(self.directory), router=Router(self.bans, random.Random(self.peer_id),
+                                                                         by_capacity=cfg.pipeline.routing == "capacity"),
             me=Hop(self.peer_id, "", self.stage_index), max_in_flight=cfg.pipeline.max_in_flight,
             send_deadline_s=cfg.timeouts.rpc_s, delay_before_forward_s=cfg.faults.delay_before_forward_s, faults=self.faults,
             balanced_routing=cfg.pipeline.routing == "balanced" or dp, routing_seed=cfg.run.seed)
         max_bytes = cfg.pipeline.microbatch_size * m.seq_len * llama.hidden_size * 4
         self.servicer = StageServicer(self.runtime, run_id=cfg.run.run_id, manifest_hash=self.manifest_hash,
                                       max_payload_bytes=max_bytes, receive_s=cfg.timeouts.receive_s,
-                                      min_bytes_per_s=cfg.security.min_receive_bytes_per_s)
+                                      min_bytes_per_s=cfg.security.min_receive_bytes_per_s,
+                                      rms_factor=cfg.security.payload_rms_factor, max_abs=cfg.security.payload_max_abs)
         self.server.add_stage(self.servicer)
         if cfg.outer.method == "noloco":
             self._build_sync(max_bytes=sum(p.numel() * 16 for p in self.stage.parameters()))
@@ -301,6 +306,8 @@ class Node:
                 "microbatches": meta.get("microbatches")}
 
     def _observe_rpc(self, method: str, seconds: float) -> None:
+        if method == "Forward":
+            self.meter.observe_hop(seconds)
         if self.metrics is not None:
             self.metrics.observe_rpc(method, seconds)
 
@@ -320,7 +327,7 @@ class Node:
                            tokens_per_s=self.tokens_per_s, version=__version__,
                            manifest_hash=self.manifest_hash, run_id=self.config.run.run_id, updated_at=time.time(),
                            reach=self.links.update_reach(), tls_cert=self.links.certificate.b64,
-                           p2p_addrs=self.links.p2p_addrs[:16])
+                           p2p_addrs=self.links.p2p_addrs[:16], **self.meter.record_fields())
 
     async def announce(self) -> None:
         await self.directory.announce(self.record(), ttl_s=self.config.timeouts.record_ttl_s)
@@ -329,6 +336,8 @@ class Node:
         while True:
             await asyncio.sleep(self.config.timeouts.heartbeat_s)
             try:
+                self.meter.sample(sequences=self.worker.sequences_total, busy_s=self.compute.busy_s,
+                                  in_flight=len(self.runtime.in_flight), window=self.config.pipeline.max_in_flight)
                 await self.announce()
                 await self.runtime.expire_saved()
                 if self.links.reach != "direct" and self.links.bridge is not None:  # behind NAT: see joining.py

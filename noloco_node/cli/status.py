@@ -21,16 +21,27 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     config = resolve_config(args, flags={"network": {"initial_peers": args.initial_peers}})
     rows = asyncio.run(_collect(config))
+    from noloco_node.runtime.throughput import limiting_stage
+
+    stages = range(config.pipeline.num_stages)
+    capacity = {s: [r["capacity"] for r in rows if r["stage"] == s] for s in stages}
+    limit = limiting_stage(capacity)
     if args.json:
-        print(json.dumps({"run_id": config.run.run_id, "stages": config.pipeline.num_stages, "replicas": rows}, indent=2))
+        print(json.dumps({"run_id": config.run.run_id, "stages": config.pipeline.num_stages, "replicas": rows,
+                          "stage_capacity": {str(s): sum(c) for s, c in capacity.items()}, "limiting_stage": limit},
+                         indent=2))
         return 0
     print(f"run {config.run.run_id}: {len(rows)} replicas over {config.pipeline.num_stages} stages")
     header = (f"{'stage':>5}  {'peer':<10} {'address':<22} {'reach':<12} {'inner':>6} {'round':>5} {'status':<9} "
-              f"{'tok/s':>8} {'version':<8} {'seen':>6}")
+              f"{'tok/s':>8} {'cap seq/s':>9} {'busy':>5} {'hop ms':>6} {'version':<8} {'seen':>6}")
     print(header)
     for r in rows:
         print(f"{r['stage']:>5}  {r['peer_id'][-8:]:<10} {r['address']:<22} {r['reach']:<12} {r['inner_step']:>6} {r['outer_round']:>5} "
-              f"{r['status']:<9} {r['tokens_per_s']:>8.0f} {r['version']:<8} {r['seen_s_ago']:>5.0f}s")
+              f"{r['status']:<9} {r['tokens_per_s']:>8.0f} {r['capacity']:>9.1f} {r['busy']:>5.2f} {r['hop_s'] * 1e3:>6.0f} "
+              f"{r['version']:<8} {r['seen_s_ago']:>5.0f}s")
+    for s in stages:
+        mark = "  <- limits the swarm" if s == limit else ""
+        print(f"stage {s}: {len(capacity[s])} replicas, capacity {sum(capacity[s]):.1f} sequences/s{mark}")
     empty = [s for s in range(config.pipeline.num_stages) if not any(r["stage"] == s for r in rows)]
     if empty:
         print(f"stages with no live replica: {empty}")

@@ -129,9 +129,10 @@ class PipelineConfig:
     """B: sequences whose gradients one inner step accumulates, per replica."""
     microbatch_size: int = 1
     """Sequences per routed microbatch (the reference uses 1)."""
-    routing: str = "random"
-    """random: each sender's own shuffled cycle over the live replicas (robust to churn and to
-    records the DHT briefly misses); balanced: the reference's per-microbatch permutation (equal
+    routing: str = "capacity"
+    """capacity: a random replica, drawn in proportion to its measured capacity (from its record;
+    uniform until measured); random: each sender's own shuffled cycle over the live replicas, equal
+    shares whatever their speed; balanced: the reference's per-microbatch permutation (equal
     shares per replica while the stages' memberships match, else random). The dp baseline always
     routes balanced: its lockstep steps need every replica to get exactly one batch per step."""
     max_in_flight: int = 8
@@ -153,8 +154,8 @@ class PipelineConfig:
         _require(self.num_stages >= 1, "num_stages", f"must be >= 1, got {self.num_stages}", "use a positive integer")
         _require(self.stage is None or 0 <= self.stage < self.num_stages, "stage", f"{self.stage} is outside 0..{self.num_stages - 1}",
                  "pick a stage index below num_stages, or 'auto'")
-        _require(self.routing in ("balanced", "random"), "routing", f"unknown routing {self.routing!r}",
-                 "use balanced or random")
+        _require(self.routing in ("capacity", "balanced", "random"), "routing", f"unknown routing {self.routing!r}",
+                 "use capacity, balanced or random")
         _require(self.batch_size >= 1 and self.microbatch_size >= 1, "batch_size",
                  "batch_size and microbatch_size must be >= 1", "use positive integers")
         _require(self.batch_size % self.microbatch_size == 0, "microbatch_size",
@@ -329,14 +330,27 @@ class SecurityConfig:
     ban_after_invalid: int = 5
     """Messages from one peer rejected as INVALID_ARGUMENT before it is banned (unsigned calls are
     refused without counting: they carry no identity to ban)."""
+    ban_after_poisoned: int = 1
+    """Payloads that would corrupt this stage (non-finite, or outside the running bounds below)
+    before the sender is banned: by default the first."""
     ban_s: float = 30.0
     """First ban length; each further ban of the same peer doubles it, up to ban_max_s."""
     ban_max_s: float = 1800.0
+    payload_rms_factor: float = 1000.0
+    """Received activations and gradients must have an RMS within this factor of the median RMS
+    of the last 64 this stage accepted in that direction (once 8 are in); else INVALID_ARGUMENT
+    and the sender is banned (ban_after_poisoned)."""
+    payload_max_abs: float = 1e6
+    """No element of a received activation or gradient may exceed this magnitude (finite values
+    like 3e38 overflow the next layer's norm into NaN)."""
 
     def __post_init__(self) -> None:
-        for name in ("max_clock_skew_s", "peer_requests_per_s", "ban_s", "ban_max_s", "min_receive_bytes_per_s"):
+        _require(self.payload_rms_factor > 1, "payload_rms_factor", f"must be > 1, got {self.payload_rms_factor}",
+                 "use e.g. 1000 (a tenfold margin below the 1e4x scaling a hostile peer would use)")
+        for name in ("max_clock_skew_s", "peer_requests_per_s", "ban_s", "ban_max_s", "min_receive_bytes_per_s",
+                     "payload_max_abs"):
             _require(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}", "use a positive number")
-        for name in ("max_concurrent_rpcs", "peer_max_streams", "peer_burst", "ban_after_invalid"):
+        for name in ("max_concurrent_rpcs", "peer_max_streams", "peer_burst", "ban_after_invalid", "ban_after_poisoned"):
             _require(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}", "use a positive integer")
         if self.swarm_key_file is not None:
             _require(Path(self.swarm_key_file).is_file(), "swarm_key_file", f"{self.swarm_key_file} is not a file",
@@ -415,16 +429,20 @@ class FaultsConfig:
 
     delay_before_forward_s: float = 0.0
     """Sleep this long before computing each received forward (makes work sit in flight)."""
+    compute_delay_s: float = 0.0
+    """Hold the compute thread this long per forward and per backward pass (a slower device: it
+    lowers the node's measured capacity, unlike delay_before_forward_s)."""
     inject: tuple[str, ...] = ()
     """Faults at named points, each "POINT:ACTION[=SECONDS][@N|%P]": points before_forward,
     mid_backward, during_exchange, during_state_transfer; actions crash (exit 17), stall/delay
     (sleep SECONDS), error (fail that operation); and send_snapshot:poison[=X] (send NaN, or our
-    fast weights times X, as a lying peer would); @N = only the Nth time the point is reached,
+    fast weights times X, as a lying peer would), inner_step:poison (the step's gradients are NaN),
+    weights:poison[=X] (theta times X, or NaN, after the step); @N = only the Nth time the point is reached,
     %P = with probability P each time. E.g. "mid_backward:crash@3"."""
 
     def __post_init__(self) -> None:
-        _require(self.delay_before_forward_s >= 0, "delay_before_forward_s",
-                 f"must be >= 0, got {self.delay_before_forward_s}", "use 0 to disable")
+        for name in ("delay_before_forward_s", "compute_delay_s"):
+            _require(getattr(self, name) >= 0, name, f"must be >= 0, got {getattr(self, name)}", "use 0 to disable")
         from noloco_node.runtime.faults import FaultSpecError, parse_fault
 
         for spec in self.inject:

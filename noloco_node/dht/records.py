@@ -39,6 +39,14 @@ class StageRecord(pydantic.BaseModel):
     """The node's self-signed TLS certificate (DER, base64): clients pin it."""
     p2p_addrs: pydantic.conlist(pydantic.constr(strict=True, max_length=512), max_items=16) = []
     """libp2p multiaddrs that reach the node (a /p2p-circuit address through its relay when relayed)."""
+    capacity: pydantic.confloat(strict=True, ge=0.0, le=1e9) = 0.0
+    """Measured sequences per second of compute time (runtime/throughput.py); 0 = not measured yet."""
+    throughput: pydantic.confloat(strict=True, ge=0.0, le=1e9) = 0.0
+    """Measured sequences per wall-clock second."""
+    busy: pydantic.confloat(strict=True, ge=0.0, le=1.0) = 0.0
+    """Microbatches in flight / the in-flight window."""
+    hop_s: pydantic.confloat(strict=True, ge=0.0, le=1e6) = 0.0
+    """Seconds per Forward call to the next stage."""
 
     class Config:
         extra = pydantic.Extra.forbid

@@ -14,6 +14,8 @@ class Peer:
     address: str
     reach: str = "direct"
     """direct | holepunched | relayed: relayed replicas get a smaller share of the traffic."""
+    capacity: float = 0.0
+    """Measured sequences per compute-second (0 = unknown): capacity routing weighs by it."""
 
 
 @dataclass(frozen=True, slots=True)

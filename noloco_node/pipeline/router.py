@@ -1,6 +1,10 @@
 """Next-hop choice: random live replicas of the next stage, minus banned peers.
 
-Two policies (`pipeline.routing`; random is the default, dp always uses balanced):
+Three policies (`pipeline.routing`; capacity is the default, dp always uses balanced):
+- capacity (SWARM's stochastic wiring): each microbatch draws the next replica at random with
+  probability proportional to its measured capacity (runtime/throughput.py, from its record), so a
+  slow replica gets fewer microbatches and none is starved; with no measurements yet this is
+  uniform.
 - balanced (the reference's routing): microbatch k leaving stage p goes from the sender at
   index d among its stage's replicas to index pi_{k,p}[d] of the next stage, pi a permutation
   seeded by (run seed, k, p) that every sender computes alike. Each hop is random, and when the
@@ -23,9 +27,11 @@ from __future__ import annotations
 
 import random
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 from noloco_node.pipeline.ports import Peer
+from noloco_node.runtime.throughput import routing_weights
 
 
 RELAYED_WEIGHT = 0.2
@@ -68,8 +74,10 @@ class Bans:
 
 
 class Router:
-    def __init__(self, bans: Bans, rng: random.Random | None = None) -> None:
-        self.bans = bans
+    def __init__(self, bans: Bans, rng: random.Random | None = None, *, by_capacity: bool = False) -> None:
+        self.bans, self.by_capacity = bans, by_capacity
+        # Picks drawn while every candidate's capacity was measured (the routing distribution in stats).
+        self.measured_picks: Counter = Counter()
         self.rng = rng or random.Random()
         self._cycle: list[str] = []
 
@@ -88,9 +96,14 @@ class Router:
         usable = {p.peer_id: p for p in candidates if p.peer_id not in exclude and not self.bans.is_banned(p.peer_id)}
         if not usable:
             return None
-        if len(usable) > 1 and any(p.reach == "relayed" for p in usable.values()):
+        if len(usable) > 1 and (self.by_capacity or any(p.reach == "relayed" for p in usable.values())):
             peers = sorted(usable.values(), key=lambda p: p.peer_id)
-            return self.rng.choices(peers, [RELAYED_WEIGHT if p.reach == "relayed" else 1.0 for p in peers])[0]
+            weights = routing_weights(p.capacity for p in peers) if self.by_capacity else [1.0] * len(peers)
+            peer = self.rng.choices(peers, [w * (RELAYED_WEIGHT if p.reach == "relayed" else 1.0)
+                                            for w, p in zip(weights, peers)])[0]
+            if self.by_capacity and all(p.capacity > 0 for p in peers):
+                self.measured_picks[peer.peer_id] += 1
+            return peer
         while self._cycle:
             peer_id = self._cycle.pop()
             if peer_id in usable:

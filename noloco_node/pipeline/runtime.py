@@ -67,6 +67,7 @@ class RuntimeStats:
     busy_answers: int = 0
     routed_balanced: int = 0  # forwards sent to the balanced (permutation) choice
     routed_random: int = 0  # forwards sent to a random choice (random routing, fallback or retry)
+    routed_to: Counter = field(default_factory=Counter)  # next-stage peer id -> forwards it accepted
 
 
 class StageRuntime:
@@ -251,6 +252,7 @@ class StageRuntime:
                     ticket.downstream = peer.peer_id
                 self.router.bans.clear(peer.peer_id)
                 self.stats.forwards_sent += 1
+                self.stats.routed_to[peer.peer_id] += 1
                 if balanced is peer:
                     self.stats.routed_balanced += 1
                 else:

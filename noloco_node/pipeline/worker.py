@@ -49,7 +49,7 @@ class StageWorker:
                  auto_step: bool, clock=time.monotonic, device: torch.device | str = "cpu",
                  bf16_autocast: bool = True, faults: FaultInjector | None = None,
                  slow_weights: Callable[[], dict[str, Tensor] | None] | None = None,
-                 emit: Callable[..., Any] | None = None) -> None:
+                 emit: Callable[..., Any] | None = None, compute_delay_s: float = 0.0) -> None:
         self.stage, self.inner = stage, inner
         self.device = torch.device(device)
         # On a GPU: bf16 autocast for the stage's compute; weights, phi and m stay fp32 masters.
@@ -70,11 +70,13 @@ class StageWorker:
         self._own_copy = None if slow_weights is not None else self._copy_theta()
         self.dropped_non_finite = 0
         self.repairs = 0
+        self.compute_delay_s = compute_delay_s  # faults.compute_delay_s: emulates a slower device
 
     def forward(self, key: Hashable, inputs: Tensor, *, keep_graph: bool = False) -> Tensor:
         """Forward without a graph, keeping `inputs` for the backward's recompute; or, with
         `keep_graph`, keep the autograd graph instead (only safe when no inner step can happen
         before this microbatch's backward, as on stage 0, whose driver steps between batches)."""
+        self._slow_down()
         inputs = self._to_device(inputs)
         saved = Saved(inputs, self.clock())
         self.saved[key] = saved
@@ -88,6 +90,7 @@ class StageWorker:
     def forward_backward_last(self, inputs: Tensor, labels: Tensor) -> tuple[Tensor, float, int]:
         """Last stage: loss (token mean, scaled by b/B for accumulation), backward; returns
         (grad w.r.t. inputs, unscaled loss, tokens)."""
+        self._slow_down(2)
         x = self._to_device(inputs).detach().requires_grad_()
         with self._autocast():
             loss = LlamaStage.loss(self.stage(x), self._to_device(labels))
@@ -100,6 +103,7 @@ class StageWorker:
         """Recompute from the saved input and backpropagate `grad_output`; returns the input
         gradient, or None on stage 0 (whose input is token ids)."""
         saved = self.saved.pop(key)
+        self._slow_down()
         inputs, grad_output = saved.inputs, self._to_device(grad_output)
         if saved.output is not None:
             saved.output.backward(grad_output.to(saved.output.dtype))
@@ -119,6 +123,10 @@ class StageWorker:
             self.emit("non_finite", what=what, microbatch=str(key), inner_step=self.inner_steps)
             raise NonFiniteValues(f"{what} of {key} is not finite; the microbatch is dropped here")
         return tensor
+
+    def _slow_down(self, passes: int = 1) -> None:
+        if self.compute_delay_s > 0:  # on the compute thread: it really costs capacity, as a slow device does
+            time.sleep(self.compute_delay_s * passes)
 
     def _autocast(self):
         return torch.autocast("cuda", dtype=torch.bfloat16) if self.autocast else contextlib.nullcontext()

@@ -1,0 +1,52 @@
+"""Routing in proportion to measured capacity. One stage-0 replica feeds two stage-1 replicas, one
+of them slowed on its compute thread (faults.compute_delay_s, as a slower device). With uniform
+routing (`random`) each gets half the microbatches and the slow one sets the pace; with
+`capacity` routing the slow replica's share follows its measured capacity, and the swarm's
+tokens/s is higher. Both runs happen in this test, one after the other, on the same machine."""
+
+import pytest
+
+from .conftest import prepare_tokenizer, tiny_overrides
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+STEPS = 60
+
+
+def run_swarm(tmp_path, make_swarm, routing: str) -> dict:
+    (tmp_path / routing).mkdir()
+    overrides = tiny_overrides(tmp_path / routing, **{"pipeline.num_stages": 2, "pipeline.routing": routing,
+                                                      "pipeline.batch_size": 8, "pipeline.microbatch_size": 1,
+                                                      "inner.total_steps": STEPS, "timeouts.microbatch_s": 30.0})
+    prepare_tokenizer(overrides)
+    swarm = make_swarm(overrides, name=f"swarm-{routing}")
+    slow = swarm.start_node(1, 0, "--set", "faults.compute_delay_s=0.006")
+    fast = swarm.start_node(1, 1)
+    swarm.wait_ready([slow, fast])
+    driver = swarm.start_node(0, 0, "--steps", str(STEPS))
+    swarm.wait_exit([driver], timeout_s=240)
+    assert driver.proc.returncode == 0
+    swarm.stop()
+    stats = swarm.node_stats()
+    [drv] = [s for s in stats.values() if s["stage"] == 0]
+    mb = drv["microbatches"]
+    assert mb["issued"] == mb["completed"] and mb["dropped"] == 0, mb
+    slow_stats = stats[slow.info["peer_id"]]
+    fast_stats = stats[fast.info["peer_id"]]
+    # Capacity routing's share counts the picks made once both capacities were measured (the first
+    # second or two of a run is uniform); uniform routing's counts every forward.
+    routed = drv["routed_by_capacity"] if routing == "capacity" else drv["routed_to"]
+    return {"tok_s": drv["tokens_per_s"], "picks": sum(routed.values()),
+            "slow_share": routed.get(slow.info["peer_id"], 0) / sum(routed.values()),
+            "capacity": (slow_stats["throughput"]["capacity"], fast_stats["throughput"]["capacity"])}
+
+
+def test_capacity_routing_follows_measured_capacity_and_beats_uniform(tmp_path, make_swarm):
+    uniform = run_swarm(tmp_path, make_swarm, "random")
+    weighted = run_swarm(tmp_path, make_swarm, "capacity")
+    slow_cap, fast_cap = weighted["capacity"]
+    expected = slow_cap / (slow_cap + fast_cap)
+    print(f"\nuniform: {uniform}\ncapacity: {weighted}\nexpected slow share {expected:.3f}")
+    assert 0 < slow_cap < fast_cap  # the slowdown is measured
+    assert uniform["slow_share"] == pytest.approx(0.5, abs=0.1)
+    assert weighted["slow_share"] == pytest.approx(expected, rel=0.2)
+    assert weighted["tok_s"] > uniform["tok_s"]
