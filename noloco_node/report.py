@@ -20,6 +20,7 @@ def node_stats(self) -> dict:
            "dropped_here": s.dropped_here, "expired": s.expired, "busy_answers": s.busy_answers,
            "routed": {"balanced": s.routed_balanced, "random": s.routed_random}, "routed_to": dict(s.routed_to),
            "routed_by_capacity": dict(self.runtime.router.measured_picks),
+           "routed_expected": {p: round(v, 3) for p, v in self.runtime.router.measured_shares.items()},
            "throughput": self.meter.record_fields(),
            "bytes_sent": self.client.bytes_sent, "rejected": dict(self.servicer.rejected),
            "saved_inputs": len(self.worker.saved), "bans": self.bans.total,

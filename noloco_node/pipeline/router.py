@@ -76,8 +76,10 @@ class Bans:
 class Router:
     def __init__(self, bans: Bans, rng: random.Random | None = None, *, by_capacity: bool = False) -> None:
         self.bans, self.by_capacity = bans, by_capacity
-        # Picks drawn while every candidate's capacity was measured (the routing distribution in stats).
+        # Picks drawn while every candidate's capacity was measured, and the probability mass the
+        # measured capacities gave each peer over those picks: the routing distribution in stats.
         self.measured_picks: Counter = Counter()
+        self.measured_shares: Counter = Counter()
         self.rng = rng or random.Random()
         self._cycle: list[str] = []
 
@@ -99,10 +101,12 @@ class Router:
         if len(usable) > 1 and (self.by_capacity or any(p.reach == "relayed" for p in usable.values())):
             peers = sorted(usable.values(), key=lambda p: p.peer_id)
             weights = routing_weights(p.capacity for p in peers) if self.by_capacity else [1.0] * len(peers)
-            peer = self.rng.choices(peers, [w * (RELAYED_WEIGHT if p.reach == "relayed" else 1.0)
-                                            for w, p in zip(weights, peers)])[0]
+            weights = [w * (RELAYED_WEIGHT if p.reach == "relayed" else 1.0) for w, p in zip(weights, peers)]
+            peer = self.rng.choices(peers, weights)[0]
             if self.by_capacity and all(p.capacity > 0 for p in peers):
                 self.measured_picks[peer.peer_id] += 1
+                for p, w in zip(peers, weights):
+                    self.measured_shares[p.peer_id] += w / sum(weights)
             return peer
         while self._cycle:
             peer_id = self._cycle.pop()

@@ -9,7 +9,7 @@ import pytest
 from .conftest import prepare_tokenizer, tiny_overrides
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
-STEPS = 60
+STEPS = 120
 
 
 def run_swarm(tmp_path, make_swarm, routing: str) -> dict:
@@ -19,7 +19,7 @@ def run_swarm(tmp_path, make_swarm, routing: str) -> dict:
                                                       "inner.total_steps": STEPS, "timeouts.microbatch_s": 30.0})
     prepare_tokenizer(overrides)
     swarm = make_swarm(overrides, name=f"swarm-{routing}")
-    slow = swarm.start_node(1, 0, "--set", "faults.compute_delay_s=0.006")
+    slow = swarm.start_node(1, 0, "--set", "faults.compute_delay_s=0.02")
     fast = swarm.start_node(1, 1)
     swarm.wait_ready([slow, fast])
     driver = swarm.start_node(0, 0, "--steps", str(STEPS))
@@ -35,8 +35,10 @@ def run_swarm(tmp_path, make_swarm, routing: str) -> dict:
     # Capacity routing's share counts the picks made once both capacities were measured (the first
     # second or two of a run is uniform); uniform routing's counts every forward.
     routed = drv["routed_by_capacity"] if routing == "capacity" else drv["routed_to"]
+    expected = drv["routed_expected"].get(slow.info["peer_id"], 0.0)
     return {"tok_s": drv["tokens_per_s"], "picks": sum(routed.values()),
             "slow_share": routed.get(slow.info["peer_id"], 0) / sum(routed.values()),
+            "expected_share": expected / max(1, sum(routed.values())),
             "capacity": (slow_stats["throughput"]["capacity"], fast_stats["throughput"]["capacity"])}
 
 
@@ -44,9 +46,11 @@ def test_capacity_routing_follows_measured_capacity_and_beats_uniform(tmp_path, 
     uniform = run_swarm(tmp_path, make_swarm, "random")
     weighted = run_swarm(tmp_path, make_swarm, "capacity")
     slow_cap, fast_cap = weighted["capacity"]
-    expected = slow_cap / (slow_cap + fast_cap)
-    print(f"\nuniform: {uniform}\ncapacity: {weighted}\nexpected slow share {expected:.3f}")
-    assert 0 < slow_cap < fast_cap  # the slowdown is measured
+    print(f"\nuniform: {uniform}\ncapacity: {weighted}")
+    assert 0 < slow_cap < fast_cap / 2  # the slowdown is measured
     assert uniform["slow_share"] == pytest.approx(0.5, abs=0.1)
-    assert weighted["slow_share"] == pytest.approx(expected, rel=0.2)
+    # The share the slow replica got, against the share its measured capacity gave it at each
+    # pick (capacities move with the machine's load during the run), and against the end's ratio.
+    assert weighted["slow_share"] == pytest.approx(weighted["expected_share"], rel=0.2)
+    assert weighted["slow_share"] == pytest.approx(slow_cap / (slow_cap + fast_cap), rel=0.5)
     assert weighted["tok_s"] > uniform["tok_s"]

@@ -59,6 +59,7 @@ def test_capacity_routing_draws_in_proportion_to_capacity(relayed):
     slow = 10.0 * (RELAYED_WEIGHT if relayed else 1.0)
     assert counts["slow"] / 20_000 == pytest.approx(slow / (30.0 + slow), abs=0.01)
     assert router.measured_picks == counts  # every pick had both capacities measured
+    assert router.measured_shares["slow"] == pytest.approx(20_000 * slow / (30.0 + slow))
 
 
 def test_capacity_routing_skips_banned_and_excluded_peers():
