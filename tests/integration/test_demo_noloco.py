@@ -37,9 +37,12 @@ def test_demo_noloco_d4_p2(tmp_path):
     outer = summary["outer"]
     nodes = summary["nodes"]
     # Stage-0 replicas step exactly once per batch: 4 rounds each. Stage-1 replicas step per B
-    # sequences received, so their round count depends on how routing shared the work.
+    # sequences received, so their counts follow how routing shared the work: capacity routing
+    # (the default) gives a replica measured faster more, but starves none. Together they stepped
+    # once per B of the 4 x 20 batches, less at most one partial batch each.
     assert [nodes[f"stage0/replica{r}"]["outer"]["rounds"] for r in range(4)] == [4, 4, 4, 4]
-    assert all(abs(nodes[f"stage1/replica{r}"]["inner_steps"] - 20) <= 3 for r in range(4))
+    stage1_steps = [nodes[f"stage1/replica{r}"]["inner_steps"] for r in range(4)]
+    assert 77 <= sum(stage1_steps) <= 80 and min(stage1_steps) >= 8, stage1_steps
     assert outer["paired"] > 0 and outer["paired"] + outer["solo"] == outer["rounds"]
     spread = summary["replica_spread_last"]
     assert spread is not None and 0 < spread < 1.0
