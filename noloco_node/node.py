@@ -122,7 +122,8 @@ class Node:
                                                                          by_capacity=cfg.pipeline.routing == "capacity"),
             me=Hop(self.peer_id, "", self.stage_index), max_in_flight=cfg.pipeline.max_in_flight,
             send_deadline_s=cfg.timeouts.rpc_s, delay_before_forward_s=cfg.faults.delay_before_forward_s, faults=self.faults,
-            balanced_routing=cfg.pipeline.routing == "balanced" or dp, routing_seed=cfg.run.seed)
+            balanced_routing=cfg.pipeline.routing == "balanced" or cfg.outer.method in ("dp", "diloco"),
+            routing_seed=cfg.run.seed)
         max_bytes = cfg.pipeline.microbatch_size * m.seq_len * llama.hidden_size * 4
         self.servicer = StageServicer(self.runtime, run_id=cfg.run.run_id, manifest_hash=self.manifest_hash,
                                       max_payload_bytes=max_bytes, receive_s=cfg.timeouts.receive_s,

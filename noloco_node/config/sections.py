@@ -133,8 +133,9 @@ class PipelineConfig:
     """capacity: a random replica, drawn in proportion to its measured capacity (from its record;
     uniform until measured); random: each sender's own shuffled cycle over the live replicas, equal
     shares whatever their speed; balanced: the reference's per-microbatch permutation (equal
-    shares per replica while the stages' memberships match, else random). The dp baseline always
-    routes balanced: its lockstep steps need every replica to get exactly one batch per step."""
+    shares per replica while the stages' memberships match, else random). The all-reduce
+    baselines (dp, diloco) always route balanced: every round's group is all D replicas at that
+    round, so every replica must get exactly one batch per step."""
     max_in_flight: int = 8
     """Microbatches a node holds saved inputs for at once; beyond it, senders get BUSY."""
     activation_codec: str = "bf16"

@@ -1,6 +1,6 @@
 """Next-hop choice: random live replicas of the next stage, minus banned peers.
 
-Three policies (`pipeline.routing`; capacity is the default, dp always uses balanced):
+Three policies (`pipeline.routing`; capacity is the default, dp and diloco always use balanced):
 - capacity (SWARM's stochastic wiring): each microbatch draws the next replica at random with
   probability proportional to its measured capacity (runtime/throughput.py, from its record), so a
   slow replica gets fewer microbatches and none is starved; with no measurements yet this is
