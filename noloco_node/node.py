@@ -17,7 +17,7 @@ from pathlib import Path
 from noloco_node import __version__
 from noloco_node.config import NodeConfig
 from noloco_node.manifest import load_run_inputs
-from noloco_node.dht.directory import DirectoryIdentity, PeerDirectory, least_served_stage
+from noloco_node.dht.directory import DirectoryIdentity, PeerDirectory
 from noloco_node.dht.records import StageRecord
 from noloco_node.model.build import build_run_stage, check_fits, run_model
 from noloco_node.optim.inner import InnerOptimizer, InnerSchedule
@@ -36,7 +36,7 @@ from noloco_node.adapters import DhtMatching, DhtReplicas, GrpcStageTransport
 from noloco_node.runtime.compute import ComputeThread, compute_device
 from noloco_node.runtime.events import EventLog
 from noloco_node.runtime.faults import FaultInjector
-from noloco_node.runtime.throughput import ThroughputMeter
+from noloco_node.runtime.throughput import ThroughputMeter, weakest_stage
 from noloco_node.runtime.memory import tune_allocator
 from noloco_node.sync.noloco import NoLoCoSync
 from noloco_node.joining import (announced_address, contact_lookup, fetch_state, public_libp2p_addrs, settle_reach,
@@ -198,7 +198,7 @@ class Node:
 
     async def _choose_stage(self) -> int:
         """`--stage auto`: the stage of our own checkpoint if there is exactly one, else the stage
-        with the fewest live replicas (ties: lowest index)."""
+        that sustains the least (runtime/throughput.py: weakest_stage)."""
         cfg = self.config
         if cfg.checkpoint.dir is not None:
             from noloco_node.checkpoint import stages_in
@@ -208,9 +208,9 @@ class Node:
                 log.info("stage auto: resuming stage %d from the checkpoint in %s", stages[0], cfg.checkpoint.dir)
                 return stages[0]
         await self._start_directory()
-        counts = await self.directory.replica_counts()
-        stage = least_served_stage(counts)
-        log.info("stage auto: live replicas per stage %s -> serving stage %d", counts, stage)
+        capacities = await self.directory.replica_capacities()
+        stage = weakest_stage(capacities)
+        log.info("stage auto: replicas' capacities per stage %s -> serving stage %d", capacities, stage)
         return stage
 
     def _build_sync(self, max_bytes: int) -> None:

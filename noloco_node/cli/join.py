@@ -18,8 +18,9 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("join", help="serve a pipeline stage of a run", description=__doc__)
     add_config_flags(p)
     p.add_argument("--initial-peers", nargs="*", metavar="MADDR", help="DHT multiaddrs to bootstrap from")
-    p.add_argument("--stage", type=_stage, help="the stage to serve, or 'auto': the stage with the fewest live replicas "
-                   "(ties: lowest), whose state is then fetched from a replica (pipeline.stage)")
+    p.add_argument("--stage", type=_stage, help="the stage to serve, or 'auto': an empty stage, else the one whose replicas "
+                   "sustain the least (measured capacity; fewest replicas until measured), whose state is then "
+                   "fetched from a replica (pipeline.stage)")
     p.add_argument("--host", help="address to bind (network.host; 0.0.0.0 = every interface, announcing the address "
                    "peers observe)")
     p.add_argument("--port", type=int, help="gRPC port (network.port, 0 = any)")

@@ -32,11 +32,6 @@ def compatible_version(ours: str, theirs: str) -> bool:
     return ours.split(".")[:2] == theirs.split(".")[:2]
 
 
-def least_served_stage(replica_counts: list[int]) -> int:
-    """`join --stage auto`: the stage with the fewest live replicas; ties go to the lowest index."""
-    return min(range(len(replica_counts)), key=lambda s: (replica_counts[s], s))
-
-
 @dataclass(frozen=True)
 class DirectoryIdentity:
     run_id: str
@@ -143,6 +138,10 @@ class PeerDirectory:
 
     async def replica_counts(self) -> list[int]:
         return [len(await self.replicas(s, fresh=True)) for s in range(self.identity.num_stages)]
+
+    async def replica_capacities(self) -> list[list[float]]:
+        """Each stage's live replicas' measured capacities (0 = not measured yet)."""
+        return [[r.capacity for r in await self.replicas(s, fresh=True)] for s in range(self.identity.num_stages)]
 
     async def all_records(self, stage: int) -> list[StageRecord]:
         """Every well-formed record under `stage`'s key, unfiltered (for `noloco-node status`)."""

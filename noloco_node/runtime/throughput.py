@@ -65,6 +65,15 @@ def routing_weights(capacities: Iterable[float]) -> list[float]:
     return [c if c > 0 else default for c in capacities]
 
 
+def weakest_stage(capacities: list[list[float]]) -> int:
+    """`join --stage auto`: a stage with no replica first; then, when every replica has measured
+    its capacity, the stage whose replicas together sustain the least; else the stage with the
+    fewest replicas. Ties go to the lowest index."""
+    if all(caps and all(c > 0 for c in caps) for caps in capacities):
+        return min(range(len(capacities)), key=lambda s: (sum(capacities[s]), s))
+    return min(range(len(capacities)), key=lambda s: (len(capacities[s]), s))
+
+
 def limiting_stage(capacity_by_stage: dict[int, list[float]]) -> int | None:
     """The stage whose replicas together sustain the least (None until every stage is measured)."""
     totals = {s: sum(caps) for s, caps in capacity_by_stage.items()}

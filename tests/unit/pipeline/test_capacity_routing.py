@@ -76,3 +76,13 @@ def test_random_routing_keeps_equal_shares_whatever_the_capacity():
     peers = [Peer("fast", "a:1", capacity=30.0), Peer("slow", "b:1", capacity=10.0)]
     counts = Counter(router.pick(peers).peer_id for _ in range(1000))
     assert counts == {"fast": 500, "slow": 500}
+
+
+def test_stage_auto_joins_the_stage_that_sustains_the_least():
+    from noloco_node.runtime.throughput import weakest_stage
+
+    assert weakest_stage([[50.0, 50.0], []]) == 1  # an empty stage first
+    assert weakest_stage([[50.0, 50.0], [30.0]]) == 1  # 30 < 100, though both have replicas
+    assert weakest_stage([[20.0, 20.0, 20.0], [70.0]]) == 0  # three slow replicas sustain less than one fast
+    assert weakest_stage([[20.0, 0.0], [70.0]]) == 1  # one not measured yet: fewest replicas
+    assert weakest_stage([[10.0], [10.0]]) == 0  # ties: the lowest index
