@@ -3,8 +3,8 @@
 Three policies (`pipeline.routing`; capacity is the default, dp and diloco always use balanced):
 - capacity (SWARM's stochastic wiring): each microbatch draws the next replica at random with
   probability proportional to its measured capacity (runtime/throughput.py, from its record), so a
-  slow replica gets fewer microbatches and none is starved; with no measurements yet this is
-  uniform.
+  slow replica gets fewer microbatches and none is starved. Until every candidate is measured, or
+  while their capacities lie within CAPACITY_SPREAD of each other, it is the random policy below.
 - balanced (the reference's routing): microbatch k leaving stage p goes from the sender at
   index d among its stage's replicas to index pi_{k,p}[d] of the next stage, pi a permutation
   seeded by (run seed, k, p) that every sender computes alike. Each hop is random, and when the
@@ -35,6 +35,10 @@ from noloco_node.runtime.throughput import routing_weights
 
 
 RELAYED_WEIGHT = 0.2
+# Capacity routing weighs replicas only when their measured capacities differ by at least this
+# ratio; closer than that they are noise around one speed, and the equal shares of the shuffled
+# cycle keep the replicas of a stage at the same inner step (NoLoCo pairs replicas of one round).
+CAPACITY_SPREAD = 1.5
 
 
 @dataclass
@@ -98,12 +102,14 @@ class Router:
         usable = {p.peer_id: p for p in candidates if p.peer_id not in exclude and not self.bans.is_banned(p.peer_id)}
         if not usable:
             return None
-        if len(usable) > 1 and (self.by_capacity or any(p.reach == "relayed" for p in usable.values())):
+        measured = [p.capacity for p in usable.values()]
+        weigh = self.by_capacity and min(measured) > 0 and max(measured) >= CAPACITY_SPREAD * min(measured)
+        if len(usable) > 1 and (weigh or any(p.reach == "relayed" for p in usable.values())):
             peers = sorted(usable.values(), key=lambda p: p.peer_id)
-            weights = routing_weights(p.capacity for p in peers) if self.by_capacity else [1.0] * len(peers)
+            weights = routing_weights(p.capacity for p in peers) if weigh else [1.0] * len(peers)
             weights = [w * (RELAYED_WEIGHT if p.reach == "relayed" else 1.0) for w, p in zip(weights, peers)]
             peer = self.rng.choices(peers, weights)[0]
-            if self.by_capacity and all(p.capacity > 0 for p in peers):
+            if weigh:
                 self.measured_picks[peer.peer_id] += 1
                 for p, w in zip(peers, weights):
                     self.measured_shares[p.peer_id] += w / sum(weights)

@@ -86,3 +86,10 @@ def test_stage_auto_joins_the_stage_that_sustains_the_least():
     assert weakest_stage([[20.0, 20.0, 20.0], [70.0]]) == 0  # three slow replicas sustain less than one fast
     assert weakest_stage([[20.0, 0.0], [70.0]]) == 1  # one not measured yet: fewest replicas
     assert weakest_stage([[10.0], [10.0]]) == 0  # ties: the lowest index
+
+
+def test_capacities_within_the_spread_keep_the_equal_shares_of_the_cycle():
+    router = Router(Bans(), random.Random(3), by_capacity=True)
+    peers = [Peer("a", "a:1", capacity=100.0), Peer("b", "b:1", capacity=80.0)]  # 1.25x apart: noise
+    counts = Counter(router.pick(peers).peer_id for _ in range(1000))
+    assert counts == {"a": 500, "b": 500} and not router.measured_picks
