@@ -9,7 +9,7 @@ import pytest
 from .conftest import prepare_tokenizer, tiny_overrides
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
-STEPS = 120
+STEPS = 160
 
 
 def run_swarm(tmp_path, make_swarm, routing: str) -> dict:
@@ -19,7 +19,7 @@ def run_swarm(tmp_path, make_swarm, routing: str) -> dict:
                                                       "inner.total_steps": STEPS, "timeouts.microbatch_s": 30.0})
     prepare_tokenizer(overrides)
     swarm = make_swarm(overrides, name=f"swarm-{routing}")
-    slow = swarm.start_node(1, 0, "--set", "faults.compute_delay_s=0.02")
+    slow = swarm.start_node(1, 0, "--set", "faults.compute_delay_s=0.01")
     fast = swarm.start_node(1, 1)
     swarm.wait_ready([slow, fast])
     driver = swarm.start_node(0, 0, "--steps", str(STEPS))
