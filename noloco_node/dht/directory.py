@@ -136,9 +136,6 @@ class PeerDirectory:
         self._cache[stage] = (now, records)
         return records
 
-    async def replica_counts(self) -> list[int]:
-        return [len(await self.replicas(s, fresh=True)) for s in range(self.identity.num_stages)]
-
     async def replica_capacities(self) -> list[list[float]]:
         """Each stage's live replicas' measured capacities (0 = not measured yet)."""
         return [[r.capacity for r in await self.replicas(s, fresh=True)] for s in range(self.identity.num_stages)]

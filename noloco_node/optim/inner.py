@@ -103,5 +103,5 @@ class InnerOptimizer:
         return lr, norm
 
     def gradient_norm(self) -> float:
-        grads = [p.grad.detach() for p in self.params if p.grad is not None]
-        return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0
+        grads = [p.grad for p in self.params if p.grad is not None]
+        return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0

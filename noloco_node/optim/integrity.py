@@ -10,7 +10,6 @@ nothing of networking.
 
 from __future__ import annotations
 
-import logging
 import math
 import statistics
 from collections import deque
@@ -19,14 +18,13 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
-log = logging.getLogger(__name__)
-
-
-def tensor_rms(tensor: Tensor) -> float:
-    """Root mean square, without overflowing on values near float32's limit (+-3e38 squares to inf)."""
+def tensor_rms(tensor: Tensor, peak: float | None = None) -> float:
+    """Root mean square, without overflowing on values near float32's limit (+-3e38 squares to inf).
+    `peak` is max |x| when the caller has it already."""
     if tensor.numel() == 0:
         return 0.0
-    peak = float(tensor.detach().abs().max())
+    if peak is None:
+        peak = float(tensor.detach().abs().max())
     if not math.isfinite(peak) or peak == 0.0:
         return peak
     scaled = tensor.detach().to(torch.float32) / peak
@@ -53,7 +51,7 @@ class RunningBounds:
             return self._refuse("payload holds non-finite values")
         if peak > self.max_abs:
             return self._refuse(f"payload holds |x| = {peak:.3g}, above this node's limit {self.max_abs:.3g}")
-        rms = tensor_rms(tensor)
+        rms = tensor_rms(tensor, peak)
         if len(self.recent) >= self.min_samples:
             median = statistics.median(self.recent)
             low, high = median / self.factor, median * self.factor
@@ -77,7 +75,7 @@ def repair_weights(params: dict[str, torch.nn.Parameter], phi: dict[str, Tensor]
     """Called when a stage's weights are found non-finite: theta <- phi (the last slow weights,
     which only ever take validated values) and Adam's moments for any parameter whose state is
     not finite are dropped. Returns what was done ("phi"), or None when there is no finite phi to
-    restore from (the caller must then fetch state from a healthy replica)."""
+    restore from (the weights stay as they are, and the worker drops every microbatch they spoil)."""
     if phi is None or not all_finite(phi.values()):
         return None
     with torch.no_grad():

@@ -111,8 +111,9 @@ class Router:
             peer = self.rng.choices(peers, weights)[0]
             if weigh:
                 self.measured_picks[peer.peer_id] += 1
+                total = sum(weights)
                 for p, w in zip(peers, weights):
-                    self.measured_shares[p.peer_id] += w / sum(weights)
+                    self.measured_shares[p.peer_id] += w / total
             return peer
         while self._cycle:
             peer_id = self._cycle.pop()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -168,7 +169,7 @@ class StageWorker:
 
     def _after_step(self, norm: float) -> None:
         step = self.inner_steps
-        if not norm == norm or norm in (float("inf"), float("-inf")):
+        if not math.isfinite(norm):
             log.warning("inner step %d skipped: gradient norm %s (%d skipped so far)", step, norm, self.inner.skipped_steps)
             self.emit("inner_step_skipped", inner_step=step, grad_norm=str(norm), skipped=self.inner.skipped_steps)
         scale = self.faults.poison("weights")  # tests: weights that went bad anyway

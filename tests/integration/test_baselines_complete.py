@@ -9,13 +9,14 @@ all 4 replicas of its stage at the same round, completely.
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from noloco_node.experiments.launcher import LocalSwarm
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -38,15 +39,9 @@ def run_demo(out: Path, method: str, steps: int, *extra: str) -> tuple[int, str]
         output, _ = proc.communicate(timeout=DEMO_TIMEOUT_S + 60)
         return proc.returncode, output
     finally:
-        if proc.poll() is None:
-            # SIGTERM makes the demo drain and stop its swarm; its nodes die with it even on SIGKILL
-            # (PR_SET_PDEATHSIG), so nothing outlives the test.
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        # SIGTERM makes the demo drain and stop its swarm; its nodes die with it even on SIGKILL
+        # (PR_SET_PDEATHSIG), so nothing outlives the test.
+        LocalSwarm.terminate(proc, grace_s=STOP_GRACE_S)
 
 
 def check_full_rounds(out: Path, rounds_per_node: int) -> dict:
