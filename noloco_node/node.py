@@ -36,7 +36,8 @@ from noloco_node.adapters import DhtMatching, DhtReplicas, GrpcStageTransport
 from noloco_node.runtime.compute import ComputeThread, compute_device
 from noloco_node.runtime.events import EventLog
 from noloco_node.runtime.faults import FaultInjector
-from noloco_node.runtime.throughput import ThroughputMeter, weakest_stage
+from noloco_node.runtime.stage_choice import claim_stage_in
+from noloco_node.runtime.throughput import ThroughputMeter
 from noloco_node.runtime.memory import tune_allocator
 from noloco_node.sync.noloco import NoLoCoSync
 from noloco_node.joining import (announced_address, contact_lookup, fetch_state, public_libp2p_addrs, settle_reach,
@@ -122,7 +123,7 @@ class Node:
                                                                          by_capacity=cfg.pipeline.routing == "capacity"),
             me=Hop(self.peer_id, "", self.stage_index), max_in_flight=cfg.pipeline.max_in_flight,
             send_deadline_s=cfg.timeouts.rpc_s, delay_before_forward_s=cfg.faults.delay_before_forward_s, faults=self.faults,
-            balanced_routing=cfg.pipeline.routing == "balanced" or cfg.outer.method in ("dp", "diloco"),
+            routing="balanced" if cfg.outer.method in ("dp", "diloco") else cfg.pipeline.routing,
             routing_seed=cfg.run.seed)
         max_bytes = cfg.pipeline.microbatch_size * m.seq_len * llama.hidden_size * 4
         self.servicer = StageServicer(self.runtime, run_id=cfg.run.run_id, manifest_hash=self.manifest_hash,
@@ -208,10 +209,16 @@ class Node:
                 log.info("stage auto: resuming stage %d from the checkpoint in %s", stages[0], cfg.checkpoint.dir)
                 return stages[0]
         await self._start_directory()
-        capacities = await self.directory.replica_capacities()
-        stage = weakest_stage(capacities)
-        log.info("stage auto: replicas' capacities per stage %s -> serving stage %d", capacities, stage)
+        stage = await claim_stage_in(self.directory, self.claim_record, ttl_s=cfg.timeouts.record_ttl_s)
+        log.info("stage auto: replicas' capacities per stage %s -> serving stage %d",
+                 await self.directory.replica_capacities(), stage)
         return stage
+
+    def claim_record(self, stage: int, status: str, claimed_at: float) -> StageRecord:
+        """A joiner's claim on a stage (runtime/stage_choice.py): no address yet, never routed to."""
+        return StageRecord(peer_id=self.directory.peer_id, address="", stage=stage, inner_step=0, outer_round=0,
+                           status=status, tokens_per_s=0.0, version=__version__, manifest_hash=self.manifest_hash,
+                           run_id=self.config.run.run_id, updated_at=claimed_at)
 
     def _build_sync(self, max_bytes: int) -> None:
         cfg = self.config

@@ -1,7 +1,7 @@
 """`noloco-node experiment`: a grid of local swarms behind emulated WAN links (method x replicas x
 stages x network profile x seed), with validation loss, outer-sync time vs N, bytes, replica
 spread vs learning rate and idle time, written as CSV, PNG plots and report.md.
-See examples/experiment.toml for a scenario file."""
+The reproduction scenarios are in examples/ (convergence, routing, scaling, gamma_codec)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def register(subparsers) -> None:
                               description=__doc__)
     p.add_argument("scenario", nargs="?", help="scenario TOML (default: built-in defaults)")
     p.add_argument("--out", default="runs/experiment", help="output folder (default runs/experiment)")
-    p.add_argument("--methods", nargs="+", choices=["noloco", "diloco", "dp"], help="override scenario.methods")
+    p.add_argument("--methods", nargs="+", choices=["noloco", "diloco", "dp", "none"], help="override scenario.methods")
     p.add_argument("--steps", type=int, help="override scenario.steps")
     p.add_argument("--seeds", type=int, nargs="+", help="override scenario.seeds")
     p.add_argument("--outer-sync-sizes", type=int, nargs="+", help="override scenario.outer_sync_sizes")

@@ -122,9 +122,11 @@ class DataConfig:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PipelineConfig:
     num_stages: int = 2
+    """Pipeline stages the model is cut into; 1 = every node holds the whole model (no routing)."""
     stage: int | None = 0
-    """The stage this node serves; None (or "auto") = the stage with the fewest live replicas
-    (ties: the lowest index), or the stage of a checkpoint found in checkpoint.dir."""
+    """The stage this node serves; None (or "auto") = the stage of a checkpoint found in
+    checkpoint.dir, else the stage that sustains the least (a stage without replicas first), agreed
+    with other joiners of the same moment through claims in the DHT (runtime/stage_choice.py)."""
     batch_size: int = 8
     """B: sequences whose gradients one inner step accumulates, per replica."""
     microbatch_size: int = 1
@@ -132,7 +134,8 @@ class PipelineConfig:
     routing: str = "capacity"
     """capacity: a random replica, drawn in proportion to its measured capacity (from its record;
     uniform until measured); random: each sender's own shuffled cycle over the live replicas, equal
-    shares whatever their speed; balanced: the reference's per-microbatch permutation (equal
+    shares whatever their speed; fixed: always the next stage's replica at this sender's own index
+    (D fixed pipelines, the paper's ablation of random routing); balanced: the reference's per-microbatch permutation (equal
     shares per replica while the stages' memberships match, else random). The all-reduce
     baselines (dp, diloco) always route balanced: every round's group is all D replicas at that
     round, so every replica must get exactly one batch per step."""
@@ -155,8 +158,8 @@ class PipelineConfig:
         _require(self.num_stages >= 1, "num_stages", f"must be >= 1, got {self.num_stages}", "use a positive integer")
         _require(self.stage is None or 0 <= self.stage < self.num_stages, "stage", f"{self.stage} is outside 0..{self.num_stages - 1}",
                  "pick a stage index below num_stages, or 'auto'")
-        _require(self.routing in ("capacity", "balanced", "random"), "routing", f"unknown routing {self.routing!r}",
-                 "use capacity, balanced or random")
+        _require(self.routing in ("capacity", "balanced", "random", "fixed"), "routing", f"unknown routing {self.routing!r}",
+                 "use capacity, balanced, random or fixed")
         _require(self.batch_size >= 1 and self.microbatch_size >= 1, "batch_size",
                  "batch_size and microbatch_size must be >= 1", "use positive integers")
         _require(self.batch_size % self.microbatch_size == 0, "microbatch_size",

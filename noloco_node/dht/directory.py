@@ -118,7 +118,8 @@ class PeerDirectory:
                                      value=record.dict(), expiration_time=get_dht_time() + ttl_s)
 
     async def replicas(self, stage: int, *, fresh: bool = False) -> list[StageRecord]:
-        """Live, compatible replicas of `stage` (ours included), sorted by peer id."""
+        """Live, compatible replicas of `stage` (ours included), sorted by peer id. A joiner's claim
+        (status joining, runtime/stage_choice.py) is not a replica yet: it serves nothing."""
         now = time.monotonic()
         cached = self._cache.get(stage)
         if cached is not None and not fresh and now - cached[0] < self.cache_s:
@@ -130,7 +131,7 @@ class PeerDirectory:
                 record = self._accept(entry.value, stage, subkey)
                 if record is not None:
                     self._by_peer[record.peer_id] = (now, record)
-                    if record.status != "leaving":
+                    if record.status not in ("leaving", "joining"):
                         records.append(record)
         records.sort(key=lambda r: r.peer_id)
         self._cache[stage] = (now, records)
@@ -139,6 +140,18 @@ class PeerDirectory:
     async def replica_capacities(self) -> list[list[float]]:
         """Each stage's live replicas' measured capacities (0 = not measured yet)."""
         return [[r.capacity for r in await self.replicas(s, fresh=True)] for s in range(self.identity.num_stages)]
+
+    async def claims(self) -> list[StageRecord]:
+        """Every stage's compatible joining records: joiners that claimed a stage and are settling."""
+        out = []
+        for stage in range(self.identity.num_stages):
+            found = await self.node.get(stage_key(self.identity.run_id, stage), latest=True)
+            if found is not None and isinstance(found.value, dict):
+                for subkey, entry in found.value.items():
+                    record = self._accept(entry.value, stage, subkey)
+                    if record is not None and record.status == "joining":
+                        out.append(record)
+        return out
 
     async def all_records(self, stage: int) -> list[StageRecord]:
         """Every well-formed record under `stage`'s key, unfiltered (for `noloco-node status`)."""

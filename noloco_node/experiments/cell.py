@@ -22,6 +22,7 @@ from noloco_node.runtime.events import read_events
 
 def cell_overrides(scenario: Scenario, cell: Cell) -> list[str]:
     values = {f"{k}": v for k, v in scenario.overrides.items()}
+    values.update(dict(cell.variant.overrides) if cell.variant else {})
     values.update({"run.run_id": cell.name, "run.seed": cell.seed, "outer.method": cell.method,
                    "pipeline.num_stages": cell.stages, "log.progress": "off"})
     if cell.method in ("diloco", "dp"):
@@ -154,9 +155,12 @@ def summarize(scenario: Scenario, cell: Cell, config, swarm: LocalSwarm, events_
     driver_stats = [stats[by_slot[(0, d)]] for d in range(cell.replicas)]
     mb = {k: sum(s["microbatches"][k] for s in driver_stats) for k in ("issued", "completed", "reissued", "dropped")}
     outer = [s["outer"] for s in stats.values() if "outer" in s]
-    after_warmup = [r for r in evals if r["step"] > 0]
+    exchanged = [r for s in stats.values() for r in s.get("outer_history", [])
+                 if r.get("outcome") == "paired" and isinstance(r.get("bytes"), dict)]
+    after_warmup = [r for r in evals if r["step"] > config.inner.warmup_steps]
     row = {
-        "cell": cell.name, "method": cell.method, "replicas": cell.replicas, "stages": cell.stages,
+        "cell": cell.name, "group": cell.group, "variant": cell.variant.name if cell.variant else "",
+        "method": cell.method, "replicas": cell.replicas, "stages": cell.stages,
         "profile": cell.profile.name, "seed": cell.seed, "status": "ok", "steps": scenario.steps,
         "final_val_loss": evals[-1]["val_loss"] if evals else math.nan,
         "final_eval_step": evals[-1]["step"] if evals else -1,
@@ -169,6 +173,10 @@ def summarize(scenario: Scenario, cell: Cell, config, swarm: LocalSwarm, events_
         "outer_rounds": sum(o.get("rounds", 0) for o in outer), "outer_paired": sum(o.get("paired", 0) for o in outer),
         "outer_solo": sum(o.get("solo", 0) for o in outer),
         "outer_partial": sum(o.get("partial_rounds", 0) for o in outer),
+        # What one node sends in one NoLoCo exchange (all kinds), and the relative error of its Delta
+        # on the wire; the all-reduce baselines leave these empty.
+        "outer_bytes_per_round": statistics.fmean(sum(r["bytes"].values()) for r in exchanged) if exchanged else math.nan,
+        "delta_rel_error": statistics.fmean(r.get("delta_rel_error", math.nan) for r in exchanged) if exchanged else math.nan,
         **{f"mb_{k}": v for k, v in mb.items()},
     }
     return {"row": row, "evals": evals, "train": train}

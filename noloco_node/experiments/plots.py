@@ -1,5 +1,6 @@
 """The experiment's PNG figures (matplotlib, no display needed). Each function takes the reduced
-results and writes one file; the report links them."""
+results (groups: mean and std over seeds, see aggregate.py) and writes one file; the report
+links them. A shaded band is ± one standard deviation over seeds."""
 
 from __future__ import annotations
 
@@ -11,68 +12,91 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-COLORS = {"noloco": "tab:blue", "diloco": "tab:orange", "dp": "tab:green"}
+COLORS = {"noloco": "tab:blue", "diloco": "tab:orange", "dp": "tab:green", "none": "tab:purple"}
 
 
-def _label(row: dict) -> str:
-    return f"{row['method']} D{row['replicas']} P{row['stages']} {row['profile']} s{row['seed']}"
+def _color(group: dict, index: int) -> str:
+    return COLORS.get(group["method"], "gray") if not group["variant"] else f"C{index % 10}"
 
 
-def validation_loss(cells: list[dict], path: Path) -> None:
-    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4))
-    for cell in cells:
-        evals = cell["evals"]
-        if not evals:
-            continue
-        color = COLORS.get(cell["row"]["method"])
-        by_step.plot([e["step"] for e in evals], [e["val_loss"] for e in evals], marker="o", color=color, label=_label(cell["row"]))
-        by_time.plot([e["wall_s"] for e in evals], [e["val_loss"] for e in evals], marker="o", color=color)
-    by_step.set(xlabel="inner step", ylabel="validation loss (ensemble mean, nats)", title="validation loss vs inner step")
-    by_time.set(xlabel="wall time since training start (s)", title="validation loss vs wall time")
-    by_step.legend(fontsize=7)
+def _save(fig, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _band(ax, xs, stats, color, label=None, **kw) -> None:
+    means = [s.mean for s in stats]
+    ax.plot(xs, means, marker="o", markersize=3, color=color, label=label, **kw)
+    if any(s.n > 1 for s in stats):
+        ax.fill_between(xs, [s.mean - s.std for s in stats], [s.mean + s.std for s in stats], color=color, alpha=0.15)
+
+
+def validation_loss(groups: list[dict], cells: list[dict], path: Path) -> None:
+    """Left: mean ± std over seeds vs inner step. Right: every seed's curve vs wall time."""
+    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4))
+    for i, g in enumerate(groups):
+        if g["curve"]:
+            _band(by_step, list(g["curve"]), list(g["curve"].values()), _color(g, i), label=f"{g['group']} ({g['seeds']} seeds)")
+        for c in cells:
+            if c["row"].get("group") == g["group"] and c["row"]["status"] == "ok" and c["evals"]:
+                by_time.plot([e["wall_s"] for e in c["evals"]], [e["val_loss"] for e in c["evals"]], color=_color(g, i),
+                             alpha=0.7, linewidth=1)
+    t = groups[0]["equal_time_s"] if groups else math.nan
+    if not math.isnan(t):
+        by_time.axvline(t, color="gray", linestyle=":", label="equal wall time")
+        by_time.legend(fontsize=7)
+    by_step.set(xlabel="inner step", ylabel="validation loss (ensemble mean, nats)", title="validation loss vs inner step")
+    by_time.set(xlabel="wall time since training start (s)", title="validation loss vs wall time (each seed)")
+    by_step.legend(fontsize=6)
+    _save(fig, path)
+
+
+def spread_vs_lr(groups: list[dict], path: Path) -> None:
+    shown = [g for g in groups if len(g["spread_curve"]) > 1 and g["method"] != "dp"]
+    cols = min(4, max(1, len(shown)))
+    rows = max(1, math.ceil(len(shown) / cols))
+    fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.4 * rows), squeeze=False)
+    for ax in axes.flat[len(shown):]:
+        ax.set_visible(False)
+    for i, (ax, g) in enumerate(zip(axes.flat, shown)):
+        steps = [k for k in g["spread_curve"] if k > 0]
+        _band(ax, steps, [g["spread_curve"][k] for k in steps], _color(g, i))
+        ax.set(xlabel="inner step", ylabel="replica weight spread")
+        twin = ax.twinx()
+        twin.plot(list(g["lr"]), list(g["lr"].values()), color="gray", linestyle="--")
+        twin.set_ylabel("inner lr (dashed)")
+        ax.set_title(f"{g['group']}\nPearson(spread, lr) = {g['pearson']}", fontsize=8)
+    _save(fig, path)
 
 
 def outer_sync(rows: list[dict], path: Path) -> None:
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for key in sorted({(r["method"], r["profile"]) for r in rows}):
-        pts = sorted((r["n"], r["median_s"]) for r in rows if (r["method"], r["profile"]) == key)
-        ax.plot([n for n, _ in pts], [s for _, s in pts], marker="o", color=COLORS.get(key[0]), label=f"{key[0]} ({key[1]})",
-                linestyle="-" if key[1] == rows[0]["profile"] else "--")
-    ax.set(xlabel="replicas N", ylabel="outer sync time, median over peers (s)", title="one outer round vs N", xscale="log")
-    ax.set_xticks(sorted({r["n"] for r in rows}), labels=[str(n) for n in sorted({r["n"] for r in rows})])
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    """Median round time vs N per method and profile, with log2 N scaled to NoLoCo at N = 2."""
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    profiles = list(dict.fromkeys(r["profile"] for r in rows))
+    styles = ["-", "--", ":", "-."]
+    for row_profile_index, profile in enumerate(profiles):
+        pts = [r for r in rows if r["profile"] == profile]
+        ns = [r["n"] for r in pts]
+        for method in ("noloco", "diloco"):
+            ax.plot(ns, [r[method] for r in pts], marker="o", color=COLORS[method],
+                    linestyle=styles[row_profile_index % 4], label=f"{method} ({profile})")
+        base = next((r["noloco"] for r in pts if r["n"] == 2 and not math.isnan(r["noloco"])), math.nan)
+        if not math.isnan(base):
+            ax.plot(ns, [base * math.log2(n) for n in ns], color="black", alpha=0.4, linestyle=styles[row_profile_index % 4],
+                    label=f"NoLoCo(N=2) x log2 N ({profile})")
+    ns = sorted({r["n"] for r in rows})
+    ax.set(xlabel="replicas N", ylabel="one outer round, median over peers (s)", title="outer sync time vs N", xscale="log")
+    ax.set_xticks(ns, labels=[str(n) for n in ns])
+    ax.legend(fontsize=6)
+    _save(fig, path)
 
 
-def bars(cells: list[dict], key: str, ylabel: str, title: str, path: Path, scale: float = 1.0) -> None:
-    fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(cells)), 4))
-    labels = [_label(c["row"]) for c in cells]
-    values = [c["row"][key] * scale if not math.isnan(c["row"][key]) else 0.0 for c in cells]
-    ax.bar(range(len(cells)), values, color=[COLORS.get(c["row"]["method"], "gray") for c in cells])
-    ax.set_xticks(range(len(cells)), labels=labels, rotation=30, ha="right", fontsize=7)
+def group_bars(groups: list[dict], key: str, ylabel: str, title: str, path: Path, scale: float = 1.0) -> None:
+    shown = [g for g in groups if g[key].n]
+    fig, ax = plt.subplots(figsize=(max(5, 0.9 * len(shown)), 4))
+    ax.bar(range(len(shown)), [g[key].mean * scale for g in shown], yerr=[g[key].std * scale for g in shown],
+           color=[_color(g, i) for i, g in enumerate(shown)], capsize=3)
+    ax.set_xticks(range(len(shown)), labels=[g["group"] for g in shown], rotation=30, ha="right", fontsize=7)
     ax.set(ylabel=ylabel, title=title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def spread_vs_lr(cells: list[dict], path: Path) -> None:
-    shown = [c for c in cells if len(c["evals"]) > 1]
-    fig, axes = plt.subplots(1, max(1, len(shown)), figsize=(4.5 * max(1, len(shown)), 3.6), squeeze=False)
-    for ax, cell in zip(axes[0], shown):
-        evals = [e for e in cell["evals"] if e["step"] > 0]
-        ax.plot([e["step"] for e in evals], [e["spread"] for e in evals], marker="o", color=COLORS.get(cell["row"]["method"]))
-        ax.set(xlabel="inner step", ylabel="replica weight spread sigma")
-        twin = ax.twinx()
-        twin.plot([t["step"] for t in cell["train"]], [t["lr"] for t in cell["train"]], color="gray", linestyle="--")
-        twin.set_ylabel("inner learning rate (dashed)")
-        r = cell["row"]["spread_lr_pearson"]
-        ax.set_title(f"{_label(cell['row'])}\nPearson(sigma, lr) = {r:.2f}", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)

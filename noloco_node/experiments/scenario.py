@@ -1,5 +1,5 @@
-"""An experiment scenario: a grid over method x replicas D x stages P x network profile x seed,
-plus what every cell shares (steps, node config overrides, evaluation). From a TOML file:
+"""An experiment scenario: a grid over method x variant x replicas D x stages P x network profile
+x seed, plus what every cell shares (steps, node config overrides, evaluation). From a TOML file:
 
     name = "example"
     methods = ["noloco", "diloco", "dp"]
@@ -11,7 +11,11 @@ plus what every cell shares (steps, node config overrides, evaluation). From a T
     eval_sequences = 32              # held-out sequences per evaluation
     outer_sync_sizes = [2, 4, 8]     # N for the outer-sync-time measurement (per profile)
     outer_sync_numel = 1000000
+    outer_sync_methods = []          # [] = noloco and diloco when the grid has them (dp counts as diloco)
+    outer_sync_codec = "bf16"        # NoLoCo's wire codec in the outer-sync measurement (diloco: fp32)
+    outer_sync_repeats = 1           # rounds measured per (method, profile, N), each with fresh peers
     threads = 1                      # torch threads per node process
+    paper = ["..."]                  # the claims this scenario checks, quoted at the top of the report
     cell_timeout_s = 600
     [overrides]                      # node config for every cell (section.field = value)
     "model.hidden_size" = 64
@@ -20,6 +24,12 @@ plus what every cell shares (steps, node config overrides, evaluation). From a T
     one_way_ms = 25
     jitter_ms = 0
     mbit = 50
+    [[variants]]                     # optional: named override sets crossed with the grid
+    name = "gamma0.35"
+    "outer.gamma" = 0.35
+
+A cell's name is method[-variant]-D-P-profile-seed; cells that differ only in the seed form a
+group, whose numbers the report gives as mean and standard deviation over seeds.
 """
 
 from __future__ import annotations
@@ -33,7 +43,14 @@ from typing import Any
 from noloco_node.config import METHODS, ConfigError
 from noloco_node.netem.relay import LinkProfile
 
-GRID_METHODS = tuple(m for m in METHODS if m != "none")
+GRID_METHODS = tuple(METHODS)
+SYNC_METHODS = ("noloco", "diloco")
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    overrides: tuple[tuple[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -43,16 +60,24 @@ class Cell:
     stages: int
     profile: LinkProfile
     seed: int
+    variant: Variant | None = None
+
+    @property
+    def group(self) -> str:
+        """The cell's name without the seed: cells of one group differ only in the seed."""
+        middle = f"-{self.variant.name}" if self.variant else ""
+        return f"{self.method}{middle}-D{self.replicas}-P{self.stages}-{self.profile.name}"
 
     @property
     def name(self) -> str:
-        return f"{self.method}-D{self.replicas}-P{self.stages}-{self.profile.name}-s{self.seed}"
+        return f"{self.group}-s{self.seed}"
 
 
 @dataclass(frozen=True)
 class Scenario:
     name: str = "experiment"
-    methods: tuple[str, ...] = GRID_METHODS
+    methods: tuple[str, ...] = ("noloco", "diloco", "dp")
+    """[] = no training cells (an outer-sync-only scenario)."""
     replicas: tuple[int, ...] = (2,)
     stages: tuple[int, ...] = (2,)
     seeds: tuple[int, ...] = (0,)
@@ -62,6 +87,9 @@ class Scenario:
     eval_sequences: int = 32
     outer_sync_sizes: tuple[int, ...] = (2, 4, 8)
     outer_sync_numel: int = 1_000_000
+    outer_sync_methods: tuple[str, ...] = ()
+    outer_sync_codec: str = "bf16"
+    outer_sync_repeats: int = 1
     threads: int = 1
     cell_timeout_s: float = 600.0
     chaos_action: str | None = None
@@ -71,6 +99,8 @@ class Scenario:
     chaos_stall_s: float = 8.0
     chaos_delay_s: float = 1.0
     overrides: dict[str, Any] = field(default_factory=dict)
+    variants: tuple[Variant, ...] = ()
+    paper: tuple[str, ...] = ()
 
     def chaos_profile(self):
         from noloco_node.experiments.chaos import ChaosProfile
@@ -82,12 +112,15 @@ class Scenario:
         for method in self.methods:
             if method not in GRID_METHODS:
                 raise ConfigError("scenario.methods", f"unknown method {method!r}", f"use {', '.join(GRID_METHODS)}")
+        for method in self.outer_sync_methods:
+            if method not in SYNC_METHODS:
+                raise ConfigError("scenario.outer_sync_methods", f"unknown method {method!r}", "use noloco and/or diloco")
         for name in ("replicas", "stages", "outer_sync_sizes"):
             if not getattr(self, name) or min(getattr(self, name)) < 1:
                 raise ConfigError(f"scenario.{name}", "must be a non-empty list of positive integers", "e.g. [2]")
         if min(self.outer_sync_sizes) < 2:
             raise ConfigError("scenario.outer_sync_sizes", "an outer round needs N >= 2", "e.g. [2, 4, 8]")
-        for name in ("steps", "eval_every", "eval_sequences", "threads"):
+        for name in ("steps", "eval_every", "eval_sequences", "threads", "outer_sync_repeats"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"scenario.{name}", f"must be >= 1, got {getattr(self, name)}", "use a positive integer")
         if self.chaos_action is not None:
@@ -97,14 +130,25 @@ class Scenario:
                 raise ConfigError("scenario.chaos_action", str(exc), "use kill, stall or delay with positive seconds") from None
         if len({p.name for p in self.profiles}) != len(self.profiles):
             raise ConfigError("scenario.profiles", "profile names repeat", "give every [[profiles]] a distinct name")
+        if len({v.name for v in self.variants}) != len(self.variants):
+            raise ConfigError("scenario.variants", "variant names repeat", "give every [[variants]] a distinct name")
+
+    def sync_methods(self) -> tuple[str, ...]:
+        """The methods whose one outer round is measured against N."""
+        if self.outer_sync_methods:
+            return self.outer_sync_methods
+        return tuple(m for m in SYNC_METHODS if m in self.methods or m == "diloco" and "dp" in self.methods)
 
     def cells(self) -> list[Cell]:
-        return [Cell(m, d, p, prof, s) for prof, d, p, m, s in
-                itertools.product(self.profiles, self.replicas, self.stages, self.methods, self.seeds)]
+        """Seeds innermost, so a group's cells run back to back."""
+        return [Cell(m, d, p, prof, s, v) for prof, d, p, m, v, s in
+                itertools.product(self.profiles, self.replicas, self.stages, self.methods, self.variants or (None,),
+                                  self.seeds)]
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["profiles"] = [p.to_dict() for p in self.profiles]
+        d["variants"] = [{"name": v.name, **dict(v.overrides)} for v in self.variants]
         return d
 
 
@@ -127,7 +171,12 @@ def load_scenario(path: str | Path | None, **replace: Any) -> Scenario:
         profiles = tuple(LinkProfile(**p) for p in raw.pop("profiles", [{"name": "lan"}]))
     except (TypeError, ValueError) as exc:
         raise ConfigError("scenario.profiles", str(exc), "each profile has name, one_way_ms, jitter_ms, mbit") from None
-    for key in ("methods", "replicas", "stages", "seeds", "outer_sync_sizes"):
+    variants = []
+    for i, v in enumerate(raw.pop("variants", [])):
+        if not isinstance(v, dict) or not isinstance(v.get("name"), str) or not v["name"]:
+            raise ConfigError(f"scenario.variants[{i}]", "has no name", 'give each [[variants]] a name = "..."')
+        variants.append(Variant(v["name"], tuple((k, x) for k, x in v.items() if k != "name")))
+    for key in ("methods", "replicas", "stages", "seeds", "outer_sync_sizes", "outer_sync_methods", "paper"):
         if key in raw:
             raw[key] = tuple(raw[key]) if isinstance(raw[key], list) else (raw[key],)
-    return Scenario(profiles=profiles, **raw)
+    return Scenario(profiles=profiles, variants=tuple(variants), **raw)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from torch import Tensor
 
 from noloco_node.pipeline.ports import Hop, MicrobatchKey
+from noloco_node.pipeline.worker import NonFiniteValues
 from noloco_node.pipeline.runtime import StageRuntime, Ticket
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,16 @@ class Stage0Driver:
         sequence = self._sequence
         self._sequence += 1
         self.counters.issued += 1
+        if self.runtime.shape.is_last:  # P = 1: nothing to route, the whole model is here
+            try:
+                loss, _ = await self.runtime.compute.run(self.runtime.worker.forward_backward_whole, inputs, labels)
+            except NonFiniteValues as exc:
+                self.counters.dropped += 1
+                log.warning("microbatch %d dropped: %s", sequence, exc)
+                return
+            self.counters.completed += 1
+            self.log.losses.append(loss)
+            return
         me = self.runtime.me
         lost_on: set[str] = set()  # first hops that lost an attempt: re-issues prefer others
         for attempt in range(self.max_attempts):

@@ -1,6 +1,6 @@
 """Next-hop choice: random live replicas of the next stage, minus banned peers.
 
-Three policies (`pipeline.routing`; capacity is the default, dp and diloco always use balanced):
+Four policies (`pipeline.routing`; capacity is the default, dp and diloco always use balanced):
 - capacity (SWARM's stochastic wiring): each microbatch draws the next replica at random with
   probability proportional to its measured capacity (runtime/throughput.py, from its record), so a
   slow replica gets fewer microbatches and none is starved. Until every candidate is measured, or
@@ -14,6 +14,9 @@ Three policies (`pipeline.routing`; capacity is the default, dp and diloco alway
   likes. When the memberships differ (a replica died or joined), it falls back to:
 - random: each sender walks a freshly shuffled cycle of the next stage's replicas, so its own
   load spreads evenly though the receivers' totals need not be equal.
+- fixed: no randomness, the ablation the paper compares random routing with: the sender at
+  index d always sends to index d mod n of the next stage (D fixed pipelines when stages match).
+  A retry after a failure goes to a random other replica.
 
 Replicas reached through a relay (their record says `relayed`) are drawn with weight
 RELAYED_WEIGHT against 1 for the others, as Petals does: still random, but the relay (a volunteer's
@@ -96,6 +99,16 @@ class Router:
         order = list(range(len(receivers)))
         random.Random(seed).shuffle(order)  # str seeds hash the same in every process
         peer = receivers[order[sorted(senders).index(me)]]
+        return None if self.bans.is_banned(peer.peer_id) else peer
+
+    def pick_fixed(self, candidates: list[Peer], senders: list[str], me: str) -> Peer | None:
+        """The fixed choice: the sender at index d among its stage's replicas always sends to index
+        d mod n of the next stage, so equal stages form D fixed pipelines (the paper's baseline for
+        random routing). None when we are not among the senders or that receiver is banned."""
+        if not candidates or me not in senders:
+            return None
+        receivers = sorted(candidates, key=lambda p: p.peer_id)
+        peer = receivers[sorted(senders).index(me) % len(receivers)]
         return None if self.bans.is_banned(peer.peer_id) else peer
 
     def pick(self, candidates: list[Peer], exclude: set[str] = frozenset()) -> Peer | None:

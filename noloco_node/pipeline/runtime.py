@@ -65,7 +65,7 @@ class RuntimeStats:
     dropped_here: int = 0
     expired: int = 0
     busy_answers: int = 0
-    routed_balanced: int = 0  # forwards sent to the balanced (permutation) choice
+    routed_balanced: int = 0  # forwards sent to the balanced (permutation) or fixed choice
     routed_random: int = 0  # forwards sent to a random choice (random routing, fallback or retry)
     routed_to: Counter = field(default_factory=Counter)  # next-stage peer id -> forwards it accepted
 
@@ -75,14 +75,14 @@ class StageRuntime:
                  directory: ReplicaDirectory, router: Router, me: Hop, max_in_flight: int, send_deadline_s: float,
                  on_stage0_backward: Callable[[MicrobatchKey, float], None] | None = None,
                  delay_before_forward_s: float = 0.0, faults: FaultInjector | None = None,
-                 balanced_routing: bool = False, routing_seed: int = 0) -> None:
+                 routing: str = "random", routing_seed: int = 0) -> None:
         self.shape, self.worker, self.compute = shape, worker, compute
         self.transport, self.directory, self.router, self.me = transport, directory, router, me
         self.max_in_flight, self.send_deadline_s = max_in_flight, send_deadline_s
         self.on_stage0_backward = on_stage0_backward
         self.delay_before_forward_s = delay_before_forward_s  # fault injection (faults.*)
         self.faults = faults or FaultInjector()
-        self.balanced_routing, self.routing_seed = balanced_routing, routing_seed
+        self.routing, self.routing_seed = routing, routing_seed  # balanced and fixed pick by sender index
         # Awaited after each inner step this runtime's compute took (stages > 0; stage 0's driver
         # steps itself): where the outer step hooks in.
         self.on_inner_step: Callable[[int], Awaitable[None]] | None = None
@@ -234,10 +234,11 @@ class StageRuntime:
         while time.monotonic() < deadline:
             candidates = await self.directory.replicas(self.shape.stage + 1)
             balanced = None
-            if self.balanced_routing and not tried:  # a re-issue or a retry goes to anyone else
+            if self.routing in ("balanced", "fixed") and not tried:  # a re-issue or a retry goes to anyone else
                 senders = [r.peer_id for r in await self.directory.replicas(self.shape.stage)]
-                balanced = self.router.pick_permuted(candidates, senders, self.me.peer_id,
-                                                     f"{self.routing_seed}:{key.sequence}:{self.shape.stage}")
+                balanced = (self.router.pick_fixed(candidates, senders, self.me.peer_id) if self.routing == "fixed" else
+                            self.router.pick_permuted(candidates, senders, self.me.peer_id,
+                                                      f"{self.routing_seed}:{key.sequence}:{self.shape.stage}"))
             peer = balanced or self.router.pick(candidates, exclude=tried)
             if peer is None:
                 tried.clear()  # everyone was tried once (or is banned): wait a little, then cycle again

@@ -100,6 +100,17 @@ class StageWorker:
         self._count(inputs.shape[0], labels.numel())
         return self._to_host(x.grad), float(loss.detach()), labels.numel()
 
+    def forward_backward_whole(self, inputs: Tensor, labels: Tensor) -> tuple[float, int]:
+        """A single-stage swarm (P = 1): the whole model here, from token ids to loss and back;
+        returns (unscaled loss, tokens)."""
+        self._slow_down(2)
+        with self._autocast():
+            loss = LlamaStage.loss(self.stage(self._to_device(inputs)), self._to_device(labels))
+        self._finite(loss.detach(), "whole model", "loss")
+        (loss * (inputs.shape[0] / self.batch_size)).backward()
+        self._count(inputs.shape[0], labels.numel())
+        return float(loss.detach()), labels.numel()
+
     def backward(self, key: Hashable, grad_output: Tensor) -> Tensor | None:
         """Recompute from the saved input and backpropagate `grad_output`; returns the input
         gradient, or None on stage 0 (whose input is token ids)."""

@@ -1,5 +1,5 @@
 """The volunteer's lifecycle through the real console script: an unreachable bootstrap peer,
-`join --stage auto`, `doctor` against a live swarm (passing, and failing with the right exit
+`join --stage auto` (alone and two at once), `doctor` against a live swarm (passing, and failing with the right exit
 code), graceful shutdown on SIGTERM, and the JSONL event stream."""
 
 import json
@@ -64,6 +64,12 @@ def test_stage_auto_and_doctor_against_a_live_swarm(tmp_path, make_swarm):
     auto = swarm.start_node("auto", 1)
     swarm.wait_ready([auto])
     assert auto.info["stage"] == 0
+
+    # Two volunteers at the same instant into [2, 2]: alone, each would take stage 0 (fewest
+    # replicas, lowest index); their claims make them agree on one each.
+    pair = [swarm.start_node("auto", 2), swarm.start_node("auto", 3)]
+    swarm.wait_ready(pair)
+    assert sorted(n.info["stage"] for n in pair) == [0, 1]
 
     result = cli(overrides, "doctor", "--initial-peers", swarm.maddr)
     assert result.returncode == 0, result.stdout + result.stderr[-2000:]

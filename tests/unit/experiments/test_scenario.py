@@ -1,11 +1,13 @@
 """Scenario files, the grid they expand to, and the spread / correlation math of the report."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
-from noloco_node.config import ConfigError
+from noloco_node.config import ConfigError, load_config
+from noloco_node.experiments.cell import cell_overrides
 from noloco_node.experiments.evaluate import pearson, weight_spread
 from noloco_node.experiments.scenario import load_scenario
 from noloco_node.netem.relay import LinkProfile
@@ -26,6 +28,9 @@ def test_grid_is_the_product_of_its_axes(tmp_path):
     ("outer_sync_sizes = [1]", "scenario.outer_sync_sizes"),
     ("stepz = 3", "scenario.stepz"),
     ('[[profiles]]\nname = "x"\none_way_ms = 1\njitter_ms = 5', "scenario.profiles"),
+    ('[[variants]]\n"outer.gamma" = 0.1', "scenario.variants[0]"),
+    ('[[variants]]\nname = "a"\n[[variants]]\nname = "a"', "scenario.variants"),
+    ('outer_sync_methods = ["dp"]', "scenario.outer_sync_methods"),
 ])
 def test_bad_scenarios_name_the_field(tmp_path, text, field):
     path = tmp_path / "s.toml"
@@ -33,6 +38,29 @@ def test_bad_scenarios_name_the_field(tmp_path, text, field):
     with pytest.raises(ConfigError) as err:
         load_scenario(path)
     assert err.value.field == field
+
+
+def test_variants_cross_the_grid_and_group_cells_by_everything_but_the_seed(tmp_path):
+    path = tmp_path / "s.toml"
+    path.write_text('methods = ["noloco"]\nseeds = [0, 1, 2]\n[[variants]]\nname = "fixed"\n"pipeline.routing" = "fixed"\n'
+                    '[[variants]]\nname = "random"\n"pipeline.routing" = "random"\n')
+    scenario = load_scenario(path)
+    cells = scenario.cells()
+    assert [c.name for c in cells[:4]] == ["noloco-fixed-D2-P2-lan-s0", "noloco-fixed-D2-P2-lan-s1",
+                                          "noloco-fixed-D2-P2-lan-s2", "noloco-random-D2-P2-lan-s0"]
+    assert len({c.group for c in cells}) == 2
+    overrides = cell_overrides(scenario, cells[3])
+    assert "pipeline.routing=random" in overrides and "run.seed=0" in overrides
+    assert scenario.sync_methods() == ("noloco",)
+    assert scenario.to_dict()["variants"][0] == {"name": "fixed", "pipeline.routing": "fixed"}
+
+
+@pytest.mark.parametrize("name", ["convergence", "routing", "scaling", "gamma_codec"])
+def test_the_reproduction_scenarios_load(name):
+    scenario = load_scenario(Path(__file__).parents[3] / "examples" / f"{name}.toml")
+    assert scenario.paper and scenario.sync_methods()
+    for cell in scenario.cells():  # every cell's node config is valid
+        load_config(overrides=cell_overrides(scenario, cell))
 
 
 def test_profile_rejects_negative_values():
@@ -55,7 +83,6 @@ def test_pearson():
 
 
 def test_chaos_profile_fields():
-    from noloco_node.config import ConfigError
     from noloco_node.experiments.scenario import Scenario
 
     assert Scenario().chaos_action is None

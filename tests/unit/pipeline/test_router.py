@@ -1,4 +1,4 @@
-"""Next-hop choice: the balanced (reference) permutation and the random fallback."""
+"""Next-hop choice: the balanced (reference) permutation, fixed pipelines and the random fallback."""
 
 from collections import Counter
 
@@ -54,3 +54,14 @@ def test_bans_back_off_exponentially_up_to_the_cap():
     assert bans.is_banned("p")
     now[0] = 5.1
     assert not bans.is_banned("p") and bans.active() == 0
+
+
+def test_fixed_routing_forms_one_pipeline_per_sender_index():
+    router = Router(Bans())
+    targets = [router.pick_fixed(list(reversed(RECEIVERS)), list(reversed(SENDERS)), me).peer_id for me in SENDERS]
+    assert targets == ["r-0", "r-1", "r-2", "r-3"]  # by index among the sorted ids, whatever the listing order
+    assert all(router.pick_fixed(RECEIVERS, SENDERS, me).peer_id == t for me, t in zip(SENDERS, targets) for _ in range(20))
+    assert router.pick_fixed(RECEIVERS[:3], SENDERS, "s-d").peer_id == "r-0"  # fewer receivers: wraps around
+    assert router.pick_fixed(RECEIVERS, SENDERS, "stranger") is None
+    router.bans.ban("r-1")
+    assert router.pick_fixed(RECEIVERS, SENDERS, "s-b") is None  # the caller falls back to a random other replica
