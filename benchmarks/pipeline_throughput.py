@@ -1,11 +1,14 @@
-"""Training throughput of P=2 stages x 1 replica as two processes over gRPC (one torch thread
-each) against the same model trained in one process with the same total threads (two).
+"""Training throughput of P = 2 and P = 4 stages x 1 replica, one process per stage over gRPC (one
+torch thread each), in the exact and the overlap schedule (pipeline.schedule), against the same
+model trained in one process with two threads (this machine's cores).
 
-Both train the same model on the same data for the same steps; tokens/s is measured over the
+All train the same model on the same data for the same steps; tokens/s is measured over the
 steps after a warm-up (the swarm from its stage-0 step timestamps, so start-up is excluded).
-Prints both figures and their ratio.
+Prints each figure, its ratio to the one process, the loss of the last step (so the overlap
+schedule's staleness shows in the loss, next to exact mode's) and how many microbatches saw an
+inner step between their forward and backward.
 
-    .venv/bin/python benchmarks/pipeline_throughput.py [--steps 20] [--warmup 3] [--hidden 256]
+    .venv/bin/python benchmarks/pipeline_throughput.py [--steps 20] [--warmup 3] [--hidden 256] [--stages 2 4]
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from two_stage_runs import one_process, two_stage_swarm
+from two_stage_runs import one_process, staged_swarm
 
 from noloco_node.config import load_config
 from noloco_node.data.corpus import resolve_corpus
@@ -25,7 +28,7 @@ from noloco_node.data.tokenizer import load_tokenizer
 def overrides(args, cache_dir: str) -> list[str]:
     return [f"data.cache_dir={cache_dir}", f"model.hidden_size={args.hidden}", f"model.intermediate_size={args.hidden * 11 // 4}",
             f"model.num_layers={args.layers}", "model.num_heads=4", f"model.seq_len={args.seq_len}",
-            f"pipeline.batch_size={args.batch}", f"pipeline.microbatch_size={args.micro}", "pipeline.num_stages=2",
+            f"pipeline.batch_size={args.batch}", f"pipeline.microbatch_size={args.micro}",
             f"pipeline.activation_codec={args.codec}", "inner.lr=1e-3", "inner.warmup_steps=1",
             f"inner.total_steps={args.steps + args.warmup}", "outer.method=none", "pipeline.max_in_flight=16"]
 
@@ -40,6 +43,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--micro", type=int, default=2)
     parser.add_argument("--codec", default="bf16", choices=["none", "bf16", "int8"])
+    parser.add_argument("--stages", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--schedules", nargs="+", default=["exact", "overlap"], choices=["exact", "overlap"])
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         sets = overrides(args, tmp)
@@ -49,12 +54,19 @@ def main() -> None:
         print(f"model: hidden {args.hidden}, {args.layers} layers, vocab {len(tokenizer)}, seq {args.seq_len}; "
               f"batch {args.batch} in microbatches of {args.micro}; activations {args.codec}; {args.steps} timed steps")
         baseline, _ = one_process(config, corpus, tokenizer, args)
-        print(f"one process, 2 threads:              {baseline:9.0f} tokens/s")
-        piped = two_stage_swarm(sets, args, Path(tmp) / "swarm")["tok_s"]
-        print(f"P=2 x 1 over gRPC, 1 thread/process: {piped:9.0f} tokens/s")
-        print(f"ratio swarm / one process:           {piped / baseline:9.3f}")
-        print(json.dumps({"one_process_tok_s": baseline, "swarm_tok_s": piped, "ratio": piped / baseline}))
-
+        print(f"one process, 2 threads: {baseline:9.0f} tokens/s")
+        results = {"one_process_tok_s": baseline, "swarms": []}
+        for stages in args.stages:
+            for schedule in args.schedules:
+                run = staged_swarm(sets + [f"pipeline.schedule={schedule}"], args, Path(tmp) / f"swarm-{stages}-{schedule}", stages)
+                results["swarms"].append({"stages": stages, "schedule": schedule, "tok_s": run["tok_s"],
+                                          "ratio": run["tok_s"] / baseline, "final_loss": run["final_loss"],
+                                          **run["schedule"]})
+                print(f"P={stages} x 1 {schedule:7s} over gRPC, 1 thread/process: {run['tok_s']:9.0f} tokens/s, "
+                      f"ratio {run['tok_s'] / baseline:.3f}, loss after {args.steps + args.warmup} steps "
+                      f"{run['final_loss']:.4f}, stale microbatches {run['schedule']['stale_microbatches']} "
+                      f"(max {run['schedule']['max_staleness']} step)", flush=True)
+        print(json.dumps(results))
 
 if __name__ == "__main__":
     main()

@@ -41,25 +41,34 @@ def one_process(config, corpus, tokenizer, args) -> tuple[float, float | None]:
 
 
 def two_stage_swarm(sets: list[str], args, out: Path, timeout_s: float = 3600) -> dict:
-    """tokens/s (from stage 0's step timestamps, start-up excluded), each stage's peak RSS and the
-    stage-0 node's payload bytes per forward sent."""
+    """P = 2 x 1: see staged_swarm."""
+    return staged_swarm(sets, args, out, 2, timeout_s)
+
+
+def staged_swarm(sets: list[str], args, out: Path, num_stages: int, timeout_s: float = 3600) -> dict:
+    """P stages x 1 replica: tokens/s (from stage 0's step timestamps, start-up excluded), each
+    stage's peak RSS, the stage-0 node's payload bytes per forward sent, the mean loss of the last
+    step's microbatches and the schedule's measured staleness."""
     # SIGTERM too unwinds through LocalSwarm.__exit__, so a killed benchmark leaves no nodes behind.
-    with raise_on_signals(), LocalSwarm(out, overrides=sets, threads=1) as local:
+    with raise_on_signals(), LocalSwarm(out, overrides=sets + [f"pipeline.num_stages={num_stages}"], threads=1) as local:
         local.start_bootstrap()
-        server = local.start_node(1, 0)
-        local.wait_ready([server])
+        servers = [local.start_node(stage, 0) for stage in range(1, num_stages)]
+        local.wait_ready(servers)
         driver = local.start_node(0, 0, "--steps", str(args.steps + args.warmup))
+        nodes = [driver] + servers
         deadline = time.monotonic() + timeout_s
-        rss: dict[int, float | None] = {0: None, 1: None}
+        rss: dict[int, float | None] = {stage: None for stage in range(num_stages)}
         while driver.proc.poll() is None and time.monotonic() < deadline:
-            for stage, node in ((0, driver), (1, server)):
+            for stage, node in enumerate(nodes):
                 rss[stage] = peak_rss_mb(node.proc.pid) or rss[stage]
             time.sleep(1.0)
         if driver.proc.returncode != 0:
             raise RuntimeError(driver.log_file.read_text()[-2000:])
-        rss[1] = peak_rss_mb(server.proc.pid) or rss[1]
+        for stage, node in enumerate(nodes[1:], start=1):
+            rss[stage] = peak_rss_mb(node.proc.pid) or rss[stage]
         local.stop()
         stats = {s["stage"]: s for s in local.node_stats().values()}
     times = stats[0]["step_times"]
     return {"tok_s": args.steps * args.batch * args.seq_len / (times[-1] - times[args.warmup - 1]), "peak_rss_mb": rss,
-            "bytes_per_hop": stats[0]["bytes_sent"] / max(1, stats[0]["forwards_sent"])}
+            "bytes_per_hop": stats[0]["bytes_sent"] / max(1, stats[0]["forwards_sent"]),
+            "final_loss": stats[0]["step_losses"][-1], "schedule": stats[0]["schedule"]}

@@ -6,6 +6,7 @@ from __future__ import annotations
 from noloco_node.dht.directory import PeerDirectory
 from noloco_node.pipeline.ports import MicrobatchKey, Peer
 from noloco_node.rpc.stage_service import StageClient
+from noloco_node.runtime.rebalance import Replica
 from noloco_node.wire.v1 import stage_pb2
 
 
@@ -48,3 +49,9 @@ class DhtMatching:
     async def matching(self, stage: int, round_index: int) -> list[Peer]:
         return [Peer(r.peer_id, r.address, r.reach, r.capacity) for r in await self.directory.replicas(stage, fresh=True)
                 if r.status == "matching" and r.outer_round == round_index]
+
+
+async def swarm_replicas(directory: PeerDirectory) -> list[Replica]:
+    """Every compatible record in the DHT as a rebalancing Replica (runtime/rebalance.py)."""
+    return [Replica(r.peer_id, r.stage, r.capacity, r.status, r.movable, r.moved_at)
+            for r in await directory.compatible_records()]

@@ -32,10 +32,11 @@ from noloco_node.rpc.server import NodeServer
 from noloco_node.rpc.stage_service import GRPC_OPTIONS, StageClient, StageServicer
 from noloco_node.transport.identity import NodeIdentity
 from noloco_node.security import build_admission, read_swarm_key
-from noloco_node.adapters import DhtMatching, DhtReplicas, GrpcStageTransport
+from noloco_node.adapters import DhtMatching, DhtReplicas, GrpcStageTransport, swarm_replicas
 from noloco_node.runtime.compute import ComputeThread, compute_device
 from noloco_node.runtime.events import EventLog
 from noloco_node.runtime.faults import FaultInjector
+from noloco_node.runtime.rebalance import Move, watch
 from noloco_node.runtime.stage_choice import claim_stage_in
 from noloco_node.runtime.throughput import ThroughputMeter
 from noloco_node.runtime.memory import tune_allocator
@@ -49,8 +50,18 @@ log = logging.getLogger(__name__)
 
 
 class Node:
-    def __init__(self, config: NodeConfig, *, out_dir: Path | None = None, save_weights: bool = False) -> None:
+    def __init__(self, config: NodeConfig, *, out_dir: Path | None = None, save_weights: bool = False,
+                 identity: NodeIdentity | None = None, moves: list[dict] | None = None) -> None:
+        """`identity` and `moves`: a node that moved between stages keeps its identity (peer id)
+        and the record of its moves (cli/join.py). Only NoLoCo nodes move: the mover needs a
+        replica's state (FetchState), and the all-reduce baselines' groups have a fixed size."""
         self.config, self.out_dir, self.save_weights = config, out_dir, save_weights
+        self.identity, self.moves = identity, list(moves or [])
+        rebalance = config.pipeline.rebalance
+        self.movable = (config.pipeline.stage is None if rebalance is None else rebalance) and \
+            config.pipeline.num_stages > 1 and config.outer.method == "noloco"
+        self.move: Move | None = None
+        self.move_requested = asyncio.Event()
         self.sequential = config.pipeline.deterministic
         self.microbatch_timeout_s = config.timeouts.microbatch_s
         self.stage_index = config.pipeline.stage
@@ -71,7 +82,8 @@ class Node:
     async def start(self) -> None:
         cfg = self.config
         tune_allocator()
-        self.links = Links(NodeIdentity.from_file_or_fresh(cfg.security.identity_file), swarm_key=read_swarm_key(cfg.security),
+        self.links = Links(self.identity or NodeIdentity.from_file_or_fresh(cfg.security.identity_file),
+                           swarm_key=read_swarm_key(cfg.security),
                            max_skew_s=cfg.security.max_clock_skew_s, options=GRPC_OPTIONS)
         self.admission = build_admission(cfg.security, self.links)
         self.faults = FaultInjector(cfg.faults.inject)
@@ -182,6 +194,8 @@ class Node:
         self.status = "serving"
         await self.announce()
         self._spawn(self._heartbeat())
+        if self.movable:
+            self._spawn(self._watch_balance())
         if self.snapshot_every:
             await self.save_snapshot(self.worker.inner_steps)
         self.events.bind(peer=self.peer_id, stage=self.stage_index)
@@ -335,10 +349,11 @@ class Node:
                            tokens_per_s=self.tokens_per_s, version=__version__,
                            manifest_hash=self.manifest_hash, run_id=self.config.run.run_id, updated_at=time.time(),
                            reach=self.links.update_reach(), tls_cert=self.links.certificate.b64,
-                           p2p_addrs=self.links.p2p_addrs[:16], **self.meter.record_fields())
+                           p2p_addrs=self.links.p2p_addrs[:16], movable=self.movable,
+                           moved_at=float(self.moves[-1]["at"]) if self.moves else 0.0, **self.meter.record_fields())
 
-    async def announce(self) -> None:
-        await self.directory.announce(self.record(), ttl_s=self.config.timeouts.record_ttl_s)
+    async def announce(self, ttl_s: float | None = None) -> None:
+        await self.directory.announce(self.record(), ttl_s=ttl_s or self.config.timeouts.record_ttl_s)
 
     async def _heartbeat(self) -> None:
         while True:
@@ -352,6 +367,17 @@ class Node:
                     await self.links.bridge.dial_out(await public_libp2p_addrs(self.directory, self.config.pipeline.num_stages))
             except Exception:  # noqa: BLE001 - a failed heartbeat is retried next period
                 log.exception("heartbeat failed")
+
+    async def _watch_balance(self) -> None:
+        """Rebalancing (runtime/rebalance.py): when the plan names this node, ask the join command to
+        move it (it drains, leaves and comes back on the target stage)."""
+        p = self.config.pipeline
+        self.move = await watch(me=self.peer_id, read=lambda: swarm_replicas(self.directory), num_stages=p.num_stages,
+                                margin=p.rebalance_margin, period_s=p.rebalance_period_s, settle_s=2 * p.rebalance_period_s,
+                                cooldown_s=10 * p.rebalance_period_s)
+        self.events.emit("move_planned", source=self.move.source, target=self.move.target,
+                         throughput_now=self.move.throughput_now, throughput_after=self.move.throughput_after)
+        self.move_requested.set()
 
     async def wait_for_replicas(self, count: int, timeout_s: float) -> None:
         """Block until every stage shows at least `count` live replicas (or raise TimeoutError)."""
@@ -371,7 +397,7 @@ class Node:
                                   shuffle_buffer=0 if self.sequential else 1000).batches(cfg.pipeline.batch_size)
         self.driver = Stage0Driver(self.runtime, batches, microbatch_size=cfg.pipeline.microbatch_size,
                                    microbatch_timeout_s=self.microbatch_timeout_s, sequential=self.sequential,
-                                   step_fn=self.dp_step)
+                                   step_fn=self.dp_step, overlap=cfg.pipeline.schedule == "overlap")
         restored = (self.resumed_from or {}).get("microbatches")
         if restored:  # a restarted driver carries on its predecessor's accounting from the checkpoint
             for name, value in restored.items():
@@ -388,14 +414,18 @@ class Node:
 
         return node_stats(self)
 
-    async def stop(self, grace_s: float | None = None) -> None:
+    async def stop(self, grace_s: float | None = None, *, final: bool = True) -> None:
         """Withdraw the DHT record (status leaving), finish a running outer step, drain the
-        microbatches in flight within `grace_s`, checkpoint, write stats (and weights), shut down."""
+        microbatches in flight within `grace_s`, checkpoint, write stats (and weights), shut down.
+        `final=False` (a move to another stage): no checkpoint, snapshot or outputs of this stage."""
         grace_s = self.config.timeouts.drain_s if grace_s is None else grace_s
         self.status = "leaving"
         self.events.emit("stopping", inner_step=self.worker.inner_steps, in_flight=len(self.runtime.in_flight))
+        # A mover's leaving record outlives its trip to the new stage (a restart, a state fetch), so
+        # no other node plans a move while this one is in transit (runtime/rebalance.py).
+        ttl_s = None if final else max(self.config.timeouts.record_ttl_s, 2 * self.config.pipeline.rebalance_period_s)
         try:  # withdraw first, so peers stop routing to us while we drain
-            await asyncio.wait_for(self.announce(), timeout=self.config.timeouts.connect_s)
+            await asyncio.wait_for(self.announce(ttl_s), timeout=self.config.timeouts.connect_s)
         except Exception:  # noqa: BLE001 - leaving anyway; the record expires by TTL
             pass
         try:  # let a running outer step finish, so the weights we save are post-update
@@ -404,13 +434,13 @@ class Node:
         except asyncio.TimeoutError:
             log.warning("an outer step was still running at shutdown")
         await self.runtime.drain(grace_s)
-        if self.snapshot_every:  # where training left this node, whatever inner step that is
+        if self.snapshot_every and final:  # where training left this node, whatever inner step that is
             await self.save_snapshot(self.worker.inner_steps, final=True)
-        if self.config.checkpoint.dir is not None:
+        if self.config.checkpoint.dir is not None and final:
             await self.save_checkpoint()
         for task in list(self._background):
             task.cancel()
-        if self.out_dir is not None:
+        if self.out_dir is not None and final:
             self.write_outputs(self.out_dir)
         if isinstance(self.sync, NoLoCoSync):
             await self.outer_client.close()

@@ -54,13 +54,18 @@ def node_stats(self) -> dict:
         out["outer_round"] = self.outer_round
         out["fetched_state"] = self.fetched_state
     out["resumed_from"] = self.resumed_from
+    out["movable"] = self.movable
+    out["moves"] = self.moves  # each: from, to, at, inner_step, and the stage-0 driver's microbatches before it
     if self.driver is not None:
         c = self.driver.counters
         out["microbatches"] = {"issued": c.issued, "completed": c.completed, "reissued": c.reissued, "dropped": c.dropped}
         out["losses"] = self.driver.log.losses
         out["lrs"] = self.driver.log.lrs
         out["step_times"] = self.driver.log.step_times
+        out["step_losses"] = self.driver.log.step_losses
         out["reissued_sequences"] = self.driver.log.reissued_sequences
+        out["schedule"] = {"overlap": self.driver.overlap, "stale_microbatches": self.driver.log.stale_microbatches,
+                           "max_staleness": self.driver.log.max_staleness}
     return out
 
 

@@ -153,6 +153,21 @@ class PipelineConfig:
     """Decoder layers per stage, e.g. [7, 5]; empty = split by per-token compute cost (model/split.py)."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward instead of keeping them (less memory)."""
+    schedule: str = "exact"
+    """Stage 0's schedule. exact: a batch's microbatches all complete and the stage steps before
+    the next batch starts (the oracle-equal mode). overlap: the next batch's forwards start while
+    the current batch's gradients drain, so the pipeline never empties at a step boundary; those
+    forwards see weights one inner step old (staleness bounded by 1; their backward waits for the
+    step and recomputes with the new weights). Not with outer.method = dp (lockstep)."""
+    rebalance: bool | None = None
+    """May this node move to another stage when that stage limits the swarm (runtime/rebalance.py)?
+    None = only if it chose its stage with 'auto'; true = also from a pinned stage; false = never."""
+    rebalance_margin: float = 0.75
+    """Move when the swarm sustains less than this share of what it would after the best single move
+    (Petals: 0.75). Closer to 1 moves sooner; lower tolerates more imbalance."""
+    rebalance_period_s: float = 120.0
+    """How often a movable node checks the plan; a node that moved does not move again for 10
+    periods, and nobody moves within 2 periods of any move."""
 
     def __post_init__(self) -> None:
         _require(self.num_stages >= 1, "num_stages", f"must be >= 1, got {self.num_stages}", "use a positive integer")
@@ -165,6 +180,12 @@ class PipelineConfig:
         _require(self.batch_size % self.microbatch_size == 0, "microbatch_size",
                  f"batch_size {self.batch_size} is not a multiple of microbatch_size {self.microbatch_size}",
                  "make batch_size a multiple of microbatch_size")
+        _require(self.schedule in ("exact", "overlap"), "schedule", f"unknown schedule {self.schedule!r}",
+                 "use exact or overlap")
+        _require(0.0 < self.rebalance_margin < 1.0, "rebalance_margin", f"must be in (0, 1), got {self.rebalance_margin}",
+                 "use e.g. 0.75")
+        _require(self.rebalance_period_s > 0, "rebalance_period_s", f"must be > 0, got {self.rebalance_period_s}",
+                 "use e.g. 120 (set pipeline.rebalance = false to pin the node)")
         _require(self.max_in_flight >= 1, "max_in_flight", f"must be >= 1, got {self.max_in_flight}", "use e.g. 8")
         _require(self.device in ("auto", "cpu", "cuda") or (self.device.startswith("cuda:") and self.device[5:].isdigit()),
                  "device", f"unknown device {self.device!r}", "use auto, cpu, cuda or cuda:N")
@@ -472,6 +493,9 @@ class NodeConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def __post_init__(self) -> None:
+        _require(not (self.pipeline.schedule == "overlap" and self.outer.method == "dp"), "pipeline.schedule",
+                 "overlap lets a batch's forwards run before the previous step, which dp's lockstep forbids",
+                 "use pipeline.schedule = exact with outer.method = dp")
         if self.model.config or self.model.init_from:
             return  # the layer count is in the model's config.json (checked when the model is built)
         layers = self.model.shape()["num_layers"]

@@ -130,7 +130,11 @@ class PeerDirectory:
             for subkey, entry in found.value.items():
                 record = self._accept(entry.value, stage, subkey)
                 if record is not None:
-                    self._by_peer[record.peer_id] = (now, record)
+                    known = self._by_peer.get(record.peer_id)
+                    # A node that moved between stages has a newer record under its new stage's key
+                    # than its leaving one under the old key: keep the newest (its address now).
+                    if known is None or known[1].updated_at <= record.updated_at:
+                        self._by_peer[record.peer_id] = (now, record)
                     if record.status not in ("leaving", "joining"):
                         records.append(record)
         records.sort(key=lambda r: r.peer_id)
@@ -143,13 +147,17 @@ class PeerDirectory:
 
     async def claims(self) -> list[StageRecord]:
         """Every stage's compatible joining records: joiners that claimed a stage and are settling."""
+        return [r for r in await self.compatible_records() if r.status == "joining"]
+
+    async def compatible_records(self) -> list[StageRecord]:
+        """Every stage's compatible records, whatever their status (joining and leaving too)."""
         out = []
         for stage in range(self.identity.num_stages):
             found = await self.node.get(stage_key(self.identity.run_id, stage), latest=True)
             if found is not None and isinstance(found.value, dict):
                 for subkey, entry in found.value.items():
                     record = self._accept(entry.value, stage, subkey)
-                    if record is not None and record.status == "joining":
+                    if record is not None:
                         out.append(record)
         return out
 

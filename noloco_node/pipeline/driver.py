@@ -39,12 +39,14 @@ class DriverLog:
     lrs: list[float] = field(default_factory=list)
     step_losses: list[float] = field(default_factory=list)  # mean over each inner step's completed microbatches
     reissued_sequences: list[int] = field(default_factory=list)
+    stale_microbatches: int = 0  # completed with an inner step between their forward and backward
+    max_staleness: int = 0  # the most inner steps between one microbatch's forward and backward
 
 
 class Stage0Driver:
     def __init__(self, runtime: StageRuntime, batches: Iterator[tuple[Tensor, Tensor]], *, microbatch_size: int,
                  microbatch_timeout_s: float, max_attempts: int = 5, sequential: bool = False,
-                 step_fn: Callable[[], Awaitable[float]] | None = None) -> None:
+                 step_fn: Callable[[], Awaitable[float]] | None = None, overlap: bool = False) -> None:
         self.runtime, self.batches = runtime, batches
         self.microbatch_size = microbatch_size
         self.timeout_s, self.max_attempts, self.sequential = microbatch_timeout_s, max_attempts, sequential
@@ -53,7 +55,20 @@ class Stage0Driver:
         self.log = DriverLog()
         self._pending: dict[MicrobatchKey, asyncio.Future] = {}
         self._sequence = 0
+        self.stop_requested = False  # set by request_stop: run returns at the next step boundary
+        # pipeline.schedule = overlap: batch k+1's forwards start before step k; their backwards
+        # wait at the gate of batch k+1, opened once step k is taken.
+        self.overlap = overlap and not sequential and not runtime.shape.is_last  # P = 1 accumulates at once
+        self._batch_of: dict[int, int] = {}  # sequence -> batch index within this run
+        self._gates: dict[int, asyncio.Event] = {}
         runtime.on_stage0_backward = self._on_backward
+        if self.overlap:
+            runtime.before_stage0_backward = self._wait_for_gate
+
+    def request_stop(self) -> None:
+        """Finish the inner step under way (its microbatches complete and it steps), then return
+        from run(): the driver's part of a graceful move to another stage."""
+        self.stop_requested = True
 
     def _on_backward(self, key: MicrobatchKey, loss: float) -> None:
         future = self._pending.get(key)
@@ -61,31 +76,80 @@ class Stage0Driver:
             future.set_result(loss)
 
     async def run(self, steps: int, on_inner_step: Callable[[int], Awaitable[None]] | None = None) -> None:
-        for _ in range(steps):
+        previous: tuple[list[asyncio.Task], int, int] | None = None  # overlap: the batch still draining
+        for batch in range(steps):
+            if self.stop_requested:
+                break
             inputs, labels = next(self.batches)
             micro = [(inputs[i:i + self.microbatch_size], labels[i:i + self.microbatch_size])
                      for i in range(0, inputs.shape[0], self.microbatch_size)]
-            first = len(self.log.losses)
+            self._gates.setdefault(batch, asyncio.Event())
+            if batch == 0:
+                self._gates[0].set()
             if self.sequential:
+                first = len(self.log.losses)
                 for mb in micro:
-                    await self._complete(*mb)
+                    await self._complete(*mb, batch=batch)
+                await self._finish_batch([], batch, first, on_inner_step)
+            elif not self.overlap:
+                first = len(self.log.losses)
+                await asyncio.gather(*(self._complete(*mb, batch=batch) for mb in micro))
+                await self._finish_batch([], batch, first, on_inner_step)
             else:
-                await asyncio.gather(*(self._complete(*mb) for mb in micro))
-            if self.step_fn is not None:
-                lr = await self.step_fn()
-            else:
-                lr = await self.runtime.compute.run(self.runtime.worker.step)
-            self.log.lrs.append(lr)
-            done = self.log.losses[first:]
-            self.log.step_losses.append(sum(done) / len(done) if done else float("nan"))
-            self.log.step_times.append(time.monotonic())
-            if on_inner_step is not None:
-                # Hook for the outer step (the sync layer): called after every inner step.
-                await on_inner_step(self.runtime.worker.inner_steps)
+                tasks = [asyncio.create_task(self._complete(*mb, batch=batch)) for mb in micro]
+                try:
+                    if previous is not None:
+                        await self._finish_batch(*previous, on_inner_step)
+                except BaseException:
+                    for task in tasks:  # stopped or failed: the next batch's microbatches end dropped
+                        task.cancel()
+                    await asyncio.gather(*tasks, return_exceptions=True)
+                    raise
+                previous = (tasks, batch, len(self.log.losses))
+        if previous is not None:
+            await self._finish_batch(*previous, on_inner_step)
 
-    async def _complete(self, inputs: Tensor, labels: Tensor) -> None:
+    async def _finish_batch(self, tasks: list[asyncio.Task], batch: int, first: int,
+                            on_inner_step: Callable[[int], Awaitable[None]] | None) -> None:
+        """Wait for the batch's microbatches, take the inner step, open the next batch's gate."""
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        if self.step_fn is not None:
+            lr = await self.step_fn()
+        else:
+            lr = await self.runtime.compute.run(self.runtime.worker.step)
+        self.log.lrs.append(lr)
+        done = self.log.losses[first:]
+        self.log.step_losses.append(sum(done) / len(done) if done else float("nan"))
+        self.log.step_times.append(time.monotonic())
+        self._gates.pop(batch, None)
+        self._gates.setdefault(batch + 1, asyncio.Event()).set()
+        if on_inner_step is not None:
+            # Hook for the outer step (the sync layer): called after every inner step.
+            await on_inner_step(self.runtime.worker.inner_steps)
+
+    async def _wait_for_gate(self, key: MicrobatchKey) -> None:
+        """Overlap: a backward of batch k+1 arriving before step k waits for it, so the gradients
+        of two batches never mix in one step."""
+        batch = self._batch_of.get(key.sequence)
+        if batch is not None:
+            await self._gates.setdefault(batch, asyncio.Event()).wait()
+
+    async def _complete(self, inputs: Tensor, labels: Tensor, batch: int = 0) -> None:
         sequence = self._sequence
         self._sequence += 1
+        self._batch_of[sequence] = batch
+        try:
+            await self._attempts(sequence, inputs, labels)
+        finally:
+            self._batch_of.pop(sequence, None)
+
+    async def _attempts(self, sequence: int, inputs: Tensor, labels: Tensor) -> None:
         self.counters.issued += 1
         if self.runtime.shape.is_last:  # P = 1: nothing to route, the whole model is here
             try:
@@ -107,14 +171,20 @@ class Stage0Driver:
             future = asyncio.get_running_loop().create_future()
             self._pending[key] = future
             try:
-                # Stage 0 steps only between batches, so it keeps the graph instead of recomputing.
-                output = await self.runtime.compute.run(self.runtime.worker.forward, key, inputs, keep_graph=True)
+                # Exact: stage 0 steps only between batches, so it keeps the graph instead of
+                # recomputing. Overlap: a step can come between this forward and its backward.
+                steps_at_forward = self.runtime.worker.inner_steps
+                output = await self.runtime.compute.run(self.runtime.worker.forward, key, inputs,
+                                                        keep_graph=not self.overlap)
                 route = [Hop(me.peer_id, me.address, 0)]
                 self.runtime.in_flight[key] = Ticket(key=key, route=route)  # admits the gradient's Backward
                 sent = await self.runtime.send_forward(key, route, output, labels, avoid=frozenset(lost_on))
                 if sent is not None:
                     lost_on.add(sent)
                     loss = await asyncio.wait_for(asyncio.shield(future), timeout=self.timeout_s)
+                    staleness = self.runtime.worker.inner_steps - steps_at_forward
+                    self.log.stale_microbatches += staleness > 0
+                    self.log.max_staleness = max(self.log.max_staleness, staleness)
                     self.counters.completed += 1
                     self.log.losses.append(loss)
                     return

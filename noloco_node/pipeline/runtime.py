@@ -80,6 +80,8 @@ class StageRuntime:
         self.transport, self.directory, self.router, self.me = transport, directory, router, me
         self.max_in_flight, self.send_deadline_s = max_in_flight, send_deadline_s
         self.on_stage0_backward = on_stage0_backward
+        # Stage 0 with pipeline.schedule = overlap: awaited before a backward (the driver's gate).
+        self.before_stage0_backward: Callable[[MicrobatchKey], Awaitable[None]] | None = None
         self.delay_before_forward_s = delay_before_forward_s  # fault injection (faults.*)
         self.faults = faults or FaultInjector()
         self.routing, self.routing_seed = routing, routing_seed  # balanced and fixed pick by sender index
@@ -187,6 +189,8 @@ class StageRuntime:
 
     async def _serve_backward(self, ticket: Ticket, grad: Tensor) -> None:
         key = ticket.key
+        if self.shape.is_first and self.before_stage0_backward is not None:
+            await self.before_stage0_backward(key)
         before = self.worker.inner_steps
         try:
             grad_input = await self.compute.run(self.worker.backward, key, grad)

@@ -144,6 +144,9 @@ class NodeIdentity:
         return self.private_key.sign(data, _PADDING, _HASH)
 
     def close(self) -> None:
+        """Remove the temp key file; a later identity_path() writes it again (a node that moves
+        between stages restarts its daemon with the same key)."""
         if self._tmpdir is not None:
             self._tmpdir.cleanup()
             self._tmpdir = None
+            self._identity_path = None

@@ -101,7 +101,7 @@ def test_fuzzed_node_survives_stays_bounded_and_keeps_training(tmp_path, make_sw
     [drv] = [s for s in stats.values() if s["stage"] == 0]
     mb = drv["microbatches"]
     assert drv["inner_steps"] == steps and mb["issued"] == mb["completed"] and mb["dropped"] == 0
-    assert drv["losses"][-1] < drv["losses"][0]
+    assert min(drv["step_losses"][-2:]) < drv["step_losses"][0]  # step means: one microbatch's loss is noise
     assert served["forwards_received"].get(drv["peer_id"], 0) > 0, served["forwards_received"]  # through the fuzzed node
     assert served["saved_inputs"] == 0 and served["in_flight"] == 0
     assert served["admission"]["tracked_peers"] <= 4096 and served["transport"]["replayed_tokens"] >= 1

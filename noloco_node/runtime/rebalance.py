@@ -1,0 +1,119 @@
+"""Rebalancing a running swarm: when one stage limits the swarm, one node moves there.
+
+The swarm sustains what its weakest stage sustains: the minimum over stages of the sum of their
+replicas' measured capacities (runtime/throughput.py). Every `pipeline.rebalance_period_s` each
+movable node reads every stage's records from the DHT and runs `plan_move` on them. The plan is a
+pure function of that view, so every node computes the same one and only the node it names moves:
+
+- no plan while the swarm is not settled: a joiner's claim or a node leaving is in the DHT, a
+  node moved less than `settle_s` ago (its new stage is not measured yet), or a whole stage is
+  unmeasured; so one node moves at a time. A single replica not measured yet counts as its
+  stage's mean;
+- the target is the limiting stage; a candidate is a movable node on another stage that keeps at
+  least one replica there, its capacity on the target estimated from its own capacity scaled by the
+  two stages' mean capacities (stages cost different compute per sequence);
+- the move that leaves the swarm the highest minimum wins (ties: the lowest peer id), and only if
+  the swarm today sustains less than `margin` of what it would after the move (Petals moves below
+  0.75 of optimal). That margin is the hysteresis: a move back would lower the minimum, so it is
+  never planned; and a node that moved is not a candidate again for `cooldown_s`.
+
+Who is movable: a node that chose its stage with `--stage auto`, or any node with
+`pipeline.rebalance = true`; `false` pins it. The move itself (drain, withdraw, fetch the new
+stage's state from a replica, announce there) is the join command's (cli/join.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Replica:
+    peer_id: str
+    stage: int
+    capacity: float
+    status: str = "serving"
+    movable: bool = False
+    moved_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class Move:
+    peer_id: str
+    source: int
+    target: int
+    throughput_now: float
+    throughput_after: float
+
+    def __str__(self) -> str:
+        return (f"peer {self.peer_id[-8:]} stage {self.source} -> {self.target}: swarm throughput "
+                f"{self.throughput_now:.2f} -> {self.throughput_after:.2f} sequences/s (estimated)")
+
+
+def stage_totals(replicas: Sequence[Replica], num_stages: int) -> list[float]:
+    totals = [0.0] * num_stages
+    for r in replicas:
+        totals[r.stage] += r.capacity
+    return totals
+
+
+def _measured(r: Replica, stage_members: Sequence[Replica]) -> Replica:
+    if r.capacity > 0:
+        return r
+    known = [m.capacity for m in stage_members if m.capacity > 0]
+    return Replica(r.peer_id, r.stage, sum(known) / len(known), r.status, r.movable, r.moved_at)
+
+
+def plan_move(replicas: Sequence[Replica], num_stages: int, *, margin: float, now: float, settle_s: float,
+              cooldown_s: float) -> Move | None:
+    """The one move the swarm should make now, or None (module docstring)."""
+    if num_stages < 2 or not replicas:
+        return None
+    if any(r.status not in ("serving", "matching") or now - r.moved_at < settle_s for r in replicas):
+        return None
+    by_stage = [[r for r in replicas if r.stage == s] for s in range(num_stages)]
+    if any(not members or all(r.capacity <= 0 for r in members) for members in by_stage):
+        return None  # an empty stage is a joiner's job (--stage auto); an unmeasured one, a later check's
+    replicas = [_measured(r, by_stage[r.stage]) for r in replicas]
+    by_stage = [[r for r in replicas if r.stage == s] for s in range(num_stages)]
+    totals = stage_totals(replicas, num_stages)
+    now_min = min(totals)
+    target = min(range(num_stages), key=lambda s: (totals[s], s))
+    mean = [totals[s] / len(by_stage[s]) for s in range(num_stages)]
+    best: Move | None = None
+    for r in sorted(replicas, key=lambda r: r.peer_id):
+        if not r.movable or r.stage == target or len(by_stage[r.stage]) < 2 or now - r.moved_at < cooldown_s:
+            continue
+        after = list(totals)
+        after[r.stage] -= r.capacity
+        after[target] += r.capacity * mean[target] / mean[r.stage]
+        move = Move(r.peer_id, r.stage, target, now_min, min(after))
+        if best is None or move.throughput_after > best.throughput_after:
+            best = move
+    if best is None or now_min >= margin * best.throughput_after:
+        return None
+    return best
+
+
+async def watch(*, me: str, read: Callable[[], Awaitable[list[Replica]]], num_stages: int, margin: float,
+                period_s: float, settle_s: float, cooldown_s: float,
+                clock: Callable[[], float] = time.time) -> Move:
+    """Check every `period_s` until a plan names us; returns that move (the caller carries it out)."""
+    while True:
+        await asyncio.sleep(period_s)
+        try:
+            replicas = await read()
+        except Exception:  # noqa: BLE001 - a failed lookup is retried next period
+            log.warning("rebalance: reading the swarm's records failed; retrying in %.0f s", period_s, exc_info=True)
+            continue
+        move = plan_move(replicas, num_stages, margin=margin, now=clock(), settle_s=settle_s, cooldown_s=cooldown_s)
+        if move is not None:
+            log.info("rebalance plan: %s%s", move, " (this node)" if move.peer_id == me else "")
+            if move.peer_id == me:
+                return move

@@ -1,0 +1,96 @@
+"""The rebalancing plan: which single move (if any) the swarm makes, decided from the records alone."""
+
+import asyncio
+
+import pytest
+
+from noloco_node.runtime.rebalance import Replica, plan_move, watch
+
+NOW = 1000.0
+
+
+def plan(replicas, margin=0.75, settle_s=10.0, cooldown_s=100.0, num_stages=2):
+    return plan_move(replicas, num_stages, margin=margin, now=NOW, settle_s=settle_s, cooldown_s=cooldown_s)
+
+
+def swarm(stages_caps, movable=True, **kw):
+    return [Replica(f"peer{s}{i}", s, cap, movable=movable, **kw)
+            for s, caps in enumerate(stages_caps) for i, cap in enumerate(caps)]
+
+
+def test_three_plus_one_moves_one_node_to_the_starved_stage():
+    move = plan(swarm([[1.0, 1.0, 1.0], [1.0]]))
+    assert move is not None and (move.source, move.target) == (0, 1)
+    assert move.peer_id == "peer00"  # ties: the lowest peer id
+    assert move.throughput_now == 1.0 and move.throughput_after == pytest.approx(2.0)
+
+
+def test_two_plus_two_stays_put_and_a_move_back_is_never_planned():
+    assert plan(swarm([[1.0, 1.0], [1.0, 1.0]])) is None
+    # The state right after a 3+1 -> 2+2 move (the mover measured on its new stage): no swap back.
+    after = swarm([[1.0, 1.0], [1.0]]) + [Replica("mover", 1, 1.0, movable=True, moved_at=NOW - 50)]
+    assert plan(after) is None
+
+
+def test_margin_is_the_threshold():
+    # 2 + 1 with equal speeds: today 1.0, after a move 1.0 (stage 0 drops to 1): no gain, no move.
+    assert plan(swarm([[1.0, 1.0], [1.0]])) is None
+    # A slow stage 1 (0.5 vs 2 x 1.0): moving one stage-0 node gives min(1.0, 0.5 + 0.5) = 1.0.
+    slow = swarm([[1.0, 1.0], [0.5]])
+    assert plan(slow, margin=0.75) is not None  # 0.5 < 0.75 x 1.0
+    assert plan(slow, margin=0.4) is None       # 0.5 >= 0.4 x 1.0
+
+
+def test_capacity_on_the_target_is_scaled_by_the_stages_cost():
+    # Stage 1 costs twice as much per sequence (its replicas measure half): a stage-0 node of 2.0
+    # would sustain 1.0 there. 4 x 2.0 vs 2 x 1.0: move -> min(6.0, 3.0) = 3.0.
+    move = plan(swarm([[2.0, 2.0, 2.0, 2.0], [1.0, 1.0]]))
+    assert move is not None and move.throughput_after == pytest.approx(3.0)
+
+
+def test_the_fastest_useful_mover_is_chosen():
+    replicas = [Replica("a", 0, 1.0, movable=True), Replica("b", 0, 3.0, movable=True), Replica("c", 0, 1.0, movable=True),
+                Replica("d", 1, 1.0, movable=True)]
+    move = plan(replicas)
+    # Moving b (3.0, estimated 3.0 x 1.0 / (5/3) = 1.8 on stage 1): min(2.0, 2.8) = 2.0; moving a: min(4.0, 1.6).
+    assert move.peer_id == "b"
+
+
+@pytest.mark.parametrize("change", [
+    dict(status="leaving"), dict(status="joining"), dict(moved_at=NOW - 5.0),
+])
+def test_no_plan_while_the_swarm_is_unsettled(change):
+    replicas = swarm([[1.0, 1.0, 1.0], [1.0]])
+    replicas[1] = Replica(replicas[1].peer_id, 0, 1.0, movable=True, **{"status": "serving", **change})
+    assert plan(replicas) is None
+
+
+def test_pinned_nodes_cooldown_and_last_replicas_never_move():
+    assert plan(swarm([[1.0, 1.0, 1.0], [1.0]], movable=False)) is None
+    recently_moved = swarm([[1.0, 1.0, 1.0], [1.0]], moved_at=NOW - 50.0)  # settled, but within the cooldown
+    assert plan(recently_moved) is None
+    # Stage 0 has a single replica: it cannot leave it even though stage 1 is weaker per replica.
+    assert plan([Replica("a", 0, 5.0, movable=True), Replica("b", 1, 1.0, movable=True)]) is None
+
+
+def test_unmeasured_replicas_count_as_their_stages_mean_and_an_unmeasured_stage_waits():
+    assert plan(swarm([[1.0, 0.0, 1.0], [1.0]])) is not None
+    assert plan(swarm([[1.0, 1.0, 1.0], [0.0]])) is None
+
+
+def test_watch_returns_only_the_move_that_names_us():
+    replicas = swarm([[1.0, 1.0, 1.0], [1.0]])
+    calls = []
+
+    async def read():
+        calls.append(1)
+        return replicas
+
+    async def run(me):
+        return await asyncio.wait_for(watch(me=me, read=read, num_stages=2, margin=0.75, period_s=0.01, settle_s=1.0,
+                                            cooldown_s=1.0, clock=lambda: NOW), timeout=0.5)
+
+    assert asyncio.run(run("peer00")).target == 1
+    with pytest.raises(asyncio.TimeoutError):
+        asyncio.run(run("peer01"))  # the plan names peer00: peer01 keeps watching
+    assert len(calls) > 3
