@@ -50,6 +50,10 @@ class DhtMatching:
         return [Peer(r.peer_id, r.address, r.reach, r.capacity) for r in await self.directory.replicas(stage, fresh=True)
                 if r.status == "matching" and r.outer_round == round_index]
 
+    async def replica_count(self, stage: int) -> int:
+        """Live replicas of `stage`, ours included (a cached lookup is fine)."""
+        return len(await self.directory.replicas(stage))
+
 
 async def swarm_replicas(directory: PeerDirectory) -> list[Replica]:
     """Every compatible record in the DHT as a rebalancing Replica (runtime/rebalance.py)."""

@@ -50,6 +50,9 @@ class MatchingDirectory(Protocol):
     async def matching(self, stage: int, round_index: int) -> list[Peer]:
         """Replicas of `stage` that announce `matching` for `round_index` (fresh lookup)."""
 
+    async def replica_count(self, stage: int) -> int:
+        """Live replicas of `stage`, ours included (the gather window ends once all match)."""
+
 
 @dataclass
 class OuterCounters:
@@ -71,6 +74,17 @@ async def _wait(event: asyncio.Event, timeout_s: float) -> None:
             await asyncio.wait_for(event.wait(), timeout_s)
         except asyncio.TimeoutError:
             pass
+
+
+def drawn_mate(peer_ids: list[str], me: str, stage: int, round_index: int) -> str | None:
+    """`me`'s mate in the round's pairing of `peer_ids`: shuffled with a seed of (stage, round,
+    count), paired in that order; None for the odd one out. The same on every replica that sees
+    the same ids, and different from round to round."""
+    ids = sorted(set(peer_ids))
+    random.Random(f"{stage}:{round_index}:{len(ids)}").shuffle(ids)
+    index = ids.index(me)
+    mate = index + 1 if index % 2 == 0 else index - 1
+    return ids[mate] if mate < len(ids) else None
 
 
 class NoLoCoSync:
@@ -145,9 +159,10 @@ class NoLoCoSync:
         self.matching = True
         await self.set_status("matching", round_index)
         deadline = start + self.match_s
+        tried: set[str] = set()
+        await self._propose_to_drawn_mate(inner_step, round_index, deadline, tried)
         if self.rng.random() < 0.5:  # passive for a short random while, so proposals do not all cross
             await _wait(self.done, min(self.rng.uniform(0, 0.1 * self.match_s), deadline - time.monotonic()))
-        tried: set[str] = set()
         while not self.done.is_set() and time.monotonic() < deadline:
             if self.partner is not None:  # an accepted incoming session is running
                 await _wait(self.done, deadline - time.monotonic())
@@ -173,6 +188,41 @@ class NoLoCoSync:
                                       "seconds": time.monotonic() - start, **self._frozen.stats})
         await self.set_status("serving", round_index + 1)
         return outcome
+
+    async def _propose_to_drawn_mate(self, inner_step: int, round_index: int, deadline: float, tried: set[str]) -> None:
+        """The round's random pairing, drawn the same way on every replica: after a short gather
+        window, the replicas matching this round are shuffled with a seed of (stage, round) and
+        paired in that order; the lower peer id of each pair proposes, the other waits for it.
+
+        Without it, who pairs with whom follows who reaches the round first, and equal-speed
+        replicas reach it in the same order every round: the same pairs form again and again, so
+        the swarm splits into pairs that never mix (seen in the gamma x codec reproduction). When
+        views differ (a late replica), the random proposals below take over."""
+        gather_s = min(1.0, 0.1 * self.match_s)
+        gather_end = min(deadline, time.monotonic() + gather_s)
+        expected = await self._replica_count()
+        while True:
+            if self.done.is_set() or self.partner is not None:
+                return
+            matching = sorted({p.peer_id: p for p in await self.directory.matching(self.stage, round_index)
+                               if p.peer_id != self.peer_id and not self.bans.is_banned(p.peer_id)}.items())
+            if len(matching) + 1 >= expected or time.monotonic() >= gather_end:
+                break  # everyone we know of is here, or the window is over
+            await _wait(self.done, min(0.05, gather_end - time.monotonic()))
+        mate = drawn_mate([peer_id for peer_id, _ in matching] + [self.peer_id], self.peer_id, self.stage, round_index)
+        if mate is None:
+            return  # the odd one out this round: it proposes at random below
+        if self.peer_id < mate:
+            await self._propose(dict(matching)[mate], inner_step, deadline, tried)
+        else:
+            await _wait(self.done, min(2 * gather_s, deadline - time.monotonic()))
+
+    async def _replica_count(self) -> int:
+        count = getattr(self.directory, "replica_count", None)
+        try:
+            return await count(self.stage) if count is not None else 0
+        except Exception:  # noqa: BLE001 - unknown: wait out the whole gather window
+            return 1 << 30
 
     async def _propose(self, peer: Peer, inner_step: int, deadline: float, tried: set[str]) -> None:
         tried.add(peer.peer_id)

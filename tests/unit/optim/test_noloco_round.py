@@ -52,3 +52,18 @@ def test_cancelled_finish_still_completes_the_round():
     outcome, waited = asyncio.run(scenario())
     assert outcome == "solo" and sync.counters.solo == 1 and sync.counters.rounds == 1
     assert waited < 5
+
+
+def test_drawn_mates_agree_between_replicas_and_change_between_rounds():
+    from noloco_node.sync.noloco import drawn_mate
+
+    ids = ["a", "b", "c", "d"]
+    partners = {p: set() for p in ids}
+    for round_index in range(1, 21):
+        mates = {p: drawn_mate(ids, p, stage=1, round_index=round_index) for p in ids}
+        assert all(mates[mates[p]] == p for p in ids)  # symmetric: both sides draw the same pair
+        for p in ids:
+            partners[p].add(mates[p])
+    assert all(len(found) == 3 for found in partners.values())  # over 20 rounds everyone met everyone
+    odd = [drawn_mate(ids[:3], p, stage=0, round_index=2) for p in ids[:3]]
+    assert odd.count(None) == 1
