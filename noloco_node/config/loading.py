@@ -14,6 +14,10 @@ from typing import Any
 from noloco_node.config.sections import SECTIONS, ConfigError, NodeConfig
 
 
+# Optional fields for which the string "none" is a value of its own (a codec), not null.
+NONE_IS_A_VALUE = {("outer", "codec_phi"), ("outer", "codec_delta")}
+
+
 def _suggest(name: str, options: list[str]) -> str:
     close = difflib.get_close_matches(name, options, n=1)
     return f"did you mean '{close[0]}'? " if close else ""
@@ -66,6 +70,9 @@ def _build_section(section: str, cls: type, values: Mapping[str, Any]) -> Any:
                               f"{_suggest(key, list(hints))}valid fields: {', '.join(hints)}")
         if (section, key) == ("pipeline", "stage") and isinstance(value, str) and value.strip().lower() == "auto":
             value = None
+        if (section, key) in NONE_IS_A_VALUE and isinstance(value, str) and value.strip().lower() == "none":
+            kwargs[key] = "none"  # the lossless codec, not "unset" (which falls back to outer.codec)
+            continue
         kwargs[key] = _coerce(value, hints[key], f"{section}.{key}")
     try:
         return cls(**kwargs)

@@ -60,3 +60,12 @@ def test_manifest_hash_tracks_run_defining_fields_only():
     assert base.manifest_hash() == load_config(overrides=["network.port=1234", "pipeline.stage=1"]).manifest_hash()
     assert base.manifest_hash() != load_config(overrides=["outer.alpha=0.4"]).manifest_hash()
     assert base.manifest_hash() != base.manifest_hash("tokenizer:abc")
+
+
+def test_codec_none_is_the_lossless_codec_not_unset():
+    from noloco_node.config import load_config
+
+    config = load_config(overrides=["outer.codec=bf16", "outer.codec_delta=none", "outer.codec_phi=none"])
+    assert config.outer.codec_delta == "none" and config.outer.codec_phi == "none"
+    unset = load_config(overrides=["outer.codec=bf16", "outer.codec_delta=null"])
+    assert unset.outer.codec_delta == "bf16"  # null still means "use outer.codec"
