@@ -88,6 +88,7 @@ def outer_sync(rows: list[dict], path: Path) -> None:
     ns = sorted({r["n"] for r in rows})
     ax.set(xlabel="replicas N", ylabel="one outer round, median over peers (s)", title="outer sync time vs N", xscale="log")
     ax.set_xticks(ns, labels=[str(n) for n in ns])
+    ax.minorticks_off()  # the log axis' minor labels (3 x 10^0 ...) say nothing here
     ax.legend(fontsize=6)
     _save(fig, path)
 
