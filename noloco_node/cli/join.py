@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
+import time
 from pathlib import Path
 
 from noloco_node.cli.common import add_config_flags, resolve_config, stop_on_signals
@@ -145,9 +147,6 @@ async def _train_unless_moved(node, steps: int, stop: asyncio.Event, report) -> 
 async def _move(node, config, args: argparse.Namespace):
     """Leave this stage gracefully (withdraw, drain, no checkpoint of it) and come back on the
     planned one with the same identity; start() fetches the new stage's state from a replica."""
-    import dataclasses
-    import time
-
     from noloco_node.node import Node
 
     move = node.move

@@ -83,17 +83,15 @@ class Stage0Driver:
             inputs, labels = next(self.batches)
             micro = [(inputs[i:i + self.microbatch_size], labels[i:i + self.microbatch_size])
                      for i in range(0, inputs.shape[0], self.microbatch_size)]
-            self._gates.setdefault(batch, asyncio.Event())
             if batch == 0:
-                self._gates[0].set()
-            if self.sequential:
+                self._gates.setdefault(0, asyncio.Event()).set()
+            if not self.overlap:
                 first = len(self.log.losses)
-                for mb in micro:
-                    await self._complete(*mb, batch=batch)
-                await self._finish_batch([], batch, first, on_inner_step)
-            elif not self.overlap:
-                first = len(self.log.losses)
-                await asyncio.gather(*(self._complete(*mb, batch=batch) for mb in micro))
+                if self.sequential:
+                    for mb in micro:
+                        await self._complete(*mb, batch=batch)
+                else:
+                    await asyncio.gather(*(self._complete(*mb, batch=batch) for mb in micro))
                 await self._finish_batch([], batch, first, on_inner_step)
             else:
                 tasks = [asyncio.create_task(self._complete(*mb, batch=batch)) for mb in micro]
