@@ -66,6 +66,10 @@ def node_stats(self) -> dict:
         out["reissued_sequences"] = self.driver.log.reissued_sequences
         out["schedule"] = {"overlap": self.driver.overlap, "stale_microbatches": self.driver.log.stale_microbatches,
                            "max_staleness": self.driver.log.max_staleness}
+    elif self.stage_index == 0 and (self.resumed_from or {}).get("microbatches"):
+        # Restarted at its last step, this incarnation had nothing left to train: its predecessor's
+        # accounting (from the checkpoint) is the driver's whole story.
+        out["microbatches"] = dict(self.resumed_from["microbatches"])
     return out
 
 

@@ -30,6 +30,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import os
+import signal
 from functools import partial
 
 import torch
@@ -46,6 +48,24 @@ def round_key_bits(round_index: int) -> str:
     """The group-key bits of a round (hivemind's key is `prefix.0b<bits>`): averagers of different
     rounds never share a key, so they can never share a group."""
     return format(round_index % (1 << _ROUND_BITS), f"0{_ROUND_BITS}b")
+
+
+def _plain_signals_in_child() -> None:
+    """Runs in every process forked from a node (hivemind's DHT and averager). The node's asyncio
+    loop routes SIGTERM and SIGINT to a handler that only writes to the loop's wakeup pipe; a fork
+    inherits both, so the child ignored SIGTERM (hivemind's `terminate()` after a stuck shutdown
+    did nothing, and interpreter exit then waited on it: seen, 25-90 s per DiLoCo or dp node) and
+    woke the parent's loop as if the parent had been signalled. SIGTERM stops a child; SIGINT (a
+    Ctrl-C reaches the whole process group) is left to the parent, which shuts its children down."""
+    try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread of the main interpreter: nothing was inherited there
+        pass
+
+
+os.register_at_fork(after_in_child=_plain_signals_in_child)
 
 
 class _PartialResultCounter(logging.Handler):

@@ -56,7 +56,7 @@ def test_chaos_kill_and_restart_keeps_training_accounted(tmp_path, make_swarm):
     for s in final_drivers:
         mb = s["microbatches"]
         assert mb["issued"] == mb["completed"] + mb["dropped"], mb
-        assert all(math.isfinite(x) for x in s["losses"])
+        assert all(math.isfinite(x) for x in s.get("losses", []))  # none if restarted at its last step
     for s in stats.values():
         assert s["saved_inputs"] == 0 or s["stage"] == 0
 

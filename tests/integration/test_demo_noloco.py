@@ -39,10 +39,12 @@ def test_demo_noloco_d4_p2(tmp_path):
     # Stage-0 replicas step exactly once per batch: 4 rounds each. Stage-1 replicas step per B
     # sequences received, so their counts follow how routing shared the work: capacity routing
     # (the default) gives a replica measured faster more, but starves none. Together they stepped
-    # once per B of the 4 x 20 batches, less at most one partial batch each.
+    # once per B of the 4 x 20 batches, less at most one partial batch each; a microbatch the driver
+    # gave up on and reissued may have been computed at two replicas (B = 2 microbatches).
     assert [nodes[f"stage0/replica{r}"]["outer"]["rounds"] for r in range(4)] == [4, 4, 4, 4]
     stage1_steps = [nodes[f"stage1/replica{r}"]["inner_steps"] for r in range(4)]
-    assert 77 <= sum(stage1_steps) <= 80 and min(stage1_steps) >= 8, stage1_steps
+    most = 80 + (mb["reissued"] + 1) // 2
+    assert 77 <= sum(stage1_steps) <= most and min(stage1_steps) >= 8, (stage1_steps, mb)
     assert outer["paired"] > 0 and outer["paired"] + outer["solo"] == outer["rounds"]
     spread = summary["replica_spread_last"]
     assert spread is not None and 0 < spread < 1.0
