@@ -29,6 +29,11 @@ class PeerUnavailable(NodeError):
     hint = "the peer did not answer; it is banned for a while and another replica is tried"
 
 
+class PeerUnknown(PeerUnavailable):
+    code = "peer-unknown"
+    hint = "no live record of the peer was found in the DHT; a peer that has just joined can take a few seconds to appear"
+
+
 class TooLarge(NodeError):
     code = "too-large"
     hint = "the message exceeds this node's size limit"

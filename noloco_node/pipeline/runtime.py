@@ -18,7 +18,7 @@ from typing import Awaitable, Callable
 from torch import Tensor
 
 from noloco_node.codec import TensorSpec
-from noloco_node.errors import InvalidPayload, NodeError, PeerBusy, ProtocolMismatch, UnknownMicrobatch
+from noloco_node.errors import InvalidPayload, NodeError, PeerBusy, PeerUnknown, ProtocolMismatch, UnknownMicrobatch
 from noloco_node.pipeline.ports import Hop, MicrobatchKey, ReplicaDirectory, StageTransport
 from noloco_node.pipeline.router import Router
 from noloco_node.pipeline.worker import StageWorker
@@ -26,6 +26,9 @@ from noloco_node.runtime.compute import ComputeThread
 from noloco_node.runtime.faults import FaultInjector
 
 log = logging.getLogger(__name__)
+
+# Waits before looking an unknown upstream peer up again (each lookup is a fresh DHT get).
+BACKWARD_LOOKUP_RETRIES_S = (0.5, 1.0, 2.0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -274,15 +277,29 @@ class StageRuntime:
         return None
 
     async def _send_backward(self, upstream: Hop, key: MicrobatchKey, grad: Tensor, loss: float, tokens: int) -> None:
-        try:
-            await self.transport.backward(upstream.peer_id, key=key, target_stage=upstream.stage, grad=grad,
-                                          loss=loss, num_tokens=tokens)
-            self.stats.backwards_sent += 1
-        except NodeError as exc:
-            # The upstream hop holds the saved input; without it the microbatch is lost and
-            # stage 0 re-issues it after its timeout.
-            self.stats.send_failures += 1
-            log.info("backward of %s to %s failed: %s", key, upstream.peer_id[-8:], exc)
+        for retry_in in (*BACKWARD_LOOKUP_RETRIES_S, None):
+            try:
+                await self.transport.backward(upstream.peer_id, key=key, target_stage=upstream.stage, grad=grad,
+                                              loss=loss, num_tokens=tokens)
+                self.stats.backwards_sent += 1
+                return
+            except PeerUnknown as exc:
+                # A peer that has just joined can be missing from a DHT lookup for a few seconds (seen:
+                # a driver's first gradients lost 7 s after it announced, then its whole first batch
+                # waited out the microbatch timeout). The gradient is worth a short wait.
+                if retry_in is None:
+                    self._backward_failed(upstream, key, exc)
+                    return
+                await asyncio.sleep(retry_in)
+            except NodeError as exc:
+                self._backward_failed(upstream, key, exc)
+                return
+
+    def _backward_failed(self, upstream: Hop, key: MicrobatchKey, exc: NodeError) -> None:
+        # The upstream hop holds the saved input; without it the microbatch is lost and stage 0
+        # re-issues it after its timeout.
+        self.stats.send_failures += 1
+        log.info("backward of %s to %s failed: %s", key, upstream.peer_id[-8:], exc)
 
     async def expire_saved(self) -> int:
         expired = await self.compute.run(self.worker.expire)

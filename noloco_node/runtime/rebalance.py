@@ -9,7 +9,11 @@ pure function of that view, so every node computes the same one and only the nod
   node moved less than `settle_s` ago (its new stage is not measured yet), or a whole stage is
   unmeasured; so one node moves at a time. A single replica not measured yet counts as its
   stage's mean;
-- the target is the limiting stage; a candidate is a movable node on another stage that keeps at
+- the target is the limiting stage, and only when it is saturated: its replicas together do at
+  least `SATURATED` of what they can (throughput / capacity). A stage with spare capacity is not
+  what holds the swarm back, however small its total: the drivers' issue rate or the links are,
+  and taking a node from elsewhere (a stage-0 node is also a driver) would only lose its share;
+- a candidate is a movable node on another stage that keeps at
   least one replica there, its capacity on the target estimated from its own capacity scaled by the
   two stages' mean capacities (stages cost different compute per sequence);
 - the move that leaves the swarm the highest minimum wins (ties: the lowest peer id), and only if
@@ -32,12 +36,16 @@ from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
+SATURATED = 0.6
+"""A stage whose replicas do less than this share of their measured capacity has room to spare."""
+
 
 @dataclass(frozen=True)
 class Replica:
     peer_id: str
     stage: int
     capacity: float
+    throughput: float = 0.0
     status: str = "serving"
     movable: bool = False
     moved_at: float = 0.0
@@ -67,7 +75,7 @@ def _measured(r: Replica, stage_members: Sequence[Replica]) -> Replica:
     if r.capacity > 0:
         return r
     known = [m.capacity for m in stage_members if m.capacity > 0]
-    return Replica(r.peer_id, r.stage, sum(known) / len(known), r.status, r.movable, r.moved_at)
+    return Replica(r.peer_id, r.stage, sum(known) / len(known), r.throughput, r.status, r.movable, r.moved_at)
 
 
 def plan_move(replicas: Sequence[Replica], num_stages: int, *, margin: float, now: float, settle_s: float,
@@ -85,6 +93,8 @@ def plan_move(replicas: Sequence[Replica], num_stages: int, *, margin: float, no
     totals = stage_totals(replicas, num_stages)
     now_min = min(totals)
     target = min(range(num_stages), key=lambda s: (totals[s], s))
+    if sum(r.throughput for r in by_stage[target]) < SATURATED * totals[target]:
+        return None
     mean = [totals[s] / len(by_stage[s]) for s in range(num_stages)]
     best: Move | None = None
     for r in sorted(replicas, key=lambda r: r.peer_id):

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from noloco_node.errors import PeerUnavailable
+from noloco_node.errors import PeerUnavailable, PeerUnknown
 from noloco_node.transport.bridge import Libp2pBridge, PathTraffic
 from noloco_node.transport.channels import open_channel
 from noloco_node.transport.credentials import CallSigner
@@ -51,7 +51,7 @@ class Dialer:
         way to reach it (no live record, or a record we cannot use)."""
         contact = await self.lookup(peer_id)
         if contact is None:
-            raise PeerUnavailable(f"no live record for peer {peer_id[-8:]}: cannot dial it")
+            raise PeerUnknown(f"no live record for peer {peer_id[-8:]}: cannot dial it")
         known = self._channels.get(peer_id)
         if known is not None and known[0] == contact:
             return known[1], known[2]

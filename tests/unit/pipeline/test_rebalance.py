@@ -13,8 +13,9 @@ def plan(replicas, margin=0.75, settle_s=10.0, cooldown_s=100.0, num_stages=2):
     return plan_move(replicas, num_stages, margin=margin, now=NOW, settle_s=settle_s, cooldown_s=cooldown_s)
 
 
-def swarm(stages_caps, movable=True, **kw):
-    return [Replica(f"peer{s}{i}", s, cap, movable=movable, **kw)
+def swarm(stages_caps, movable=True, load=1.0, **kw):
+    """Replicas with these capacities, each doing `load` of its capacity (1.0 = saturated)."""
+    return [Replica(f"peer{s}{i}", s, cap, throughput=load * cap, movable=movable, **kw)
             for s, caps in enumerate(stages_caps) for i, cap in enumerate(caps)]
 
 
@@ -49,8 +50,8 @@ def test_capacity_on_the_target_is_scaled_by_the_stages_cost():
 
 
 def test_the_fastest_useful_mover_is_chosen():
-    replicas = [Replica("a", 0, 1.0, movable=True), Replica("b", 0, 3.0, movable=True), Replica("c", 0, 1.0, movable=True),
-                Replica("d", 1, 1.0, movable=True)]
+    replicas = [Replica("a", 0, 1.0, 1.0, movable=True), Replica("b", 0, 3.0, 3.0, movable=True),
+                Replica("c", 0, 1.0, 1.0, movable=True), Replica("d", 1, 1.0, 1.0, movable=True)]
     move = plan(replicas)
     # Moving b (3.0, estimated 3.0 x 1.0 / (5/3) = 1.8 on stage 1): min(2.0, 2.8) = 2.0; moving a: min(4.0, 1.6).
     assert move.peer_id == "b"
@@ -61,8 +62,22 @@ def test_the_fastest_useful_mover_is_chosen():
 ])
 def test_no_plan_while_the_swarm_is_unsettled(change):
     replicas = swarm([[1.0, 1.0, 1.0], [1.0]])
-    replicas[1] = Replica(replicas[1].peer_id, 0, 1.0, movable=True, **{"status": "serving", **change})
+    replicas[1] = Replica(replicas[1].peer_id, 0, 1.0, 1.0, movable=True, **{"status": "serving", **change})
     assert plan(replicas) is None
+
+
+def test_a_limiting_stage_with_room_to_spare_draws_no_node():
+    # Stage 1 is the smallest (1.0 vs 3.0) but does only half of what it can: the swarm is held
+    # back elsewhere (the drivers' issue rate, the links), and a move would only lose a driver.
+    idle_target = swarm([[1.0, 1.0, 1.0], [1.0]], load=0.5)
+    assert plan(idle_target) is None
+    busy = swarm([[1.0, 1.0, 1.0], [1.0]], load=0.7)
+    assert plan(busy) is not None
+    # One fast replica busy and two slow ones idle (capacity routing sends them little): together
+    # 1.0 of 2.0, not saturated.
+    mixed = swarm([[2.0, 2.0, 2.0]]) + [Replica("s0", 1, 1.0, 1.0, movable=True), Replica("s1", 1, 0.5, 0.0, movable=True),
+                                        Replica("s2", 1, 0.5, 0.0, movable=True)]
+    assert plan(mixed) is None
 
 
 def test_pinned_nodes_cooldown_and_last_replicas_never_move():

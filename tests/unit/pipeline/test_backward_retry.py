@@ -1,0 +1,53 @@
+"""A gradient whose upstream peer is not (yet) in the DHT is retried a few times before it is
+given up; any other send failure is given up at once (the upstream re-issues after its timeout)."""
+
+import asyncio
+
+import pytest
+import torch
+
+from noloco_node.errors import PeerUnavailable, PeerUnknown
+from noloco_node.pipeline import runtime as runtime_module
+from noloco_node.pipeline.ports import Hop, MicrobatchKey
+from noloco_node.pipeline.runtime import RuntimeStats, StageRuntime
+
+
+class FlakyTransport:
+    def __init__(self, failures: list[Exception]) -> None:
+        self.failures, self.attempts = list(failures), 0
+
+    async def backward(self, peer_id, **_):
+        self.attempts += 1
+        if self.failures:
+            raise self.failures.pop(0)
+
+
+def send(transport: FlakyTransport) -> RuntimeStats:
+    runtime = object.__new__(StageRuntime)  # only the send path: no worker, server or directory
+    runtime.transport, runtime.stats = transport, RuntimeStats()
+    key = MicrobatchKey(origin="QmOrigin", sequence=0, attempt=0)
+    asyncio.run(runtime._send_backward(Hop(peer_id="QmOrigin", address="127.0.0.1:1", stage=0), key, torch.zeros(1), 0.0, 1))
+    return runtime.stats
+
+
+@pytest.fixture(autouse=True)
+def no_waiting(monkeypatch):
+    monkeypatch.setattr(runtime_module, "BACKWARD_LOOKUP_RETRIES_S", (0.0, 0.0, 0.0))
+
+
+def test_a_peer_that_appears_in_the_dht_gets_its_gradient():
+    transport = FlakyTransport([PeerUnknown("no record"), PeerUnknown("no record")])
+    stats = send(transport)
+    assert (transport.attempts, stats.backwards_sent, stats.send_failures) == (3, 1, 0)
+
+
+def test_a_peer_that_never_appears_is_given_up_after_the_retries():
+    transport = FlakyTransport([PeerUnknown("no record")] * 10)
+    stats = send(transport)
+    assert (transport.attempts, stats.backwards_sent, stats.send_failures) == (4, 0, 1)
+
+
+def test_a_peer_that_does_not_answer_is_not_retried():
+    transport = FlakyTransport([PeerUnavailable("connection refused")])
+    stats = send(transport)
+    assert (transport.attempts, stats.backwards_sent, stats.send_failures) == (1, 0, 1)
