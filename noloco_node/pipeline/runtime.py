@@ -80,6 +80,7 @@ class StageRuntime:
                  delay_before_forward_s: float = 0.0, faults: FaultInjector | None = None,
                  routing: str = "random", routing_seed: int = 0) -> None:
         self.shape, self.worker, self.compute = shape, worker, compute
+        worker.defer_step = worker.auto_step  # _step_and_send_backward takes the step the worker leaves due
         self.transport, self.directory, self.router, self.me = transport, directory, router, me
         self.max_in_flight, self.send_deadline_s = max_in_flight, send_deadline_s
         self.on_stage0_backward = on_stage0_backward
@@ -177,8 +178,7 @@ class StageRuntime:
                 before = self.worker.inner_steps
                 grad, loss, tokens = await self.compute.run(self.worker.forward_backward_last, activations, ticket.labels)
                 self._release(key)
-                await self._after_compute(before)
-                await self._send_backward(ticket.route[-1], key, grad, loss, tokens)
+                await self._step_and_send_backward(before, ticket.route[-1], key, grad, loss, tokens)
                 return
             output = await self.compute.run(self.worker.forward, key, activations)
             if await self.send_forward(key, ticket.route + [self.me], output, ticket.labels) is None:
@@ -202,14 +202,30 @@ class StageRuntime:
             self._release(key)
             return
         self._release(key)
-        await self._after_compute(before)
         # Mid-backward: our gradients are accumulated, upstream has not been sent its gradient yet.
-        await self.faults.hit("mid_backward")
         if self.shape.is_first:
+            await self._after_compute(before)
+            await self.faults.hit("mid_backward")
             if self.on_stage0_backward is not None:
                 self.on_stage0_backward(key, ticket.loss)
             return
-        await self._send_backward(ticket.route[-1], key, grad_input, ticket.loss, ticket.num_tokens)
+        await self.faults.hit("mid_backward")
+        await self._step_and_send_backward(before, ticket.route[-1], key, grad_input, ticket.loss, ticket.num_tokens)
+
+    async def _step_and_send_backward(self, steps_before: int, upstream: Hop, key: MicrobatchKey, grad: Tensor,
+                                      loss: float, tokens: int) -> None:
+        """Send the input gradient upstream with this stage's inner step out of its way: a step due
+        (the batch's last gradient) is queued on the compute thread first, so it runs while the
+        gradient travels and the upstream stage computes its backward. Still exact: upstream can
+        issue batch k+1 only after this gradient, and any later compute here takes the step first
+        (worker.step_if_due)."""
+        stepping = self.compute.submit(self.worker.step_if_due) if self.worker.step_due else None
+        if stepping is None:
+            await self._after_compute(steps_before)
+        await self._send_backward(upstream, key, grad, loss, tokens)
+        if stepping is not None:
+            await stepping
+            await self._after_compute(steps_before)
 
     async def _after_compute(self, steps_before: int) -> None:
         if self.dp_step is not None and self.worker.sequences_since_step >= self.worker.batch_size:

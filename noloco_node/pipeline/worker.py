@@ -72,11 +72,18 @@ class StageWorker:
         self.dropped_non_finite = 0
         self.repairs = 0
         self.compute_delay_s = compute_delay_s  # faults.compute_delay_s: emulates a slower device
+        # With defer_step, a batch's auto step is left due (step_due) for the caller to run once the
+        # batch's last input gradient is on its way upstream (pipeline/runtime.py), so the step
+        # overlaps the upstream stage's backward instead of delaying it. Any compute that comes
+        # first takes the due step before it starts, so the order of work is the same either way.
+        self.defer_step = False
+        self.step_due = False
 
     def forward(self, key: Hashable, inputs: Tensor, *, keep_graph: bool = False) -> Tensor:
         """Forward without a graph, keeping `inputs` for the backward's recompute; or, with
         `keep_graph`, keep the autograd graph instead (only safe when no inner step can happen
         before this microbatch's backward, as on stage 0, whose driver steps between batches)."""
+        self.step_if_due()
         self._slow_down()
         inputs = self._to_device(inputs)
         saved = Saved(inputs, self.clock())
@@ -91,6 +98,7 @@ class StageWorker:
     def forward_backward_last(self, inputs: Tensor, labels: Tensor) -> tuple[Tensor, float, int]:
         """Last stage: loss (token mean, scaled by b/B for accumulation), backward; returns
         (grad w.r.t. inputs, unscaled loss, tokens)."""
+        self.step_if_due()
         self._slow_down(2)
         x = self._to_device(inputs).detach().requires_grad_()
         with self._autocast():
@@ -103,6 +111,7 @@ class StageWorker:
     def forward_backward_whole(self, inputs: Tensor, labels: Tensor) -> tuple[float, int]:
         """A single-stage swarm (P = 1): the whole model here, from token ids to loss and back;
         returns (unscaled loss, tokens)."""
+        self.step_if_due()
         self._slow_down(2)
         with self._autocast():
             loss = LlamaStage.loss(self.stage(self._to_device(inputs)), self._to_device(labels))
@@ -114,6 +123,7 @@ class StageWorker:
     def backward(self, key: Hashable, grad_output: Tensor) -> Tensor | None:
         """Recompute from the saved input and backpropagate `grad_output`; returns the input
         gradient, or None on stage 0 (whose input is token ids)."""
+        self.step_if_due()
         saved = self.saved.pop(key)
         self._slow_down()
         inputs, grad_output = saved.inputs, self._to_device(grad_output)
@@ -164,7 +174,18 @@ class StageWorker:
         # Step before the caller sends the input gradient on: the gradient is already computed,
         # and the upstream stage must not issue the next batch before this stage has stepped.
         if self.auto_step and self.sequences_since_step >= self.batch_size:
-            self.step()
+            if self.defer_step:
+                self.step_due = True
+            else:
+                self.step()
+
+    def step_if_due(self) -> bool:
+        """Take the auto step left due (defer_step); whether there was one."""
+        if not self.step_due:
+            return False
+        self.step_due = False
+        self.step()
+        return True
 
     def step(self) -> float:
         self._inject_nan_gradients()

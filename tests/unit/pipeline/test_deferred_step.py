@@ -1,0 +1,47 @@
+"""A last stage's auto step left due until its gradient has been sent (worker.defer_step) gives
+the same weights, step for step, as the step taken at once; and any compute that comes first
+takes the due step before it starts."""
+
+import torch
+
+from noloco_node.model.stage import build_stage, llama_config
+from noloco_node.optim.inner import InnerOptimizer, InnerSchedule
+from noloco_node.pipeline.worker import StageWorker
+
+HIDDEN, SEQ, VOCAB = 16, 8, 32
+
+
+def last_stage_worker(defer: bool) -> StageWorker:
+    config = llama_config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=32, num_layers=2, num_heads=2,
+                          max_seq_len=SEQ)
+    stage = build_stage(config, seed=0, stage_index=1, num_stages=2)
+    inner = InnerOptimizer(stage.parameters(), InnerSchedule(lr_max=1e-2, warmup_steps=1, total_steps=10))
+    worker = StageWorker(stage, inner, batch_size=4, saved_ttl_s=60.0, auto_step=True)
+    worker.defer_step = defer
+    return worker
+
+
+def microbatches(n: int):
+    gen = torch.Generator().manual_seed(1)
+    return [(torch.randn(2, SEQ, HIDDEN, generator=gen), torch.randint(0, VOCAB, (2, SEQ), generator=gen))
+            for _ in range(n)]
+
+
+def test_a_deferred_step_waits_for_the_caller_and_changes_nothing():
+    now, deferred = last_stage_worker(False), last_stage_worker(True)
+    data = microbatches(6)  # 3 batches of 2 microbatches (B = 4 sequences)
+    for i, (x, y) in enumerate(data):
+        grad_now = now.forward_backward_last(x, y)[0]
+        grad_deferred = deferred.forward_backward_last(x, y)[0]
+        torch.testing.assert_close(grad_deferred, grad_now, rtol=0, atol=0)
+        if i % 2 == 1:  # the batch's last gradient: stepped at once in one, due in the other
+            assert now.inner_steps == i // 2 + 1 and deferred.inner_steps == i // 2 and deferred.step_due
+            if i == 1:
+                assert deferred.step_if_due() and not deferred.step_if_due()  # the caller takes it, once
+            # after batch 2 the caller is slow: the next batch's first microbatch takes it first
+        else:
+            assert not deferred.step_due
+    assert deferred.step_if_due()  # the last batch's step, left to the caller
+    assert now.inner_steps == deferred.inner_steps == 3
+    for (name, a), b in zip(now.stage.named_parameters(), deferred.stage.parameters()):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
