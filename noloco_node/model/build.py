@@ -137,9 +137,13 @@ def check_fits(cfg, config: LlamaConfig, ranges: list[range], stage_index: int, 
     from noloco_node.model.memory import GIB, available_bytes, describe, estimate
 
     p = cfg.pipeline
-    need = estimate(config, ranges[stage_index], first=stage_index == 0, last=stage_index == p.num_stages - 1,
+    first, last = stage_index == 0, stage_index == p.num_stages - 1
+    overlap = first and not last and p.schedule == "overlap"
+    graphs = min(p.max_in_flight, (2 if overlap else 1) * p.batch_size // p.microbatch_size) if first and not last else 1
+    need = estimate(config, ranges[stage_index], first=first, last=last,
                     outer=cfg.outer.method in ("noloco", "diloco"), max_in_flight=p.max_in_flight,
-                    microbatch=p.microbatch_size, seq_len=cfg.model.seq_len, checkpointing=p.activation_checkpointing)
+                    microbatch=p.microbatch_size, seq_len=cfg.model.seq_len, checkpointing=p.activation_checkpointing,
+                    graphs=graphs, weight_stash=overlap)
     free = available_bytes(device)
     if free is None or need.total <= headroom * free:
         return

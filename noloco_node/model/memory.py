@@ -4,10 +4,13 @@ numbers and the fix instead of dying out of memory mid-run.
 
 Per parameter (fp32): the weights theta, their gradient, Adam's two moments, and for the outer
 methods phi and m: 16 or 24 bytes. Per microbatch in flight: its saved input (b x T x h, fp32).
-At most one microbatch's autograd graph lives at a time (the compute thread recomputes it in
-backward); its activations per decoder layer follow Korthikanti et al. 2022 (34 b T h + 5 b a T^2
-values per layer at 2 bytes; doubled here for fp32), or only the layer inputs plus one layer's
-worth with activation checkpointing; the last stage adds logits and their gradient (3 b T V fp32).
+Past stage 0 at most one microbatch's autograd graph lives at a time (the compute thread
+recomputes it in backward); stage 0 keeps the graph of each microbatch it has in flight (`graphs`:
+a batch's, two batches' under the overlap schedule, which also keeps one copy of the stage's
+weights). A graph's activations per decoder layer follow Korthikanti et al. 2022 (34 b T h +
+5 b a T^2 values per layer at 2 bytes; doubled here for fp32), or only the layer inputs plus one
+layer's worth with activation checkpointing; the last stage adds logits and their gradient
+(3 b T V fp32).
 """
 
 from __future__ import annotations
@@ -39,14 +42,16 @@ def stage_params(config, layer_range: range, *, first: bool, last: bool) -> int:
 
 
 def estimate(config, layer_range: range, *, first: bool, last: bool, outer: bool, max_in_flight: int,
-             microbatch: int, seq_len: int, checkpointing: bool, bytes_per_value: int = 4) -> StageMemory:
+             microbatch: int, seq_len: int, checkpointing: bool, bytes_per_value: int = 4, graphs: int = 1,
+             weight_stash: bool = False) -> StageMemory:
     params = stage_params(config, layer_range, first=first, last=last)
-    state = params * 4 * (6 if outer else 4)
+    state = params * 4 * ((6 if outer else 4) + weight_stash)
     b, t, h, a = microbatch, seq_len, config.hidden_size, config.num_attention_heads
     saved = 0 if first else max_in_flight * b * t * h * 4
     per_layer = (34 * b * t * h + 5 * b * a * t * t) * bytes_per_value // 2
     layers = len(layer_range)
     activations = (layers * b * t * h * bytes_per_value + per_layer) if checkpointing else layers * per_layer
+    activations *= max(1, graphs)
     if last:
         activations += 3 * b * t * config.vocab_size * 4
     return StageMemory(params, state, saved, activations, outer)
@@ -77,4 +82,4 @@ def describe(m: StageMemory) -> str:
     kept = "weights, gradients, Adam, phi and m" if m.outer else "weights, gradients and Adam"
     return (f"{m.total / GIB:.2f} GiB ({m.params:,} parameters: {m.state_bytes / GIB:.2f} GiB for {kept}; "
             f"{m.saved_inputs_bytes / GIB:.2f} GiB of saved inputs; {m.activation_bytes / GIB:.2f} GiB "
-            f"of activations for one microbatch)")
+            f"of activations)")

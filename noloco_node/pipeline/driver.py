@@ -64,6 +64,9 @@ class Stage0Driver:
         runtime.on_stage0_backward = self._on_backward
         if self.overlap:
             runtime.before_stage0_backward = self._wait_for_gate
+            # A step can fall between a forward and its backward: graphs are built on a copy of the
+            # weights their forward saw, so they survive the step and give that copy's gradient.
+            runtime.worker.stash_weights = True
 
     def request_stop(self) -> None:
         """Finish the inner step under way (its microbatches complete and it steps), then return
@@ -169,11 +172,10 @@ class Stage0Driver:
             future = asyncio.get_running_loop().create_future()
             self._pending[key] = future
             try:
-                # Exact: stage 0 steps only between batches, so it keeps the graph instead of
-                # recomputing. Overlap: a step can come between this forward and its backward.
+                # Stage 0 keeps the graph instead of recomputing: in exact mode it steps only
+                # between batches; in overlap mode the graph is built on stashed weights.
                 steps_at_forward = self.runtime.worker.inner_steps
-                output = await self.runtime.compute.run(self.runtime.worker.forward, key, inputs,
-                                                        keep_graph=not self.overlap)
+                output = await self.runtime.compute.run(self.runtime.worker.forward, key, inputs, keep_graph=True)
                 route = [Hop(me.peer_id, me.address, 0)]
                 self.runtime.in_flight[key] = Ticket(key=key, route=route)  # admits the gradient's Backward
                 sent = await self.runtime.send_forward(key, route, output, labels, avoid=frozenset(lost_on))

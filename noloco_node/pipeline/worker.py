@@ -41,6 +41,7 @@ class Saved:
     inputs: Tensor
     created: float
     output: Tensor | None = None  # the autograd graph, when kept instead of recomputed
+    stash: dict[str, Tensor] | None = None  # the weight copy the graph was built on (stash_weights)
 
 
 class StageWorker:
@@ -78,11 +79,22 @@ class StageWorker:
         # first takes the due step before it starts, so the order of work is the same either way.
         self.defer_step = False
         self.step_due = False
+        # With stash_weights (stage 0 under the overlap schedule), a kept graph is built on a copy of
+        # the weights taken at their current version, not on the parameters themselves: an inner
+        # step can then come between the forward and its backward (the step updates the parameters
+        # in place, which would void a graph built on them), and the backward is still the exact
+        # gradient at the weights the forward saw (weight stashing, as PipeDream), added into the
+        # parameters' gradients at the next step. One copy per weight version, shared by its
+        # microbatches.
+        self.stash_weights = False
+        self._stash: tuple[int, dict[str, Tensor]] | None = None
+        self._stashes_with_gradients: list[dict[str, Tensor]] = []
 
     def forward(self, key: Hashable, inputs: Tensor, *, keep_graph: bool = False) -> Tensor:
         """Forward without a graph, keeping `inputs` for the backward's recompute; or, with
-        `keep_graph`, keep the autograd graph instead (only safe when no inner step can happen
-        before this microbatch's backward, as on stage 0, whose driver steps between batches)."""
+        `keep_graph`, keep the autograd graph instead: safe when no inner step can happen before
+        this microbatch's backward (stage 0 in exact mode, whose driver steps between batches), or
+        with stash_weights (the graph is built on a copy of the weights)."""
         self.step_if_due()
         self._slow_down()
         inputs = self._to_device(inputs)
@@ -90,7 +102,11 @@ class StageWorker:
         self.saved[key] = saved
         if keep_graph:
             with self._autocast():
-                saved.output = self.stage(inputs)
+                if self.stash_weights:
+                    saved.stash = self._current_stash()
+                    saved.output = torch.func.functional_call(self.stage, saved.stash, (inputs,))
+                else:
+                    saved.output = self.stage(inputs)
             return self._to_host(saved.output.detach())
         with torch.no_grad(), self._autocast():
             return self._to_host(self._finite(self.stage(inputs), key, "output"))
@@ -130,6 +146,8 @@ class StageWorker:
         if saved.output is not None:
             saved.output.backward(grad_output.to(saved.output.dtype))
             grad_input = None if self.stage.is_first else inputs.grad
+            if saved.stash is not None and not any(saved.stash is s for s in self._stashes_with_gradients):
+                self._stashes_with_gradients.append(saved.stash)
         else:
             x = inputs if self.stage.is_first else inputs.detach().requires_grad_()
             with self._autocast():
@@ -138,6 +156,30 @@ class StageWorker:
             grad_input = None if self.stage.is_first else x.grad
         self._count(inputs.shape[0], inputs.shape[0] * inputs.shape[1])
         return self._to_host(grad_input if grad_input is None else self._finite(grad_input, key, "input gradient"))
+
+    def _current_stash(self) -> dict[str, Tensor]:
+        # Parameter version counters move with every in-place change (inner and outer steps,
+        # repairs, loaded state), so a stale copy is never reused.
+        version = sum(p._version for p in self.params.values())
+        if self._stash is None or self._stash[0] != version:
+            self._stash = (version, {n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in self.params.items()})
+        return self._stash[1]
+
+    def _take_stash_gradients(self) -> None:
+        """Before a step: the gradients accumulated on weight copies join the parameters' own, once
+        per copy and step rather than once per microbatch. They are all this step's: the overlap
+        schedule holds a batch's backwards until the previous step is taken."""
+        for stash in self._stashes_with_gradients:
+            for name, copy in stash.items():
+                if copy.grad is None:
+                    continue
+                param = self.params[name]
+                if param.grad is None:
+                    param.grad = copy.grad
+                else:
+                    param.grad.add_(copy.grad)
+                copy.grad = None
+        self._stashes_with_gradients.clear()
 
     def _finite(self, tensor: Tensor, key, what: str) -> Tensor:
         if not bool(torch.isfinite(tensor).all()):
@@ -188,6 +230,7 @@ class StageWorker:
         return True
 
     def step(self) -> float:
+        self._take_stash_gradients()
         self._inject_nan_gradients()
         self.last_lr, norm = self.inner.step()
         self.sequences_since_step = max(0, self.sequences_since_step - self.batch_size)

@@ -62,9 +62,12 @@ def test_swarm_key_admits_members_and_refuses_everyone_else(tmp_path, make_swarm
     assert again.returncode != 0 and "exists" in again.stderr
 
     steps = 6
+    # Balanced routing: both stage-1 replicas get the same share and reach each outer round
+    # together, so that they pair is down to the swarm key alone (capacity routing under load
+    # could let one run a round ahead of the other in a run this short).
     overrides = tiny_overrides(tmp_path, **{"outer.method": "noloco", "outer.inner_steps_per_outer": 2,
                                             "inner.total_steps": steps, "security.swarm_key_file": str(key),
-                                            "run.run_id": "keyed"})
+                                            "run.run_id": "keyed", "pipeline.routing": "balanced"})
     prepare_tokenizer(overrides)
     swarm = make_swarm(overrides)
     servers = [swarm.start_node(1, r) for r in range(2)]

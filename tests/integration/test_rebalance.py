@@ -1,5 +1,7 @@
 """Rebalancing with real processes: 3 replicas on stage 0 and 1 on stage 1, all allowed to move
-(pipeline.rebalance = true). Stage 1 limits the swarm 3:1, so exactly one stage-0 node moves:
+(pipeline.rebalance = true). The stage-1 replica is slowed (faults.compute_delay_s, a slower
+device: on a tiny CPU model the compute alone would not saturate it, and a stage with room to spare
+is not moved to), so stage 1 limits the swarm and exactly one stage-0 node moves:
 it finishes its inner step, drains, withdraws, fetches stage 1's state from the stage-1 replica
 and serves there; the swarm ends 2 + 2, no microbatch is lost in the move, and nobody moves twice."""
 
@@ -31,7 +33,7 @@ def test_three_plus_one_rebalances_to_two_plus_two(tmp_path, make_swarm):
         return swarm.start_node(stage, replica, "--events", str(events[(stage, replica)]), "--set",
                                 "pipeline.rebalance=true", *extra)
 
-    server = start(1, 0)
+    server = start(1, 0, "--set", "faults.compute_delay_s=0.01")
     swarm.wait_ready([server])
     drivers = [start(0, r, "--steps", str(STEPS)) for r in range(3)]
     swarm.wait_ready(drivers)
