@@ -6,7 +6,11 @@ All train the same model on the same data for the same steps; tokens/s is measur
 steps after a warm-up (the swarm from its stage-0 step timestamps, so start-up is excluded).
 Prints each figure, its ratio to the one process, the loss of the last step (so the overlap
 schedule's staleness shows in the loss, next to exact mode's) and how many microbatches saw an
-inner step between their forward and backward.
+inner step between their forward and backward. Each P's line first gives the layer split and how
+evenly whole layers can balance the stages (mean stage cost over the largest, by model/split.py's
+cost model): a pipeline runs at its slowest stage, so with one process per core (P = 2 here) that
+share bounds the ratio to one process. With the default 4 layers, P = 2 splits 3 + 1 at 0.88;
+`--layers 8` splits 5 + 3 at 0.93.
 
     .venv/bin/python benchmarks/pipeline_throughput.py [--steps 20] [--warmup 3] [--hidden 256] [--stages 2 4]
 """
@@ -21,6 +25,8 @@ from pathlib import Path
 from two_stage_runs import one_process, staged_swarm
 
 from noloco_node.config import load_config
+from noloco_node.model.build import run_model, stage_ranges
+from noloco_node.model.split import per_token_costs
 from noloco_node.data.corpus import resolve_corpus
 from noloco_node.data.tokenizer import load_tokenizer
 
@@ -31,6 +37,17 @@ def overrides(args, cache_dir: str) -> list[str]:
             f"pipeline.batch_size={args.batch}", f"pipeline.microbatch_size={args.micro}",
             f"pipeline.activation_codec={args.codec}", "inner.lr=1e-3", "inner.warmup_steps=1",
             f"inner.total_steps={args.steps + args.warmup}", "outer.method=none", "pipeline.max_in_flight=16"]
+
+
+def split_bound(llama, stages: int, seq_len: int) -> tuple[list[int], float]:
+    """The layers per stage the node computes, and the throughput a pipeline of whole layers can
+    reach at best against a perfect split: mean stage cost / the largest (model/split.py's cost model)."""
+    kv = llama.hidden_size * (llama.num_key_value_heads or llama.num_attention_heads) // llama.num_attention_heads
+    embed, layer, head = per_token_costs(hidden=llama.hidden_size, intermediate=llama.intermediate_size, kv_hidden=kv,
+                                         vocab=llama.vocab_size, seq_len=seq_len)
+    ranges = stage_ranges(llama, stages, seq_len=seq_len)
+    costs = [len(r) * layer + (embed if s == 0 else 0.0) + (head if s == stages - 1 else 0.0) for s, r in enumerate(ranges)]
+    return [len(r) for r in ranges], sum(costs) / len(costs) / max(costs)
 
 
 def main() -> None:
@@ -56,10 +73,14 @@ def main() -> None:
         baseline, _ = one_process(config, corpus, tokenizer, args)
         print(f"one process, 2 threads: {baseline:9.0f} tokens/s")
         results = {"one_process_tok_s": baseline, "swarms": []}
+        llama, _ = run_model(config, len(tokenizer))
         for stages in args.stages:
+            layers, bound = split_bound(llama, stages, args.seq_len)
+            print(f"P={stages}: layers per stage {layers}; whole layers balance the stages to {bound:.2f} of a perfect split")
             for schedule in args.schedules:
                 run = staged_swarm(sets + [f"pipeline.schedule={schedule}"], args, Path(tmp) / f"swarm-{stages}-{schedule}", stages)
-                results["swarms"].append({"stages": stages, "schedule": schedule, "tok_s": run["tok_s"],
+                results["swarms"].append({"stages": stages, "schedule": schedule, "layers_per_stage": layers,
+                                          "split_balance": bound, "tok_s": run["tok_s"],
                                           "ratio": run["tok_s"] / baseline, "final_loss": run["final_loss"],
                                           **run["schedule"]})
                 print(f"P={stages} x 1 {schedule:7s} over gRPC, 1 thread/process: {run['tok_s']:9.0f} tokens/s, "
