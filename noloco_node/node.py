@@ -108,6 +108,8 @@ class Node:
                                   device=self.device, bf16_autocast=cfg.pipeline.bf16_autocast, faults=self.faults,
                                   emit=self.events.emit, slow_weights=None if dp or cfg.outer.method == "none" else
                                   lambda: self.outer_state.phi, compute_delay_s=cfg.faults.compute_delay_s)
+        # Overlap: a step can fall between a microbatch's forward and its backward here (worker.py).
+        self.worker.stash_weights = cfg.pipeline.schedule == "overlap" and not self.stage.is_last
         self.all_reduce = None
         self.dp_step = None
         if cfg.outer.method in ("diloco", "dp"):

@@ -157,8 +157,8 @@ class PipelineConfig:
     """Stage 0's schedule. exact: a batch's microbatches all complete and the stage steps before
     the next batch starts (the oracle-equal mode). overlap: the next batch's forwards start while
     the current batch's gradients drain, so the pipeline never empties at a step boundary; those
-    forwards see weights one inner step old (staleness bounded by 1): stage 0 builds their graph on
-    a copy of those weights, and their backward waits for the step and gives the gradient at them
+    forwards see weights one inner step old (staleness bounded by 1): each stage keeps a copy of
+    those weights for their backward, which waits for the step and gives the gradient at them
     (weight stashing). Not with outer.method = dp (lockstep)."""
     rebalance: bool | None = None
     """May this node move to another stage when that stage limits the swarm (runtime/rebalance.py)?

@@ -138,7 +138,7 @@ def check_fits(cfg, config: LlamaConfig, ranges: list[range], stage_index: int, 
 
     p = cfg.pipeline
     first, last = stage_index == 0, stage_index == p.num_stages - 1
-    overlap = first and not last and p.schedule == "overlap"
+    overlap = not last and p.schedule == "overlap"  # weight stashing (pipeline/worker.py): one copy
     graphs = min(p.max_in_flight, (2 if overlap else 1) * p.batch_size // p.microbatch_size) if first and not last else 1
     need = estimate(config, ranges[stage_index], first=first, last=last,
                     outer=cfg.outer.method in ("noloco", "diloco"), max_in_flight=p.max_in_flight,

@@ -6,8 +6,8 @@ Per parameter (fp32): the weights theta, their gradient, Adam's two moments, and
 methods phi and m: 16 or 24 bytes. Per microbatch in flight: its saved input (b x T x h, fp32).
 Past stage 0 at most one microbatch's autograd graph lives at a time (the compute thread
 recomputes it in backward); stage 0 keeps the graph of each microbatch it has in flight (`graphs`:
-a batch's, two batches' under the overlap schedule, which also keeps one copy of the stage's
-weights). A graph's activations per decoder layer follow Korthikanti et al. 2022 (34 b T h +
+a batch's, or two batches' under the overlap schedule). Under overlap every stage but the last
+also keeps one copy of its weights (`weight_stash`). A graph's activations per decoder layer follow Korthikanti et al. 2022 (34 b T h +
 5 b a T^2 values per layer at 2 bytes; doubled here for fp32), or only the layer inputs plus one
 layer's worth with activation checkpointing; the last stage adds logits and their gradient
 (3 b T V fp32).

@@ -79,13 +79,13 @@ class StageWorker:
         # first takes the due step before it starts, so the order of work is the same either way.
         self.defer_step = False
         self.step_due = False
-        # With stash_weights (stage 0 under the overlap schedule), a kept graph is built on a copy of
-        # the weights taken at their current version, not on the parameters themselves: an inner
-        # step can then come between the forward and its backward (the step updates the parameters
-        # in place, which would void a graph built on them), and the backward is still the exact
-        # gradient at the weights the forward saw (weight stashing, as PipeDream), added into the
-        # parameters' gradients at the next step. One copy per weight version, shared by its
-        # microbatches.
+        # With stash_weights (the overlap schedule, on every stage that has a backward apart from its
+        # forward), a forward runs on a copy of the weights taken at their current version, and its
+        # backward (kept graph on stage 0, recompute past it) on that same copy: an inner step can
+        # come between the two (it updates the parameters in place, which would void a graph built
+        # on them and change a recompute), and the backward is still the exact gradient at the
+        # weights the forward saw (weight stashing, as PipeDream), added into the parameters'
+        # gradients at the next step. One copy per weight version, shared by its microbatches.
         self.stash_weights = False
         self._stash: tuple[int, dict[str, Tensor]] | None = None
         self._stashes_with_gradients: list[dict[str, Tensor]] = []
@@ -100,16 +100,13 @@ class StageWorker:
         inputs = self._to_device(inputs)
         saved = Saved(inputs, self.clock())
         self.saved[key] = saved
+        saved.stash = self._current_stash() if self.stash_weights else None
         if keep_graph:
             with self._autocast():
-                if self.stash_weights:
-                    saved.stash = self._current_stash()
-                    saved.output = torch.func.functional_call(self.stage, saved.stash, (inputs,))
-                else:
-                    saved.output = self.stage(inputs)
+                saved.output = self._run_stage(inputs, saved.stash)
             return self._to_host(saved.output.detach())
         with torch.no_grad(), self._autocast():
-            return self._to_host(self._finite(self.stage(inputs), key, "output"))
+            return self._to_host(self._finite(self._run_stage(inputs, saved.stash), key, "output"))
 
     def forward_backward_last(self, inputs: Tensor, labels: Tensor) -> tuple[Tensor, float, int]:
         """Last stage: loss (token mean, scaled by b/B for accumulation), backward; returns
@@ -146,16 +143,19 @@ class StageWorker:
         if saved.output is not None:
             saved.output.backward(grad_output.to(saved.output.dtype))
             grad_input = None if self.stage.is_first else inputs.grad
-            if saved.stash is not None and not any(saved.stash is s for s in self._stashes_with_gradients):
-                self._stashes_with_gradients.append(saved.stash)
         else:
             x = inputs if self.stage.is_first else inputs.detach().requires_grad_()
             with self._autocast():
-                output = self.stage(x)
+                output = self._run_stage(x, saved.stash)
             output.backward(grad_output.to(output.dtype))
             grad_input = None if self.stage.is_first else x.grad
+        if saved.stash is not None and not any(saved.stash is s for s in self._stashes_with_gradients):
+            self._stashes_with_gradients.append(saved.stash)
         self._count(inputs.shape[0], inputs.shape[0] * inputs.shape[1])
         return self._to_host(grad_input if grad_input is None else self._finite(grad_input, key, "input gradient"))
+
+    def _run_stage(self, inputs: Tensor, stash: dict[str, Tensor] | None) -> Tensor:
+        return self.stage(inputs) if stash is None else torch.func.functional_call(self.stage, stash, (inputs,))
 
     def _current_stash(self) -> dict[str, Tensor]:
         # Parameter version counters move with every in-place change (inner and outer steps,

@@ -91,3 +91,37 @@ def test_without_the_stash_a_step_between_voids_the_kept_graph():
     worker.step()
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         worker.backward("next", torch.ones(2, SEQ, HIDDEN))
+
+
+def test_a_middle_stage_recomputes_on_the_weights_its_forward_saw():
+    config = llama_config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=32, num_layers=3, num_heads=2,
+                          max_seq_len=SEQ)
+
+    def middle(stash: bool) -> StageWorker:
+        stage = build_stage(config, seed=0, stage_index=1, num_stages=3)
+        inner = InnerOptimizer(stage.parameters(), InnerSchedule(lr_max=1e-2, warmup_steps=1, total_steps=10))
+        worker = StageWorker(stage, inner, batch_size=2, saved_ttl_s=60.0, auto_step=False)
+        worker.stash_weights = stash
+        return worker
+
+    gen = torch.Generator().manual_seed(5)
+    warm, x, grad_output = (torch.randn(2, SEQ, HIDDEN, generator=gen) for _ in range(3))
+    worker, reference = middle(True), middle(False)
+    worker.forward("warm", warm)
+    worker.backward("warm", grad_output)
+    worker.step()  # applies the warm gradient: taken from the copy at the step
+    with torch.no_grad():
+        for name, p in reference.params.items():
+            p.copy_(worker.params[name])
+    output = worker.forward("next", x)  # forward at version k
+    worker.forward("other", warm)
+    worker.backward("other", grad_output)
+    worker.step()  # step k, on the other microbatch's gradient, before next's backward
+    assert any(not torch.equal(p, reference.params[n]) for n, p in worker.params.items())
+    grad_input = worker.backward("next", grad_output)
+    worker._take_stash_gradients()
+    torch.testing.assert_close(output, reference.forward("ref", x), rtol=0, atol=0)
+    expected_input_grad = reference.backward("ref", grad_output)
+    torch.testing.assert_close(grad_input, expected_input_grad, rtol=1e-6, atol=1e-7)
+    for name, p in reference.params.items():
+        torch.testing.assert_close(worker.params[name].grad, p.grad, rtol=1e-6, atol=1e-7, msg=name)
