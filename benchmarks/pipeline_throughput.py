@@ -4,9 +4,10 @@ model trained in one process with two threads (this machine's cores).
 
 All train the same model on the same data for the same steps; tokens/s is measured over the
 steps after a warm-up (the swarm from its stage-0 step timestamps, so start-up is excluded).
-Prints each figure, its ratio to the one process, the loss of the last step (so the overlap
-schedule's staleness shows in the loss, next to exact mode's) and how many microbatches saw an
-inner step between their forward and backward. Each P's line first gives the layer split and how
+Prints each figure, its ratio to the one process, each final model's loss on held-out sequences
+no run trains on (the stages' saved weights put together; so the overlap schedule's staleness shows
+in the loss, next to exact mode's and the one process's), the last step's training loss, and how
+many microbatches saw an inner step between their forward and backward. Each P's line first gives the layer split and how
 evenly whole layers can balance the stages (mean stage cost over the largest, by model/split.py's
 cost model): a pipeline runs at its slowest stage, so with one process per core (P = 2 here) that
 share bounds the ratio to one process. With the default 4 layers, P = 2 splits 3 + 1 at 0.88;
@@ -22,7 +23,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from two_stage_runs import one_process, staged_swarm
+from two_stage_runs import held_out_batches, held_out_loss, one_process, staged_swarm
 
 from noloco_node.config import load_config
 from noloco_node.model.build import run_model, stage_ranges
@@ -61,6 +62,7 @@ def main() -> None:
     parser.add_argument("--micro", type=int, default=2)
     parser.add_argument("--codec", default="bf16", choices=["none", "bf16", "int8"])
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--eval-batches", type=int, default=8, help="held-out batches the final models are evaluated on")
     parser.add_argument("--schedules", nargs="+", default=["exact", "overlap"], choices=["exact", "overlap"])
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -70,22 +72,31 @@ def main() -> None:
         tokenizer = load_tokenizer(None, corpus, vocab_size=config.data.vocab_size, cache_dir=config.data.cache_path)
         print(f"model: hidden {args.hidden}, {args.layers} layers, vocab {len(tokenizer)}, seq {args.seq_len}; "
               f"batch {args.batch} in microbatches of {args.micro}; activations {args.codec}; {args.steps} timed steps")
-        baseline, _ = one_process(config, corpus, tokenizer, args)
-        print(f"one process, 2 threads: {baseline:9.0f} tokens/s")
-        results = {"one_process_tok_s": baseline, "swarms": []}
+        held_out = held_out_batches(config, corpus, tokenizer, seq_len=args.seq_len, batch=args.batch, count=args.eval_batches)
+        evaluated: list[float] = []
+        baseline, _ = one_process(config, corpus, tokenizer, args, on_trained=lambda sim: evaluated.append(sim.validation_loss(held_out)))
+        [baseline_loss] = evaluated
+        print(f"held-out loss: {len(held_out) * args.batch} sequences the training never sees, after "
+              f"{args.steps + args.warmup} steps")
+        print(f"one process, 2 threads: {baseline:9.0f} tokens/s, held-out loss {baseline_loss:.4f}")
+        results = {"one_process_tok_s": baseline, "one_process_held_out_loss": baseline_loss, "swarms": []}
         llama, _ = run_model(config, len(tokenizer))
         for stages in args.stages:
             layers, bound = split_bound(llama, stages, args.seq_len)
             print(f"P={stages}: layers per stage {layers}; whole layers balance the stages to {bound:.2f} of a perfect split")
             for schedule in args.schedules:
-                run = staged_swarm(sets + [f"pipeline.schedule={schedule}"], args, Path(tmp) / f"swarm-{stages}-{schedule}", stages)
+                run = staged_swarm(sets + [f"pipeline.schedule={schedule}"], args, Path(tmp) / f"swarm-{stages}-{schedule}", stages,
+                                   save_weights=True)
+                staged_config = load_config(overrides=sets + [f"pipeline.num_stages={stages}"])
+                loss = held_out_loss(staged_config, tokenizer, run["weights"], held_out)
                 results["swarms"].append({"stages": stages, "schedule": schedule, "layers_per_stage": layers,
-                                          "split_balance": bound, "tok_s": run["tok_s"],
+                                          "split_balance": bound, "tok_s": run["tok_s"], "held_out_loss": loss,
                                           "ratio": run["tok_s"] / baseline, "final_loss": run["final_loss"],
                                           **run["schedule"]})
+                run.pop("weights")
                 print(f"P={stages} x 1 {schedule:7s} over gRPC, 1 thread/process: {run['tok_s']:9.0f} tokens/s, "
-                      f"ratio {run['tok_s'] / baseline:.3f}, loss after {args.steps + args.warmup} steps "
-                      f"{run['final_loss']:.4f}, stale microbatches {run['schedule']['stale_microbatches']} "
+                      f"ratio {run['tok_s'] / baseline:.3f}, held-out loss {loss:.4f} (last step's training "
+                      f"loss {run['final_loss']:.4f}), stale microbatches {run['schedule']['stale_microbatches']} "
                       f"(max {run['schedule']['max_staleness']} step)", flush=True)
         print(json.dumps(results))
 

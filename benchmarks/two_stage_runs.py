@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from safetensors.torch import load_file
 
 from noloco_node.data.loader import PackedSequences
 from noloco_node.experiments.launcher import LocalSwarm
@@ -27,17 +30,39 @@ def peak_rss_mb(pid: int) -> float | None:
     return None
 
 
-def one_process(config, corpus, tokenizer, args) -> tuple[float, float | None]:
-    """(tokens/s over args.steps after args.warmup steps, this process's peak RSS in MB)."""
+def one_process(config, corpus, tokenizer, args,
+                on_trained: Callable[[LocalSimulation], None] | None = None) -> tuple[float, float | None]:
+    """(tokens/s over args.steps after args.warmup steps, this process's peak RSS in MB);
+    `on_trained` is handed the trained model (to evaluate it)."""
     torch.set_num_threads(2)
     sim = LocalSimulation(config, num_replicas=1, vocab_size=len(tokenizer))
-    batches = PackedSequences(corpus, tokenizer, seq_len=args.seq_len, holdout_fraction=0.0, shuffle_buffer=0).batches(args.batch)
+    batches = PackedSequences(corpus, tokenizer, seq_len=args.seq_len, holdout_fraction=config.data.holdout_fraction,
+                              shuffle_buffer=0).batches(args.batch)
     for _ in range(args.warmup):
         sim.train_step([next(batches)])
     start = time.perf_counter()
     for _ in range(args.steps):
         sim.train_step([next(batches)])
-    return args.steps * args.batch * args.seq_len / (time.perf_counter() - start), peak_rss_mb(os.getpid())
+    tok_s = args.steps * args.batch * args.seq_len / (time.perf_counter() - start)
+    if on_trained is not None:
+        on_trained(sim)
+    return tok_s, peak_rss_mb(os.getpid())
+
+
+def held_out_batches(config, corpus, tokenizer, *, seq_len: int, batch: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The first `count` batches of the corpus's held-out split (data.holdout_fraction), which no
+    node trains on."""
+    batches = PackedSequences(corpus, tokenizer, seq_len=seq_len, split="validation",
+                              holdout_fraction=config.data.holdout_fraction).batches(batch)
+    return [b for _, b in zip(range(count), batches)]
+
+
+def held_out_loss(config, tokenizer, weight_files: list[Path], batches) -> float:
+    """The mean loss on `batches` of the model the stages' saved weights make up, one file per stage."""
+    sim = LocalSimulation(config, num_replicas=1, vocab_size=len(tokenizer))
+    for stage, path in enumerate(weight_files):
+        sim.replicas[stage][0].stage.load_state_dict(load_file(str(path)))
+    return sim.validation_loss(batches)
 
 
 def two_stage_swarm(sets: list[str], args, out: Path, timeout_s: float = 3600) -> dict:
@@ -45,16 +70,19 @@ def two_stage_swarm(sets: list[str], args, out: Path, timeout_s: float = 3600) -
     return staged_swarm(sets, args, out, 2, timeout_s)
 
 
-def staged_swarm(sets: list[str], args, out: Path, num_stages: int, timeout_s: float = 3600) -> dict:
+def staged_swarm(sets: list[str], args, out: Path, num_stages: int, timeout_s: float = 3600,
+                 save_weights: bool = False) -> dict:
     """P stages x 1 replica: tokens/s (from stage 0's step timestamps, start-up excluded), each
     stage's peak RSS, the stage-0 node's payload bytes per forward sent, the mean loss of the last
-    step's microbatches and the schedule's measured staleness."""
+    step's microbatches, the schedule's measured staleness and, with save_weights, each stage's
+    final weights file ("weights", stage order)."""
+    save = ("--save-weights",) if save_weights else ()
     # SIGTERM too unwinds through LocalSwarm.__exit__, so a killed benchmark leaves no nodes behind.
     with raise_on_signals(), LocalSwarm(out, overrides=sets + [f"pipeline.num_stages={num_stages}"], threads=1) as local:
         local.start_bootstrap()
-        servers = [local.start_node(stage, 0) for stage in range(1, num_stages)]
+        servers = [local.start_node(stage, 0, *save) for stage in range(1, num_stages)]
         local.wait_ready(servers)
-        driver = local.start_node(0, 0, "--steps", str(args.steps + args.warmup))
+        driver = local.start_node(0, 0, "--steps", str(args.steps + args.warmup), *save)
         nodes = [driver] + servers
         deadline = time.monotonic() + timeout_s
         rss: dict[int, float | None] = {stage: None for stage in range(num_stages)}
@@ -69,6 +97,8 @@ def staged_swarm(sets: list[str], args, out: Path, num_stages: int, timeout_s: f
         local.stop()
         stats = {s["stage"]: s for s in local.node_stats().values()}
     times = stats[0]["step_times"]
+    weights = [next(p for p in (out / "nodes").glob(f"stage{stage}-*.safetensors") if not p.name.endswith(".outer.safetensors"))
+               for stage in range(num_stages)] if save_weights else []
     return {"tok_s": args.steps * args.batch * args.seq_len / (times[-1] - times[args.warmup - 1]), "peak_rss_mb": rss,
             "bytes_per_hop": stats[0]["bytes_sent"] / max(1, stats[0]["forwards_sent"]),
-            "final_loss": stats[0]["step_losses"][-1], "schedule": stats[0]["schedule"]}
+            "final_loss": stats[0]["step_losses"][-1], "schedule": stats[0]["schedule"], "weights": weights}
