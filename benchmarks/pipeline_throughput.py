@@ -26,8 +26,7 @@ from pathlib import Path
 from two_stage_runs import held_out_batches, held_out_loss, one_process, staged_swarm
 
 from noloco_node.config import load_config
-from noloco_node.model.build import run_model, stage_ranges
-from noloco_node.model.split import per_token_costs
+from noloco_node.model.build import model_costs, run_model, stage_ranges
 from noloco_node.data.corpus import resolve_corpus
 from noloco_node.data.tokenizer import load_tokenizer
 
@@ -43,9 +42,7 @@ def overrides(args, cache_dir: str) -> list[str]:
 def split_bound(llama, stages: int, seq_len: int) -> tuple[list[int], float]:
     """The layers per stage the node computes, and the throughput a pipeline of whole layers can
     reach at best against a perfect split: mean stage cost / the largest (model/split.py's cost model)."""
-    kv = llama.hidden_size * (llama.num_key_value_heads or llama.num_attention_heads) // llama.num_attention_heads
-    embed, layer, head = per_token_costs(hidden=llama.hidden_size, intermediate=llama.intermediate_size, kv_hidden=kv,
-                                         vocab=llama.vocab_size, seq_len=seq_len)
+    embed, layer, head = model_costs(llama, seq_len=seq_len)
     ranges = stage_ranges(llama, stages, seq_len=seq_len)
     costs = [len(r) * layer + (embed if s == 0 else 0.0) + (head if s == stages - 1 else 0.0) for s, r in enumerate(ranges)]
     return [len(r) for r in ranges], sum(costs) / len(costs) / max(costs)
@@ -84,16 +81,15 @@ def main() -> None:
         for stages in args.stages:
             layers, bound = split_bound(llama, stages, args.seq_len)
             print(f"P={stages}: layers per stage {layers}; whole layers balance the stages to {bound:.2f} of a perfect split")
+            staged_config = load_config(overrides=sets + [f"pipeline.num_stages={stages}"])
             for schedule in args.schedules:
                 run = staged_swarm(sets + [f"pipeline.schedule={schedule}"], args, Path(tmp) / f"swarm-{stages}-{schedule}", stages,
                                    save_weights=True)
-                staged_config = load_config(overrides=sets + [f"pipeline.num_stages={stages}"])
                 loss = held_out_loss(staged_config, tokenizer, run["weights"], held_out)
                 results["swarms"].append({"stages": stages, "schedule": schedule, "layers_per_stage": layers,
                                           "split_balance": bound, "tok_s": run["tok_s"], "held_out_loss": loss,
                                           "ratio": run["tok_s"] / baseline, "final_loss": run["final_loss"],
                                           **run["schedule"]})
-                run.pop("weights")
                 print(f"P={stages} x 1 {schedule:7s} over gRPC, 1 thread/process: {run['tok_s']:9.0f} tokens/s, "
                       f"ratio {run['tok_s'] / baseline:.3f}, held-out loss {loss:.4f} (last step's training "
                       f"loss {run['final_loss']:.4f}), stale microbatches {run['schedule']['stale_microbatches']} "

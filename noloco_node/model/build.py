@@ -105,11 +105,16 @@ def stage_ranges(config: LlamaConfig, num_stages: int, *, seq_len: int,
     if layers < num_stages:
         raise ConfigError("pipeline.num_stages", f"{num_stages} stages for a model of {layers} decoder layers",
                           f"use at most {layers} stages")
+    embed, layer, head = model_costs(config, seq_len=seq_len)
+    return balanced_layer_ranges(layers, num_stages, embed_cost=embed, layer_cost=layer, head_cost=head)
+
+
+def model_costs(config: LlamaConfig, *, seq_len: int) -> tuple[float, float, float]:
+    """(embedding, one decoder layer, final norm + LM head) per token of this model (model/split.py)."""
     heads = config.num_attention_heads
     kv_hidden = config.hidden_size * (config.num_key_value_heads or heads) // heads
-    embed, layer, head = per_token_costs(hidden=config.hidden_size, intermediate=config.intermediate_size,
-                                         kv_hidden=kv_hidden, vocab=config.vocab_size, seq_len=seq_len)
-    return balanced_layer_ranges(layers, num_stages, embed_cost=embed, layer_cost=layer, head_cost=head)
+    return per_token_costs(hidden=config.hidden_size, intermediate=config.intermediate_size,
+                           kv_hidden=kv_hidden, vocab=config.vocab_size, seq_len=seq_len)
 
 
 def run_model(cfg, vocab_size: int) -> tuple[LlamaConfig, list[range]]:

@@ -7,10 +7,10 @@ methods phi and m: 16 or 24 bytes. Per microbatch in flight: its saved input (b 
 Past stage 0 at most one microbatch's autograd graph lives at a time (the compute thread
 recomputes it in backward); stage 0 keeps the graph of each microbatch it has in flight (`graphs`:
 a batch's, or two batches' under the overlap schedule). Under overlap every stage but the last
-also keeps one copy of its weights (`weight_stash`). A graph's activations per decoder layer follow Korthikanti et al. 2022 (34 b T h +
-5 b a T^2 values per layer at 2 bytes; doubled here for fp32), or only the layer inputs plus one
-layer's worth with activation checkpointing; the last stage adds logits and their gradient
-(3 b T V fp32).
+also keeps one copy of its weights (`weight_stash`). A graph's activations per decoder layer
+follow Korthikanti et al. 2022 (34 b T h + 5 b a T^2 values per layer at 2 bytes; doubled here for
+fp32), or only the layer inputs plus one layer's worth with activation checkpointing; the last
+stage adds logits and their gradient (3 b T V fp32).
 """
 
 from __future__ import annotations

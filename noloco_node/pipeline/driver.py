@@ -64,9 +64,9 @@ class Stage0Driver:
         runtime.on_stage0_backward = self._on_backward
         if self.overlap:
             runtime.before_stage0_backward = self._wait_for_gate
-            # A step can fall between a forward and its backward: graphs are built on a copy of the
-            # weights their forward saw, so they survive the step and give that copy's gradient.
-            runtime.worker.stash_weights = True
+            # A step can fall between a kept graph's forward and its backward: the graph must be
+            # built on a weight copy (the node turns stash_weights on for the overlap schedule).
+            assert runtime.worker.stash_weights, "overlap needs worker.stash_weights"
 
     def request_stop(self) -> None:
         """Finish the inner step under way (its microbatches complete and it steps), then return

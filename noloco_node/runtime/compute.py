@@ -19,14 +19,13 @@ class ComputeThread:
         network, mostly): the idle time that experiments report."""
 
     async def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, functools.partial(self._timed, fn, *args, **kwargs))
+        return await self.submit(fn, *args, **kwargs)
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
+    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> asyncio.Future:
         """Queue `fn` now (behind the work already queued, ahead of any queued later) and return
         its future; `run` queues only once the coroutine is awaited."""
         loop = asyncio.get_running_loop()
-        return loop.run_in_executor(self._executor, functools.partial(self._timed, fn, *args))
+        return loop.run_in_executor(self._executor, functools.partial(self._timed, fn, *args, **kwargs))
 
     def _timed(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         start = time.monotonic()

@@ -4,19 +4,13 @@ takes the due step before it starts."""
 
 import torch
 
-from noloco_node.model.stage import build_stage, llama_config
-from noloco_node.optim.inner import InnerOptimizer, InnerSchedule
 from noloco_node.pipeline.worker import StageWorker
 
-HIDDEN, SEQ, VOCAB = 16, 8, 32
+from .tiny_workers import HIDDEN, SEQ, VOCAB, tiny_worker
 
 
 def last_stage_worker(defer: bool) -> StageWorker:
-    config = llama_config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=32, num_layers=2, num_heads=2,
-                          max_seq_len=SEQ)
-    stage = build_stage(config, seed=0, stage_index=1, num_stages=2)
-    inner = InnerOptimizer(stage.parameters(), InnerSchedule(lr_max=1e-2, warmup_steps=1, total_steps=10))
-    worker = StageWorker(stage, inner, batch_size=4, saved_ttl_s=60.0, auto_step=True)
+    worker = tiny_worker(1, 2, batch_size=4, auto_step=True)
     worker.defer_step = defer
     return worker
 

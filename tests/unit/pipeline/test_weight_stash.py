@@ -6,19 +6,13 @@ why the overlap schedule needs it."""
 import pytest
 import torch
 
-from noloco_node.model.stage import build_stage, llama_config
-from noloco_node.optim.inner import InnerOptimizer, InnerSchedule
 from noloco_node.pipeline.worker import StageWorker
 
-HIDDEN, SEQ, VOCAB = 16, 8, 32
+from .tiny_workers import HIDDEN, SEQ, VOCAB, tiny_worker
 
 
 def first_stage_worker(stash: bool) -> StageWorker:
-    config = llama_config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=32, num_layers=2, num_heads=2,
-                          max_seq_len=SEQ)
-    stage = build_stage(config, seed=0, stage_index=0, num_stages=2)
-    inner = InnerOptimizer(stage.parameters(), InnerSchedule(lr_max=1e-2, warmup_steps=1, total_steps=10))
-    worker = StageWorker(stage, inner, batch_size=2, saved_ttl_s=60.0, auto_step=False)
+    worker = tiny_worker(0, 2, batch_size=2, auto_step=False)
     worker.stash_weights = stash
     return worker
 
@@ -94,13 +88,8 @@ def test_without_the_stash_a_step_between_voids_the_kept_graph():
 
 
 def test_a_middle_stage_recomputes_on_the_weights_its_forward_saw():
-    config = llama_config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=32, num_layers=3, num_heads=2,
-                          max_seq_len=SEQ)
-
     def middle(stash: bool) -> StageWorker:
-        stage = build_stage(config, seed=0, stage_index=1, num_stages=3)
-        inner = InnerOptimizer(stage.parameters(), InnerSchedule(lr_max=1e-2, warmup_steps=1, total_steps=10))
-        worker = StageWorker(stage, inner, batch_size=2, saved_ttl_s=60.0, auto_step=False)
+        worker = tiny_worker(1, 3, batch_size=2, auto_step=False)
         worker.stash_weights = stash
         return worker
 
