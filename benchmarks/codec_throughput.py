@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from noloco_node.codec import decode_into, encode
+from noloco_node.wire.codec import decode_into, encode
 from noloco_node.runtime.memory import tune_allocator
 
 

@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
 async def _serve(config, args: argparse.Namespace) -> int:
     from noloco_node import __version__
     from noloco_node.dht.directory import DirectoryIdentity, PeerDirectory
-    from noloco_node.security import read_swarm_key
+    from noloco_node.rpc.security import read_swarm_key
     from noloco_node.transport.relay import RelayService
 
     stop = stop_on_signals()

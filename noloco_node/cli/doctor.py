@@ -102,7 +102,7 @@ async def _run_checks(config, args) -> list[Check]:
 
     from noloco_node import __version__
     from noloco_node.dht.directory import DirectoryIdentity, PeerDirectory, compatible_version
-    from noloco_node.security import read_swarm_key
+    from noloco_node.rpc.security import read_swarm_key
     from noloco_node.errors import BootstrapError
 
     try:
@@ -128,10 +128,10 @@ async def _run_checks(config, args) -> list[Check]:
 
 
 async def _reach_and_clock(config, args, probers: list, port_free: bool) -> list[Check]:
-    from noloco_node.joining import announced_address
+    from noloco_node.node.joining import announced_address
     from noloco_node.rpc.diagnostics import probe_from_peers
     from noloco_node.rpc.server import NodeServer
-    from noloco_node.security import read_swarm_key
+    from noloco_node.rpc.security import read_swarm_key
     from noloco_node.transport.credentials import CallSigner
     from noloco_node.transport.dialer import Contact, Dialer
     from noloco_node.transport.identity import NodeIdentity
@@ -185,7 +185,7 @@ async def _reach_and_clock(config, args, probers: list, port_free: bool) -> list
 
 
 def _compat_check(config, records, version: str, compatible_version) -> Check:
-    from noloco_node.manifest import load_run_inputs
+    from noloco_node.node.manifest import load_run_inputs
 
     _, _, manifest = load_run_inputs(config)
     bad_version = sorted({r.version for r in records if not compatible_version(version, r.version)})

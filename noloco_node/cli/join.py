@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
 async def _serve(config, args: argparse.Namespace) -> int:
     from noloco_node.node import Node
     from noloco_node.runtime.logging import setup_logging
-    from noloco_node.runtime.reporting import TrainingLog, read_node
+    from noloco_node.node.reporting import TrainingLog, read_node
 
     stop = stop_on_signals()
     node = Node(config, out_dir=Path(args.out) if args.out else None, save_weights=args.save_weights)
@@ -168,7 +168,7 @@ async def _move(node, config, args: argparse.Namespace):
 
 def _reporter(node, training, args: argparse.Namespace, maddrs):
     """The callback that logs step lines and refreshes --ready-file."""
-    from noloco_node.runtime.reporting import read_node
+    from noloco_node.node.reporting import read_node
 
     async def report(_step: int = 0) -> None:
         if training.due(node.worker.inner_steps):

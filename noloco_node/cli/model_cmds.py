@@ -58,8 +58,8 @@ def _model_dir(path: Path) -> Path:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from noloco_node.export import ExportError, weights_from_checkpoints, write_model_dir
-    from noloco_node.manifest import load_run_inputs
+    from noloco_node.node.export import ExportError, weights_from_checkpoints, write_model_dir
+    from noloco_node.node.manifest import load_run_inputs
     from noloco_node.model.build import resolve_llama_config
 
     config = resolve_config(args, flags={"network": {"initial_peers": args.initial_peers}})
@@ -68,7 +68,7 @@ def run_export(args: argparse.Namespace) -> int:
         if args.initial_peers:
             import asyncio
 
-            from noloco_node.export import fetch_replicas, merge_stages
+            from noloco_node.node.export import fetch_replicas, merge_stages
             from noloco_node.model.build import run_model
 
             llama, ranges = run_model(config, len(tokenizer))
@@ -144,8 +144,8 @@ def _eval_swarm(config, args: argparse.Namespace) -> int:
     import asyncio
 
     from noloco_node.experiments.evaluate import column_losses, held_out_windows, weight_spread
-    from noloco_node.export import ExportError, fetch_replicas
-    from noloco_node.manifest import load_run_inputs
+    from noloco_node.node.export import ExportError, fetch_replicas
+    from noloco_node.node.manifest import load_run_inputs
     from noloco_node.model.build import build_run_stage, run_model
 
     _, _, manifest_hash = load_run_inputs(config)

@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
 async def _collect(config) -> list[dict]:
     from noloco_node import __version__
     from noloco_node.dht.directory import DirectoryIdentity, PeerDirectory
-    from noloco_node.security import read_swarm_key
+    from noloco_node.rpc.security import read_swarm_key
 
     directory = await PeerDirectory.start(
         DirectoryIdentity(config.run.run_id, "", __version__, config.pipeline.num_stages),

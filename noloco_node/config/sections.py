@@ -126,7 +126,7 @@ class PipelineConfig:
     stage: int | None = 0
     """The stage this node serves; None (or "auto") = the stage of a checkpoint found in
     checkpoint.dir, else the stage that sustains the least (a stage without replicas first), agreed
-    with other joiners of the same moment through claims in the DHT (runtime/stage_choice.py)."""
+    with other joiners of the same moment through claims in the DHT (pipeline/stage_choice.py)."""
     batch_size: int = 8
     """B: sequences whose gradients one inner step accumulates, per replica."""
     microbatch_size: int = 1
@@ -161,7 +161,7 @@ class PipelineConfig:
     those weights for their backward, which waits for the step and gives the gradient at them
     (weight stashing). Not with outer.method = dp (lockstep)."""
     rebalance: bool | None = None
-    """May this node move to another stage when that stage limits the swarm (runtime/rebalance.py)?
+    """May this node move to another stage when that stage limits the swarm (pipeline/rebalance.py)?
     None = only if it chose its stage with 'auto'; true = also from a pinned stage; false = never."""
     rebalance_margin: float = 0.75
     """Move when the swarm sustains less than this share of what it would after the best single move

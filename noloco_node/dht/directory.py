@@ -119,7 +119,7 @@ class PeerDirectory:
 
     async def replicas(self, stage: int, *, fresh: bool = False) -> list[StageRecord]:
         """Live, compatible replicas of `stage` (ours included), sorted by peer id. A joiner's claim
-        (status joining, runtime/stage_choice.py) is not a replica yet: it serves nothing."""
+        (status joining, pipeline/stage_choice.py) is not a replica yet: it serves nothing."""
         now = time.monotonic()
         cached = self._cache.get(stage)
         if cached is not None and not fresh and now - cached[0] < self.cache_s:

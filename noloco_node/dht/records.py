@@ -48,7 +48,7 @@ class StageRecord(pydantic.BaseModel):
     hop_s: pydantic.confloat(strict=True, ge=0.0, le=1e6) = 0.0
     """Seconds per Forward call to the next stage."""
     movable: pydantic.StrictBool = False
-    """Whether the node may move to another stage when rebalancing (runtime/rebalance.py)."""
+    """Whether the node may move to another stage when rebalancing (pipeline/rebalance.py)."""
     moved_at: pydantic.confloat(strict=True, ge=0.0) = 0.0
     """Unix time of the node's last move between stages; 0 = never moved."""
 

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from noloco_node.config import NodeConfig
 from noloco_node.data.loader import PackedSequences
-from noloco_node.manifest import load_run_inputs
+from noloco_node.node.manifest import load_run_inputs
 from noloco_node.model.build import build_run_stage, run_model
 from noloco_node.model.stage import LlamaStage
 

@@ -28,7 +28,7 @@ from torch import nn
 from noloco_node import __version__
 from noloco_node.dht.directory import DirectoryIdentity, PeerDirectory
 from noloco_node.dht.records import StageRecord
-from noloco_node.adapters import DhtMatching
+from noloco_node.node.adapters import DhtMatching
 from noloco_node.optim.state import OuterState
 from noloco_node.pipeline.router import Bans
 from noloco_node.rpc import outer_service

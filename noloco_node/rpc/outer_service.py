@@ -21,7 +21,7 @@ import grpc
 import torch
 from torch import Tensor
 
-from noloco_node.codec import DTYPES, CodecError, TensorSpec, decode_into, encode
+from noloco_node.wire.codec import DTYPES, CodecError, TensorSpec, decode_into, encode
 from noloco_node.errors import InvalidPayload, NodeError, PeerBusy, PeerUnavailable, ProtocolMismatch
 from noloco_node.rpc.admission import CALLER
 from noloco_node.rpc.status import status_of

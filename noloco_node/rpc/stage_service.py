@@ -20,7 +20,7 @@ import grpc
 import torch
 from torch import Tensor
 
-from noloco_node.codec import DTYPES, CodecError, TensorSpec, decode_into
+from noloco_node.wire.codec import DTYPES, CodecError, TensorSpec, decode_into
 from noloco_node.errors import InvalidPayload, NodeError, PoisonedPayload, ProtocolMismatch, TooLarge
 from noloco_node.optim.integrity import RunningBounds
 from noloco_node.rpc.admission import CALLER, POISONED

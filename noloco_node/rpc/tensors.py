@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 from torch import Tensor
 
-from noloco_node.codec import CodecError, TensorSpec, encode, expected_payload_bytes
+from noloco_node.wire.codec import CodecError, TensorSpec, encode, expected_payload_bytes
 from noloco_node.errors import InvalidPayload
 from noloco_node.wire.v1 import tensor_pb2
 

@@ -1,5 +1,5 @@
 """A node's links, in one place: its identity, its TLS certificate, the signing and checking of
-calls, the libp2p bridge and the dialer. node.py builds one and hands its parts to the server,
+calls, the libp2p bridge and the dialer. the node assembly builds one and hands its parts to the server,
 the clients and the admission interceptor; nothing here knows models or the DHT's records.
 """
 

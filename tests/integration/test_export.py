@@ -12,10 +12,10 @@ import time
 import pytest
 import torch
 
-from noloco_node import checkpoint
+from noloco_node.node import checkpoint
 from noloco_node.cli.main import main
 from noloco_node.config import load_config
-from noloco_node.manifest import load_run_inputs
+from noloco_node.node.manifest import load_run_inputs
 from noloco_node.model.build import build_run_stage, run_model
 from noloco_node.optim.inner import InnerOptimizer, InnerSchedule
 from noloco_node.optim.state import OuterState
@@ -124,7 +124,7 @@ def test_live_export_from_a_2x2_swarm(tmp_path, make_swarm):
     replica's phi; the nodes' checkpoints (written as they stop) export to the same model."""
     from transformers import AutoModelForCausalLM
 
-    from noloco_node.export import fetch_replicas
+    from noloco_node.node.export import fetch_replicas
 
     overrides = tiny_overrides(tmp_path, **{"pipeline.num_stages": 2, "outer.method": "noloco", "data.holdout_fraction": 0.05,
                                             "outer.inner_steps_per_outer": 2, "timeouts.match_s": 3.0})

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from noloco_node.codec import decode, encode
+from noloco_node.wire.codec import decode, encode
 from noloco_node.optim.outer import noloco_step, solo_step
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]

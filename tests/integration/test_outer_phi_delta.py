@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from noloco_node.codec import decode, encode
+from noloco_node.wire.codec import decode, encode
 from noloco_node.optim.outer import noloco_step_sent
 from tests.integration.test_outer_exchange import A, B, Peers, t
 

@@ -5,7 +5,7 @@ unreachable address through as direct)."""
 import asyncio
 from types import SimpleNamespace
 
-from noloco_node import joining
+from noloco_node.node import joining
 from noloco_node.rpc import diagnostics
 
 

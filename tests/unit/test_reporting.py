@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from noloco_node.config import ConfigError, load_config
-from noloco_node.runtime.reporting import Snapshot, TrainingLog, format_bytes, read_node, step_line, summary_line
+from noloco_node.node.reporting import Snapshot, TrainingLog, format_bytes, read_node, step_line, summary_line
 
 PAIRED = {"rounds": 5, "paired": 4, "solo": 1, "rejected": 0, "timed_out": 0}
 

@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from noloco_node.runtime.rebalance import Replica, plan_move, watch
+from noloco_node.pipeline.rebalance import Replica, plan_move, watch
 
 NOW = 1000.0
 

@@ -1,8 +1,8 @@
-"""`--stage auto` with simultaneous joiners: claim, settle, agree (runtime/stage_choice.py)."""
+"""`--stage auto` with simultaneous joiners: claim, settle, agree (pipeline/stage_choice.py)."""
 
 import asyncio
 
-from noloco_node.runtime.stage_choice import Claim, assign_stage, claim_stage
+from noloco_node.pipeline.stage_choice import Claim, assign_stage, claim_stage
 
 SETTLE = 3.0
 

@@ -1,5 +1,5 @@
 """What a node writes about itself: its stats (for the stats file, /metrics, experiments) and,
-on request, its weights. `self` is the Node; kept apart so node.py stays the wiring only."""
+on request, its weights. `self` is the Node; kept apart so the lifecycle stays small."""
 
 from __future__ import annotations
 

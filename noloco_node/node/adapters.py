@@ -1,12 +1,12 @@
 """The ports that pipeline/ and sync/ define (pipeline.ports, sync.noloco), implemented over
-rpc/ (gRPC) and dht/ (hivemind). The only place where the two sides meet besides node.py."""
+rpc/ (gRPC) and dht/ (hivemind). The only place where the two sides meet besides the assembly."""
 
 from __future__ import annotations
 
 from noloco_node.dht.directory import PeerDirectory
 from noloco_node.pipeline.ports import MicrobatchKey, Peer
 from noloco_node.rpc.stage_service import StageClient
-from noloco_node.runtime.rebalance import Replica
+from noloco_node.pipeline.rebalance import Replica
 from noloco_node.wire.v1 import stage_pb2
 
 
@@ -56,6 +56,6 @@ class DhtMatching:
 
 
 async def swarm_replicas(directory: PeerDirectory) -> list[Replica]:
-    """Every compatible record in the DHT as a rebalancing Replica (runtime/rebalance.py)."""
+    """Every compatible record in the DHT as a rebalancing Replica (pipeline/rebalance.py)."""
     return [Replica(r.peer_id, r.stage, r.capacity, r.throughput, r.status, r.movable, r.moved_at)
             for r in await directory.compatible_records()]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from noloco_node import __version__
 from noloco_node.config import NodeConfig
-from noloco_node.manifest import load_run_inputs
+from noloco_node.node.manifest import load_run_inputs
 from noloco_node.dht.directory import DirectoryIdentity, PeerDirectory
 from noloco_node.dht.records import StageRecord
 from noloco_node.model.build import build_run_stage, check_fits, run_model
@@ -31,17 +31,17 @@ from noloco_node.rpc.outer_service import OuterClient, OuterServicer, Traffic
 from noloco_node.rpc.server import NodeServer
 from noloco_node.rpc.stage_service import GRPC_OPTIONS, StageClient, StageServicer
 from noloco_node.transport.identity import NodeIdentity
-from noloco_node.security import build_admission, read_swarm_key
-from noloco_node.adapters import DhtMatching, DhtReplicas, GrpcStageTransport, swarm_replicas
+from noloco_node.rpc.security import build_admission, read_swarm_key
+from noloco_node.node.adapters import DhtMatching, DhtReplicas, GrpcStageTransport, swarm_replicas
 from noloco_node.runtime.compute import ComputeThread, compute_device
 from noloco_node.runtime.events import EventLog
 from noloco_node.runtime.faults import FaultInjector
-from noloco_node.runtime.rebalance import Move, watch
-from noloco_node.runtime.stage_choice import claim_stage_in
+from noloco_node.pipeline.rebalance import Move, watch
+from noloco_node.pipeline.stage_choice import claim_stage_in
 from noloco_node.runtime.throughput import ThroughputMeter
 from noloco_node.runtime.memory import tune_allocator
 from noloco_node.sync.noloco import NoLoCoSync
-from noloco_node.joining import (announced_address, contact_lookup, fetch_state, public_libp2p_addrs, settle_reach,
+from noloco_node.node.joining import (announced_address, contact_lookup, fetch_state, public_libp2p_addrs, settle_reach,
                                  wait_for_replicas)
 from noloco_node.transport.links import Links
 from noloco_node.sync.transfer import counters_json, export_state
@@ -175,7 +175,7 @@ class Node:
         self.runtime.me = Hop(self.peer_id, self.address, self.stage_index)
         self.metrics_port = None
         if cfg.network.metrics_port is not None:
-            from noloco_node.runtime.metrics import NodeMetrics
+            from noloco_node.node.metrics import NodeMetrics
 
             self.metrics = NodeMetrics(self.stats, peer_id=self.peer_id, stage=self.stage_index)
             self.metrics_port = self.metrics.serve(cfg.network.host, cfg.network.metrics_port)
@@ -218,7 +218,7 @@ class Node:
         that sustains the least (runtime/throughput.py: weakest_stage)."""
         cfg = self.config
         if cfg.checkpoint.dir is not None:
-            from noloco_node.checkpoint import stages_in
+            from noloco_node.node.checkpoint import stages_in
 
             stages = stages_in(Path(cfg.checkpoint.dir).expanduser(), cfg.run.run_id)
             if len(stages) == 1:
@@ -231,7 +231,7 @@ class Node:
         return stage
 
     def claim_record(self, stage: int, status: str, claimed_at: float) -> StageRecord:
-        """A joiner's claim on a stage (runtime/stage_choice.py): no address yet, never routed to."""
+        """A joiner's claim on a stage (pipeline/stage_choice.py): no address yet, never routed to."""
         return StageRecord(peer_id=self.directory.peer_id, address="", stage=stage, inner_step=0, outer_round=0,
                            status=status, tokens_per_s=0.0, version=__version__, manifest_hash=self.manifest_hash,
                            run_id=self.config.run.run_id, updated_at=claimed_at)
@@ -277,12 +277,12 @@ class Node:
             await self.save_snapshot(inner_step)
 
     async def save_snapshot(self, inner_step: int, *, final: bool = False) -> None:
-        from noloco_node.report import save_snapshot
+        from noloco_node.node.outputs import save_snapshot
 
         await save_snapshot(self, inner_step, final=final)
 
     async def save_checkpoint(self) -> None:
-        from noloco_node import checkpoint
+        from noloco_node.node import checkpoint
 
         outer = getattr(self, "outer_state", None)
         tensors, counters = await self.compute.run(checkpoint.collect, self.stage, self.worker.inner, outer)
@@ -312,7 +312,7 @@ class Node:
         return traffic.bytes_sent if traffic is not None else 0
 
     async def _resume(self) -> dict | None:
-        from noloco_node import checkpoint
+        from noloco_node.node import checkpoint
 
         found = await asyncio.to_thread(checkpoint.load, Path(self.config.checkpoint.dir).expanduser(), self.stage_index)
         if found is None:
@@ -371,7 +371,7 @@ class Node:
                 log.exception("heartbeat failed")
 
     async def _watch_balance(self) -> None:
-        """Rebalancing (runtime/rebalance.py): when the plan names this node, ask the join command to
+        """Rebalancing (pipeline/rebalance.py): when the plan names this node, ask the join command to
         move it (it drains, leaves and comes back on the target stage)."""
         p = self.config.pipeline
         self.move = await watch(me=self.peer_id, read=lambda: swarm_replicas(self.directory), num_stages=p.num_stages,
@@ -412,7 +412,7 @@ class Node:
         await self.driver.run(steps, after_step)
 
     def stats(self) -> dict:
-        from noloco_node.report import node_stats
+        from noloco_node.node.outputs import node_stats
 
         return node_stats(self)
 
@@ -424,7 +424,7 @@ class Node:
         self.status = "leaving"
         self.events.emit("stopping", inner_step=self.worker.inner_steps, in_flight=len(self.runtime.in_flight))
         # A mover's leaving record outlives its trip to the new stage (a restart, a state fetch), so
-        # no other node plans a move while this one is in transit (runtime/rebalance.py).
+        # no other node plans a move while this one is in transit (pipeline/rebalance.py).
         ttl_s = None if final else max(self.config.timeouts.record_ttl_s, 2 * self.config.pipeline.rebalance_period_s)
         try:  # withdraw first, so peers stop routing to us while we drain
             await asyncio.wait_for(self.announce(ttl_s), timeout=self.config.timeouts.connect_s)
@@ -461,7 +461,7 @@ class Node:
         self.events.close()
 
     def write_outputs(self, out_dir: Path) -> None:
-        from noloco_node.report import write_outputs
+        from noloco_node.node.outputs import write_outputs
 
         write_outputs(self, out_dir)
 

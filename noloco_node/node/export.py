@@ -133,10 +133,10 @@ async def fetch_replicas(config: NodeConfig, manifest_hash: str, llama_config, r
     from noloco_node import __version__
     from noloco_node.dht.directory import DirectoryIdentity, PeerDirectory
     from noloco_node.errors import NodeError
-    from noloco_node.joining import contact_lookup
+    from noloco_node.node.joining import contact_lookup
     from noloco_node.rpc.outer_service import OuterClient
     from noloco_node.rpc.stage_service import GRPC_OPTIONS
-    from noloco_node.security import read_swarm_key
+    from noloco_node.rpc.security import read_swarm_key
     from noloco_node.transport.bridge import Libp2pBridge
     from noloco_node.transport.identity import NodeIdentity
     from noloco_node.transport.links import Links
