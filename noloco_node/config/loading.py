@@ -15,7 +15,7 @@ from noloco_node.config.sections import SECTIONS, ConfigError, NodeConfig
 
 
 # Optional fields for which the string "none" is a value of its own (a codec), not null.
-NONE_IS_A_VALUE = {("outer", "codec_phi"), ("outer", "codec_delta")}
+NONE_IS_A_VALUE = {("outer", "codec_phi"), ("outer", "codec_delta"), ("pipeline", "gradient_codec")}
 
 
 def _suggest(name: str, options: list[str]) -> str:
@@ -71,7 +71,7 @@ def _build_section(section: str, cls: type, values: Mapping[str, Any]) -> Any:
         if (section, key) == ("pipeline", "stage") and isinstance(value, str) and value.strip().lower() == "auto":
             value = None
         if (section, key) in NONE_IS_A_VALUE and isinstance(value, str) and value.strip().lower() == "none":
-            kwargs[key] = "none"  # the lossless codec, not "unset" (which falls back to outer.codec)
+            kwargs[key] = "none"  # the lossless codec, not "unset" (which falls back to another codec field)
             continue
         kwargs[key] = _coerce(value, hints[key], f"{section}.{key}")
     try:

@@ -13,6 +13,8 @@ from typing import Any
 
 METHODS = ("noloco", "diloco", "dp", "none")
 CODECS = ("none", "bf16", "int8")
+# Codecs of the pipeline's activations and gradients (wire/codec.py: fp8 and int4 are blockwise).
+PIPELINE_CODECS = ("none", "bf16", "int8", "fp8", "int4")
 # Reference hyperparameters per method (noloco-reference.md section 1): H, alpha, beta.
 METHOD_DEFAULTS = {"noloco": (50, 0.5, 0.7), "diloco": (100, 0.3, 0.7), "dp": (1, 0.0, 0.0), "none": (1, 0.0, 0.0)}
 
@@ -142,7 +144,11 @@ class PipelineConfig:
     max_in_flight: int = 8
     """Microbatches a node holds saved inputs for at once; beyond it, senders get BUSY."""
     activation_codec: str = "bf16"
-    """Wire codec of activations and their gradients: none (exact fp32), bf16 or int8."""
+    """Wire codec of the forward activations: none (exact fp32, 4 bytes/value), bf16 (2), int8 (1.06),
+    fp8 (e4m3, 1.06) or int4 (0.56); the blockwise ones carry one float32 scale per 64 values."""
+    gradient_codec: str | None = None
+    """Wire codec of the backward gradients, same choices; None = activation_codec. int4 rounds
+    gradients stochastically (unbiased), activations to nearest."""
     deterministic: bool = False
     """Debug/oracle mode: microbatches issued one at a time in data order, no shuffling."""
     device: str = "auto"
@@ -190,8 +196,12 @@ class PipelineConfig:
         _require(self.max_in_flight >= 1, "max_in_flight", f"must be >= 1, got {self.max_in_flight}", "use e.g. 8")
         _require(self.device in ("auto", "cpu", "cuda") or (self.device.startswith("cuda:") and self.device[5:].isdigit()),
                  "device", f"unknown device {self.device!r}", "use auto, cpu, cuda or cuda:N")
-        _require(self.activation_codec in CODECS, "activation_codec", f"unknown codec {self.activation_codec!r}",
-                 f"use one of {', '.join(CODECS)}")
+        _require(self.activation_codec in PIPELINE_CODECS, "activation_codec", f"unknown codec {self.activation_codec!r}",
+                 f"use one of {', '.join(PIPELINE_CODECS)}")
+        if self.gradient_codec is None:
+            object.__setattr__(self, "gradient_codec", self.activation_codec)
+        _require(self.gradient_codec in PIPELINE_CODECS, "gradient_codec", f"unknown codec {self.gradient_codec!r}",
+                 f"use one of {', '.join(PIPELINE_CODECS)}, or leave it unset to follow activation_codec")
         _require(not self.layers_per_stage or len(self.layers_per_stage) == self.num_stages, "layers_per_stage",
                  f"has {len(self.layers_per_stage)} entries but num_stages is {self.num_stages}",
                  f"give one layer count per stage ({self.num_stages}), or leave it empty to split by cost")

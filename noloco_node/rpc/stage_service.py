@@ -197,13 +197,24 @@ class StageServicer(stage_pb2_grpc.StageServicer):
 
 class StageClient:
     """Sends activations and gradients to other nodes, by peer id, through the dialer
-    (transport/dialer.py: direct TLS or gRPC over libp2p, whichever the peer's record says)."""
+    (transport/dialer.py: direct TLS or gRPC over libp2p, whichever the peer's record says).
+
+    `codec` encodes the activations of Forward, `gradient_codec` (None = `codec`) the gradients
+    of Backward. Gradients round stochastically where the codec can (int4, see wire/codec.py),
+    with draws from a generator seeded by `rounding_seed` (None = a fresh random seed)."""
 
     def __init__(self, *, run_id: str, manifest_hash: str, codec: str, timeout_s: float, dialer,
-                 observe: Callable[[str, float], None] | None = None) -> None:
+                 observe: Callable[[str, float], None] | None = None, gradient_codec: str | None = None,
+                 rounding_seed: int | None = None) -> None:
         self.run = tensor_pb2.RunIdentity(run_id=run_id, manifest_hash=manifest_hash)
         self.dialer = dialer
         self.codec, self.timeout_s = codec, timeout_s
+        self.gradient_codec = gradient_codec or codec
+        self.rounding = torch.Generator()
+        if rounding_seed is None:
+            self.rounding.seed()
+        else:
+            self.rounding.manual_seed(rounding_seed)
         self.observe = observe  # (method, seconds) after every call, for latency metrics
         self._stubs: dict[str, tuple[grpc.aio.Channel, stage_pb2_grpc.StageStub]] = {}
         self.bytes_sent = 0
@@ -226,7 +237,7 @@ class StageClient:
 
     async def backward(self, peer_id: str, *, microbatch: stage_pb2.MicrobatchId, target_stage: int, grad: Tensor,
                        loss: float, num_tokens: int) -> None:
-        tensor_header, payload = encode_tensor(grad, self.codec)
+        tensor_header, payload = encode_tensor(grad, self.gradient_codec, stochastic=self.rounding)
         header = stage_pb2.BackwardHeader(run=self.run, microbatch=microbatch, grad=tensor_header, loss=loss,
                                           num_tokens=num_tokens, target_stage=target_stage)
         messages = [stage_pb2.BackwardMessage(header=header)]

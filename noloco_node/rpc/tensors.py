@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import torch
 from torch import Tensor
 
 from noloco_node.wire.codec import CodecError, TensorSpec, encode, expected_payload_bytes
@@ -13,7 +14,8 @@ from noloco_node.wire.v1 import tensor_pb2
 
 CHUNK_BYTES = 1 << 20  # 1 MiB: best for grpc streams on this machine (transport.md)
 _CODEC_TO_PB = {"none": tensor_pb2.CODEC_NONE, "bf16": tensor_pb2.CODEC_BF16, "int8": tensor_pb2.CODEC_INT8_BLOCKWISE,
-                "topk": tensor_pb2.CODEC_TOPK}
+                "topk": tensor_pb2.CODEC_TOPK, "fp8": tensor_pb2.CODEC_FP8_E4M3_BLOCKWISE,
+                "int4": tensor_pb2.CODEC_INT4_BLOCKWISE}
 _CODEC_FROM_PB = {v: k for k, v in _CODEC_TO_PB.items()}
 _DTYPE_TO_PB = {"float32": tensor_pb2.DTYPE_FLOAT32, "float64": tensor_pb2.DTYPE_FLOAT64,
                 "bfloat16": tensor_pb2.DTYPE_BFLOAT16, "float16": tensor_pb2.DTYPE_FLOAT16, "int64": tensor_pb2.DTYPE_INT64}
@@ -46,8 +48,10 @@ def header_to_spec(header: tensor_pb2.TensorHeader) -> TensorSpec:
     return spec
 
 
-def encode_tensor(tensor: Tensor, codec: str, name: str = "") -> tuple[tensor_pb2.TensorHeader, bytes]:
-    spec, payload = encode(tensor, codec)
+def encode_tensor(tensor: Tensor, codec: str, name: str = "", *,
+                  stochastic: torch.Generator | None = None) -> tuple[tensor_pb2.TensorHeader, bytes]:
+    """`stochastic`: int4 rounds stochastically with this generator's draws (wire/codec.py)."""
+    spec, payload = encode(tensor, codec, stochastic=stochastic)
     return spec_to_header(spec, name), payload
 
 

@@ -1,11 +1,46 @@
-"""Tensor codecs for the wire: `none`, `bf16`, `int8` blockwise absmax, `topk`. Pure torch, no grpc.
+"""Tensor codecs for the wire: `none`, `bf16`, `int8`, `fp8` and `int4` blockwise, `topk`. Pure
+torch, no grpc.
 
 A codec turns a tensor into (TensorSpec, payload bytes) and decodes payload bytes into a
 preallocated tensor. Receivers validate a spec against their expectations and limits with
 `expected_payload_bytes` *before* allocating or reading any payload.
 
-int8 layout: ceil(n / block_size) little-endian float32 scales (absmax / 127 per block), then n
-int8 values. Zero blocks have scale 0 and decode to 0.
+The blockwise codecs cut the flattened tensor into blocks of `block_size` elements (the last one
+may be shorter) and send one little-endian float32 scale per block, s = max(absmax / L, 2^-126)
+with L the codec's largest code, then the codes; a value decodes to code * s. The floor keeps
+x / s from dividing by a denormal or zero. Error bounds are per element, in units of s: so
+relative to the block's absmax wherever absmax >= L * 2^-126 (about 1e-36), and below 2^-127
+absolute under it. Every finite input whose absmax is at most 2^127 encodes; larger values, like
+non-finite ones, are refused (their codes * scales could overflow). Decoders refuse scales that
+are non-finite, negative, or above what the largest such absmax (or the dtype's own maximum,
+for float16) gives, so every decoded value is finite.
+
+int8 layout (L = 127): ceil(n / block_size) scales, then n int8 values x / s rounded to
+nearest. |error| <= s / 2 = absmax / 254.
+
+fp8 layout (L = 448): ceil(n / block_size) scales, then n bytes of float8 e4m3fn (1 sign bit,
+4 exponent bits with bias 7, 3 mantissa bits; largest finite 448, no inf; the NaN codes 0x7F and
+0xFF are refused when decoding) holding x / s rounded to nearest even. |error| <= max(|x| / 16,
+s / 1024): 3 mantissa bits keep a value within 1/16 of itself down to 2^-6 s, and below that
+the spacing is 2^-9 s; so at most absmax / 16, and small values next to an outlier keep their
+relative precision. It rounds to nearest both ways: its error is relative to each value, so no
+component of a gradient is systematically dropped.
+
+int4 layout (L = 7): ceil(n / block_size) scales, then ceil(n / 2) bytes. Each value is
+q = x / s rounded to an integer in -7..7, stored as the nibble q + 8 (1..15; nibble 0 is
+refused); element 2i in the low nibble of byte i, element 2i + 1 in its high nibble; an odd n
+pads the last high nibble with 8 (zero), and any other padding is refused. Rounding is to
+nearest, |error| <= s / 2 = absmax / 14, or stochastic (`stochastic=` a torch.Generator):
+q = floor(x / s + u) with u uniform in [0, 1), |error| < s = absmax / 7 and E[decoded] = x.
+Forward activations want nearest (the smaller error, and a deterministic forward). Backward
+gradients want stochastic: with a step of absmax / 7, nearest rounding sends every value under
+absmax / 14 in a block with an outlier to 0 on every step, a bias that SGD and Adam never
+average away, while unbiased rounding only adds variance that the sums over microbatches and
+steps average out. The draws come only from the given generator: a seeded one reproduces the
+payload exactly.
+
+All bounds hold up to float32 rounding of the quotient x / s and of the product code * s (each
+within 2^-24 of itself).
 
 topk layout (sparse; for outer deltas): `nnz` little-endian int32 indices into the flattened
 tensor, strictly increasing, then `nnz` values in the declared dtype. Every other element decodes
@@ -21,8 +56,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-CODECS = ("none", "bf16", "int8", "topk")
-DEFAULT_INT8_BLOCK = 64
+CODECS = ("none", "bf16", "int8", "fp8", "int4", "topk")
+BLOCKWISE = ("int8", "fp8", "int4")
+DEFAULT_BLOCK = 64
+DEFAULT_INT8_BLOCK = DEFAULT_BLOCK
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float64": torch.float64,
@@ -32,6 +69,13 @@ DTYPES: dict[str, torch.dtype] = {
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 FLOAT_DTYPES = ("float32", "float64", "bfloat16", "float16")
+# Largest code per blockwise codec: a block's scale is its absmax / LEVELS.
+LEVELS = {"int8": 127.0, "fp8": 448.0, "int4": 7.0}
+# The smallest normal float32: a floor on scales, so x / s never divides by a denormal or zero.
+MIN_SCALE = 2.0**-126
+# The largest block absmax encoded: codes * scales then stay finite in float32.
+MAX_ABSMAX = 2.0**127
+_FP8_NAN_BITS = 0x7F
 
 
 class CodecError(ValueError):
@@ -75,32 +119,32 @@ def expected_payload_bytes(spec: TensorSpec) -> int:
             raise CodecError(f"topk codec declares {spec.nnz} entries for a tensor of {n}")
         return spec.nnz * (4 + DTYPES[spec.dtype].itemsize)
     if spec.block_size < 1:
-        raise CodecError(f"int8 codec needs block_size >= 1, got {spec.block_size}")
-    return 4 * math.ceil(n / spec.block_size) + n
+        raise CodecError(f"{spec.codec} codec needs block_size >= 1, got {spec.block_size}")
+    scales = 4 * math.ceil(n / spec.block_size)
+    return scales + (math.ceil(n / 2) if spec.codec == "int4" else n)
 
 
-def encode(tensor: Tensor, codec: str, *, block_size: int = DEFAULT_INT8_BLOCK,
-           fraction: float = 0.01) -> tuple[TensorSpec, bytes]:
+def encode(tensor: Tensor, codec: str, *, block_size: int = DEFAULT_BLOCK, fraction: float = 0.01,
+           stochastic: torch.Generator | None = None) -> tuple[TensorSpec, bytes]:
     """Encode `tensor` (any device) with `codec`; returns its spec and the payload bytes.
-    `fraction` is topk's share of elements sent (the largest magnitudes)."""
+    `fraction` is topk's share of elements sent (the largest magnitudes). `stochastic`: int4
+    rounds stochastically (unbiased) with draws from this CPU generator; None = to nearest. The
+    other codecs ignore it (see the module docstring for why fp8 needs no such rounding)."""
     dtype = DTYPE_NAMES.get(tensor.dtype)
     if dtype is None:
         raise CodecError(f"cannot encode dtype {tensor.dtype}")
     flat = tensor.detach().reshape(-1).cpu()
     nnz = 0
+    spec_block = block_size if codec in BLOCKWISE else 0
     if codec == "none":
         payload = _to_bytes(flat.contiguous())
-        spec_block = 0
     elif codec == "bf16":
         payload = _to_bytes(flat.to(torch.bfloat16).view(torch.int16))
-        spec_block = 0
-    elif codec == "int8":
-        payload = _encode_int8(flat, block_size)
-        spec_block = block_size
+    elif codec in BLOCKWISE:
+        payload = _encode_blockwise(flat, codec, block_size, stochastic if codec == "int4" else None)
     elif codec == "topk":
         nnz = topk_count(flat.numel(), fraction)
         payload = _encode_topk(flat, nnz)
-        spec_block = 0
     else:
         raise CodecError(f"unknown codec {codec!r}; expected one of {', '.join(CODECS)}")
     spec = TensorSpec(dtype=dtype, shape=tuple(tensor.shape), codec=codec, block_size=spec_block,
@@ -124,7 +168,7 @@ def decode_into(spec: TensorSpec, payload: bytes | bytearray | memoryview, out: 
     elif spec.codec == "topk":
         _decode_topk(payload, spec, target)
     else:
-        _decode_int8(payload, spec, target)
+        _decode_blockwise(payload, spec, target)
     return out
 
 
@@ -147,39 +191,91 @@ def _from_bytes(payload: bytes | bytearray | memoryview, dtype: torch.dtype) -> 
         return torch.frombuffer(payload, dtype=dtype)
 
 
-def _encode_int8(flat: Tensor, block_size: int) -> bytes:
+def _encode_blockwise(flat: Tensor, codec: str, block_size: int, generator: torch.Generator | None) -> bytes:
+    """Scales, then the codes: int8 and fp8 one byte per value, int4 two values per byte."""
     if block_size < 1:
-        raise CodecError(f"int8 codec needs block_size >= 1, got {block_size}")
+        raise CodecError(f"{codec} codec needs block_size >= 1, got {block_size}")
     values = flat if flat.dtype == torch.float32 else flat.float()
     n = values.numel()
     num_blocks = math.ceil(n / block_size)
     if num_blocks * block_size != n:
         values = torch.nn.functional.pad(values, (0, num_blocks * block_size - n))
     blocks = values.view(num_blocks, block_size)
-    scales = blocks.abs().amax(dim=1).div_(127.0)
-    # NaN and inf propagate into their block's absmax, so one check on the scales suffices.
-    if not torch.isfinite(scales).all():
-        raise CodecError("int8 codec cannot encode non-finite values")
-    inverse = torch.where(scales > 0, scales.reciprocal(), torch.zeros_like(scales))
-    q = torch.mul(blocks, inverse[:, None]).round_().clamp_(-127, 127).to(torch.int8).view(-1)[:n]
-    return _to_bytes(scales) + _to_bytes(q)
+    absmax = blocks.abs().amax(dim=1)
+    # NaN and inf propagate into their block's absmax, so one check on it suffices.
+    if not torch.isfinite(absmax).all():
+        raise CodecError(f"{codec} codec cannot encode non-finite values")
+    if (absmax > MAX_ABSMAX).any():
+        raise CodecError(f"{codec} codec cannot encode values beyond 2^127 (out of range): {float(absmax.max()):.3g}")
+    levels = LEVELS[codec]
+    scales = absmax.div_(levels).clamp_(min=MIN_SCALE)
+    scaled = blocks.div(scales[:, None])
+    if codec == "fp8":
+        # Clamped because the float8 cast's handling of values past 448 is not a documented contract.
+        codes = scaled.clamp_(-levels, levels).to(torch.float8_e4m3fn).view(torch.uint8).view(-1)[:n]
+    else:
+        if generator is not None:
+            scaled.add_(torch.rand(scaled.shape, generator=generator)).floor_()
+        else:
+            scaled.round_()
+        codes = scaled.clamp_(-levels, levels).to(torch.int8).view(-1)[:n]
+        if codec == "int4":
+            codes = _pack_nibbles(codes)
+    return _to_bytes(scales) + _to_bytes(codes.contiguous())
 
 
-def _decode_int8(payload: bytes | bytearray | memoryview, spec: TensorSpec, target: Tensor) -> None:
+def _pack_nibbles(q: Tensor) -> Tensor:
+    nibbles = q.to(torch.uint8).add_(8)  # -7..7 -> 1..15
+    if nibbles.numel() % 2:
+        nibbles = torch.cat([nibbles, torch.full((1,), 8, dtype=torch.uint8)])
+    pairs = nibbles.view(-1, 2)
+    return pairs[:, 0] | (pairs[:, 1] << 4)
+
+
+def _unpack_nibbles(packed: Tensor, n: int) -> Tensor:
+    """Validated int4 codes as int8 in -7..7."""
+    nibbles = torch.stack([packed & 0x0F, packed >> 4], dim=1).view(-1)
+    if (nibbles == 0).any():
+        raise CodecError("int4 payload holds nibble 0 (-8), outside the codec's -7..7")
+    if nibbles.numel() > n and int(nibbles[n]) != 8:
+        raise CodecError("int4 payload's padding nibble must encode 0 (8)")
+    return nibbles[:n].view(torch.int8).sub_(8)
+
+
+def _decode_blockwise(payload: bytes | bytearray | memoryview, spec: TensorSpec, target: Tensor) -> None:
     n, block = spec.numel, spec.block_size
     num_blocks = math.ceil(n / block)
     view = memoryview(payload)
     scales = _from_bytes(view[: 4 * num_blocks], torch.float32)
-    if not torch.isfinite(scales).all() or (scales < 0).any():
-        raise CodecError("int8 payload has a non-finite or negative scale")
-    q = _from_bytes(view[4 * num_blocks:], torch.int8)
-    if num_blocks * block == n:
-        torch.mul(q.view(num_blocks, block), scales[:, None], out=target.view(num_blocks, block))
-        return
+    # In float32 arithmetic, as the encoder divides: its largest absmax gives exactly this scale.
+    max_scale = torch.tensor(_max_abs(spec.dtype), dtype=torch.float32) / LEVELS[spec.codec]
+    if not torch.isfinite(scales).all() or (scales < 0).any() or (scales > max_scale).any():
+        raise CodecError(f"{spec.codec} payload has a non-finite, negative or out-of-range scale")
+    raw = _from_bytes(view[4 * num_blocks:], torch.uint8 if spec.codec != "int8" else torch.int8)
+    if spec.codec == "fp8":
+        if ((raw & _FP8_NAN_BITS) == _FP8_NAN_BITS).any():
+            raise CodecError("fp8 payload holds a NaN code (0x7F or 0xFF)")
+        codes = raw.view(torch.float8_e4m3fn).float()
+    elif spec.codec == "int4":
+        codes = _unpack_nibbles(raw, n)
+    else:
+        codes = raw
+    _scale_blocks(codes, scales, block, target)
+
+
+def _max_abs(dtype: str) -> float:
+    """Largest block absmax a decoder of `dtype` accepts: finite there and in float32."""
+    return min(MAX_ABSMAX, torch.finfo(DTYPES[dtype]).max)
+
+
+def _scale_blocks(codes: Tensor, scales: Tensor, block: int, target: Tensor) -> None:
+    """target = codes * scales, one scale per `block` consecutive elements."""
+    n = target.numel()
     full = (n // block) * block
     if full:
-        torch.mul(q[:full].view(-1, block), scales[: n // block, None], out=target[:full].view(-1, block))
-    target[full:].copy_(q[full:].float() * scales[-1])
+        torch.mul(codes[:full].view(-1, block), scales[: n // block, None], out=target[:full].view(-1, block))
+    if full != n:
+        target[full:].copy_(codes[full:].float() * scales[-1])
 
 
 def topk_count(numel: int, fraction: float) -> int:

@@ -14,6 +14,8 @@ class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CODEC_BF16: _ClassVar[Codec]
     CODEC_INT8_BLOCKWISE: _ClassVar[Codec]
     CODEC_TOPK: _ClassVar[Codec]
+    CODEC_FP8_E4M3_BLOCKWISE: _ClassVar[Codec]
+    CODEC_INT4_BLOCKWISE: _ClassVar[Codec]
 
 class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -28,6 +30,8 @@ CODEC_NONE: Codec
 CODEC_BF16: Codec
 CODEC_INT8_BLOCKWISE: Codec
 CODEC_TOPK: Codec
+CODEC_FP8_E4M3_BLOCKWISE: Codec
+CODEC_INT4_BLOCKWISE: Codec
 DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT32: DType
 DTYPE_FLOAT64: DType

@@ -74,7 +74,7 @@ def test_unknown_codec_and_dtype_rejected():
     with pytest.raises(CodecError, match="unknown codec"):
         expected_payload_bytes(TensorSpec(dtype="float32", shape=(4,), codec="zstd"))
     with pytest.raises(CodecError, match="unknown codec"):
-        encode(weights(10), "fp8")
+        encode(weights(10), "fp4")
     with pytest.raises(CodecError, match="floating dtype"):
         expected_payload_bytes(TensorSpec(dtype="int64", shape=(4,), codec="bf16"))
     with pytest.raises(CodecError, match="negative"):
