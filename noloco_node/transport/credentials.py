@@ -108,7 +108,7 @@ class CallVerifier:
         """The caller's proven peer id; raises CallAuthError saying what is wrong."""
         token = metadata.get(AUTH_HEADER)
         if not token:
-            raise CallAuthError("unsigned call: every call must carry x-noloco-auth (see proto/README: signed calls)")
+            raise CallAuthError("unsigned call: this method needs x-noloco-auth (see proto/README.md: Signed calls)")
         parts = token.split(".")
         if len(parts) != 4 or not parts[1].isdigit() or len(parts[2]) != 32 or not parts[0] or len(parts[0]) > 128:
             raise CallAuthError("malformed x-noloco-auth token")
