@@ -75,7 +75,6 @@ LEVELS = {"int8": 127.0, "fp8": 448.0, "int4": 7.0}
 MIN_SCALE = 2.0**-126
 # The largest block absmax encoded: codes * scales then stay finite in float32.
 MAX_ABSMAX = 2.0**127
-_FP8_NAN_BITS = 0x7F
 
 
 class CodecError(ValueError):
@@ -253,9 +252,9 @@ def _decode_blockwise(payload: bytes | bytearray | memoryview, spec: TensorSpec,
         raise CodecError(f"{spec.codec} payload has a non-finite, negative or out-of-range scale")
     raw = _from_bytes(view[4 * num_blocks:], torch.uint8 if spec.codec != "int8" else torch.int8)
     if spec.codec == "fp8":
-        if ((raw & _FP8_NAN_BITS) == _FP8_NAN_BITS).any():
-            raise CodecError("fp8 payload holds a NaN code (0x7F or 0xFF)")
         codes = raw.view(torch.float8_e4m3fn).float()
+        if torch.isnan(codes).any():  # e4m3fn's only non-finite codes, 0x7F and 0xFF
+            raise CodecError("fp8 payload holds a NaN code (0x7F or 0xFF)")
     elif spec.codec == "int4":
         codes = _unpack_nibbles(raw, n)
     else:
