@@ -16,6 +16,7 @@ from pathlib import Path
 from transformers import LlamaConfig
 
 from noloco_node.config import ConfigError, ModelConfig
+from noloco_node.model.init import checkpoint_weight_files
 from noloco_node.model.split import balanced_layer_ranges, per_token_costs, ranges_from_counts
 from noloco_node.model.stage import llama_config
 
@@ -69,11 +70,10 @@ def resolve_llama_config(model: ModelConfig, vocab_size: int) -> LlamaConfig:
 
 
 def weight_files(path: str) -> list[Path]:
-    root = Path(path).expanduser()
-    files = sorted(root.glob("*.safetensors")) or sorted(root.glob("pytorch_model*.bin"))
+    files = checkpoint_weight_files(path)
     if not files:
-        raise ConfigError("model.init_from", f"{root} holds no *.safetensors or pytorch_model*.bin weights",
-                          "point it at a Hugging Face checkpoint directory (save_pretrained output)")
+        raise ConfigError("model.init_from", f"{Path(path).expanduser()} holds no *.safetensors or pytorch_model*.bin "
+                                             "weights", "point it at a Hugging Face checkpoint directory (save_pretrained output)")
     return files
 
 
@@ -124,14 +124,15 @@ def run_model(cfg, vocab_size: int) -> tuple[LlamaConfig, list[range]]:
                                 layers_per_stage=cfg.pipeline.layers_per_stage)
 
 
-def build_run_stage(cfg, config: LlamaConfig, ranges: list[range], stage_index: int):
-    """Stage `stage_index` of the run's model: phi_0 from the seed, or from model.init_from."""
+def build_run_stage(cfg, config: LlamaConfig, ranges: list[range], stage_index: int, *, device="cpu"):
+    """Stage `stage_index` of the run's model, and only it, on `device`: phi_0 from the run seed
+    and each parameter's name, or read from model.init_from (only this stage's tensors)."""
     from noloco_node.model.stage import build_stage
 
     if cfg.model.init_from:
-        weight_files(cfg.model.init_from)  # a clear error before transformers' own
+        weight_files(cfg.model.init_from)  # the error names the config field
     stage = build_stage(config, seed=cfg.run.seed, stage_index=stage_index, num_stages=cfg.pipeline.num_stages,
-                        layer_range=ranges[stage_index], init_from=cfg.model.init_from)
+                        layer_range=ranges[stage_index], init_from=cfg.model.init_from, device=device)
     stage.activation_checkpointing = cfg.pipeline.activation_checkpointing
     return stage
 

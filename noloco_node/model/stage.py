@@ -5,19 +5,24 @@ decoder layers + final norm + LM head (+ loss). Parameter names equal the full
 `LlamaForCausalLM` names (`model.layers.3.mlp.up_proj.weight`), so checkpoints and state transfer
 line up with the whole model.
 
-Every replica of a stage built from the same seed is identical: the full model is initialised
-on CPU from the seed (Llama's own init, std=initializer_range) and then sliced.
+A node builds only its own stage: the modules are made on the meta device and then only this
+stage's parameters get storage, each filled from the run seed and its own name (model/init.py) or
+read from a checkpoint. So every replica of a stage, under every split, starts from the same phi_0,
+and the whole model built in one process (`build_full_model`) equals its stages put together.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import Tensor, nn
 from transformers import LlamaConfig, LlamaForCausalLM
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
+from noloco_node.model.init import CheckpointReads, materialise_from_checkpoint, materialise_from_seed
 from noloco_node.model.split import stage_layer_ranges
 
 
@@ -34,10 +39,12 @@ def causal_mask(seq_len: int, dtype: torch.dtype, device: torch.device) -> Tenso
 
 class LlamaStage(nn.Module):
     """One contiguous slice of a Llama. `forward` maps token ids (stage 0) or hidden states
-    [batch, seq, hidden] to hidden states, or to logits [batch, seq, vocab] on the last stage."""
+    [batch, seq, hidden] to hidden states, or to logits [batch, seq, vocab] on the last stage.
 
-    def __init__(self, config: LlamaConfig, full: LlamaForCausalLM, stage_index: int, num_stages: int,
-                 layer_range: range | None = None) -> None:
+    The constructor makes the parameters on the meta device (no storage); `build_stage` gives
+    them their values."""
+
+    def __init__(self, config: LlamaConfig, stage_index: int, num_stages: int, layer_range: range | None = None) -> None:
         super().__init__()
         self.config = config
         self.stage_index, self.num_stages = stage_index, num_stages
@@ -45,13 +52,15 @@ class LlamaStage(nn.Module):
             stage_layer_ranges(config.num_hidden_layers, num_stages)[stage_index]
         self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
         self.model = nn.Module()
-        if self.is_first:
-            self.model.embed_tokens = full.model.embed_tokens
-        self.model.layers = nn.ModuleDict({str(i): full.model.layers[i] for i in self.layer_range})
-        if self.is_last:
-            self.model.norm = full.model.norm
-            self.lm_head = full.lm_head
-        self.rotary_emb = LlamaRotaryEmbedding(config=config)
+        with torch.device("meta"):  # the same modules LlamaForCausalLM makes, under the same names
+            if self.is_first:
+                self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+            self.model.layers = nn.ModuleDict({str(i): LlamaDecoderLayer(config, i) for i in self.layer_range})
+            if self.is_last:
+                self.model.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+                self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary_emb = LlamaRotaryEmbedding(config=config)  # computed from the config: real storage
+        self.checkpoint_reads: CheckpointReads | None = None  # what build_stage read from a checkpoint
         self.activation_checkpointing = False
         self._mask_cache: tuple[tuple, Tensor] | None = None
 
@@ -87,35 +96,39 @@ class LlamaStage(nn.Module):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
 
 
-def build_full_model(config: LlamaConfig, seed: int) -> LlamaForCausalLM:
-    """The whole model, initialised on CPU from `seed` without touching the global RNG."""
+def _refuse_tied(config: LlamaConfig) -> None:
     if config.tie_word_embeddings:
         raise ValueError("tie_word_embeddings must be False: the embedding and the LM head live on different stages")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return LlamaForCausalLM(config)
 
 
-def load_full_model(config: LlamaConfig, path: str) -> LlamaForCausalLM:
-    """A Hugging Face Llama checkpoint's weights in float32. A checkpoint that ties its LM head to
-    the embedding gets an untied copy: the two live on different stages."""
-    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
-    if model.lm_head.weight is model.model.embed_tokens.weight:
-        model.lm_head.weight = nn.Parameter(model.model.embed_tokens.weight.detach().clone())
-    model.config.tie_word_embeddings = False
-    if model.config.vocab_size != config.vocab_size or model.config.num_hidden_layers != config.num_hidden_layers:
-        raise ValueError(f"the checkpoint at {path} does not match its config.json")
-    return model
+def build_full_model(config: LlamaConfig, seed: int, device: torch.device | str = "cpu") -> LlamaForCausalLM:
+    """The whole model in one process with the stages' phi_0 (model/init.py: each parameter from
+    `seed` and its name), so it equals the stages of any split put together, bit for bit. The
+    global RNG is not touched."""
+    _refuse_tied(config)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model.model.rotary_emb = LlamaRotaryEmbedding(config=config)  # a buffer computed, not drawn
+    materialise_from_seed(model, seed=seed, initializer_range=config.initializer_range, device=device)
+    return model.to(device)
 
 
 def build_stage(config: LlamaConfig, *, seed: int, stage_index: int, num_stages: int,
-                layer_range: range | None = None, init_from: str | None = None) -> LlamaStage:
+                layer_range: range | None = None, init_from: str | Path | None = None,
+                device: torch.device | str = "cpu") -> LlamaStage:
     """Exactly stage `stage_index` of `num_stages` (decoder layers `layer_range`; even split if
-    None), identical on every replica built from `seed`, or from the checkpoint at `init_from`."""
+    None), its parameters materialised on `device` and nothing else: from `seed`, identical on
+    every replica and for every split, or from the Hugging Face checkpoint directory `init_from`
+    (only this stage's tensors are read; `stage.checkpoint_reads` counts them)."""
     if not 0 <= stage_index < num_stages:
         raise ValueError(f"stage_index {stage_index} is outside 0..{num_stages - 1}")
-    full = load_full_model(config, init_from) if init_from else build_full_model(config, seed)
-    return LlamaStage(config, full, stage_index, num_stages, layer_range)
+    _refuse_tied(config)
+    stage = LlamaStage(config, stage_index, num_stages, layer_range)
+    if init_from:
+        stage.checkpoint_reads = materialise_from_checkpoint(stage, init_from, device=device)
+    else:
+        materialise_from_seed(stage, seed=seed, initializer_range=config.initializer_range, device=device)
+    return stage.to(device)
 
 
 def llama_config(*, vocab_size: int, hidden_size: int, intermediate_size: int, num_layers: int,

@@ -14,14 +14,16 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 def load_run_inputs(config: NodeConfig):
     """(corpus, tokenizer, manifest hash) for `config`; raises ValueError naming data.* fields.
-    The hash covers the model files model.config / model.init_from name (their contents)."""
+    The hash covers the model files model.config / model.init_from name (their contents) and the
+    rule that draws phi_0 from the seed (model/init.py), so peers that would start apart never mix."""
     from noloco_node.data.corpus import resolve_corpus
     from noloco_node.data.tokenizer import load_tokenizer
 
     data = config.data
     corpus = resolve_corpus(data.path, cache_dir=data.cache_path, text_field=data.text_field)
     tokenizer = load_tokenizer(data.tokenizer, corpus, vocab_size=data.vocab_size, cache_dir=data.cache_path)
+    from noloco_node.model import init
     from noloco_node.model.build import files_fingerprint
 
     return corpus, tokenizer, config.manifest_hash(f"tokenizer:{tokenizer_fingerprint(tokenizer)}",
-                                                   files_fingerprint(config.model))
+                                                   files_fingerprint(config.model), f"init:{init.INIT_SCHEME}")

@@ -40,6 +40,10 @@ def test_chained_stages_equal_full_model(num_stages, attn):
     full_grads = {n: p.grad for n, p in full.named_parameters()}
 
     stages = [build_stage(config, seed=SEED, stage_index=s, num_stages=num_stages) for s in range(num_stages)]
+    whole = dict(full.named_parameters())
+    for stage in stages:  # phi_0 (model/init.py): the whole model is its stages, bit for bit
+        for name, param in stage.named_parameters():
+            assert torch.equal(param, whole[name]), name
     # Run as the pipeline does: each boundary is a detached leaf, gradients are handed back by hand.
     boundary_inputs, x = [], inputs
     for stage in stages:
