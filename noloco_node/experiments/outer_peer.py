@@ -31,12 +31,14 @@ from noloco_node.dht.records import StageRecord
 from noloco_node.node.adapters import DhtMatching
 from noloco_node.optim.state import OuterState
 from noloco_node.pipeline.router import Bans
-from noloco_node.rpc import outer_service
+from noloco_node.config import OuterConfig
 from noloco_node.rpc.outer_service import OuterClient, OuterServicer, Traffic
 from noloco_node.rpc.server import NodeServer
 from noloco_node.runtime.compute import ComputeThread
+from noloco_node.runtime.faults import FaultInjector
 from noloco_node.sync.diloco import DiLoCoSync
 from noloco_node.sync.noloco import NoLoCoSync
+from noloco_node.sync.ports import SyncParts
 from noloco_node.runtime.files import atomic_write_text
 
 RUN, MANIFEST = "outer-test", "m-outer"
@@ -91,19 +93,8 @@ async def main(args: argparse.Namespace) -> None:
             model.w.fill_(float("nan"))
         elif args.poison == "scale":
             model.w.mul_(1e6)
-    if args.die_after_writes:
-        original = outer_service.exchange_snapshots
-        count = {"writes": 0}
-
-        async def dying(read, write, *rest):
-            async def counted(message):
-                count["writes"] += 1
-                if count["writes"] > args.die_after_writes:
-                    os._exit(9)
-                await write(message)
-            return await original(read, counted, *rest)
-
-        outer_service.exchange_snapshots = dying
+    # --die-after-writes N: the process exits at its (N+1)th write of an exchange, mid-stream.
+    faults = FaultInjector([f"exchange_write:crash@{args.die_after_writes + 1}"] if args.die_after_writes else [])
 
     directory = await PeerDirectory.start(DirectoryIdentity(RUN, MANIFEST, __version__, 1),
                                           initial_peers=args.initial_peers, startup_timeout_s=20)
@@ -124,15 +115,15 @@ async def main(args: argparse.Namespace) -> None:
     from noloco_node.transport.dialer import Contact
     from noloco_node.transport.links import Links
 
-    links = Links(directory.key, swarm_key=None, max_skew_s=60.0, options=GRPC_OPTIONS)
-
     async def lookup(peer_id: str):
         r = await directory.record_of(peer_id)
         return None if r is None else Contact(r.peer_id, r.address, r.reach, r.tls_cert, tuple(r.p2p_addrs))
 
-    links.set_lookup(lookup)
+    links = Links(directory.key, swarm_key=None, max_skew_s=60.0, options=GRPC_OPTIONS, lookup=lookup)
     guard = PeerGuard(requests_per_s=1000, burst=1000, max_streams=64, ban_after_invalid=5, ban_s=30, ban_max_s=60)
     compute, bans = ComputeThread(), Bans()
+    config = OuterConfig(method=args.method, alpha=args.alpha, beta=args.beta, gamma=args.gamma, codec=args.codec,
+                         codec_delta=args.codec_delta, inner_steps_per_outer=50)
     server = NodeServer("127.0.0.1", args.port, credentials=links.certificate.server_credentials(),
                         admission=AdmissionInterceptor(verifier=links.verifier, swarm_key=None, guard=guard,
                                                        bridged=links.origin))
@@ -147,16 +138,16 @@ async def main(args: argparse.Namespace) -> None:
 
     max_bytes = 16 * max(1, model.w.numel()) + (1 << 20)  # phi and delta, float64
     traffic = Traffic()
-    client = OuterClient(run_id=RUN, manifest_hash=MANIFEST, max_bytes=max_bytes, traffic=traffic, dialer=links.dialer)
+    client = OuterClient(run_id=RUN, manifest_hash=MANIFEST, max_bytes=max_bytes, traffic=traffic, dialer=links.dialer,
+                         faults=faults)
+    parts = SyncParts(compute=compute, peer_id=directory.peer_id, stage=0, set_status=set_status, faults=faults)
     if all_reduce is not None:
-        sync = DiLoCoSync(state, all_reduce=all_reduce, compute=compute, timeout_s=args.match_s + 10)
+        sync = DiLoCoSync(state, config, parts, all_reduce=all_reduce, timeout_s=args.match_s + 10)
     else:
-        sync = NoLoCoSync(state, client=client, directory=DhtMatching(directory), compute=compute,
-                          peer_id=directory.peer_id, stage=0, codec=args.codec, match_s=args.match_s,
-                          max_distance_ratio=10.0, bans=bans, set_status=set_status, codec_delta=args.codec_delta,
-                          payload=args.payload)
-        server.add_outer(OuterServicer(sync, run_id=RUN, manifest_hash=MANIFEST, stage=0, max_bytes=max_bytes,
-                                       timeout_s=args.match_s, traffic=traffic))
+        sync = NoLoCoSync(state, config, parts, transport=client, directory=DhtMatching(directory),
+                          match_s=args.match_s, bans=bans, payload=args.payload)
+        server.add_outer(OuterServicer(sync, peer_id=directory.peer_id, run_id=RUN, manifest_hash=MANIFEST, stage=0,
+                                       max_bytes=max_bytes, timeout_s=args.match_s, traffic=traffic, faults=faults))
     port = await server.start()
     status["address"] = args.announce_addr or f"127.0.0.1:{port}"
     await set_status("serving", 0)

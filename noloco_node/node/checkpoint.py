@@ -76,3 +76,45 @@ def restore(stage: nn.Module, inner: InnerOptimizer, outer: OuterState | None, t
                 param.copy_(thetas[name])
     inner.import_moments(stage.named_parameters(), tensors, meta["adam_steps"])
     inner.step_count = int(meta["inner_step"])
+
+
+class Checkpointer:
+    """Saves this node's training state every `every_steps` inner steps (and when asked), and
+    resumes from the directory's checkpoint of its stage if one belongs to this run."""
+
+    def __init__(self, directory: Path, every_steps: int, *, identity: dict, compute, stage: nn.Module,
+                 inner: InnerOptimizer, outer: OuterState | None) -> None:
+        """`identity`: {run_id, manifest_hash, peer_id}, written with every checkpoint."""
+        self.directory, self.every_steps, self.identity = directory, every_steps, identity
+        self.compute, self.stage, self.inner, self.outer = compute, stage, inner, outer
+
+    def due(self, inner_step: int) -> bool:
+        return inner_step % self.every_steps == 0
+
+    async def save(self, stage_index: int, microbatches: dict | None = None) -> Path:
+        """`microbatches`: stage 0's driver accounting, taken between batches (every microbatch so
+        far is completed or dropped), so a restarted driver carries it on."""
+        import asyncio
+
+        tensors, counters = await self.compute.run(collect, self.stage, self.inner, self.outer)
+        if microbatches is not None:
+            counters["microbatches"] = microbatches
+        return await asyncio.to_thread(save, self.directory, stage_index, tensors, counters, self.identity)
+
+    async def resume(self, stage_index: int) -> dict | None:
+        """Restore this stage's checkpoint if it is this run's; {inner_step, outer_round, file,
+        microbatches} or None."""
+        import asyncio
+        import logging
+
+        found = await asyncio.to_thread(load, self.directory, stage_index)
+        if found is None:
+            return None
+        tensors, meta = found
+        if meta.get("run_id") != self.identity["run_id"] or meta.get("manifest_hash") != self.identity["manifest_hash"]:
+            logging.getLogger(__name__).warning("ignoring the checkpoint in %s: it belongs to run %s / manifest %s",
+                                                self.directory, meta.get("run_id"), meta.get("manifest_hash"))
+            return None
+        await self.compute.run(restore, self.stage, self.inner, self.outer, tensors, meta)
+        return {"inner_step": int(meta["inner_step"]), "outer_round": int(meta["outer_round"]), "file": meta["file"],
+                "microbatches": meta.get("microbatches")}

@@ -137,7 +137,6 @@ async def fetch_replicas(config: NodeConfig, manifest_hash: str, llama_config, r
     from noloco_node.rpc.outer_service import OuterClient
     from noloco_node.rpc.stage_service import GRPC_OPTIONS
     from noloco_node.rpc.security import read_swarm_key
-    from noloco_node.transport.bridge import Libp2pBridge
     from noloco_node.transport.identity import NodeIdentity
     from noloco_node.transport.links import Links
 
@@ -149,7 +148,7 @@ async def fetch_replicas(config: NodeConfig, manifest_hash: str, llama_config, r
         startup_timeout_s=config.timeouts.startup_s, swarm_key=swarm_key, max_skew_s=config.security.max_clock_skew_s)
     links = Links(NodeIdentity.generate(), swarm_key=swarm_key, max_skew_s=config.security.max_clock_skew_s,
                   lookup=contact_lookup(directory), options=GRPC_OPTIONS)
-    links.bridge = links.dialer.bridge = Libp2pBridge(directory.p2p, traffic=links.traffic)  # NATed replicas too
+    await links.dial_over(directory.p2p)  # NATed replicas too
     # The largest stage's state in bytes (float32): the bound on what a donor may send us.
     max_bytes = 4 * max(sum(_numel(shape) for shape, _ in expected_state(llama_config, r, i, p.num_stages).values())
                         for i, r in enumerate(ranges))
@@ -166,7 +165,7 @@ async def fetch_replicas(config: NodeConfig, manifest_hash: str, llama_config, r
             errors = []
             for peer in replicas:
                 try:
-                    tensors, counters = await client.fetch_state(peer, stage=stage, peer_id=links.peer_id,
+                    tensors, counters = await client.fetch_state(peer, stage=stage, requester=links.peer_id,
                                                                  timeout_s=timeout_s, expected=expected)
                 except NodeError as exc:
                     errors.append(f"{peer[-8:]}: {exc}")

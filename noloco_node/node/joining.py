@@ -140,7 +140,7 @@ async def fetch_state(directory: PeerDirectory, client: OuterClient, compute: Co
     random.Random(peer_id).shuffle(donors)
     for donor in donors[:3]:
         try:
-            tensors, counters = await client.fetch_state(donor.peer_id, stage=stage, peer_id=peer_id, timeout_s=timeout_s,
+            tensors, counters = await client.fetch_state(donor.peer_id, stage=stage, requester=peer_id, timeout_s=timeout_s,
                                                          expected=expected_tensors(state))
             step = await compute.run(import_state, state, inner, tensors, counters)
         except NodeError as exc:

@@ -2,7 +2,7 @@
 a step line every `log.every_steps` inner steps and one closing summary line.
 
 Formatting is pure (a `Snapshot` of plain numbers in, one line out) so it is tested without a
-node; `read_node` gathers the numbers from a running Node's existing attributes.
+node; node/stats.py's `training_snapshot` gathers the numbers from the node's read model.
 """
 
 from __future__ import annotations
@@ -127,22 +127,3 @@ class TrainingLog:
         line = summary_line(snap, total=self.total, wall_s=self.clock() - self.started)
         log.info("%s", line)
         return line
-
-
-def read_node(node) -> Snapshot:
-    """The numbers a step line and the summary need, from a started Node's attributes."""
-    runtime, driver = node.runtime, node.driver
-    counters = node.sync.counters if node.sync is not None else (node.dp_step.counters if node.dp_step else None)
-    outer = None if counters is None else {k: v for k, v in vars(counters).items() if k != "history"}
-    last_round = counters.history[-1] if counters is not None and counters.history else None
-    losses = driver.log.step_losses if driver is not None else []
-    lr = driver.log.lrs[-1] if driver is not None and driver.log.lrs else (node.worker.last_lr or None)
-    stats = runtime.stats
-    return Snapshot(
-        stage=node.stage_index, step=node.worker.inner_steps, tokens=node.worker.tokens_total, lr=lr,
-        loss=losses[-1] if losses else None, first_loss=losses[0] if losses else None,
-        in_flight=len(runtime.in_flight), served=sum(stats.forwards_received.values()), outer=outer,
-        last_round=last_round, bytes_sent=node.client.bytes_sent + node.outer_bytes_sent(),
-        bytes_received=node.servicer.bytes_received,
-        dropped=driver.counters.dropped if driver is not None else stats.dropped_here,
-        issued=driver.counters.issued if driver is not None else None)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
+from noloco_node.pipeline.completions import Stage0Completions
 from noloco_node.pipeline.ports import Hop, MicrobatchKey
 from noloco_node.pipeline.worker import NonFiniteValues
 from noloco_node.pipeline.runtime import StageRuntime, Ticket
@@ -31,6 +32,14 @@ class DriverCounters:
     reissued: int = 0
     dropped: int = 0
 
+    def as_dict(self) -> dict[str, int]:
+        return {"issued": self.issued, "completed": self.completed, "reissued": self.reissued, "dropped": self.dropped}
+
+    @classmethod
+    def restored(cls, saved: dict | None) -> DriverCounters:
+        """A restarted driver carries on its predecessor's accounting (from its checkpoint)."""
+        return cls(**{name: int(value) for name, value in (saved or {}).items()})
+
 
 @dataclass
 class DriverLog:
@@ -42,28 +51,47 @@ class DriverLog:
     stale_microbatches: int = 0  # completed with an inner step between their forward and backward
     max_staleness: int = 0  # the most inner steps between one microbatch's forward and backward
 
+    def record_staleness(self, staleness: int) -> None:
+        self.stale_microbatches += staleness > 0
+        self.max_staleness = max(self.max_staleness, staleness)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DriverSettings:
+    microbatch_size: int
+    microbatch_timeout_s: float
+    """A microbatch whose gradient has not come back within this is re-issued."""
+    max_attempts: int = 5
+    sequential: bool = False
+    """Deterministic mode: one microbatch at a time, in order (the oracle's order)."""
+    overlap: bool = False
+    """pipeline.schedule = overlap: batch k+1's forwards start before step k; their backwards wait
+    at the gate of batch k+1, opened once step k is taken."""
+
+
+def overlapped(settings: DriverSettings, is_last: bool) -> bool:
+    """Whether batches overlap: not in deterministic mode, and not with P = 1 (it accumulates at once)."""
+    return settings.overlap and not settings.sequential and not is_last
+
 
 class Stage0Driver:
-    def __init__(self, runtime: StageRuntime, batches: Iterator[tuple[Tensor, Tensor]], *, microbatch_size: int,
-                 microbatch_timeout_s: float, max_attempts: int = 5, sequential: bool = False,
-                 step_fn: Callable[[], Awaitable[float]] | None = None, overlap: bool = False) -> None:
-        self.runtime, self.batches = runtime, batches
-        self.microbatch_size = microbatch_size
-        self.timeout_s, self.max_attempts, self.sequential = microbatch_timeout_s, max_attempts, sequential
-        self.step_fn = step_fn  # replaces the local inner step (the dp baseline all-reduces first)
-        self.counters = DriverCounters()
+    def __init__(self, runtime: StageRuntime, batches: Iterator[tuple[Tensor, Tensor]], settings: DriverSettings, *,
+                 completions: Stage0Completions, inner_step: Callable[[], Awaitable[float]] | None = None,
+                 counters: DriverCounters | None = None) -> None:
+        """`completions` is the one the runtime reports to; `inner_step` replaces the worker's own
+        step (a method that takes it, dp); `counters` carries on a predecessor's accounting."""
+        self.runtime, self.batches, self.completions = runtime, batches, completions
+        self.microbatch_size = settings.microbatch_size
+        self.timeout_s, self.max_attempts = settings.microbatch_timeout_s, settings.max_attempts
+        self.sequential = settings.sequential
+        self.inner_step = inner_step
+        self.counters = counters or DriverCounters()
         self.log = DriverLog()
-        self._pending: dict[MicrobatchKey, asyncio.Future] = {}
         self._sequence = 0
         self.stop_requested = False  # set by request_stop: run returns at the next step boundary
-        # pipeline.schedule = overlap: batch k+1's forwards start before step k; their backwards
-        # wait at the gate of batch k+1, opened once step k is taken.
-        self.overlap = overlap and not sequential and not runtime.shape.is_last  # P = 1 accumulates at once
-        self._batch_of: dict[int, int] = {}  # sequence -> batch index within this run
-        self._gates: dict[int, asyncio.Event] = {}
-        runtime.on_stage0_backward = self._on_backward
+        self.overlap = overlapped(settings, runtime.shape.is_last)
+        assert completions.gated == self.overlap, "the completions must gate exactly when the driver overlaps"
         if self.overlap:
-            runtime.before_stage0_backward = self._wait_for_gate
             # A step can fall between a kept graph's forward and its backward: the graph must be
             # built on a weight copy (the node turns stash_weights on for the overlap schedule).
             assert runtime.worker.stash_weights, "overlap needs worker.stash_weights"
@@ -72,11 +100,6 @@ class Stage0Driver:
         """Finish the inner step under way (its microbatches complete and it steps), then return
         from run(): the driver's part of a graceful move to another stage."""
         self.stop_requested = True
-
-    def _on_backward(self, key: MicrobatchKey, loss: float) -> None:
-        future = self._pending.get(key)
-        if future is not None and not future.done():
-            future.set_result(loss)
 
     async def run(self, steps: int, on_inner_step: Callable[[int], Awaitable[None]] | None = None) -> None:
         previous: tuple[list[asyncio.Task], int, int] | None = None  # overlap: the batch still draining
@@ -87,7 +110,7 @@ class Stage0Driver:
             micro = [(inputs[i:i + self.microbatch_size], labels[i:i + self.microbatch_size])
                      for i in range(0, inputs.shape[0], self.microbatch_size)]
             if batch == 0:
-                self._gates.setdefault(0, asyncio.Event()).set()
+                self.completions.open_gate(0)
             if not self.overlap:
                 first = len(self.log.losses)
                 if self.sequential:
@@ -120,35 +143,27 @@ class Stage0Driver:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
-        if self.step_fn is not None:
-            lr = await self.step_fn()
+        if self.inner_step is not None:
+            lr = await self.inner_step()
         else:
             lr = await self.runtime.compute.run(self.runtime.worker.step)
         self.log.lrs.append(lr)
         done = self.log.losses[first:]
         self.log.step_losses.append(sum(done) / len(done) if done else float("nan"))
         self.log.step_times.append(time.monotonic())
-        self._gates.pop(batch, None)
-        self._gates.setdefault(batch + 1, asyncio.Event()).set()
+        self.completions.open_gate(batch + 1)
         if on_inner_step is not None:
             # Hook for the outer step (the sync layer): called after every inner step.
             await on_inner_step(self.runtime.worker.inner_steps)
 
-    async def _wait_for_gate(self, key: MicrobatchKey) -> None:
-        """Overlap: a backward of batch k+1 arriving before step k waits for it, so the gradients
-        of two batches never mix in one step."""
-        batch = self._batch_of.get(key.sequence)
-        if batch is not None:
-            await self._gates.setdefault(batch, asyncio.Event()).wait()
-
     async def _complete(self, inputs: Tensor, labels: Tensor, batch: int = 0) -> None:
         sequence = self._sequence
         self._sequence += 1
-        self._batch_of[sequence] = batch
+        self.completions.assign(sequence, batch)
         try:
             await self._attempts(sequence, inputs, labels)
         finally:
-            self._batch_of.pop(sequence, None)
+            self.completions.unassign(sequence)
 
     async def _attempts(self, sequence: int, inputs: Tensor, labels: Tensor) -> None:
         self.counters.issued += 1
@@ -169,8 +184,7 @@ class Stage0Driver:
                 self.counters.reissued += 1
                 self.log.reissued_sequences.append(sequence)
             key = MicrobatchKey(me.peer_id, sequence, attempt)
-            future = asyncio.get_running_loop().create_future()
-            self._pending[key] = future
+            future = self.completions.expect(key)
             try:
                 # Stage 0 keeps the graph instead of recomputing: in exact mode it steps only
                 # between batches; in overlap mode the graph is built on stashed weights.
@@ -183,8 +197,7 @@ class Stage0Driver:
                     lost_on.add(sent)
                     loss = await asyncio.wait_for(asyncio.shield(future), timeout=self.timeout_s)
                     staleness = self.runtime.worker.inner_steps - steps_at_forward
-                    self.log.stale_microbatches += staleness > 0
-                    self.log.max_staleness = max(self.log.max_staleness, staleness)
+                    self.log.record_staleness(staleness)
                     self.counters.completed += 1
                     self.log.losses.append(loss)
                     return
@@ -198,7 +211,7 @@ class Stage0Driver:
                 log.warning("microbatch %d dropped: training stopped while it was in flight", sequence)
                 raise
             finally:
-                self._pending.pop(key, None)
+                self.completions.forget(key)
                 self.runtime.in_flight.pop(key, None)
                 await self.runtime.compute.run(self.runtime.worker.drop, key)
         self.counters.dropped += 1

@@ -1,11 +1,15 @@
-"""What the pipeline needs from the network, as small Protocols (rpc/ and dht/ implement them)."""
+"""What the pipeline needs from the network and offers to it, as small Protocols over plain types
+(rpc/ and dht/ implement them over gRPC and the DHT; pipeline/memory.py in memory)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from torch import Tensor
+
+from noloco_node.wire.codec import TensorSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,3 +49,43 @@ class StageTransport(Protocol):
 class ReplicaDirectory(Protocol):
     async def replicas(self, stage: int) -> list[Peer]:
         """Live replicas of `stage` (cached; may include peers that have just died)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardCall:
+    """An inbound Forward as the pipeline sees it (the transport has checked the run identity)."""
+
+    key: MicrobatchKey
+    target_stage: int
+    route: tuple[Hop, ...]
+    labels: Sequence[int]
+
+
+@dataclass(frozen=True, slots=True)
+class BackwardCall:
+    """An inbound Backward: the gradient of the receiver's output for microbatch `key`."""
+
+    key: MicrobatchKey
+    target_stage: int
+    loss: float
+    num_tokens: int
+
+
+class StageHandler(Protocol):
+    """What a transport's server side needs from the pipeline (StageRuntime implements it)."""
+
+    def admit_forward(self, call: ForwardCall, spec: TensorSpec) -> Any:
+        """Check shapes against the stage and reserve a window slot; raise NodeError to refuse."""
+
+    def release_forward(self, ticket: Any) -> None:
+        """Give back a slot whose payload never arrived intact."""
+
+    async def accept_forward(self, ticket: Any, activations: Tensor) -> None:
+        """Take the validated activations; must return quickly (compute happens off the RPC)."""
+
+    def admit_backward(self, call: BackwardCall, spec: TensorSpec, caller: str = "") -> Any:
+        """Check the gradient against the saved microbatch (and, when `caller` is known, that it
+        comes from the replica the microbatch was forwarded to); raise NodeError to refuse."""
+
+    async def accept_backward(self, ticket: Any, grad: Tensor) -> None:
+        """Take the validated gradient; must return quickly."""

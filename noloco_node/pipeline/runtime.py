@@ -19,7 +19,8 @@ from torch import Tensor
 
 from noloco_node.wire.codec import TensorSpec
 from noloco_node.errors import InvalidPayload, NodeError, PeerBusy, PeerUnknown, ProtocolMismatch, UnknownMicrobatch
-from noloco_node.pipeline.ports import Hop, MicrobatchKey, ReplicaDirectory, StageTransport
+from noloco_node.pipeline.ports import BackwardCall, ForwardCall, Hop, MicrobatchKey, ReplicaDirectory, StageTransport
+from noloco_node.pipeline.completions import Stage0Completions
 from noloco_node.pipeline.router import Router
 from noloco_node.pipeline.worker import StageWorker
 from noloco_node.runtime.compute import ComputeThread
@@ -73,53 +74,69 @@ class RuntimeStats:
     routed_to: Counter = field(default_factory=Counter)  # next-stage peer id -> forwards it accepted
 
 
+@dataclass(frozen=True, kw_only=True)
+class RuntimeSettings:
+    max_in_flight: int
+    """Microbatches this stage holds at once; more are answered BUSY (the sender tries another)."""
+    send_deadline_s: float
+    """How long a forward keeps trying replicas of the next stage before the microbatch is dropped here."""
+    routing: str = "random"
+    """random | capacity | balanced | fixed (pipeline/router.py); balanced and fixed pick by sender index."""
+    routing_seed: int = 0
+    delay_before_forward_s: float = 0.0
+    """Fault injection (faults.delay_before_forward_s)."""
+
+
+@dataclass(frozen=True)
+class RuntimeHooks:
+    """Where the rest of the node joins the microbatch lifecycle."""
+
+    on_inner_step: Callable[[int], Awaitable[None]] | None = None
+    """Spawned after each inner step this runtime's compute took (stages > 0; stage 0's driver
+    steps itself): the outer-sync boundary, checkpoints, events."""
+    inner_step: Callable[[], Awaitable[float]] | None = None
+    """A method that takes the inner step itself (dp): awaited whenever a batch worth of sequences
+    has been accumulated, instead of the worker's own step."""
+    stage0: Stage0Completions | None = None
+    """Stage 0: where completed microbatches are reported to the driver."""
+
+
 class StageRuntime:
     def __init__(self, *, shape: StageShape, worker: StageWorker, compute: ComputeThread, transport: StageTransport,
-                 directory: ReplicaDirectory, router: Router, me: Hop, max_in_flight: int, send_deadline_s: float,
-                 on_stage0_backward: Callable[[MicrobatchKey, float], None] | None = None,
-                 delay_before_forward_s: float = 0.0, faults: FaultInjector | None = None,
-                 routing: str = "random", routing_seed: int = 0) -> None:
+                 directory: ReplicaDirectory, router: Router, me: Hop, settings: RuntimeSettings,
+                 hooks: RuntimeHooks = RuntimeHooks(), faults: FaultInjector | None = None) -> None:
         self.shape, self.worker, self.compute = shape, worker, compute
-        worker.defer_step = worker.auto_step  # _step_and_send_backward takes the step the worker leaves due
         self.transport, self.directory, self.router, self.me = transport, directory, router, me
-        self.max_in_flight, self.send_deadline_s = max_in_flight, send_deadline_s
-        self.on_stage0_backward = on_stage0_backward
-        # Stage 0 with pipeline.schedule = overlap: awaited before a backward (the driver's gate).
-        self.before_stage0_backward: Callable[[MicrobatchKey], Awaitable[None]] | None = None
-        self.delay_before_forward_s = delay_before_forward_s  # fault injection (faults.*)
+        self.max_in_flight, self.send_deadline_s = settings.max_in_flight, settings.send_deadline_s
+        self.delay_before_forward_s = settings.delay_before_forward_s
+        self.routing, self.routing_seed = settings.routing, settings.routing_seed
+        self.hooks = hooks
         self.faults = faults or FaultInjector()
-        self.routing, self.routing_seed = routing, routing_seed  # balanced and fixed pick by sender index
-        # Awaited after each inner step this runtime's compute took (stages > 0; stage 0's driver
-        # steps itself): where the outer step hooks in.
-        self.on_inner_step: Callable[[int], Awaitable[None]] | None = None
         self._last_hooked_step = 0
-        # Data-parallel baseline: the step is an all-reduce of gradients, done here (not in the
-        # worker) whenever a batch worth of sequences has been accumulated.
-        self.dp_step: Callable[[], Awaitable[None]] | None = None
-        self._dp_lock = asyncio.Lock()
+        self._method_step_lock = asyncio.Lock()
         self.in_flight: dict[MicrobatchKey, Ticket] = {}
         self.stats = RuntimeStats()
         self.accepting = True
         self._tasks: set[asyncio.Task] = set()
 
-    # ---- rpc.StageHandler -------------------------------------------------------------
-    def admit_forward(self, header, spec: TensorSpec) -> Ticket:
+    # ---- pipeline.ports.StageHandler -------------------------------------------------------------
+    def admit_forward(self, call: ForwardCall, spec: TensorSpec) -> Ticket:
         s = self.shape
-        if header.target_stage != s.stage or s.is_first:
-            raise ProtocolMismatch(f"this node serves stage {s.stage}, not stage {header.target_stage}")
+        if call.target_stage != s.stage or s.is_first:
+            raise ProtocolMismatch(f"this node serves stage {s.stage}, not stage {call.target_stage}")
         if spec.dtype != "float32" or len(spec.shape) != 3:
             raise InvalidPayload(f"activations must be float32 [batch, seq, hidden], got {spec.dtype}{list(spec.shape)}")
         b, t, h = spec.shape
         if not (1 <= b <= s.microbatch_size and 1 <= t <= s.seq_len and h == s.hidden_size):
             raise InvalidPayload(f"activations shape {list(spec.shape)} does not fit [<= {s.microbatch_size}, "
                                  f"<= {s.seq_len}, {s.hidden_size}]")
-        if len(header.labels) != b * t:
-            raise InvalidPayload(f"{len(header.labels)} labels for {b * t} positions")
-        if any(not 0 <= label < s.vocab_size for label in header.labels):
+        if len(call.labels) != b * t:
+            raise InvalidPayload(f"{len(call.labels)} labels for {b * t} positions")
+        if any(not 0 <= label < s.vocab_size for label in call.labels):
             raise InvalidPayload(f"labels outside the vocabulary 0..{s.vocab_size - 1}")
-        if not header.route or header.route[-1].stage != s.stage - 1 or not header.route[-1].address:
+        if not call.route or call.route[-1].stage != s.stage - 1 or not call.route[-1].address:
             raise InvalidPayload("route must end with a hop of the previous stage and its address")
-        key = MicrobatchKey(header.microbatch.origin_peer, header.microbatch.sequence, header.microbatch.attempt)
+        key = call.key
         if key in self.in_flight:
             raise InvalidPayload(f"microbatch {key} is already in flight here")
         if not self.accepting or len(self.in_flight) >= self.max_in_flight:
@@ -127,8 +144,7 @@ class StageRuntime:
             raise PeerBusy(f"{len(self.in_flight)}/{self.max_in_flight} microbatches in flight")
         import torch
 
-        route = [Hop(h.peer_id, h.address, h.stage) for h in header.route]
-        ticket = Ticket(key=key, route=route, labels=torch.tensor(list(header.labels), dtype=torch.int64).view(b, t))
+        ticket = Ticket(key=key, route=list(call.route), labels=torch.tensor(list(call.labels), dtype=torch.int64).view(b, t))
         self.in_flight[key] = ticket
         return ticket
 
@@ -139,10 +155,10 @@ class StageRuntime:
         self.stats.forwards_received[ticket.route[-1].peer_id] += 1
         self._spawn(self._serve_forward(ticket, activations))
 
-    def admit_backward(self, header, spec: TensorSpec, caller: str = "") -> Ticket:
-        if header.target_stage != self.shape.stage:
-            raise ProtocolMismatch(f"this node serves stage {self.shape.stage}, not stage {header.target_stage}")
-        key = MicrobatchKey(header.microbatch.origin_peer, header.microbatch.sequence, header.microbatch.attempt)
+    def admit_backward(self, call: BackwardCall, spec: TensorSpec, caller: str = "") -> Ticket:
+        if call.target_stage != self.shape.stage:
+            raise ProtocolMismatch(f"this node serves stage {self.shape.stage}, not stage {call.target_stage}")
+        key = call.key
         ticket = self.in_flight.get(key)
         expected = self.worker.output_shape(key)
         if ticket is None or expected is None:
@@ -153,7 +169,7 @@ class StageRuntime:
             # FAILED_PRECONDITION, not a strike: an honest replica whose accept we never saw (our
             # call timed out, we retried elsewhere) lands here too.
             raise UnknownMicrobatch(f"gradient for {key} from {caller[-8:]}, which the microbatch was not forwarded to")
-        ticket.loss, ticket.num_tokens = float(header.loss), int(header.num_tokens)
+        ticket.loss, ticket.num_tokens = call.loss, call.num_tokens
         return ticket
 
     async def accept_backward(self, ticket: Ticket, grad: Tensor) -> None:
@@ -192,8 +208,8 @@ class StageRuntime:
 
     async def _serve_backward(self, ticket: Ticket, grad: Tensor) -> None:
         key = ticket.key
-        if self.shape.is_first and self.before_stage0_backward is not None:
-            await self.before_stage0_backward(key)
+        if self.shape.is_first and self.hooks.stage0 is not None:
+            await self.hooks.stage0.wait_turn(key)
         before = self.worker.inner_steps
         try:
             grad_input = await self.compute.run(self.worker.backward, key, grad)
@@ -206,8 +222,8 @@ class StageRuntime:
         if self.shape.is_first:
             await self._after_compute(before)
             await self.faults.hit("mid_backward")
-            if self.on_stage0_backward is not None:
-                self.on_stage0_backward(key, ticket.loss)
+            if self.hooks.stage0 is not None:
+                self.hooks.stage0.completed(key, ticket.loss)
             return
         await self.faults.hit("mid_backward")
         await self._step_and_send_backward(before, ticket.route[-1], key, grad_input, ticket.loss, ticket.num_tokens)
@@ -228,21 +244,21 @@ class StageRuntime:
             await self._after_compute(steps_before)
 
     async def _after_compute(self, steps_before: int) -> None:
-        if self.dp_step is not None and self.worker.sequences_since_step >= self.worker.batch_size:
+        if self.hooks.inner_step is not None and self.worker.sequences_since_step >= self.worker.batch_size:
             # Awaited before this microbatch's gradient goes upstream, as the local inner step is:
             # upstream cannot issue its next batch before this stage has stepped, so no microbatch
             # of batch k+1 is computed with the weights from before step k (lockstep DP).
-            async with self._dp_lock:
+            async with self._method_step_lock:
                 while self.worker.sequences_since_step >= self.worker.batch_size:
-                    await self.dp_step()
+                    await self.hooks.inner_step()
         # In the background: an outer step must not hold up the gradient that triggered it (that
         # would stall the upstream replica and desynchronise it from its own pairing partners).
         # Several tasks may see the same step happen (each read `steps_before` before the shared
         # compute thread ran); only the first reports it.
         step = self.worker.inner_steps
-        if self.on_inner_step is not None and step > max(steps_before, self._last_hooked_step):
+        if self.hooks.on_inner_step is not None and step > max(steps_before, self._last_hooked_step):
             self._last_hooked_step = step
-            self._spawn(self.on_inner_step(step))
+            self._spawn(self.hooks.on_inner_step(step))
 
     async def send_forward(self, key: MicrobatchKey, route: list[Hop], output: Tensor, labels: Tensor,
                            avoid: frozenset[str] = frozenset()) -> str | None:

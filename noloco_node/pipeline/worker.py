@@ -44,19 +44,46 @@ class Saved:
     stash: dict[str, Tensor] | None = None  # the weight copy the graph was built on (stash_weights)
 
 
+@dataclass(frozen=True, kw_only=True)
+class WorkerSettings:
+    batch_size: int
+    """Sequences per inner step (the node's local batch)."""
+    saved_ttl_s: float
+    """Saved inputs older than this are dropped (a lost downstream peer cannot leak memory)."""
+    auto_step: bool
+    """Step the inner optimizer every `batch_size` sequences (stages > 0); stage 0's driver steps itself."""
+    defer_step: bool = False
+    """Leave an auto step due (`step_due`) for the caller to take once the batch's last input
+    gradient is on its way upstream (pipeline/runtime.py), so the step overlaps the upstream stage's
+    backward instead of delaying it. Any compute that comes first takes the due step before it
+    starts, so the order of work is the same either way."""
+    stash_weights: bool = False
+    """The overlap schedule, on every stage that has a backward apart from its forward: a forward
+    runs on a copy of the weights taken at their current version, and its backward (kept graph on
+    stage 0, recompute past it) on that same copy. An inner step can come between the two (it
+    updates the parameters in place, which would void a graph built on them and change a
+    recompute), and the backward is still the exact gradient at the weights the forward saw (weight
+    stashing, as PipeDream), added into the parameters' gradients at the next step. One copy per
+    weight version, shared by its microbatches."""
+    device: torch.device | str = "cpu"
+    bf16_autocast: bool = True
+    """On a GPU: bf16 autocast for the stage's compute; weights, phi and m stay fp32 masters."""
+    compute_delay_s: float = 0.0
+    """faults.compute_delay_s: emulates a slower device."""
+
+
 class StageWorker:
     """Not thread-safe by design: every method runs on the node's single compute thread."""
 
-    def __init__(self, stage: LlamaStage, inner: InnerOptimizer, *, batch_size: int, saved_ttl_s: float,
-                 auto_step: bool, clock=time.monotonic, device: torch.device | str = "cpu",
-                 bf16_autocast: bool = True, faults: FaultInjector | None = None,
-                 slow_weights: Callable[[], dict[str, Tensor] | None] | None = None,
-                 emit: Callable[..., Any] | None = None, compute_delay_s: float = 0.0) -> None:
+    def __init__(self, stage: LlamaStage, inner: InnerOptimizer, settings: WorkerSettings, *,
+                 faults: FaultInjector | None = None, slow_weights: Callable[[], dict[str, Tensor] | None] | None = None,
+                 emit: Callable[..., Any] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.stage, self.inner = stage, inner
-        self.device = torch.device(device)
-        # On a GPU: bf16 autocast for the stage's compute; weights, phi and m stay fp32 masters.
-        self.autocast = self.device.type == "cuda" and bf16_autocast
-        self.batch_size, self.saved_ttl_s, self.auto_step = batch_size, saved_ttl_s, auto_step
+        self.device = torch.device(settings.device)
+        self.autocast = self.device.type == "cuda" and settings.bf16_autocast
+        self.batch_size, self.saved_ttl_s, self.auto_step = settings.batch_size, settings.saved_ttl_s, settings.auto_step
+        self.defer_step, self.stash_weights = settings.defer_step, settings.stash_weights
+        self.compute_delay_s = settings.compute_delay_s
         self.clock = clock
         self.saved: dict[Hashable, Saved] = {}
         self.sequences_since_step = 0
@@ -72,21 +99,7 @@ class StageWorker:
         self._own_copy = None if slow_weights is not None else self._copy_theta()
         self.dropped_non_finite = 0
         self.repairs = 0
-        self.compute_delay_s = compute_delay_s  # faults.compute_delay_s: emulates a slower device
-        # With defer_step, a batch's auto step is left due (step_due) for the caller to run once the
-        # batch's last input gradient is on its way upstream (pipeline/runtime.py), so the step
-        # overlaps the upstream stage's backward instead of delaying it. Any compute that comes
-        # first takes the due step before it starts, so the order of work is the same either way.
-        self.defer_step = False
         self.step_due = False
-        # With stash_weights (the overlap schedule, on every stage that has a backward apart from its
-        # forward), a forward runs on a copy of the weights taken at their current version, and its
-        # backward (kept graph on stage 0, recompute past it) on that same copy: an inner step can
-        # come between the two (it updates the parameters in place, which would void a graph built
-        # on them and change a recompute), and the backward is still the exact gradient at the
-        # weights the forward saw (weight stashing, as PipeDream), added into the parameters'
-        # gradients at the next step. One copy per weight version, shared by its microbatches.
-        self.stash_weights = False
         self._stash: tuple[int, dict[str, Tensor]] | None = None
         self._stashes_with_gradients: list[dict[str, Tensor]] = []
 
@@ -286,6 +299,13 @@ class StageWorker:
         for p, g in zip(self.inner.params, pending):
             p.grad = g
         self._after_step(norm)
+        return self.last_lr
+
+    def skip_step(self) -> float:
+        """Data-parallel: a round that was not whole (sync/dp.py): no update, the gradients already
+        taken are dropped, and the step counter advances with the other replicas'."""
+        self.last_lr = self.inner.schedule.lr_at(self.inner.step_count + 1)
+        self.inner.step_count += 1
         return self.last_lr
 
     def output_shape(self, key: Hashable) -> tuple[int, ...] | None:

@@ -11,11 +11,8 @@ against the expected tensor list before anything is allocated.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
-from dataclasses import dataclass
-from typing import Protocol
 
 import grpc
 import torch
@@ -27,28 +24,12 @@ from noloco_node.rpc.admission import CALLER
 from noloco_node.rpc.status import status_of
 from noloco_node.rpc.tensors import PayloadReceiver, header_to_spec, iter_chunks, spec_to_header
 from noloco_node.runtime.faults import FaultInjector
+from noloco_node.sync.ports import (Decision, EncodedSnapshot, ExpectedTensor, PairingResponder, PairProposal,
+                                    StateDonor)
 from noloco_node.wire.v1 import outer_pb2, outer_pb2_grpc, tensor_pb2
 
 log = logging.getLogger(__name__)
 ACCEPT = outer_pb2.PairReply.ACCEPT
-
-
-@dataclass(frozen=True)
-class EncodedSnapshot:
-    """A frozen snapshot as it goes on the wire: (name, spec, payload) per tensor, in order."""
-
-    tensors: list[tuple[str, TensorSpec, bytes]]
-
-    @property
-    def sha256(self) -> bytes:
-        digest = hashlib.sha256()
-        for _, _, payload in self.tensors:
-            digest.update(payload)
-        return digest.digest()
-
-    @property
-    def payload_bytes(self) -> int:
-        return sum(len(p) for _, _, p in self.tensors)
 
 
 class Traffic:
@@ -58,31 +39,19 @@ class Traffic:
         self.bytes_sent = 0
 
 
-@dataclass(frozen=True)
-class ExpectedTensor:
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    codec: str = ""
-    """Wire codec this tensor must use; empty = the exchange's codec (phi and Delta may differ)."""
+_DECISIONS = {Decision.ACCEPT: outer_pb2.PairReply.ACCEPT, Decision.BUSY: outer_pb2.PairReply.BUSY,
+              Decision.WAIT: outer_pb2.PairReply.WAIT, Decision.MISMATCH: outer_pb2.PairReply.MISMATCH}
 
 
-class OuterHandler(Protocol):
-    """What the Outer service needs from the sync layer."""
-
-    def decide(self, request: outer_pb2.PairRequest) -> outer_pb2.PairReply:
-        """Accept (and reserve this round for) or refuse a pairing request; never blocks."""
-
-    def frozen(self) -> tuple[EncodedSnapshot, list[ExpectedTensor], str]:
-        """The snapshot to send, the tensors expected back, and the codec they must use."""
-
-    async def finish(self, peer_id: str, received: dict[str, Tensor] | None, reason: str) -> None:
-        """Called once per accepted session: with the partner's tensors, or None on failure."""
+def pair_proposal(request: outer_pb2.PairRequest) -> PairProposal:
+    return PairProposal(peer_id=request.peer_id, stage=request.stage, round=request.round, inner_step=request.inner_step,
+                        nonce=bytes(request.nonce), sends_slow_weights=request.send_slow_weights)
 
 
-class StateDonor(Protocol):
-    async def export_state(self) -> tuple[dict[str, Tensor], str]:
-        """A consistent copy of this replica's state (named tensors) and its counters as JSON."""
+def pair_request(proposal: PairProposal) -> outer_pb2.PairRequest:
+    return outer_pb2.PairRequest(stage=proposal.stage, round=proposal.round, inner_step=proposal.inner_step,
+                                 peer_id=proposal.peer_id, nonce=proposal.nonce,
+                                 send_slow_weights=proposal.sends_slow_weights)
 
 
 async def exchange_snapshots(read, write, mine: EncodedSnapshot, expected: list[ExpectedTensor], codec: str,
@@ -93,13 +62,18 @@ async def exchange_snapshots(read, write, mine: EncodedSnapshot, expected: list[
     received_all = asyncio.Event()
     received_hash: list[bytes] = []
 
+    async def put(message) -> None:
+        if faults is not None:
+            await faults.hit("exchange_write")  # tests: a partner that dies mid-stream
+        await write(message)
+
     async def send() -> None:
-        await write(outer_pb2.ExchangeMessage(manifest=outer_pb2.SnapshotManifest(
+        await put(outer_pb2.ExchangeMessage(manifest=outer_pb2.SnapshotManifest(
             num_tensors=len(mine.tensors), payload_bytes=mine.payload_bytes)))
         for name, spec, payload in mine.tensors:
-            await write(outer_pb2.ExchangeMessage(tensor=spec_to_header(spec, name)))
+            await put(outer_pb2.ExchangeMessage(tensor=spec_to_header(spec, name)))
             for chunk in iter_chunks(payload):
-                await write(outer_pb2.ExchangeMessage(chunk=chunk))
+                await put(outer_pb2.ExchangeMessage(chunk=chunk))
                 if traffic is not None:
                     traffic.bytes_sent += len(chunk.data)
         if faults is not None:
@@ -162,10 +136,12 @@ async def exchange_snapshots(read, write, mine: EncodedSnapshot, expected: list[
 
 
 class OuterServicer(outer_pb2_grpc.OuterServicer):
-    def __init__(self, handler: OuterHandler, *, run_id: str, manifest_hash: str, stage: int, max_bytes: int,
-                 timeout_s: float, traffic: Traffic | None = None, donor: StateDonor | None = None,
+    def __init__(self, handler: PairingResponder | None, *, peer_id: str, run_id: str, manifest_hash: str, stage: int,
+                 max_bytes: int, timeout_s: float, traffic: Traffic | None = None, donor: StateDonor | None = None,
                  faults: FaultInjector | None = None) -> None:
-        self.handler = handler
+        """`handler` answers pairing proposals (None: this node does not pair, e.g. a dp replica);
+        `peer_id` is this node's, named in every reply."""
+        self.handler, self.peer_id = handler, peer_id
         self.faults = faults
         self.traffic = traffic
         self.donor = donor
@@ -187,9 +163,13 @@ class OuterServicer(outer_pb2_grpc.OuterServicer):
         if request.run.run_id != self.run_id or request.run.manifest_hash != self.manifest_hash or request.stage != self.stage:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"this node serves run {self.run_id}/{self.manifest_hash} stage {self.stage}")
-        reply = self.handler.decide(request)
+        if self.handler is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this node does not pair (outer.method is not noloco)")
+        answer = self.handler.decide(pair_proposal(request))
+        reply = outer_pb2.PairReply(decision=_DECISIONS[answer.decision], reason=answer.reason, wait_s=answer.wait_s,
+                                    peer_id=self.peer_id)
         await context.write(outer_pb2.ExchangeMessage(reply=reply))
-        if reply.decision != ACCEPT:
+        if answer.decision != Decision.ACCEPT:
             return
         mine, expected, codec = self.handler.frozen()
         try:
@@ -255,6 +235,11 @@ class OuterClient:
         self.traffic = traffic or Traffic()
         self._stubs: dict[str, tuple[grpc.aio.Channel, outer_pb2_grpc.OuterStub]] = {}
 
+    @property
+    def bytes_sent(self) -> int:
+        """Outer payload bytes this node wrote, as initiator and (sharing `traffic`) as responder."""
+        return self.traffic.bytes_sent
+
     async def _stub(self, peer_id: str) -> outer_pb2_grpc.OuterStub:
         channel, _ = await self.dialer.channel(peer_id)
         known = self._stubs.get(peer_id)
@@ -262,9 +247,10 @@ class OuterClient:
             known = self._stubs[peer_id] = (channel, outer_pb2_grpc.OuterStub(channel))
         return known[1]
 
-    async def exchange(self, to: str, request: outer_pb2.PairRequest, mine: EncodedSnapshot,
-                       expected: list[ExpectedTensor], codec: str, timeout_s: float) -> dict[str, Tensor]:
+    async def exchange(self, to: str, proposal: PairProposal, mine: EncodedSnapshot,
+                       expected: list[ExpectedTensor], codec: str, *, timeout_s: float) -> dict[str, Tensor]:
         """Propose a pair and, if accepted, exchange snapshots. Raises PeerBusy when refused."""
+        request = pair_request(proposal)
         request.run.CopyFrom(self.run)
         call = (await self._stub(to)).Exchange(timeout=timeout_s)
         try:
@@ -294,10 +280,10 @@ class OuterClient:
             call.cancel()
             raise
 
-    async def fetch_state(self, to: str, *, stage: int, peer_id: str, timeout_s: float,
+    async def fetch_state(self, to: str, *, stage: int, requester: str, timeout_s: float,
                           expected: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> tuple[dict[str, Tensor], dict]:
         """Download a donor's state; every tensor is checked against `expected` before allocation."""
-        request = outer_pb2.FetchStateRequest(run=self.run, stage=stage, peer_id=peer_id)
+        request = outer_pb2.FetchStateRequest(run=self.run, stage=stage, peer_id=requester)
         call = (await self._stub(to)).FetchState(request, timeout=timeout_s)
         tensors: dict[str, Tensor] = {}
         try:

@@ -58,8 +58,9 @@ class NodeServer:
                                          response_serializer=response.SerializeToString)
         self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(descriptor.full_name, handlers),))
 
-    async def start(self) -> int:
-        """Bind and start; returns the public (TLS) port."""
+    def bind(self) -> int:
+        """Bind the listening ports (before `start`), so the node knows its address before it
+        builds the services that announce it; returns the public (TLS) port."""
         address = f"{self.host}:{self.requested_port}"
         if self.credentials is None:  # unit tests of the services alone
             self.port = self.server.add_insecure_port(address)
@@ -68,6 +69,12 @@ class NodeServer:
             self.bridge_port = self.server.add_insecure_port("127.0.0.1:0")
         if self.port == 0:
             raise OSError(f"could not bind gRPC port {self.host}:{self.requested_port} (in use? set network.port)")
+        return self.port
+
+    async def start(self) -> int:
+        """Start serving (binding first if `bind` was not called); returns the public (TLS) port."""
+        if self.port is None:
+            self.bind()
         await self.server.start()
         for service in ("", STAGE_SERVICE):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)

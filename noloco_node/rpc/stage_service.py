@@ -14,7 +14,6 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any, Protocol
 
 import grpc
 import torch
@@ -23,6 +22,7 @@ from torch import Tensor
 from noloco_node.wire.codec import DTYPES, CodecError, TensorSpec, decode_into
 from noloco_node.errors import InvalidPayload, NodeError, PoisonedPayload, ProtocolMismatch, TooLarge
 from noloco_node.optim.integrity import RunningBounds
+from noloco_node.pipeline.ports import BackwardCall, ForwardCall, Hop, MicrobatchKey, StageHandler
 from noloco_node.rpc.admission import CALLER, POISONED
 from noloco_node.rpc.status import error_from_rpc, status_of
 from noloco_node.rpc.tensors import PayloadReceiver, encode_tensor, header_to_spec, iter_chunks
@@ -46,24 +46,17 @@ GRPC_OPTIONS = [
 ]
 
 
-class StageHandler(Protocol):
-    """What the Stage service needs from the pipeline (implemented in pipeline/)."""
+def forward_call(header: stage_pb2.ForwardHeader) -> ForwardCall:
+    """The pipeline's view of a Forward header (pipeline/ports.py): plain values, no protobuf."""
+    m = header.microbatch
+    return ForwardCall(key=MicrobatchKey(m.origin_peer, m.sequence, m.attempt), target_stage=header.target_stage,
+                       route=tuple(Hop(h.peer_id, h.address, h.stage) for h in header.route), labels=header.labels)
 
-    def admit_forward(self, header: stage_pb2.ForwardHeader, spec: TensorSpec) -> Any:
-        """Check shapes against the stage and reserve a window slot; raise NodeError to refuse."""
 
-    def release_forward(self, ticket: Any) -> None:
-        """Give back a slot whose payload never arrived intact."""
-
-    async def accept_forward(self, ticket: Any, activations: Tensor) -> None:
-        """Take the validated activations; must return quickly (compute happens off the RPC)."""
-
-    def admit_backward(self, header: stage_pb2.BackwardHeader, spec: TensorSpec, caller: str = "") -> Any:
-        """Check the gradient against the saved microbatch (and, when `caller` is known, that it
-        comes from the replica the microbatch was forwarded to); raise NodeError to refuse."""
-
-    async def accept_backward(self, ticket: Any, grad: Tensor) -> None:
-        """Take the validated gradient; must return quickly."""
+def backward_call(header: stage_pb2.BackwardHeader) -> BackwardCall:
+    m = header.microbatch
+    return BackwardCall(key=MicrobatchKey(m.origin_peer, m.sequence, m.attempt), target_stage=header.target_stage,
+                        loss=float(header.loss), num_tokens=int(header.num_tokens))
 
 
 async def _receive(messages: AsyncIterator, spec: TensorSpec, max_bytes: int) -> tuple[Tensor, int]:
@@ -154,7 +147,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             if caller and (not header.route or header.route[-1].peer_id != caller):
                 raise InvalidPayload(f"the route's last hop must be the caller {caller[-8:]}, who signed this call")
             spec = header_to_spec(header.activations)
-            ticket = self.handler.admit_forward(header, spec)
+            ticket = self.handler.admit_forward(forward_call(header), spec)
             async with asyncio.timeout_at(self._payload_deadline(started, spec)):
                 tensor, size = await _receive(request_iterator, spec, self.max_payload_bytes)
             self._check_values("forward", tensor)
@@ -182,7 +175,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 header = await self._first(request_iterator, "backward")
             self._check_run(header.run)
             spec = header_to_spec(header.grad)
-            ticket = self.handler.admit_backward(header, spec, CALLER.get())
+            ticket = self.handler.admit_backward(backward_call(header), spec, CALLER.get())
             async with asyncio.timeout_at(self._payload_deadline(started, spec)):
                 tensor, size = await _receive(request_iterator, spec, self.max_payload_bytes)
             self._check_values("backward", tensor)

@@ -28,7 +28,7 @@ from noloco_node.errors import NodeError
 
 log = logging.getLogger(__name__)
 
-POINTS = ("before_forward", "mid_backward", "during_exchange", "during_state_transfer", "send_snapshot",
+POINTS = ("before_forward", "mid_backward", "during_exchange", "exchange_write", "during_state_transfer", "send_snapshot",
           "inner_step", "weights")
 POISON_POINTS = ("send_snapshot", "inner_step", "weights")
 ACTIONS = ("crash", "stall", "delay", "error", "poison")

@@ -3,30 +3,59 @@ through a real all-reduce (hivemind's averager), then the shared heavy-ball upda
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Protocol
 
 from torch import Tensor
 
+from noloco_node.config import OuterConfig
 from noloco_node.optim.state import OuterState
-from noloco_node.runtime.compute import ComputeThread
-from noloco_node.sync.noloco import OuterCounters
+from noloco_node.sync.ports import OuterSync, SyncParts
 
 log = logging.getLogger(__name__)
 
 
 class AllReduce(Protocol):
+    bytes_sent: int
+
     async def mean(self, tensors: list[Tensor], timeout_s: float,
                    round_index: int) -> tuple[list[Tensor], int, bool, bool]:
         """Group mean, group size (1 = nobody joined), whether all members were at this round, and
         whether the whole mean arrived (else some parts are our own values)."""
 
+    def shutdown(self) -> None: ...
 
-class DiLoCoSync:
-    def __init__(self, state: OuterState, *, all_reduce: AllReduce, compute: ComputeThread, timeout_s: float) -> None:
-        self.state, self.all_reduce, self.compute, self.timeout_s = state, all_reduce, compute, timeout_s
-        self.counters = OuterCounters()
+
+class DiLoCoSync(OuterSync):
+    method = "diloco"
+
+    def __init__(self, state: OuterState, config: OuterConfig, parts: SyncParts, *, all_reduce: AllReduce,
+                 timeout_s: float) -> None:
+        super().__init__()
+        self.state, self.parts, self.all_reduce, self.timeout_s = state, parts, all_reduce, timeout_s
+        self.compute = parts.compute
+        self.every = config.inner_steps_per_outer
+        self._one_round_at_a_time = asyncio.Lock()
+
+    async def at_boundary(self, inner_step: int) -> None:
+        if inner_step % self.every:
+            return
+        async with self._one_round_at_a_time:
+            await self._track(asyncio.ensure_future(self.outer_step(inner_step, inner_step // self.every)))
+        self.parts.emit("outer_round", inner_step=inner_step, **self.counters.history[-1])
+
+    @property
+    def outer_round(self) -> int:
+        return self.state.round
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.all_reduce.bytes_sent
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.all_reduce.shutdown)
 
     async def outer_step(self, inner_step: int, round_index: int) -> str:
         start = time.monotonic()

@@ -2,43 +2,158 @@
 stage's clipped gradients are averaged over its replicas by the all-reduce, then Adam steps.
 
 Clipping is per stage and before the all-reduce, as the reference (`train.py:175`). Stage 0's
-driver calls the step at its batch boundary; stages > 0 call it when a batch worth of sequences
+driver takes the step at its batch boundary; stages > 0 take it when a batch worth of sequences
 has been accumulated, before the batch's last gradient goes upstream (pipeline/runtime.py).
+
+Replicas must stay bit-identical, so a round is applied only when it is whole: every replica of
+the stage in the group (`outer.allreduce_group_size`, when known), every part of the mean
+delivered, every member at this step. Otherwise the step is *skipped*: no Adam update, the
+gradients dropped, the step counter advanced, so every replica stays at the same step and, when
+the round failed for all of them (hivemind forms a group of all D or none), at the same weights.
+
+A round can still fail for some members only (hivemind delivers part of the mean to one and the
+whole to another), and no protocol over lossy links can make every member agree on that. So each
+round also carries a fingerprint of every member's weights (a hash mapped into [0, 1)): when the
+group's mean fingerprint is not this replica's own, the replicas have come apart, every member
+sees it in the same round, and instead of stepping they average their weights, Adam moments and
+counters back together (three more all-reduce rounds, keyed apart from the gradient rounds). A
+replica that drifted is thus back in lockstep one round later: the state heals itself.
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import time
-from collections.abc import Awaitable, Callable
 
+import torch
+from torch import Tensor
+
+from noloco_node.config import OuterConfig
 from noloco_node.pipeline.worker import StageWorker
-from noloco_node.runtime.compute import ComputeThread
 from noloco_node.sync.diloco import AllReduce
-from noloco_node.sync.noloco import OuterCounters
+from noloco_node.sync.ports import OuterSync, SyncParts
+
+log = logging.getLogger(__name__)
+EXTRA_SHAPE = torch.Size([2])
+"""The slot every round carries besides the gradients: (weights fingerprint, inner-step count)."""
+RESYNC_KEYS = 1 << 30
+"""Resync rounds match under keys of their own, far above any gradient round's step."""
 
 
-class DataParallelStep:
-    def __init__(self, *, worker: StageWorker, compute: ComputeThread, all_reduce: AllReduce, timeout_s: float,
-                 after_step: Callable[[int], Awaitable[None]] | None = None) -> None:
-        self.worker, self.compute, self.all_reduce, self.timeout_s = worker, compute, all_reduce, timeout_s
-        self.after_step = after_step  # stages > 0: the node's inner-step hook (events, checkpoints, snapshots)
-        self.counters = OuterCounters()
+def all_reduce_shapes(worker: StageWorker) -> list[torch.Size]:
+    """The tensors one dp round averages: every trainable parameter's gradient, then the extra slot."""
+    return [p.shape for p in worker.inner.params] + [EXTRA_SHAPE]
 
-    async def __call__(self) -> float:
-        """One inner step: all-reduce this batch's clipped gradients, step Adam; returns the lr."""
+
+def weights_fingerprint(params: list[Tensor]) -> float:
+    """A hash of (a strided sample of) the weights' bytes, as a float in [0, 1): equal replicas give
+    the same value exactly, apart ones differ by far more than any rounding of a mean of them."""
+    digest = hashlib.blake2b(digest_size=8)
+    for p in params:
+        flat = p.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // 4096)]
+        digest.update(sample.to("cpu", torch.float32).numpy().tobytes())
+    return int.from_bytes(digest.digest(), "little") / 2.0 ** 64
+
+
+class DataParallelSync(OuterSync):
+    method = "dp"
+    takes_inner_step = True
+
+    def __init__(self, worker: StageWorker, config: OuterConfig, parts: SyncParts, *, all_reduce: AllReduce,
+                 timeout_s: float) -> None:
+        super().__init__()
+        self.worker, self.parts, self.all_reduce, self.timeout_s = worker, parts, all_reduce, timeout_s
+        self.compute = parts.compute
+        self.group_size = config.allreduce_group_size  # 0 = unknown: any group of two or more is whole
+
+    async def at_boundary(self, inner_step: int) -> None:
+        return None  # the all-reduce is the inner step itself
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.all_reduce.bytes_sent
+
+    async def close(self) -> None:
+        import asyncio
+
+        await asyncio.to_thread(self.all_reduce.shutdown)
+
+    def _whole(self, group: int, same: bool, complete: bool) -> bool:
+        return complete and same and (group == self.group_size if self.group_size else group > 1)
+
+    async def inner_step(self) -> float:
+        """One inner step: all-reduce this batch's clipped gradients and, when the round is whole and
+        the replicas agree, step Adam; returns the lr of the step (applied or skipped)."""
         start = time.monotonic()
         step = self.worker.inner_steps + 1
-        grads = await self.compute.run(self.worker.take_gradients)
-        means, group, same, complete = await self.all_reduce.mean(grads, self.timeout_s, step)
-        lr = await self.compute.run(self.worker.step_with, means)
+        grads, extra = await self.compute.run(self._gradients_and_extra)
+        means, group, same, complete = await self.all_reduce.mean(grads + [extra], self.timeout_s, step)
         c = self.counters
         c.rounds += 1
-        c.paired += group > 1
-        c.solo += group == 1
         c.mixed_rounds += not same
         c.partial_rounds += not complete
-        c.history.append({"round": step, "outcome": "paired" if group > 1 else "solo", "group": group,
-                          "same_round": same, "complete": complete, "seconds": time.monotonic() - start})
-        if self.after_step is not None:
-            await self.after_step(self.worker.inner_steps)
+        whole = self._whole(group, same, complete)
+        apart = whole and abs(float(means[-1][0]) - float(extra[0])) > 1e-9
+        if whole and not apart:
+            lr = await self.compute.run(self.worker.step_with, means[:-1])
+            outcome = "paired"
+            c.paired += 1
+        else:
+            lr = await self.compute.run(self.worker.skip_step)
+            outcome = "skipped"
+            c.skipped += 1
+            if apart:
+                outcome = "resynced" if await self._resync(step) else "apart"
+        c.history.append({"round": step, "outcome": outcome, "group": group, "same_round": same, "complete": complete,
+                          "seconds": time.monotonic() - start})
+        if outcome != "paired":
+            log.warning("dp step %d %s (group %d, same round %s, complete %s)", step, outcome, group, same, complete)
         return lr
+
+    def _gradients_and_extra(self) -> tuple[list[Tensor], Tensor]:
+        grads = self.worker.take_gradients()
+        fingerprint = weights_fingerprint(self.worker.inner.params)
+        return grads, torch.tensor([fingerprint, float(self.worker.inner_steps)], dtype=torch.float64)
+
+    async def _resync(self, step: int) -> bool:
+        """Average weights, then Adam's two moments, then (Adam step, inner step) counts, over the
+        whole group. Any round that is not whole leaves the rest for the next detection."""
+        for part in range(3):
+            tensors, extra = await self.compute.run(self._resync_tensors, part)
+            means, group, same, complete = await self.all_reduce.mean(tensors + [extra], self.timeout_s,
+                                                                       RESYNC_KEYS + 3 * step + part)
+            if not self._whole(group, same, complete):
+                log.warning("dp step %d: resync round %d was not whole; the replicas stay apart for now", step, part)
+                return False
+            await self.compute.run(self._load_resynced, part, means)
+        self.counters.resynced += 1
+        return True
+
+    def _resync_tensors(self, part: int) -> tuple[list[Tensor], Tensor]:
+        params, state = self.worker.inner.params, self.worker.inner.adam.state
+        if part == 0:
+            tensors = [p.detach().to("cpu", torch.float64) for p in params]
+        else:
+            key = "exp_avg" if part == 1 else "exp_avg_sq"
+            tensors = [state[p][key].detach().to("cpu", torch.float64) if p in state else torch.zeros(p.shape, dtype=torch.float64)
+                       for p in params]
+        adam_step = max((float(s["step"]) for s in state.values()), default=0.0)
+        return tensors, torch.tensor([adam_step, float(self.worker.inner_steps)], dtype=torch.float64)
+
+    def _load_resynced(self, part: int, means: list[Tensor]) -> None:
+        params, state = self.worker.inner.params, self.worker.inner.adam.state
+        with torch.no_grad():
+            for p, mean in zip(params, means[:-1]):
+                if part == 0:
+                    p.copy_(mean.to(p.device, p.dtype))
+                    continue
+                entry = state.setdefault(p, {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                                             "exp_avg_sq": torch.zeros_like(p)})
+                entry["exp_avg" if part == 1 else "exp_avg_sq"].copy_(mean.to(p.device, p.dtype))
+            if part == 2:  # counts: every member rounds the same mean to the same whole number
+                adam_step, inner_step = (round(float(v)) for v in means[-1])
+                for entry in state.values():
+                    entry["step"] = torch.tensor(float(adam_step))
+                self.worker.inner.step_count = inner_step

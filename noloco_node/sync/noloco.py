@@ -25,47 +25,20 @@ import logging
 import os
 import random
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Protocol
 
 from torch import Tensor
 
+from noloco_node.config import OuterConfig
 from noloco_node.errors import InvalidPayload, NodeError, PeerBusy
+from noloco_node.optim.compress import ErrorFeedback
 from noloco_node.optim.state import OuterState
 from noloco_node.pipeline.ports import Peer
 from noloco_node.pipeline.router import Bans
-from noloco_node.rpc.outer_service import OuterClient
-from noloco_node.runtime.compute import ComputeThread
-from noloco_node.runtime.faults import FaultInjector
-from noloco_node.optim.compress import ErrorFeedback
+from noloco_node.sync.ports import (Decision, MatchingDirectory, OuterSync, PairAnswer, PairingTransport, PairProposal,
+                                    SyncParts)
 from noloco_node.sync.snapshot import PHI_DELTA, THETA, Frozen, check_snapshot, choose_payload, freeze, unpack
-from noloco_node.wire.v1 import outer_pb2
 
 log = logging.getLogger(__name__)
-Reply = outer_pb2.PairReply
-
-
-class MatchingDirectory(Protocol):
-    async def matching(self, stage: int, round_index: int) -> list[Peer]:
-        """Replicas of `stage` that announce `matching` for `round_index` (fresh lookup)."""
-
-    async def replica_count(self, stage: int) -> int:
-        """Live replicas of `stage`, ours included (the gather window ends once all match)."""
-
-
-@dataclass
-class OuterCounters:
-    rounds: int = 0
-    paired: int = 0
-    solo: int = 0
-    rejected: int = 0
-    timed_out: int = 0
-    mixed_rounds: int = 0  # diloco/dp: all-reduce groups that spanned rounds
-    partial_rounds: int = 0  # diloco/dp: all-reduces that delivered part of the mean only
-    # one entry per round: round, outcome, partner, seconds, payload ("theta" or "phi+delta"),
-    # bytes per tensor kind, delta_rel_error (and phi_rel_error), codecs
-    history: list[dict] = field(default_factory=list)
 
 
 async def _wait(event: asyncio.Event, timeout_s: float) -> None:
@@ -87,54 +60,82 @@ def drawn_mate(peer_ids: list[str], me: str, stage: int, round_index: int) -> st
     return ids[mate] if mate < len(ids) else None
 
 
-class NoLoCoSync:
-    def __init__(self, state: OuterState, *, client: OuterClient, directory: MatchingDirectory,
-                 compute: ComputeThread, peer_id: str, stage: int, codec: str, match_s: float,
-                 max_distance_ratio: float, bans: Bans, set_status: Callable[[str, int], Awaitable[None]],
-                 rng: random.Random | None = None, faults: FaultInjector | None = None,
-                 codec_delta: str | None = None, payload: str | None = None) -> None:
-        """`codec` encodes phi (or theta); `codec_delta` the outer delta (default: `codec`).
+class NoLoCoSync(OuterSync):
+    method = "noloco"
+
+    def __init__(self, state: OuterState, config: OuterConfig, parts: SyncParts, *, transport: PairingTransport,
+                 directory: MatchingDirectory, match_s: float, bans: Bans | None = None,
+                 rng: random.Random | None = None, payload: str | None = None) -> None:
+        """`config.codec_phi` encodes phi (or theta), `config.codec_delta` the outer delta.
         `payload` forces the snapshot form ("theta" or "phi+delta"; tests, benchmarks); None
         lets the node choose (theta wherever it loses nothing)."""
-        self.faults = faults
-        self.state, self.client, self.directory, self.compute = state, client, directory, compute
-        self.peer_id, self.stage = peer_id, stage
-        self.codec_phi, self.codec_delta = codec, codec_delta or codec
+        super().__init__()
+        self.state, self.parts, self.transport, self.directory = state, parts, transport, directory
+        self.compute, self.faults, self.set_status = parts.compute, parts.faults, parts.set_status
+        self.peer_id, self.stage = parts.peer_id, parts.stage
+        self.every = config.inner_steps_per_outer
+        self.codec_phi, self.codec_delta = config.codec_phi, config.codec_delta
         self.payload = payload or choose_payload(state, self.codec_phi, self.codec_delta)
         if self.payload == THETA and choose_payload(state, self.codec_phi, self.codec_delta) != THETA:
             raise ValueError("theta alone carries the pair update only with gamma == beta and one dense codec for phi and delta")
         self.feedback = ErrorFeedback()
-        self.match_s, self.max_distance_ratio = match_s, max_distance_ratio
-        self.bans, self.set_status = bans, set_status
-        self.rng = rng or random.Random()
-        self.counters = OuterCounters()
+        self.match_s, self.max_distance_ratio = match_s, config.max_distance_ratio
+        self.bans = bans or Bans()
+        self.rng = rng or random.Random(self.peer_id + "outer")
         self.round: int | None = None
+        self._announced_round = 0
         self.matching = False
         self.partner: str | None = None
         self.outgoing: str | None = None
         self.done = asyncio.Event()  # the round's update has been applied
         self.claimed = False  # a completion (pair or solo) is under way for this round
         self._frozen: Frozen | None = None
+        self._one_round_at_a_time = asyncio.Lock()
 
-    # ---- responder side (rpc.OuterHandler) ------------------------------------------------
-    def decide(self, request: outer_pb2.PairRequest) -> outer_pb2.PairReply:
-        def reply(decision, reason="", wait_s=0.0):
-            return Reply(decision=decision, reason=reason, wait_s=wait_s, peer_id=self.peer_id)
+    # ---- OuterSync -----------------------------------------------------------------------
+    async def at_boundary(self, inner_step: int) -> None:
+        if inner_step % self.every:
+            return
+        async with self._one_round_at_a_time:
+            await self._track(asyncio.ensure_future(self.outer_step(inner_step, inner_step // self.every)))
+        self.parts.emit("outer_round", inner_step=inner_step, **self.counters.history[-1])
 
-        if request.send_slow_weights != (self.payload == PHI_DELTA):
-            return reply(Reply.MISMATCH, f"snapshot forms differ: this node sends {self.payload} (outer gamma or codecs differ)")
+    @property
+    def outer_round(self) -> int:
+        return self._announced_round
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.transport.bytes_sent
+
+    @property
+    def responder(self) -> "NoLoCoSync":
+        return self
+
+    def start_at(self, round_index: int) -> None:
+        """A joiner that copied a replica's state carries on from that replica's round."""
+        self._announced_round = round_index
+
+    async def close(self) -> None:
+        await self.transport.close()
+
+    # ---- responder side (sync.ports.PairingResponder) ------------------------------------
+    def decide(self, proposal: PairProposal) -> PairAnswer:
+        if proposal.sends_slow_weights != (self.payload == PHI_DELTA):
+            return PairAnswer(Decision.MISMATCH,
+                              f"snapshot forms differ: this node sends {self.payload} (outer gamma or codecs differ)")
         if not self.matching or self.round is None:
-            return reply(Reply.BUSY, "not matching")
-        if request.round != self.round:
-            return reply(Reply.WAIT if request.round > self.round else Reply.BUSY, f"at round {self.round}")
+            return PairAnswer(Decision.BUSY, "not matching")
+        if proposal.round != self.round:
+            return PairAnswer(Decision.WAIT if proposal.round > self.round else Decision.BUSY, f"at round {self.round}")
         if self.partner is not None or self.claimed:
-            return reply(Reply.BUSY, "already paired this round")
-        if self.bans.is_banned(request.peer_id):
-            return reply(Reply.BUSY, "banned")
-        if self.outgoing is not None and not (self.outgoing == request.peer_id and request.peer_id < self.peer_id):
-            return reply(Reply.BUSY, "own proposal pending")
-        self.partner = request.peer_id
-        return reply(Reply.ACCEPT)
+            return PairAnswer(Decision.BUSY, "already paired this round")
+        if self.bans.is_banned(proposal.peer_id):
+            return PairAnswer(Decision.BUSY, "banned")
+        if self.outgoing is not None and not (self.outgoing == proposal.peer_id and proposal.peer_id < self.peer_id):
+            return PairAnswer(Decision.BUSY, "own proposal pending")
+        self.partner = proposal.peer_id
+        return PairAnswer(Decision.ACCEPT)
 
     def frozen(self):
         return self._frozen.snapshot, self._frozen.expected, self.codec_phi
@@ -144,6 +145,10 @@ class NoLoCoSync:
         # being applied: the round's one update must still finish (and set `done`), or outer_step
         # would wait for it forever (seen under CI load in test_partner_dies_mid_exchange).
         await asyncio.shield(self._complete(peer_id, received, reason))
+
+    async def _announce(self, status: str, round_index: int) -> None:
+        self._announced_round = round_index
+        await self.set_status(status, round_index)
 
     # ---- the round ------------------------------------------------------------------------
     async def outer_step(self, inner_step: int, round_index: int) -> str:
@@ -157,7 +162,7 @@ class NoLoCoSync:
         self._frozen = await self.compute.run(functools.partial(
             freeze, self.state, self.payload, self.codec_phi, self.codec_delta, dict(self.feedback.residual), poison))
         self.matching = True
-        await self.set_status("matching", round_index)
+        await self._announce("matching", round_index)
         deadline = start + self.match_s
         tried: set[str] = set()
         await self._propose_to_drawn_mate(inner_step, round_index, deadline, tried)
@@ -186,7 +191,7 @@ class NoLoCoSync:
         self.counters.rounds += 1
         self.counters.history.append({"round": round_index, "outcome": outcome, "partner": partner,
                                       "seconds": time.monotonic() - start, **self._frozen.stats})
-        await self.set_status("serving", round_index + 1)
+        await self._announce("serving", round_index + 1)
         return outcome
 
     async def _propose_to_drawn_mate(self, inner_step: int, round_index: int, deadline: float, tried: set[str]) -> None:
@@ -227,12 +232,11 @@ class NoLoCoSync:
     async def _propose(self, peer: Peer, inner_step: int, deadline: float, tried: set[str]) -> None:
         tried.add(peer.peer_id)
         self.outgoing = peer.peer_id
-        request = outer_pb2.PairRequest(stage=self.stage, round=self.round, inner_step=inner_step, peer_id=self.peer_id,
-                                        nonce=os.urandom(8), send_slow_weights=self.payload == PHI_DELTA)
+        proposal = PairProposal(peer_id=self.peer_id, stage=self.stage, round=self.round, inner_step=inner_step,
+                                nonce=os.urandom(8), sends_slow_weights=self.payload == PHI_DELTA)
         try:
-            received = await self.client.exchange(peer.peer_id, request, self._frozen.snapshot, self._frozen.expected,
-                                                  self.codec_phi,
-                                                  timeout_s=max(0.1, deadline - time.monotonic()))
+            received = await self.transport.exchange(peer.peer_id, proposal, self._frozen.snapshot, self._frozen.expected,
+                                                     self.codec_phi, timeout_s=max(0.1, deadline - time.monotonic()))
         except PeerBusy:
             return
         except InvalidPayload as exc:

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from noloco_node.optim.compress import encode_tensor, parse_codec, wire_name
 from noloco_node.optim.state import OuterState
-from noloco_node.rpc.outer_service import EncodedSnapshot, ExpectedTensor
+from noloco_node.sync.ports import EncodedSnapshot, ExpectedTensor
 
 THETA, PHI_DELTA = "theta", "phi+delta"
 

@@ -95,6 +95,12 @@ class Dialer:
         if path == "direct":
             self.traffic.add("direct", "out", nbytes)
 
+    async def use_bridge(self, bridge: Libp2pBridge) -> None:
+        """Dial libp2p peers over `bridge` from now on (the daemon was restarted): channels over the
+        old one are dead and are closed."""
+        self.bridge = bridge
+        await self.close()
+
     async def close(self) -> None:
         for _, channel, _ in self._channels.values():
             await channel.close()

@@ -40,9 +40,6 @@ class Links:
     def peer_id(self) -> str:
         return self.identity.peer_id
 
-    def set_lookup(self, lookup: Callable[[str], Awaitable[Contact | None]]) -> None:
-        self._lookup = lookup
-
     async def _find(self, peer_id: str) -> Contact | None:
         return None if self._lookup is None else await self._lookup(peer_id)
 
@@ -60,8 +57,12 @@ class Links:
             self.relay = None
         self.bridge = Libp2pBridge(p2p, traffic=self.traffic)
         await self.bridge.serve(grpc_bridge_port, tls_target)
-        self.dialer.bridge = self.bridge
-        await self.dialer.close()  # channels over the old daemon are dead
+        await self.dialer.use_bridge(self.bridge)
+
+    async def dial_over(self, p2p) -> None:
+        """Reach libp2p peers (NATed, relayed) over `p2p` without serving anything: for clients."""
+        self.bridge = Libp2pBridge(p2p, traffic=self.traffic)
+        await self.dialer.use_bridge(self.bridge)
 
     async def serve_relay(self) -> RelayService:
         """Relay for peers behind NAT (a directly reachable node does; see transport/relay.py)."""

@@ -2,13 +2,12 @@
 what they read from a node."""
 
 import logging
-from collections import Counter
-from types import SimpleNamespace
 
 import pytest
 
 from noloco_node.config import ConfigError, load_config
-from noloco_node.node.reporting import Snapshot, TrainingLog, format_bytes, read_node, step_line, summary_line
+from noloco_node.node.reporting import Snapshot, TrainingLog, format_bytes, step_line, summary_line
+from noloco_node.node.stats import training_snapshot
 
 PAIRED = {"rounds": 5, "paired": 4, "solo": 1, "rejected": 0, "timed_out": 0}
 
@@ -92,30 +91,29 @@ def test_every_steps_zero_logs_no_step_lines_but_the_summary():
     assert report.summary(stage0()) is not None
 
 
-def fake_node(*, stage: int, driver: bool, sync: bool) -> SimpleNamespace:
-    counters = SimpleNamespace(rounds=2, paired=1, solo=1, rejected=0, history=[{"round": 2, "outcome": "solo"}])
-    log = SimpleNamespace(step_losses=[7.5, 6.25], lrs=[1e-3, 2e-3])
-    stats = SimpleNamespace(forwards_received=Counter(p=3, q=4), dropped_here=2)
-    return SimpleNamespace(
-        stage_index=stage, dp_step=None,
-        driver=SimpleNamespace(log=log, counters=SimpleNamespace(dropped=1, issued=16)) if driver else None,
-        sync=SimpleNamespace(counters=counters) if sync else None,
-        worker=SimpleNamespace(inner_steps=8, tokens_total=512, last_lr=5e-4),
-        runtime=SimpleNamespace(in_flight={"a": 1, "b": 2}, stats=stats),
-        client=SimpleNamespace(bytes_sent=1000), outer_bytes_sent=lambda: 500,
-        servicer=SimpleNamespace(bytes_received=700))
+def fake_stats(*, stage: int, driver: bool, outer: bool) -> dict:
+    """What node/stats.py's node_stats reports, with the fields a step line reads."""
+    stats = {"stage": stage, "inner_steps": 8, "tokens": 512, "last_lr": 5e-4, "in_flight": 2,
+             "forwards_received": {"p": 3, "q": 4}, "dropped_here": 2, "bytes_sent": 1000, "bytes_received": 700}
+    if outer:
+        stats.update(outer={"rounds": 2, "paired": 1, "solo": 1, "rejected": 0},
+                     outer_history=[{"round": 2, "outcome": "solo"}], bytes_sent_outer=500)
+    if driver:
+        stats.update(losses=[7.0, 8.0], step_losses=[7.5, 6.25], lrs=[1e-3, 2e-3],
+                     microbatches={"issued": 16, "completed": 15, "reissued": 0, "dropped": 1})
+    return stats
 
 
-def test_read_node_stage0_takes_loss_and_lr_from_the_driver():
-    snap = read_node(fake_node(stage=0, driver=True, sync=True))
+def test_snapshot_of_stage0_takes_loss_and_lr_from_the_driver():
+    snap = training_snapshot(fake_stats(stage=0, driver=True, outer=True))
     assert (snap.loss, snap.first_loss, snap.lr, snap.step, snap.tokens) == (6.25, 7.5, 2e-3, 8, 512)
     assert snap.in_flight == 2
     assert (snap.bytes_sent, snap.bytes_received, snap.dropped, snap.issued) == (1500, 700, 1, 16)
     assert snap.outer == {"rounds": 2, "paired": 1, "solo": 1, "rejected": 0} and snap.last_round["outcome"] == "solo"
 
 
-def test_read_node_later_stage_without_outer_method():
-    snap = read_node(fake_node(stage=1, driver=False, sync=False))
+def test_snapshot_of_a_later_stage_without_outer_method():
+    snap = training_snapshot(fake_stats(stage=1, driver=False, outer=False))
     assert (snap.loss, snap.lr, snap.served, snap.dropped, snap.issued) == (None, 5e-4, 7, 2, None)
     assert snap.outer is None and snap.last_round is None
 

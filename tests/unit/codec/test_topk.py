@@ -141,14 +141,18 @@ def test_check_snapshot_bounds_slow_weights_on_their_own():
 
 def test_partners_must_share_the_snapshot_form():
     """A theta sender and a phi+delta sender cannot pair: MISMATCH before anything streams."""
-    from noloco_node.pipeline.router import Bans
+    from noloco_node.config import OuterConfig
     from noloco_node.sync.noloco import NoLoCoSync
-    from noloco_node.wire.v1 import outer_pb2
+    from noloco_node.sync.ports import Decision, PairProposal, SyncParts
 
     def sync(gamma, codec_delta=None, payload=None):
-        return NoLoCoSync(outer_state(vector(4), vector(4), gamma=gamma), client=None, directory=None, compute=None,
-                          peer_id="me", stage=0, codec="bf16", codec_delta=codec_delta, match_s=1.0,
-                          max_distance_ratio=10.0, bans=Bans(), set_status=None, payload=payload)
+        config = OuterConfig(codec="bf16", codec_delta=codec_delta)
+        return NoLoCoSync(outer_state(vector(4), vector(4), gamma=gamma), config,
+                          SyncParts(compute=None, peer_id="me", stage=0, set_status=None), transport=None,
+                          directory=None, match_s=1.0, payload=payload)
+
+    def proposal(slow_weights: bool) -> PairProposal:
+        return PairProposal(peer_id="other", stage=0, round=1, inner_step=0, nonce=b"", sends_slow_weights=slow_weights)
 
     assert sync(None).payload == THETA and sync(0.3).payload == PHI_DELTA
     assert sync(None, "topk:0.1").payload == PHI_DELTA and sync(None, payload=PHI_DELTA).payload == PHI_DELTA
@@ -156,7 +160,5 @@ def test_partners_must_share_the_snapshot_form():
         sync(0.3, payload=THETA)
     node = sync(0.3)
     node.matching, node.round = True, 1
-    theta_request = outer_pb2.PairRequest(round=1, peer_id="other", send_slow_weights=False)
-    assert node.decide(theta_request).decision == outer_pb2.PairReply.MISMATCH
-    assert node.decide(outer_pb2.PairRequest(round=1, peer_id="other", send_slow_weights=True)).decision == \
-        outer_pb2.PairReply.ACCEPT
+    assert node.decide(proposal(False)).decision == Decision.MISMATCH
+    assert node.decide(proposal(True)).decision == Decision.ACCEPT

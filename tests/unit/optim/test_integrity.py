@@ -9,7 +9,7 @@ import torch
 from noloco_node.optim.inner import InnerOptimizer, InnerSchedule
 from noloco_node.optim.integrity import RunningBounds, repair_weights, tensor_rms
 from noloco_node.optim.state import OuterState
-from noloco_node.pipeline.worker import NonFiniteValues, StageWorker
+from noloco_node.pipeline.worker import NonFiniteValues, StageWorker, WorkerSettings
 from noloco_node.runtime.faults import FaultInjector
 
 
@@ -102,7 +102,7 @@ def _worker(faults=(), with_phi=True):
     inner = InnerOptimizer(stage.parameters(), InnerSchedule(lr_max=1e-2, warmup_steps=1, total_steps=10))
     outer = OuterState(stage.named_parameters(), alpha=0.5, beta=0.7) if with_phi else None
     events = []
-    worker = StageWorker(stage, inner, batch_size=2, saved_ttl_s=60, auto_step=True, faults=FaultInjector(faults),
+    worker = StageWorker(stage, inner, WorkerSettings(batch_size=2, saved_ttl_s=60, auto_step=True), faults=FaultInjector(faults),
                          slow_weights=(lambda: outer.phi) if with_phi else None,
                          emit=lambda event, **fields: events.append(event))
     return worker, stage, outer, events

@@ -10,7 +10,9 @@ from torch import nn
 
 from noloco_node.optim.state import OuterState
 from noloco_node.pipeline.router import Bans
+from noloco_node.config import OuterConfig
 from noloco_node.sync.noloco import NoLoCoSync
+from noloco_node.sync.ports import SyncParts
 
 
 class SlowCompute:
@@ -34,9 +36,9 @@ def test_cancelled_finish_still_completes_the_round():
     async def set_status(*_):
         return None
 
-    sync = NoLoCoSync(state, client=None, directory=NoPeers(), compute=SlowCompute(), peer_id="me", stage=0,
-                      codec="none", match_s=1.0, max_distance_ratio=10.0, bans=Bans(), set_status=set_status,
-                      rng=random.Random(0))
+    parts = SyncParts(compute=SlowCompute(), peer_id="me", stage=0, set_status=set_status)
+    sync = NoLoCoSync(state, OuterConfig(codec="none"), parts, transport=None, directory=NoPeers(), match_s=1.0,
+                      bans=Bans(), rng=random.Random(0))
 
     async def scenario():
         round_task = asyncio.ensure_future(sync.outer_step(inner_step=1, round_index=1))

@@ -10,9 +10,7 @@ from .tiny_workers import HIDDEN, SEQ, VOCAB, tiny_worker
 
 
 def last_stage_worker(defer: bool) -> StageWorker:
-    worker = tiny_worker(1, 2, batch_size=4, auto_step=True)
-    worker.defer_step = defer
-    return worker
+    return tiny_worker(1, 2, batch_size=4, auto_step=True, defer_step=defer)
 
 
 def microbatches(n: int):

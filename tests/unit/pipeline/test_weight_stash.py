@@ -12,9 +12,7 @@ from .tiny_workers import HIDDEN, SEQ, VOCAB, tiny_worker
 
 
 def first_stage_worker(stash: bool) -> StageWorker:
-    worker = tiny_worker(0, 2, batch_size=2, auto_step=False)
-    worker.stash_weights = stash
-    return worker
+    return tiny_worker(0, 2, batch_size=2, auto_step=False, stash_weights=stash)
 
 
 def tokens(seed: int) -> torch.Tensor:
@@ -89,9 +87,7 @@ def test_without_the_stash_a_step_between_voids_the_kept_graph():
 
 def test_a_middle_stage_recomputes_on_the_weights_its_forward_saw():
     def middle(stash: bool) -> StageWorker:
-        worker = tiny_worker(1, 3, batch_size=2, auto_step=False)
-        worker.stash_weights = stash
-        return worker
+        return tiny_worker(1, 3, batch_size=2, auto_step=False, stash_weights=stash)
 
     gen = torch.Generator().manual_seed(5)
     warm, x, grad_output = (torch.randn(2, SEQ, HIDDEN, generator=gen) for _ in range(3))

@@ -1,0 +1,137 @@
+"""The composition root: a node's parts, each built by one constructor call from its own config
+section, with every hook passed as a constructor argument.
+
+    config -> model stage, inner optimizer, outer state -> StageWorker (compute thread)
+           -> outer-sync method (sync/factory.py) -> inner-step boundary
+           -> StageRuntime (+ Stage0Completions) -> Stage0Driver (stage 0)
+
+The compute side (`build_compute`) and the pipeline side (`build_pipeline`) take their ports as
+arguments: `node/lifecycle.py` hands them gRPC and DHT adapters, `node/in_process.py` the
+in-memory twins, so both run exactly this wiring.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from noloco_node.config import NodeConfig
+from noloco_node.model.build import build_run_stage, check_fits
+from noloco_node.model.stage import LlamaStage
+from noloco_node.optim.inner import InnerOptimizer, InnerSchedule
+from noloco_node.optim.state import OuterState
+from noloco_node.pipeline.completions import Stage0Completions
+from noloco_node.pipeline.driver import DriverCounters, DriverSettings, Stage0Driver, overlapped
+from noloco_node.pipeline.ports import Hop, ReplicaDirectory, StageTransport
+from noloco_node.pipeline.router import Bans, Router
+from noloco_node.pipeline.runtime import RuntimeHooks, RuntimeSettings, StageRuntime, StageShape
+from noloco_node.pipeline.worker import StageWorker, WorkerSettings
+from noloco_node.runtime.compute import ComputeThread, compute_device
+from noloco_node.runtime.events import EventLog
+from noloco_node.runtime.faults import FaultInjector
+from noloco_node.sync.factory import SyncPorts, build_outer_sync, needs_outer_state
+from noloco_node.sync.ports import OuterSync, SyncParts
+
+
+@dataclass
+class ComputeParts:
+    """One stage's model, optimizers and compute thread: everything that touches tensors."""
+
+    stage: LlamaStage
+    device: torch.device
+    worker: StageWorker
+    compute: ComputeThread
+    outer_state: OuterState | None
+    shape: StageShape
+
+
+def build_compute(config: NodeConfig, llama, ranges: list[range], stage_index: int, *, vocab_size: int,
+                  events: EventLog, faults: FaultInjector) -> ComputeParts:
+    """Build (and check the fit of) stage `stage_index` with its optimizers and worker."""
+    pipe, inner, method = config.pipeline, config.inner, config.outer.method
+    device = compute_device(pipe.device)
+    check_fits(config, llama, ranges, stage_index, device)  # before anything is allocated
+    stage = build_run_stage(config, llama, ranges, stage_index)
+    stage.to(device)  # built (and seeded) on CPU, so every device starts from the same phi_0
+    schedule = InnerSchedule(lr_max=inner.lr, warmup_steps=inner.warmup_steps, total_steps=inner.total_steps,
+                             min_lr_ratio=inner.min_lr_ratio)
+    optimizer = InnerOptimizer(stage.parameters(), schedule, betas=(inner.beta1, inner.beta2), eps=inner.eps,
+                               weight_decay=inner.weight_decay, clip_norm=inner.clip_norm)
+    outer_state = None
+    if needs_outer_state(method):
+        outer_state = OuterState(stage.named_parameters(), alpha=config.outer.alpha, beta=config.outer.beta,
+                                 gamma=config.outer.gamma)
+    # Stages > 0 step every batch worth of sequences, the step left due until the batch's last
+    # gradient is on its way upstream; dp takes the step itself, after its all-reduce.
+    auto_step = stage_index != 0 and method != "dp"
+    settings = WorkerSettings(batch_size=pipe.batch_size, saved_ttl_s=config.timeouts.saved_input_ttl_s,
+                              auto_step=auto_step, defer_step=auto_step,
+                              # Overlap: a step can fall between a microbatch's forward and its backward here.
+                              stash_weights=pipe.schedule == "overlap" and not stage.is_last,
+                              device=device, bf16_autocast=pipe.bf16_autocast,
+                              compute_delay_s=config.faults.compute_delay_s)
+    worker = StageWorker(stage, optimizer, settings, faults=faults, emit=events.emit,
+                         slow_weights=None if outer_state is None else (lambda: outer_state.phi))
+    shape = StageShape(stage=stage_index, num_stages=pipe.num_stages, hidden_size=llama.hidden_size,
+                       seq_len=config.model.seq_len, microbatch_size=pipe.microbatch_size, vocab_size=vocab_size)
+    return ComputeParts(stage, device, worker, ComputeThread(), outer_state, shape)
+
+
+def build_sync(config: NodeConfig, parts: ComputeParts, ports: SyncPorts, *, peer_id: str,
+               set_status: Callable[[str, int], Awaitable[None]], events: EventLog,
+               faults: FaultInjector) -> OuterSync:
+    sync_parts = SyncParts(compute=parts.compute, peer_id=peer_id, stage=parts.shape.stage, set_status=set_status,
+                           emit=events.emit, faults=faults)
+    return build_outer_sync(config, sync_parts, ports, worker=parts.worker, state=parts.outer_state)
+
+
+def runtime_settings(config: NodeConfig) -> RuntimeSettings:
+    # The all-reduce baselines route balanced: every replica must get one batch per step so all
+    # of a stage's replicas reach each round together.
+    routing = "balanced" if config.outer.method in ("dp", "diloco") else config.pipeline.routing
+    return RuntimeSettings(max_in_flight=config.pipeline.max_in_flight, send_deadline_s=config.timeouts.rpc_s,
+                           routing=routing, routing_seed=config.run.seed,
+                           delay_before_forward_s=config.faults.delay_before_forward_s)
+
+
+@dataclass
+class PipelineParts:
+    runtime: StageRuntime
+    completions: Stage0Completions | None
+    bans: Bans
+
+
+def build_pipeline(config: NodeConfig, parts: ComputeParts, *, transport: StageTransport,
+                   directory: ReplicaDirectory, me: Hop, sync: OuterSync,
+                   on_inner_step: Callable[[int], Awaitable[None]], faults: FaultInjector) -> PipelineParts:
+    """The stage's microbatch lifecycle. `on_inner_step` runs after each inner step the runtime
+    takes (stages > 0); stage 0's driver calls the boundary itself."""
+    completions = None
+    if parts.shape.is_first:
+        completions = Stage0Completions(gated=overlapped(driver_settings(config), parts.shape.is_last))
+    hooks = RuntimeHooks(on_inner_step=None if parts.shape.is_first else on_inner_step,
+                         inner_step=sync.inner_step if sync.takes_inner_step and not parts.shape.is_first else None,
+                         stage0=completions)
+    bans = Bans()
+    router = Router(bans, random.Random(me.peer_id), by_capacity=config.pipeline.routing == "capacity")
+    runtime = StageRuntime(shape=parts.shape, worker=parts.worker, compute=parts.compute, transport=transport,
+                           directory=directory, router=router, me=me, settings=runtime_settings(config), hooks=hooks,
+                           faults=faults)
+    return PipelineParts(runtime, completions, bans)
+
+
+def driver_settings(config: NodeConfig) -> DriverSettings:
+    pipe = config.pipeline
+    return DriverSettings(microbatch_size=pipe.microbatch_size, microbatch_timeout_s=config.timeouts.microbatch_s,
+                          sequential=pipe.deterministic, overlap=pipe.schedule == "overlap")
+
+
+def build_driver(config: NodeConfig, pipeline: PipelineParts, sync: OuterSync,
+                 batches: Iterator[tuple[Tensor, Tensor]], *, restored: dict | None = None) -> Stage0Driver:
+    return Stage0Driver(pipeline.runtime, batches, driver_settings(config), completions=pipeline.completions,
+                        inner_step=sync.inner_step if sync.takes_inner_step else None,
+                        counters=DriverCounters.restored(restored) if restored else None)

@@ -1,0 +1,71 @@
+"""What happens after every inner step of a node, in one place: the event, the outer-sync
+boundary (the method decides whether a round runs), a checkpoint every K steps and, for
+experiments, a snapshot of theta every K steps."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+from noloco_node.node.checkpoint import Checkpointer
+from noloco_node.pipeline.driver import Stage0Driver
+from noloco_node.pipeline.worker import StageWorker
+from noloco_node.runtime.compute import ComputeThread
+from noloco_node.runtime.events import EventLog
+from noloco_node.sync.ports import OuterSync
+
+log = logging.getLogger(__name__)
+
+
+class Snapshots:
+    """Experiments: theta every `every` inner steps as stage{s}-{peer}-step{k}.safetensors, and at
+    the end as ...-final.safetensors (experiments evaluate them)."""
+
+    def __init__(self, directory: Path, every: int, *, compute: ComputeThread, stage, name: str) -> None:
+        self.directory, self.every, self.compute, self.stage, self.name = directory, every, compute, stage, name
+
+    def due(self, inner_step: int) -> bool:
+        return inner_step % self.every == 0
+
+    async def save(self, inner_step: int, *, final: bool = False) -> None:
+        from safetensors.torch import save_file
+
+        tensors = await self.compute.run(lambda: {n: p.detach().to("cpu", copy=True).contiguous()
+                                                  for n, p in self.stage.named_parameters()})
+        self.directory.mkdir(parents=True, exist_ok=True)
+        path = self.directory / f"{self.name}-{'final' if final else f'step{inner_step}'}.safetensors"
+        await asyncio.to_thread(save_file, tensors, str(path))
+
+
+class InnerStepBoundary:
+    def __init__(self, *, worker: StageWorker, sync: OuterSync, events: EventLog, compute: ComputeThread,
+                 stage_index: int, bytes_sent: Callable[[], int], checkpoints: Checkpointer | None = None,
+                 snapshots: Snapshots | None = None) -> None:
+        self.worker, self.sync, self.events, self.compute = worker, sync, events, compute
+        self.stage_index, self.bytes_sent = stage_index, bytes_sent
+        self.checkpoints, self.snapshots = checkpoints, snapshots
+
+    async def __call__(self, inner_step: int, driver: Stage0Driver | None = None) -> None:
+        self._emit(inner_step, driver)
+        await self.sync.at_boundary(inner_step)
+        if self.checkpoints is not None and self.checkpoints.due(inner_step):
+            await self.checkpoint(driver)
+        if self.snapshots is not None and self.snapshots.due(inner_step):
+            await self.snapshots.save(inner_step)
+
+    async def checkpoint(self, driver: Stage0Driver | None) -> None:
+        microbatches = driver.counters.as_dict() if driver is not None else None
+        path = await self.checkpoints.save(self.stage_index, microbatches)
+        log.info("checkpoint at inner step %d: %s", self.worker.inner_steps, path)
+        self.events.emit("checkpoint", inner_step=self.worker.inner_steps, file=str(path))
+
+    def _emit(self, inner_step: int, driver: Stage0Driver | None) -> None:
+        fields = {"inner_step": inner_step, "lr": self.worker.last_lr, "tokens": self.worker.tokens_total,
+                  "bytes_sent": self.bytes_sent(), "idle_s": round(self.compute.idle_s, 4),
+                  "busy_s": round(self.compute.busy_s, 4)}
+        if driver is not None and driver.log.step_losses:
+            fields["loss"] = driver.log.step_losses[-1]
+            fields["lr"] = driver.log.lrs[-1]
+        self.events.emit("inner_step", **fields)

@@ -1,0 +1,130 @@
+"""Serving a stage until done: stage 0 trains until inner step N (with `--steps`), every node
+serves until stopped, and a node the rebalancing plan names moves to another stage and carries on
+there. What `join` runs once its arguments are read (cli/join.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from noloco_node.node.lifecycle import Node
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServePlan:
+    steps: int = 0
+    """Stage 0: train until inner step N, then leave (0 = serve until stopped)."""
+    serve_after: bool = False
+    """Stage 0 with steps: keep serving after the last step, until stopped."""
+    wait_replicas: int = 1
+    """Stage 0: wait until every stage has this many replicas before training."""
+
+
+class StageReporter:
+    """What a served stage tells the outside: called after every inner step and every 0.1 s, and
+    told when the node changes (a move) and when it stops."""
+
+    async def attach(self, node: Node) -> None: ...
+
+    async def __call__(self, inner_step: int = 0) -> None: ...
+
+    def stopping(self, node: Node) -> None: ...
+
+    def stopped(self, node: Node) -> None: ...
+
+
+async def serve(node: Node, plan: ServePlan, stop: asyncio.Event, reporter: StageReporter) -> int:
+    """Serve `node` (moving it as the plan asks) until stopped or done; stops it; returns 0."""
+    while True:
+        await reporter.attach(node)
+        periodic = asyncio.create_task(_every(0.1, reporter))
+        moving = False
+        try:
+            moving = await _serve_stage(node, plan, stop, reporter)
+        finally:
+            periodic.cancel()
+            if not moving:
+                reporter.stopping(node)
+                try:
+                    await node.stop()
+                finally:  # after stop: bytes, drained and dropped microbatches are final
+                    reporter.stopped(node)
+        if not moving:
+            return 0
+        node = await node.moved_to(node.move)
+
+
+async def _every(period_s: float, report: Callable[[], Awaitable[None]]) -> None:
+    # Always polled: stages > 0 have no per-step callback, and their step lines come from it.
+    while True:
+        await asyncio.sleep(period_s)
+        await report()
+
+
+async def _serve_stage(node: Node, plan: ServePlan, stop: asyncio.Event, report) -> bool:
+    """Serve (and on stage 0 with steps, train) until stopped, done, or a rebalancing move is
+    planned for this node; True = move."""
+    config = node.config
+    if node.stage_index == 0 and plan.steps > 0 and node.worker.inner_steps < plan.steps:
+        await race(node.wait_for_replicas(plan.wait_replicas, config.timeouts.startup_s), stop)
+        if stop.is_set():
+            return False
+        # Until inner step N: a resumed node or one that fetched a replica's state starts past 0.
+        if await _train_unless_moved(node, plan.steps - node.worker.inner_steps, stop, report):
+            return True
+        if not plan.serve_after or stop.is_set():
+            return False
+        await report()
+    elif node.stage_index == 0 and plan.steps > 0 and not plan.serve_after:
+        return False  # a node that moved onto stage 0 past inner step N has nothing left to train
+    await first_of(stop.wait(), node.move_requested.wait())
+    return node.move_requested.is_set() and not stop.is_set()
+
+
+async def _train_unless_moved(node: Node, steps: int, stop: asyncio.Event, report) -> bool:
+    """Train `steps` inner steps; stop cancels it, a planned move lets the step under way finish
+    (no microbatch lost) and returns True."""
+    training = asyncio.ensure_future(node.train(steps, on_inner_step=report))
+    await first_of(training, stop.wait(), node.move_requested.wait())
+    if training.done():
+        training.result()
+        return False
+    if stop.is_set() or node.driver is None:
+        training.cancel()
+        try:
+            await training
+        except asyncio.CancelledError:
+            pass
+        return False
+    node.driver.request_stop()
+    await training
+    return True
+
+
+async def first_of(*aws) -> None:
+    """Wait until the first of `aws` finishes; cancel the rest (a task passed in is left running)."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    for task, original in zip(tasks, aws):
+        if task in pending and task is not original:
+            task.cancel()
+
+
+async def race(coro, stop: asyncio.Event) -> None:
+    """Run `coro` until it finishes or `stop` is set (then cancel it)."""
+    task = asyncio.ensure_future(coro)
+    stopper = asyncio.ensure_future(stop.wait())
+    done, _ = await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    stopper.cancel()
+    if task not in done:
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        return
+    task.result()

@@ -1,0 +1,100 @@
+"""One read model of a running node: `node_stats` reads a Node's parts once, and everything
+that reports on a node reads its output: the stats file, /metrics, experiments, join's step lines
+and summary (node/reporting.py) and its ready file."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from noloco_node.node.reporting import Snapshot
+
+if TYPE_CHECKING:
+    from noloco_node.node.lifecycle import Node
+
+
+def node_stats(node: Node) -> dict:
+    """Everything a node reports about itself: the stats file, /metrics and experiments read it."""
+    s = node.runtime.stats
+    out = {"peer_id": node.peer_id, "stage": node.stage_index, "address": node.address,
+           "inner_steps": node.worker.inner_steps, "last_lr": node.worker.last_lr, "sequences": node.worker.sequences_total,
+           "tokens": node.worker.tokens_total, "forwards_received": dict(s.forwards_received),
+           "forwards_sent": s.forwards_sent, "backwards_sent": s.backwards_sent, "send_failures": s.send_failures,
+           "dropped_here": s.dropped_here, "expired": s.expired, "busy_answers": s.busy_answers,
+           "routed": {"balanced": s.routed_balanced, "random": s.routed_random}, "routed_to": dict(s.routed_to),
+           "routed_by_capacity": dict(node.runtime.router.measured_picks),
+           "routed_expected": {p: round(v, 3) for p, v in node.runtime.router.measured_shares.items()},
+           "throughput": node.meter.record_fields(),
+           "bytes_sent": node.client.bytes_sent, "rejected": dict(node.servicer.rejected),
+           "saved_inputs": len(node.worker.saved), "bans": node.pipeline.bans.total,
+           "in_flight": len(node.runtime.in_flight), "bytes_received": node.servicer.bytes_received,
+           "tokens_per_s": node.tokens_per_s}
+    guard = node.admission.guard
+    out["admission"] = {"swarm_key": node.admission.key is not None, "refused": dict(node.admission.interceptor.refused),
+                        "peers_banned": guard.stats.bans, "banned_now": guard.banned(),
+                        "rate_limited": guard.stats.rate_limited, "over_stream_cap": guard.stats.over_stream_cap,
+                        "refused_banned": guard.stats.refused_banned, "tracked_peers": guard.tracked()}
+    links = node.links
+    out["transport"] = {"reach": links.reach, "p2p_addrs": links.p2p_addrs, "bytes_by_path": links.traffic.as_dict(),
+                        "impostor_records": node.directory.impostor_records,
+                        "impostor_calls": node.admission.interceptor.impostors, "replayed_tokens": links.verifier.replays,
+                        "cut_at_receive_deadline": node.servicer.cut_at_deadline,
+                        "libp2p_streams": {"in": links.bridge.streams_in if links.bridge else 0,
+                                           "out": links.bridge.streams_out if links.bridge else 0,
+                                           "refused_in": links.bridge.refused_in if links.bridge else 0},
+                        "relay_served": links.relay.stats() if links.relay is not None else None}
+    w = node.worker
+    out["integrity"] = {"skipped_steps": w.inner.skipped_steps, "weights_repaired": w.repairs,
+                        "dropped_non_finite": w.dropped_non_finite, "payloads_refused": node.servicer.rejected.get("poisoned", 0)}
+    out["routing_bans"] = node.pipeline.bans.banned_peers()
+    out["faults_fired"] = [f"{point}:{action}" for point, action in node.faults.fired]
+    if node.config.outer.method != "none":
+        counters = node.sync.counters
+        out["outer"] = {k: v for k, v in vars(counters).items() if k != "history"}
+        out["outer_history"] = counters.history
+        out["bytes_sent_outer"] = node.sync.bytes_sent
+    if node.config.outer.method in ("noloco", "diloco"):
+        out["outer_round"] = node.outer_round
+        out["fetched_state"] = node.fetched_state
+    out["resumed_from"] = node.resumed_from
+    out["movable"] = node.movable
+    out["moves"] = node.moves  # each: from, to, at, inner_step, and the stage-0 driver's microbatches before it
+    if node.driver is not None:
+        out["microbatches"] = node.driver.counters.as_dict()
+        out["losses"] = node.driver.log.losses
+        out["lrs"] = node.driver.log.lrs
+        out["step_times"] = node.driver.log.step_times
+        out["step_losses"] = node.driver.log.step_losses
+        out["reissued_sequences"] = node.driver.log.reissued_sequences
+        out["schedule"] = {"overlap": node.driver.overlap, "stale_microbatches": node.driver.log.stale_microbatches,
+                           "max_staleness": node.driver.log.max_staleness}
+    elif node.stage_index == 0 and (node.resumed_from or {}).get("microbatches"):
+        # Restarted at its last step, this incarnation had nothing left to train: its predecessor's
+        # accounting (from the checkpoint) is the driver's whole story.
+        out["microbatches"] = dict(node.resumed_from["microbatches"])
+    return out
+
+
+def training_snapshot(stats: dict) -> Snapshot:
+    """The numbers a step line and the summary need, from `node_stats`."""
+    losses = stats.get("step_losses") or []
+    lrs = stats.get("lrs") or []
+    outer, history = stats.get("outer"), stats.get("outer_history") or []
+    microbatches = stats.get("microbatches") if "losses" in stats else None
+    return Snapshot(
+        stage=stats["stage"], step=stats["inner_steps"], tokens=stats["tokens"],
+        lr=lrs[-1] if lrs else (stats["last_lr"] or None), loss=losses[-1] if losses else None,
+        first_loss=losses[0] if losses else None, in_flight=stats["in_flight"],
+        served=sum(stats["forwards_received"].values()), outer=outer, last_round=history[-1] if history else None,
+        bytes_sent=stats["bytes_sent"] + stats.get("bytes_sent_outer", 0), bytes_received=stats["bytes_received"],
+        dropped=microbatches["dropped"] if microbatches else stats["dropped_here"],
+        issued=microbatches["issued"] if microbatches else None)
+
+
+def ready_fields(node: Node) -> dict:
+    """What `join --ready-file` reports, refreshed every 0.1 s (launchers and tests read it)."""
+    return {"peer_id": node.peer_id, "address": node.address, "stage": node.stage_index, "reach": node.links.reach,
+            "tls_cert": node.links.certificate.b64, "p2p_addrs": node.links.p2p_addrs,
+            "inner_step": node.worker.inner_steps, "outer_round": node.outer_round, "status": node.status,
+            "metrics_port": node.metrics_port, "manifest_hash": node.manifest_hash, "run_id": node.config.run.run_id,
+            "in_flight": [[k.origin, k.sequence, k.attempt] for k in list(node.runtime.in_flight)],
+            "saved_inputs": len(node.worker.saved), "moves": len(node.moves)}

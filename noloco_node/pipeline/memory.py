@@ -1,0 +1,116 @@
+"""In-memory twins of the pipeline's ports: a `MemoryNetwork` that holds every node's stage handler
+and record in one process, with a StageTransport and a directory over it. Tensors go through the
+same wire codec as over gRPC (so the values a stage receives are the wire's), but nothing is
+serialised into protobuf, nothing is signed and nothing leaves the event loop: the fast tier
+trains whole swarms on it in seconds (node/in_process.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor
+
+from noloco_node.errors import PeerUnavailable, PeerUnknown
+from noloco_node.pipeline.ports import BackwardCall, ForwardCall, Hop, MicrobatchKey, Peer, StageHandler
+from noloco_node.wire.codec import DTYPES, decode_into, encode
+
+
+@dataclass(frozen=True)
+class MemoryRecord:
+    """What a node announces (the DHT record's fields the pipeline and the pairing read)."""
+
+    peer: Peer
+    stage: int
+    status: str = "serving"
+    outer_round: int = 0
+
+
+class MemoryNetwork:
+    def __init__(self, *, codec: str = "none") -> None:
+        self.codec = codec
+        self.handlers: dict[str, StageHandler] = {}
+        self.records: dict[str, MemoryRecord] = {}
+        self.down: set[str] = set()
+        """Peers whose calls fail as if their process had died (tests: fault injection)."""
+
+    def register(self, peer_id: str, stage: int, handler: StageHandler) -> None:
+        self.handlers[peer_id] = handler
+        self.records[peer_id] = MemoryRecord(Peer(peer_id, f"memory:{peer_id}"), stage)
+
+    def leave(self, peer_id: str) -> None:
+        self.handlers.pop(peer_id, None)
+        self.records.pop(peer_id, None)
+
+    async def set_status(self, peer_id: str, status: str, outer_round: int) -> None:
+        record = self.records.get(peer_id)
+        if record is not None:
+            self.records[peer_id] = replace(record, status=status, outer_round=outer_round)
+
+    def transport(self, me: str) -> MemoryStageTransport:
+        return MemoryStageTransport(self, me)
+
+    def directory(self) -> MemoryDirectory:
+        return MemoryDirectory(self)
+
+    def handler_of(self, peer_id: str) -> StageHandler:
+        if peer_id in self.down:
+            raise PeerUnavailable(f"{peer_id} does not answer")
+        handler = self.handlers.get(peer_id)
+        if handler is None:
+            raise PeerUnknown(f"{peer_id} is not in the directory")
+        return handler
+
+
+def through_wire(tensor: Tensor, codec: str) -> tuple[object, Tensor, int]:
+    """(spec, the tensor a receiver decodes, payload bytes) for `tensor` sent with `codec`."""
+    spec, payload = encode(tensor.detach().to("cpu", torch.float32), codec)
+    out = torch.empty(spec.shape, dtype=DTYPES[spec.dtype])
+    decode_into(spec, payload, out)
+    return spec, out, len(payload)
+
+
+class MemoryStageTransport:
+    """pipeline.ports.StageTransport between handlers of one MemoryNetwork."""
+
+    def __init__(self, network: MemoryNetwork, me: str) -> None:
+        self.network, self.me = network, me
+        self.bytes_sent = 0
+
+    async def forward(self, peer: Peer, *, key: MicrobatchKey, route: list[Hop], target_stage: int,
+                      activations: Tensor, labels: Tensor) -> None:
+        handler = self.network.handler_of(peer.peer_id)
+        spec, tensor, size = through_wire(activations, self.network.codec)
+        call = ForwardCall(key=key, target_stage=target_stage, route=tuple(route), labels=labels.reshape(-1).tolist())
+        ticket = handler.admit_forward(call, spec)
+        self.bytes_sent += size
+        await handler.accept_forward(ticket, tensor)
+
+    async def backward(self, peer_id: str, *, key: MicrobatchKey, target_stage: int, grad: Tensor, loss: float,
+                       num_tokens: int) -> None:
+        handler = self.network.handler_of(peer_id)
+        spec, tensor, size = through_wire(grad, self.network.codec)
+        call = BackwardCall(key=key, target_stage=target_stage, loss=loss, num_tokens=num_tokens)
+        ticket = handler.admit_backward(call, spec, self.me)
+        self.bytes_sent += size
+        await handler.accept_backward(ticket, tensor)
+
+
+class MemoryDirectory:
+    """pipeline.ports.ReplicaDirectory and sync.ports.MatchingDirectory over a MemoryNetwork."""
+
+    def __init__(self, network: MemoryNetwork) -> None:
+        self.network = network
+
+    def _live(self, stage: int) -> list[MemoryRecord]:
+        return [r for r in self.network.records.values() if r.stage == stage and r.status != "leaving"]
+
+    async def replicas(self, stage: int) -> list[Peer]:
+        return [r.peer for r in self._live(stage)]
+
+    async def matching(self, stage: int, round_index: int) -> list[Peer]:
+        return [r.peer for r in self._live(stage) if r.status == "matching" and r.outer_round == round_index]
+
+    async def replica_count(self, stage: int) -> int:
+        return len(self._live(stage))

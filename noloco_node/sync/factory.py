@@ -1,0 +1,46 @@
+"""One factory for the outer-sync method a node runs (`outer.method`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from noloco_node.config import NodeConfig
+from noloco_node.optim.state import OuterState
+from noloco_node.pipeline.worker import StageWorker
+from noloco_node.sync.diloco import AllReduce
+from noloco_node.sync.ports import MatchingDirectory, NoSync, OuterSync, PairingTransport, SyncParts
+
+
+@dataclass(frozen=True)
+class SyncPorts:
+    """The network ports a method may need; each method takes the ones it uses."""
+
+    pairing: PairingTransport | None = None
+    matching: MatchingDirectory | None = None
+    all_reduce: AllReduce | None = None
+
+
+def needs_outer_state(method: str) -> bool:
+    """Methods that keep slow weights phi and outer momentum m."""
+    return method in ("noloco", "diloco")
+
+
+def build_outer_sync(config: NodeConfig, parts: SyncParts, ports: SyncPorts, *, worker: StageWorker,
+                     state: OuterState | None) -> OuterSync:
+    outer, timeouts = config.outer, config.timeouts
+    # An all-reduce round has matchmaking and the reduce itself to finish: twice the match window.
+    allreduce_s = 2 * timeouts.match_s + 10
+    if outer.method == "noloco":
+        from noloco_node.sync.noloco import NoLoCoSync
+
+        return NoLoCoSync(state, outer, parts, transport=ports.pairing, directory=ports.matching,
+                          match_s=timeouts.match_s)
+    if outer.method == "diloco":
+        from noloco_node.sync.diloco import DiLoCoSync
+
+        return DiLoCoSync(state, outer, parts, all_reduce=ports.all_reduce, timeout_s=allreduce_s)
+    if outer.method == "dp":
+        from noloco_node.sync.dp import DataParallelSync
+
+        return DataParallelSync(worker, outer, parts, all_reduce=ports.all_reduce, timeout_s=allreduce_s)
+    return NoSync()

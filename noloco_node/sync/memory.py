@@ -1,0 +1,107 @@
+"""In-memory twin of the pairing transport: replicas in one process propose, swap snapshots and
+fetch state through a `MemoryPairingHub`, with the same decisions, validation and wire values as
+over gRPC (rpc/outer_service.py), but no streams. The fast tier's swarms use it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import torch
+from torch import Tensor
+
+from noloco_node.errors import InvalidPayload, PeerBusy, PeerUnavailable, ProtocolMismatch
+from noloco_node.sync.ports import (Decision, EncodedSnapshot, ExpectedTensor, PairingResponder, PairProposal,
+                                    StateDonor)
+from noloco_node.wire.codec import DTYPES, CodecError, decode_into
+
+
+def decode_snapshot(snapshot: EncodedSnapshot, expected: list[ExpectedTensor], codec: str) -> dict[str, Tensor]:
+    """What a receiver decodes of `snapshot`, checked against `expected` as the gRPC receiver does."""
+    if len(snapshot.tensors) != len(expected):
+        raise InvalidPayload(f"snapshot has {len(snapshot.tensors)} tensors, expected {len(expected)}")
+    out = {}
+    for (name, spec, payload), want in zip(snapshot.tensors, expected):
+        want_codec = want.codec or codec
+        if name != want.name or spec.shape != want.shape or spec.dtype != want.dtype or spec.codec != want_codec:
+            raise InvalidPayload(f"tensor {name!r} {spec.dtype}{list(spec.shape)}/{spec.codec} does not match "
+                                 f"{want.name!r} {want.dtype}{list(want.shape)}/{want_codec}")
+        tensor = torch.empty(spec.shape, dtype=DTYPES[spec.dtype])
+        try:
+            decode_into(spec, payload, tensor)
+        except CodecError as exc:
+            raise InvalidPayload(str(exc)) from None
+        out[name] = tensor
+    return out
+
+
+class MemoryPairingHub:
+    """Every replica's responder and state donor, by peer id."""
+
+    def __init__(self) -> None:
+        self.responders: dict[str, PairingResponder] = {}
+        self.donors: dict[str, StateDonor] = {}
+        self.down: set[str] = set()
+        self.transports: dict[str, MemoryPairing] = {}
+
+    def register(self, peer_id: str, responder: PairingResponder | None, donor: StateDonor | None = None) -> None:
+        if responder is not None:
+            self.responders[peer_id] = responder
+        if donor is not None:
+            self.donors[peer_id] = donor
+
+    def leave(self, peer_id: str) -> None:
+        self.responders.pop(peer_id, None)
+        self.donors.pop(peer_id, None)
+
+    def transport(self, me: str) -> MemoryPairing:
+        return self.transports.setdefault(me, MemoryPairing(self, me))
+
+
+class MemoryPairing:
+    """sync.ports.PairingTransport over a MemoryPairingHub."""
+
+    def __init__(self, hub: MemoryPairingHub, me: str) -> None:
+        self.hub, self.me = hub, me
+        self.bytes_sent = 0
+
+    async def exchange(self, peer_id: str, proposal: PairProposal, mine: EncodedSnapshot,
+                       expected: list[ExpectedTensor], codec: str, *, timeout_s: float) -> dict[str, Tensor]:
+        return await asyncio.wait_for(self._exchange(peer_id, proposal, mine, expected, codec), timeout_s)
+
+    async def _exchange(self, peer_id: str, proposal: PairProposal, mine: EncodedSnapshot,
+                        expected: list[ExpectedTensor], codec: str) -> dict[str, Tensor]:
+        responder = self.hub.responders.get(peer_id)
+        if responder is None or peer_id in self.hub.down:
+            raise PeerUnavailable(f"{peer_id} does not answer")
+        answer = responder.decide(proposal)
+        if answer.decision == Decision.MISMATCH:
+            raise ProtocolMismatch(f"{peer_id}: {answer.reason}")
+        if answer.decision != Decision.ACCEPT:
+            raise PeerBusy(f"{peer_id}: {answer.decision.name} {answer.reason}".strip())
+        theirs, their_expected, their_codec = responder.frozen()
+        self.bytes_sent += mine.payload_bytes
+        self.hub.transport(peer_id).bytes_sent += theirs.payload_bytes
+        try:
+            received = decode_snapshot(theirs, expected, codec)
+            delivered = decode_snapshot(mine, their_expected, their_codec)
+        except InvalidPayload:
+            await responder.finish(self.me, None, "rejected")
+            raise
+        await responder.finish(self.me, delivered, "paired")
+        return received
+
+    async def fetch_state(self, peer_id: str, *, stage: int, requester: str, timeout_s: float,
+                          expected: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> tuple[dict[str, Tensor], dict]:
+        donor = self.hub.donors.get(peer_id)
+        if donor is None or peer_id in self.hub.down:
+            raise PeerUnavailable(f"{peer_id} does not donate state")
+        tensors, counters = await asyncio.wait_for(donor.export_state(), timeout_s)
+        for name, tensor in tensors.items():
+            want = expected.get(name)
+            if want is None or tuple(tensor.shape) != want[0] or tensor.dtype != want[1]:
+                raise InvalidPayload(f"unexpected state tensor {name!r} {tensor.dtype}{list(tensor.shape)}")
+        return {n: t.clone() for n, t in tensors.items()}, json.loads(counters)
+
+    async def close(self) -> None:
+        return None

@@ -1,0 +1,215 @@
+"""What replica synchronisation needs and offers, as plain types: no protobuf, no gRPC.
+
+- `OuterSync` is the one interface every method implements (NoLoCo, DiLoCo, data-parallel, none).
+  The training loop asks it at every inner-step boundary (torchft's shape): `takes_inner_step`
+  says whether the method takes the inner step itself (dp averages gradients first), and
+  `at_boundary` is awaited after every inner step; the method decides whether an outer round
+  runs, and whether it blocks training while it does.
+- `PairingTransport` carries one pairwise exchange and a state fetch to a peer; `PairingResponder`
+  is what the transport's server side asks when a peer proposes. rpc/outer_service.py implements
+  both over gRPC; sync/memory.py implements them in memory for the fast tests.
+- `MatchingDirectory` lists the replicas of a stage that are matching a round.
+
+The snapshot data model (`EncodedSnapshot`, `ExpectedTensor`) lives here so the transport and
+the sync layer share it without either importing the other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import hashlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from noloco_node.pipeline.ports import Peer
+from noloco_node.runtime.compute import ComputeThread
+from noloco_node.runtime.faults import FaultInjector
+from noloco_node.wire.codec import TensorSpec
+
+
+@dataclass(frozen=True)
+class EncodedSnapshot:
+    """A frozen snapshot as it goes on the wire: (name, spec, payload) per tensor, in order."""
+
+    tensors: list[tuple[str, TensorSpec, bytes]]
+
+    @property
+    def sha256(self) -> bytes:
+        digest = hashlib.sha256()
+        for _, _, payload in self.tensors:
+            digest.update(payload)
+        return digest.digest()
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(len(p) for _, _, p in self.tensors)
+
+
+@dataclass(frozen=True)
+class ExpectedTensor:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    codec: str = ""
+    """Wire codec this tensor must use; empty = the exchange's codec (phi and Delta may differ)."""
+
+
+@dataclass(frozen=True)
+class PairProposal:
+    """An initiator's request to pair for one round."""
+
+    peer_id: str
+    stage: int
+    round: int
+    inner_step: int
+    nonce: bytes
+    sends_slow_weights: bool
+    """The phi+Delta form (True) or theta alone; both sides must send the same form."""
+
+
+class Decision(enum.Enum):
+    ACCEPT = "accept"
+    BUSY = "busy"  # paired already, not matching, banned, own proposal pending
+    WAIT = "wait"  # the responder has not reached that round yet
+    MISMATCH = "mismatch"  # snapshot forms (gamma, codecs) differ: never pairable
+
+
+@dataclass(frozen=True)
+class PairAnswer:
+    decision: Decision
+    reason: str = ""
+    wait_s: float = 0.0
+
+
+@dataclass
+class OuterCounters:
+    rounds: int = 0
+    paired: int = 0
+    solo: int = 0
+    rejected: int = 0
+    timed_out: int = 0
+    skipped: int = 0  # dp: rounds every replica skipped together (the all-reduce failed)
+    resynced: int = 0  # dp: rounds that found replicas apart and averaged their states back together
+    mixed_rounds: int = 0  # diloco/dp: all-reduce groups that spanned rounds
+    partial_rounds: int = 0  # diloco/dp: all-reduces that delivered part of the mean only
+    # one entry per round: round, outcome, partner, seconds, payload ("theta" or "phi+delta"),
+    # bytes per tensor kind, delta_rel_error (and phi_rel_error), codecs
+    history: list[dict] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class SyncParts:
+    """What every method shares with its node: the compute thread its math runs on, who it is, how
+    it tells the swarm its status (the node's DHT record) and its event stream."""
+
+    compute: ComputeThread
+    peer_id: str
+    stage: int
+    set_status: Callable[[str, int], Awaitable[None]]
+    """(status, outer round) -> announced: `matching` while a round looks for a partner."""
+    emit: Callable[..., Any] = lambda event, **fields: None
+    faults: FaultInjector | None = None
+
+
+class PairingResponder(Protocol):
+    """What the transport's server side needs from the sync layer."""
+
+    def decide(self, proposal: PairProposal) -> PairAnswer:
+        """Accept (and reserve this round for) or refuse a proposal; never blocks."""
+
+    def frozen(self) -> tuple[EncodedSnapshot, list[ExpectedTensor], str]:
+        """The snapshot to send, the tensors expected back, and the codec they must use."""
+
+    async def finish(self, peer_id: str, received: dict[str, Tensor] | None, reason: str) -> None:
+        """Called once per accepted session: with the partner's tensors, or None on failure."""
+
+
+class StateDonor(Protocol):
+    async def export_state(self) -> tuple[dict[str, Tensor], str]:
+        """A consistent copy of this replica's state (named tensors) and its counters as JSON."""
+
+
+class PairingTransport(Protocol):
+    bytes_sent: int
+    """Outer payload bytes this node has written (as initiator and as responder)."""
+
+    async def exchange(self, peer_id: str, proposal: PairProposal, mine: EncodedSnapshot,
+                       expected: list[ExpectedTensor], codec: str, *, timeout_s: float) -> dict[str, Tensor]:
+        """Propose and, if accepted, swap snapshots; returns the partner's decoded tensors.
+        Raises PeerBusy (refused), ProtocolMismatch, InvalidPayload or PeerUnavailable."""
+
+    async def fetch_state(self, peer_id: str, *, stage: int, requester: str, timeout_s: float,
+                          expected: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> tuple[dict[str, Tensor], dict]:
+        """A donor's state tensors (checked against `expected`) and counters."""
+
+    async def close(self) -> None: ...
+
+
+class MatchingDirectory(Protocol):
+    async def matching(self, stage: int, round_index: int) -> list[Peer]:
+        """Replicas of `stage` that announce `matching` for `round_index` (fresh lookup)."""
+
+    async def replica_count(self, stage: int) -> int:
+        """Live replicas of `stage`, ours included (the gather window ends once all match)."""
+
+
+class OuterSync(ABC):
+    """One replica's synchronisation with the other replicas of its stage."""
+
+    method: str = "none"
+    takes_inner_step = False
+    """True when the method takes the inner step itself (`inner_step`), instead of the worker."""
+
+    def __init__(self) -> None:
+        self.counters = OuterCounters()
+        self._running: set[asyncio.Task] = set()
+
+    async def inner_step(self) -> float:
+        """The inner step, for methods that take it (dp); returns the learning rate used."""
+        raise NotImplementedError(f"{self.method} does not take the inner step")
+
+    @abstractmethod
+    async def at_boundary(self, inner_step: int) -> None:
+        """After inner step `inner_step`: run an outer round if one is due (it may finish later)."""
+
+    @property
+    def outer_round(self) -> int:
+        """The round this replica is at (announced in its record)."""
+        return 0
+
+    @property
+    def bytes_sent(self) -> int:
+        return 0
+
+    @property
+    def responder(self) -> PairingResponder | None:
+        """The responder a transport's server hands pairing proposals to, if the method pairs."""
+        return None
+
+    async def settle(self, timeout_s: float) -> bool:
+        """Wait until no round is running (the weights are post-update); False on timeout."""
+        if not self._running:
+            return True
+        done, _ = await asyncio.wait(set(self._running), timeout=timeout_s)
+        return not self._running - done
+
+    async def close(self) -> None:
+        """Release what the method holds (transports, averager processes)."""
+
+    def _track(self, task: asyncio.Task) -> asyncio.Task:
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
+        return task
+
+
+class NoSync(OuterSync):
+    """outer.method = none: every replica trains alone."""
+
+    async def at_boundary(self, inner_step: int) -> None:
+        return None
