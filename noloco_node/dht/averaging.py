@@ -32,6 +32,7 @@ import logging
 import multiprocessing
 import os
 import signal
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -82,16 +83,43 @@ class _PartialResultCounter(logging.Handler):
                 self.counter.value += 1
 
 
+@dataclass(frozen=True, kw_only=True)
+class GroupSettings:
+    """How an all-reduce group forms and how long a round may take."""
+
+    prefix: str
+    """The group key's prefix: one per run, stage and method."""
+    target_group_size: int
+    min_group_size: int = 2
+    matchmaking_s: float = 1.0
+    allreduce_s: float = 60.0
+    dtype: torch.dtype = torch.float32
+    """float64 makes every member round the same mean (module docstring)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DhtPeer:
+    """Where the all-reduce's own hivemind DHT peer listens and whom it bootstraps from."""
+
+    initial_peers: tuple[str, ...]
+    host: str = "127.0.0.1"
+    port: int = 0
+    announce: str | None = None
+    swarm_key: bytes | None = None
+    max_skew_s: float = 60.0
+
+
 class HivemindAllReduce:
     """Averages a fixed list of tensors with every replica of a stage that joins the same round."""
 
-    def __init__(self, shapes: list[torch.Size], *, initial_peers: list[str], host: str, prefix: str,
-                 target_group_size: int, matchmaking_s: float, min_group_size: int = 2, dht=None, port: int = 0,
-                 announce: str | None = None, swarm_key: bytes | None = None, max_skew_s: float = 60.0,
-                 dtype: torch.dtype = torch.float32, allreduce_s: float = 60.0) -> None:
+    def __init__(self, shapes: list[torch.Size], group: GroupSettings, *, peer: DhtPeer | None = None, dht=None) -> None:
+        """Give `peer` to start a DHT peer of its own, or a running hivemind `dht`."""
         from hivemind.averaging import DecentralizedAverager
 
-        self.dht = dht if dht is not None else self.start_dht(initial_peers, host, port, announce, swarm_key, max_skew_s)
+        dtype, matchmaking_s, target_group_size = group.dtype, group.matchmaking_s, group.target_group_size
+        min_group_size, allreduce_s, prefix = group.min_group_size, group.allreduce_s, group.prefix
+        self.dht = dht if dht is not None else self.start_dht(list(peer.initial_peers), peer.host, peer.port,
+                                                              peer.announce, peer.swarm_key, peer.max_skew_s)
         # Shared with the averager process, which is forked below and inherits the handler.
         self.partial_warnings = multiprocessing.get_context("fork").Value("i", 0)
         self._handler = _PartialResultCounter(self.partial_warnings)
@@ -184,10 +212,11 @@ def build_all_reduce(cfg, stage: int, shapes: list[torch.Size], swarm_key: bytes
 
     outer, net, dp = cfg.outer, cfg.network, cfg.outer.method == "dp"
     known = outer.allreduce_group_size
-    return HivemindAllReduce(
-        shapes, initial_peers=list(net.initial_peers), host=net.host,
-        prefix=f"{key_prefix(cfg.run.run_id)}_stage{stage}_{outer.method}", target_group_size=known or 64,
-        min_group_size=known or 2, matchmaking_s=cfg.timeouts.match_s, port=net.allreduce_port,
-        announce=net.allreduce_announce, swarm_key=swarm_key, max_skew_s=cfg.security.max_clock_skew_s,
-        # dp: gradients averaged in float64 so every replica rounds the same mean (module docstring)
-        dtype=torch.float64 if dp else torch.float32, allreduce_s=cfg.timeouts.allreduce_s)
+    group = GroupSettings(prefix=f"{key_prefix(cfg.run.run_id)}_stage{stage}_{outer.method}",
+                          target_group_size=known or 64, min_group_size=known or 2, matchmaking_s=cfg.timeouts.match_s,
+                          allreduce_s=cfg.timeouts.allreduce_s,
+                          # dp: gradients averaged in float64 so every replica rounds the same mean (module docstring)
+                          dtype=torch.float64 if dp else torch.float32)
+    peer = DhtPeer(initial_peers=tuple(net.initial_peers), host=net.host, port=net.allreduce_port,
+                   announce=net.allreduce_announce, swarm_key=swarm_key, max_skew_s=cfg.security.max_clock_skew_s)
+    return HivemindAllReduce(shapes, group, peer=peer)

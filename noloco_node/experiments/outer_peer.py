@@ -41,6 +41,12 @@ from noloco_node.sync.noloco import NoLoCoSync
 from noloco_node.sync.ports import SyncParts
 from noloco_node.runtime.files import atomic_write_text
 
+from noloco_node.rpc.admission import AdmissionInterceptor
+from noloco_node.rpc.guard import PeerGuard
+from noloco_node.rpc.stage_service import GRPC_OPTIONS
+from noloco_node.transport.dialer import Contact
+from noloco_node.transport.links import Links
+
 RUN, MANIFEST = "outer-test", "m-outer"
 log = logging.getLogger("outer_peer")
 
@@ -74,7 +80,8 @@ def parse() -> argparse.Namespace:
     return p.parse_args()
 
 
-async def main(args: argparse.Namespace) -> None:
+def initial_state(args: argparse.Namespace) -> tuple[nn.Module, OuterState, dict]:
+    """A one-tensor model with its outer state, from --state or random (--numel), poisoned on request."""
     if args.state:
         tensors = load_file(args.state)
     else:
@@ -93,6 +100,24 @@ async def main(args: argparse.Namespace) -> None:
             model.w.fill_(float("nan"))
         elif args.poison == "scale":
             model.w.mul_(1e6)
+    return model, state, tensors
+
+
+async def run_rounds(args: argparse.Namespace, sync, model: nn.Module, state: OuterState, tensors: dict) -> tuple[str, dict]:
+    """The --rounds outer rounds (theta reset to phi + offset<r> before round r >= 2)."""
+    per_round, outcome = {}, "solo"
+    for round_index in range(1, args.rounds + 1):
+        if round_index > 1 and f"offset{round_index}" in tensors:
+            with torch.no_grad():
+                model.w.copy_(state.phi["w"] + tensors[f"offset{round_index}"])
+        outcome = await sync.outer_step(inner_step=50 * round_index, round_index=round_index)
+        log.info("round %d done: %s", round_index, outcome)
+        per_round.update({f"phi@{round_index}": state.phi["w"].clone(), f"momentum@{round_index}": state.momentum["w"].clone()})
+    return outcome, per_round
+
+
+async def main(args: argparse.Namespace) -> None:
+    model, state, tensors = initial_state(args)
     # --die-after-writes N: the process exits at its (N+1)th write of an exchange, mid-stream.
     faults = FaultInjector([f"exchange_write:crash@{args.die_after_writes + 1}"] if args.die_after_writes else [])
 
@@ -100,21 +125,15 @@ async def main(args: argparse.Namespace) -> None:
                                           initial_peers=args.initial_peers, startup_timeout_s=20)
     all_reduce = None
     if args.method == "diloco":  # forks hivemind processes: before any gRPC thread exists
-        from noloco_node.dht.averaging import HivemindAllReduce
+        from noloco_node.dht.averaging import GroupSettings, HivemindAllReduce
 
         # The first peer has no initial peers: its averager joins through its own DHT node.
         peers = args.initial_peers or await directory.visible_maddrs()
         # The DHT in a thread (it pings ours, which needs this loop running); the averager on
         # the main thread (hivemind installs signal handlers there).
         dht = await asyncio.to_thread(HivemindAllReduce.start_dht, peers, "127.0.0.1", args.dht_port, args.dht_announce)
-        all_reduce = HivemindAllReduce([model.w.shape], initial_peers=peers, host="127.0.0.1", prefix="outer_test_diloco",
-                                       target_group_size=args.group_size, matchmaking_s=args.matchmaking_s, dht=dht)
-    from noloco_node.rpc.admission import AdmissionInterceptor
-    from noloco_node.rpc.guard import PeerGuard
-    from noloco_node.rpc.stage_service import GRPC_OPTIONS
-    from noloco_node.transport.dialer import Contact
-    from noloco_node.transport.links import Links
-
+        all_reduce = HivemindAllReduce([model.w.shape], GroupSettings(prefix="outer_test_diloco", target_group_size=args.group_size,
+                                                                      matchmaking_s=args.matchmaking_s), dht=dht)
     async def lookup(peer_id: str):
         r = await directory.record_of(peer_id)
         return None if r is None else Contact(r.peer_id, r.address, r.reach, r.tls_cert, tuple(r.p2p_addrs))
@@ -156,19 +175,11 @@ async def main(args: argparse.Namespace) -> None:
     while not os.path.exists(args.go_file):
         await asyncio.sleep(0.02)
     log.info("round starts")
-    per_round = {}
-    for round_index in range(1, args.rounds + 1):
-        if round_index > 1 and f"offset{round_index}" in tensors:
-            with torch.no_grad():
-                model.w.copy_(state.phi["w"] + tensors[f"offset{round_index}"])
-        outcome = await sync.outer_step(inner_step=50 * round_index, round_index=round_index)
-        log.info("round %d done: %s", round_index, outcome)
-        per_round.update({f"phi@{round_index}": state.phi["w"].clone(), f"momentum@{round_index}": state.momentum["w"].clone()})
+    outcome, per_round = await run_rounds(args, sync, model, state, tensors)
     save_file({"phi": state.phi["w"], "momentum": state.momentum["w"], "theta": model.w.detach().clone(), **per_round},
               args.out)
-    bytes_sent = traffic.bytes_sent if all_reduce is None else all_reduce.bytes_sent
     Path(args.out + ".json").write_text(json.dumps({"outcome": outcome, "peer_id": directory.peer_id,
-                                                    "bytes_sent": bytes_sent, "method": args.method,
+                                                    "bytes_sent": sync.bytes_sent, "method": args.method,
                                                     "counters": {k: v for k, v in vars(sync.counters).items() if k != "history"},
                                                     "history": sync.counters.history, "banned": bans.total}))
     await asyncio.sleep(1.0)  # let a partner finish reading our receipt before we close

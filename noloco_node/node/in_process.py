@@ -26,7 +26,7 @@ from noloco_node.pipeline.ports import Hop
 from noloco_node.runtime.events import EventLog
 from noloco_node.runtime.faults import FaultInjector
 from noloco_node.sync.factory import SyncPorts
-from noloco_node.sync.memory import MemoryPairingHub
+from noloco_node.sync.memory import MemoryAllReduceHub, MemoryPairingHub
 from noloco_node.sync.ports import OuterSync
 
 
@@ -66,8 +66,11 @@ class InProcessSwarm:
                  config_for: Callable[[int, int], NodeConfig] | None = None) -> None:
         self.config, self.replicas = config, replicas
         self.config_for = config_for or (lambda stage, replica: config)
-        self.network = MemoryNetwork(codec=codec or config.pipeline.activation_codec)
+        self.network = MemoryNetwork(codec=codec or config.pipeline.activation_codec,
+                                     gradient_codec=codec or config.pipeline.gradient_codec)
         self.hub = MemoryPairingHub()
+        self.all_reduce = {stage: MemoryAllReduceHub(replicas) for stage in range(config.pipeline.num_stages)}
+        """Per stage, for diloco and dp: tests may inject partial or missed rounds into it."""
         self.nodes: list[InProcessNode] = []
 
     def stage(self, index: int) -> list[InProcessNode]:
@@ -88,7 +91,8 @@ class InProcessSwarm:
         events.bind(peer=peer_id, stage=stage)
         parts = build_compute(config, llama, ranges, stage, vocab_size=len(self.tokenizer), events=events, faults=faults)
         pairing = self.hub.transport(peer_id)
-        ports = SyncPorts(pairing=pairing, matching=self.network.directory())
+        ports = SyncPorts(pairing=pairing, matching=self.network.directory(),
+                          all_reduce=self.all_reduce[stage].member(peer_id))
 
         async def set_status(status: str, round_index: int) -> None:
             await self.network.set_status(peer_id, status, round_index)

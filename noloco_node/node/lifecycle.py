@@ -147,7 +147,8 @@ class Node:
         each needs the one before."""
         cfg, parts = self.config, self.parts
         self.client = StageClient(run_id=cfg.run.run_id, manifest_hash=self.manifest_hash,
-                                  codec=cfg.pipeline.activation_codec, timeout_s=cfg.timeouts.rpc_s,
+                                  codec=cfg.pipeline.activation_codec, gradient_codec=cfg.pipeline.gradient_codec,
+                                  timeout_s=cfg.timeouts.rpc_s,
                                   observe=self._observe_rpc, dialer=self.links.dialer)
         state_bytes = sum(p.numel() * 16 for p in parts.stage.parameters())
         self.outer_traffic = Traffic()

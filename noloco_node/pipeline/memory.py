@@ -28,8 +28,8 @@ class MemoryRecord:
 
 
 class MemoryNetwork:
-    def __init__(self, *, codec: str = "none") -> None:
-        self.codec = codec
+    def __init__(self, *, codec: str = "none", gradient_codec: str | None = None) -> None:
+        self.codec, self.gradient_codec = codec, gradient_codec or codec
         self.handlers: dict[str, StageHandler] = {}
         self.records: dict[str, MemoryRecord] = {}
         self.down: set[str] = set()
@@ -90,7 +90,7 @@ class MemoryStageTransport:
     async def backward(self, peer_id: str, *, key: MicrobatchKey, target_stage: int, grad: Tensor, loss: float,
                        num_tokens: int) -> None:
         handler = self.network.handler_of(peer_id)
-        spec, tensor, size = through_wire(grad, self.network.codec)
+        spec, tensor, size = through_wire(grad, self.network.gradient_codec)
         call = BackwardCall(key=key, target_stage=target_stage, loss=loss, num_tokens=num_tokens)
         ticket = handler.admit_backward(call, spec, self.me)
         self.bytes_sent += size

@@ -11,6 +11,7 @@ against the expected tensor list before anything is allocated.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 

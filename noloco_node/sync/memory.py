@@ -105,3 +105,63 @@ class MemoryPairing:
 
     async def close(self) -> None:
         return None
+
+
+class MemoryAllReduceHub:
+    """In-memory twin of the all-reduce (dht/averaging.py) for one stage's replicas: a round's mean
+    (float64, rounded once to each tensor's dtype, as with hivemind in float64) once all
+    `group_size` members have joined it, else, after the deadline, a group of one.
+
+    Fault injection for tests: `partial` holds (member, round) pairs that receive only part of the
+    mean (their own values for the rest, reported incomplete, as hivemind does), `absent` pairs that
+    never join that round (so it fails for everyone). `wait_s` caps how long a member waits."""
+
+    def __init__(self, group_size: int, *, wait_s: float | None = None) -> None:
+        self.group_size, self.wait_s = group_size, wait_s
+        self.partial: set[tuple[str, int]] = set()
+        self.absent: set[tuple[str, int]] = set()
+        self._rounds: dict[int, dict[str, list[Tensor]]] = {}
+        self._done: dict[int, asyncio.Event] = {}
+        self._means: dict[int, list[Tensor]] = {}
+
+    def member(self, name: str) -> MemoryAllReduce:
+        return MemoryAllReduce(self, name)
+
+    async def _join(self, name: str, tensors: list[Tensor], round_index: int, timeout_s: float) -> list[Tensor] | None:
+        members = self._rounds.setdefault(round_index, {})
+        done = self._done.setdefault(round_index, asyncio.Event())
+        members[name] = [t.detach().to("cpu", torch.float64) for t in tensors]
+        if len(members) == self.group_size:
+            self._means[round_index] = [torch.stack(ts).mean(0) for ts in zip(*members.values())]
+            done.set()
+        try:
+            await asyncio.wait_for(done.wait(), min(timeout_s, self.wait_s or timeout_s))
+        except asyncio.TimeoutError:
+            members.pop(name, None)
+            return None
+        return self._means[round_index]
+
+
+class MemoryAllReduce:
+    """sync.diloco.AllReduce for one member of a MemoryAllReduceHub."""
+
+    def __init__(self, hub: MemoryAllReduceHub, name: str) -> None:
+        self.hub, self.name = hub, name
+        self.bytes_sent = 0
+
+    async def mean(self, tensors: list[Tensor], timeout_s: float, round_index: int) -> tuple[list[Tensor], int, bool, bool]:
+        if (self.name, round_index) in self.hub.absent:
+            return [t.clone() for t in tensors], 1, True, True
+        means = await self.hub._join(self.name, tensors, round_index, timeout_s)
+        if means is None:
+            return [t.clone() for t in tensors], 1, True, True
+        out = [m.to(t.dtype) for m, t in zip(means, tensors)]
+        complete = (self.name, round_index) not in self.hub.partial
+        if not complete:  # the second half of the tensors never arrived: our own values stand
+            half = len(out) // 2
+            out = out[:half] + [t.clone() for t in tensors[half:]]
+        self.bytes_sent += 2 * sum(t.numel() * t.element_size() for t in tensors)
+        return out, self.hub.group_size, True, complete
+
+    def shutdown(self) -> None:
+        return None

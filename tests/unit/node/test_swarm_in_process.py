@@ -1,0 +1,198 @@
+"""Whole swarms in one process (node/in_process.py): every replica assembled exactly as a node is,
+over the in-memory twins of the pipeline and pairing ports. The invariants the process tests
+check, in seconds: every microbatch issued is completed or dropped, pairs form, the loss falls,
+the pipeline in exact mode equals the whole model trained in one process, the overlap schedule's
+staleness is bounded, and dp replicas stay identical (and come back together after a bad round)."""
+
+import asyncio
+import itertools
+
+import pytest
+import torch
+
+from noloco_node.node.in_process import InProcessSwarm
+
+from tests.oracle import train_whole_model
+from .conftest import tiny_config
+
+
+def run(config, *, replicas: int, steps: int, inject=None) -> InProcessSwarm:
+    async def go() -> InProcessSwarm:
+        swarm = await InProcessSwarm(config, replicas=replicas).start()
+        if inject is not None:
+            inject(swarm)
+        try:
+            await swarm.train(steps)
+        finally:
+            await swarm.stop()
+        return swarm
+
+    return asyncio.run(go())
+
+
+def assert_accounting(swarm: InProcessSwarm, steps: int) -> None:
+    cfg = swarm.config.pipeline
+    for node in swarm.stage(0):
+        c = node.driver.counters
+        assert c.issued == c.completed + c.dropped, c  # nothing silently lost
+        assert c.completed == steps * cfg.batch_size // cfg.microbatch_size and c.dropped == 0, c
+    assert all(node.worker.inner_steps == steps for node in swarm.nodes)
+
+
+def test_two_by_two_trains_with_noloco_rounds_in_process(tmp_path):
+    steps, every = 20, 5
+    config = tiny_config(tmp_path, **{"outer.method": "noloco", "outer.inner_steps_per_outer": every,
+                                      "pipeline.num_stages": 2, "timeouts.match_s": 3.0})
+    swarm = run(config, replicas=2, steps=steps)
+    assert_accounting(swarm, steps)
+    for node in swarm.nodes:
+        history = node.sync.counters.history
+        assert [r["round"] for r in history] == list(range(1, steps // every + 1)), (node.peer_id, history)
+        # Two replicas per stage: every round pairs them (a round that found nobody would be solo).
+        mate = next(n.peer_id for n in swarm.stage(node.stage) if n is not node)
+        assert all(r["outcome"] == "paired" and r["partner"] == mate for r in history), (node.peer_id, history)
+        assert node.sync.outer_round == steps // every + 1
+    for node in swarm.stage(1):  # random routing reaches every replica from every sender
+        received = node.runtime.stats.forwards_received
+        assert set(received) == {"s0r0", "s0r1"} and min(received.values()) > 0, received
+    for node in swarm.stage(0):
+        losses = node.driver.log.step_losses
+        assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.5, losses
+
+
+def test_a_pair_round_leaves_both_replicas_on_the_same_weights(tmp_path):
+    """Both replicas start from the same phi with zero momentum, so one lossless pair round gives
+    both phi + beta * (mean(theta) - phi), bit for bit: each side computes the mean of the same two
+    wire values (own first, a + b == b + a), and no inner step runs during the round."""
+    every = 4
+    config = tiny_config(tmp_path, **{"outer.method": "noloco", "outer.inner_steps_per_outer": every,
+                                      "outer.codec": "none", "pipeline.num_stages": 2, "timeouts.match_s": 3.0})
+    swarm = run(config, replicas=2, steps=every)
+    for stage in (0, 1):
+        a, b = swarm.stage(stage)
+        assert a.sync.counters.paired == b.sync.counters.paired == 1
+        wa, wb = a.weights(), b.weights()
+        assert all(torch.equal(wa[n], wb[n]) for n in wa), stage
+        moved = [n for n in wa if not torch.equal(wa[n], a.parts.outer_state.phi[n].to(wa[n].dtype))]
+        assert moved == []  # theta <- phi after the round
+
+
+@pytest.mark.parametrize("num_stages", [2, 3])
+def test_exact_pipeline_equals_the_whole_model_in_process(tmp_path, num_stages):
+    steps = 5
+    config = tiny_config(tmp_path, **{"pipeline.num_stages": num_stages, "pipeline.deterministic": "true",
+                                      "pipeline.activation_codec": "none"})
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        swarm = run(config, replicas=1, steps=steps)
+        ref_losses, ref_weights = train_whole_model(config, swarm.corpus, swarm.tokenizer, steps)
+    finally:
+        torch.set_num_threads(threads)
+    assert_accounting(swarm, steps)
+    [driver] = swarm.stage(0)
+    torch.testing.assert_close(torch.tensor(driver.driver.log.losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    seen = set()
+    for node in swarm.nodes:
+        for name, tensor in node.parts.stage.state_dict().items():
+            ref = ref_weights[name]
+            rel = float((tensor.double() - ref.double()).norm() / ref.double().norm())
+            assert rel <= 1e-5, f"stage {node.stage} {name} differs by {rel:.2e} (relative)"
+            seen.add(name)
+    assert seen == set(ref_weights), "the stages together must hold exactly the whole model"
+
+
+@pytest.mark.parametrize("schedule", ["exact", "overlap"])
+def test_schedules_complete_every_microbatch_with_bounded_staleness_in_process(tmp_path, schedule):
+    steps = 12
+    config = tiny_config(tmp_path, **{"pipeline.schedule": schedule, "pipeline.batch_size": 8,
+                                      "pipeline.microbatch_size": 2, "pipeline.num_stages": 3,
+                                      "pipeline.activation_codec": "none"})
+    swarm = run(config, replicas=1, steps=steps)
+    assert_accounting(swarm, steps)
+    [driver] = swarm.stage(0)
+    log = driver.driver.log
+    assert driver.driver.overlap == (schedule == "overlap")
+    if schedule == "exact":
+        assert log.stale_microbatches == 0 and log.max_staleness == 0
+    else:
+        assert log.max_staleness == 1 and log.stale_microbatches > 0  # bounded, and it really overlapped
+    assert sum(log.step_losses[-3:]) / 3 < sum(log.step_losses[:3]) / 3
+
+
+def dp_config(tmp_path, **extra):
+    return tiny_config(tmp_path, **{"outer.method": "dp", "outer.allreduce_group_size": 2, "pipeline.num_stages": 2,
+                                    "pipeline.batch_size": 6, **extra})
+
+
+def assert_identical_replicas(swarm: InProcessSwarm) -> None:
+    for stage in (0, 1):
+        weights = [n.weights() for n in swarm.stage(stage)]
+        for a, b in itertools.combinations(weights, 2):
+            for name in a:
+                assert torch.equal(a[name], b[name]), f"stage {stage} {name}: max diff {(a[name] - b[name]).abs().max()}"
+
+
+def test_dp_replicas_stay_identical_in_process(tmp_path):
+    steps = 6
+    swarm = run(dp_config(tmp_path), replicas=2, steps=steps)
+    assert_accounting(swarm, steps)
+    for node in swarm.nodes:
+        history = node.sync.counters.history
+        assert [r["outcome"] for r in history] == ["paired"] * steps, (node.peer_id, history)
+    assert_identical_replicas(swarm)
+    # Lockstep: balanced routing gives every stage-1 replica one share of every batch.
+    for node in swarm.stage(0):
+        assert node.runtime.stats.routed_balanced == steps * 6 // 2 and node.runtime.stats.routed_random == 0
+    losses = swarm.stage(0)[0].driver.log.losses
+    assert sum(losses[-2:]) / 2 < sum(losses[:2]) / 2 - 0.3
+
+
+def test_a_dp_round_that_fails_for_everyone_is_skipped_by_everyone(tmp_path):
+    steps = 4
+
+    def miss_round_2(swarm: InProcessSwarm) -> None:
+        swarm.all_reduce[1].wait_s = 0.5
+        swarm.all_reduce[1].absent.add(("s1r0", 2))  # s1r0 never joins round 2: it fails for both
+
+    swarm = run(dp_config(tmp_path), replicas=2, steps=steps, inject=miss_round_2)
+    assert_accounting(swarm, steps)
+    for node in swarm.stage(1):
+        outcomes = [r["outcome"] for r in node.sync.counters.history]
+        assert outcomes == ["paired", "skipped", "paired", "paired"], (node.peer_id, outcomes)
+    assert_identical_replicas(swarm)
+
+
+def test_dp_replicas_that_came_apart_are_averaged_back_together(tmp_path):
+    """A round hivemind delivers in part to one member only: that member skips while the other
+    steps, so the two come apart; the next round's fingerprints show it to both, and they average
+    their weights and Adam state back into one (the rounds after are normal again)."""
+    steps = 5
+
+    def partial_round_2(swarm: InProcessSwarm) -> None:
+        swarm.all_reduce[1].partial.add(("s1r1", 2))
+
+    swarm = run(dp_config(tmp_path), replicas=2, steps=steps, inject=partial_round_2)
+    assert_accounting(swarm, steps)
+    a, b = swarm.stage(1)
+    assert [r["outcome"] for r in a.sync.counters.history] == ["paired", "paired", "resynced", "paired", "paired"]
+    assert [r["outcome"] for r in b.sync.counters.history] == ["paired", "skipped", "resynced", "paired", "paired"]
+    assert a.sync.counters.resynced == b.sync.counters.resynced == 1
+    assert_identical_replicas(swarm)
+    sa, sb = (n.worker.inner.adam.state for n in (a, b))
+    for pa, pb in zip(a.worker.inner.params, b.worker.inner.params):
+        assert torch.equal(sa[pa]["exp_avg"], sb[pb]["exp_avg"]) and float(sa[pa]["step"]) == float(sb[pb]["step"])
+
+
+def test_diloco_replicas_share_phi_after_every_round_in_process(tmp_path):
+    steps, every = 6, 3
+    config = tiny_config(tmp_path, **{"outer.method": "diloco", "outer.inner_steps_per_outer": every,
+                                      "outer.allreduce_group_size": 2, "pipeline.num_stages": 2,
+                                      "pipeline.batch_size": 6})
+    swarm = run(config, replicas=2, steps=steps)
+    assert_accounting(swarm, steps)
+    for stage in (0, 1):
+        a, b = swarm.stage(stage)
+        assert a.sync.counters.paired == b.sync.counters.paired == steps // every
+        for name, phi in a.parts.outer_state.phi.items():
+            torch.testing.assert_close(phi, b.parts.outer_state.phi[name], rtol=0, atol=1e-7)
