@@ -260,6 +260,11 @@ class OuterConfig:
     None = codec."""
     max_distance_ratio: float = 10.0
     """Reject a partner's snapshot farther from our slow weights than this many times our own drift."""
+    overlap: bool = False
+    """noloco: run the outer exchange in the background while inner steps go on, and apply the pair
+    update when it completes (at the next boundary at the latest), keeping the local progress made
+    meanwhile: theta <- phi_new + (theta_now - theta_frozen). False = training waits for the round
+    (the form the oracle test checks bit for bit; both are equal when no step falls in between)."""
     allreduce_group_size: int = 0
     """diloco/dp: replicas of a stage in each all-reduce. Every round's group is all of them, at that
     round: a round that misses one fails for its members within its deadline and each steps solo

@@ -84,8 +84,9 @@ def build_compute(config: NodeConfig, llama, ranges: list[range], stage_index: i
 def build_sync(config: NodeConfig, parts: ComputeParts, ports: SyncPorts, *, peer_id: str,
                set_status: Callable[[str, int], Awaitable[None]], events: EventLog,
                faults: FaultInjector) -> OuterSync:
+    worker = parts.worker
     sync_parts = SyncParts(compute=parts.compute, peer_id=peer_id, stage=parts.shape.stage, set_status=set_status,
-                           emit=events.emit, faults=faults)
+                           emit=events.emit, faults=faults, inner_steps=lambda: worker.inner_steps)
     return build_outer_sync(config, sync_parts, ports, worker=parts.worker, state=parts.outer_state)
 
 

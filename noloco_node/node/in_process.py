@@ -90,7 +90,7 @@ class InProcessSwarm:
         events, faults = EventLog(config.log.events_file), FaultInjector(config.faults.inject)
         events.bind(peer=peer_id, stage=stage)
         parts = build_compute(config, llama, ranges, stage, vocab_size=len(self.tokenizer), events=events, faults=faults)
-        pairing = self.hub.transport(peer_id)
+        pairing = self.hub.transport(peer_id, faults)
         ports = SyncPorts(pairing=pairing, matching=self.network.directory(),
                           all_reduce=self.all_reduce[stage].member(peer_id))
 

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from noloco_node.errors import InvalidPayload, PeerBusy, PeerUnavailable, ProtocolMismatch
+from noloco_node.runtime.faults import FaultInjector
 from noloco_node.sync.ports import (Decision, EncodedSnapshot, ExpectedTensor, PairingResponder, PairProposal,
                                     StateDonor)
 from noloco_node.wire.codec import DTYPES, CodecError, decode_into
@@ -54,15 +55,15 @@ class MemoryPairingHub:
         self.responders.pop(peer_id, None)
         self.donors.pop(peer_id, None)
 
-    def transport(self, me: str) -> MemoryPairing:
-        return self.transports.setdefault(me, MemoryPairing(self, me))
+    def transport(self, me: str, faults: FaultInjector | None = None) -> MemoryPairing:
+        return self.transports.setdefault(me, MemoryPairing(self, me, faults))
 
 
 class MemoryPairing:
     """sync.ports.PairingTransport over a MemoryPairingHub."""
 
-    def __init__(self, hub: MemoryPairingHub, me: str) -> None:
-        self.hub, self.me = hub, me
+    def __init__(self, hub: MemoryPairingHub, me: str, faults: FaultInjector | None = None) -> None:
+        self.hub, self.me, self.faults = hub, me, faults
         self.bytes_sent = 0
 
     async def exchange(self, peer_id: str, proposal: PairProposal, mine: EncodedSnapshot,
@@ -80,6 +81,8 @@ class MemoryPairing:
         if answer.decision != Decision.ACCEPT:
             raise PeerBusy(f"{peer_id}: {answer.decision.name} {answer.reason}".strip())
         theirs, their_expected, their_codec = responder.frozen()
+        if self.faults is not None:
+            await self.faults.hit("during_exchange")  # as the gRPC exchange does, once its payload is out
         self.bytes_sent += mine.payload_bytes
         self.hub.transport(peer_id).bytes_sent += theirs.payload_bytes
         try:

@@ -73,7 +73,7 @@ class NoLoCoSync(OuterSync):
         self.state, self.parts, self.transport, self.directory = state, parts, transport, directory
         self.compute, self.faults, self.set_status = parts.compute, parts.faults, parts.set_status
         self.peer_id, self.stage = parts.peer_id, parts.stage
-        self.every = config.inner_steps_per_outer
+        self.every, self.overlap = config.inner_steps_per_outer, config.overlap
         self.codec_phi, self.codec_delta = config.codec_phi, config.codec_delta
         self.payload = payload or choose_payload(state, self.codec_phi, self.codec_delta)
         if self.payload == THETA and choose_payload(state, self.codec_phi, self.codec_delta) != THETA:
@@ -90,15 +90,25 @@ class NoLoCoSync(OuterSync):
         self.done = asyncio.Event()  # the round's update has been applied
         self.claimed = False  # a completion (pair or solo) is under way for this round
         self._frozen: Frozen | None = None
-        self._one_round_at_a_time = asyncio.Lock()
+        self._round_task: asyncio.Task | None = None
 
     # ---- OuterSync -----------------------------------------------------------------------
     async def at_boundary(self, inner_step: int) -> None:
+        """Every H inner steps, a round. Blocking (the default): returns when its update is applied.
+        With outer.overlap: returns once the round is under way; training goes on, and the update
+        is applied when the exchange completes. A round still running at the next boundary is
+        waited for there: one round at a time, never more than one behind."""
         if inner_step % self.every:
             return
-        async with self._one_round_at_a_time:
-            await self._track(asyncio.ensure_future(self.outer_step(inner_step, inner_step // self.every)))
-        self.parts.emit("outer_round", inner_step=inner_step, **self.counters.history[-1])
+        if self._round_task is not None:
+            await asyncio.shield(self._round_task)
+        self._round_task = self._track(asyncio.ensure_future(self._round(inner_step, inner_step // self.every)))
+        if not self.overlap:
+            await asyncio.shield(self._round_task)
+
+    async def _round(self, inner_step: int, round_index: int) -> None:
+        await self.outer_step(inner_step, round_index)
+        self.parts.emit("outer_round", **self.counters.history[-1])
 
     @property
     def outer_round(self) -> int:
@@ -158,6 +168,7 @@ class NoLoCoSync(OuterSync):
         self.done = asyncio.Event()
         self.claimed = False
         self._outcome = ("solo", None)
+        self._applied_at = inner_step
         poison = self.faults.poison() if self.faults is not None else None
         self._frozen = await self.compute.run(functools.partial(
             freeze, self.state, self.payload, self.codec_phi, self.codec_delta, dict(self.feedback.residual), poison))
@@ -190,7 +201,8 @@ class NoLoCoSync(OuterSync):
         outcome, partner = self._outcome
         self.counters.rounds += 1
         self.counters.history.append({"round": round_index, "outcome": outcome, "partner": partner,
-                                      "seconds": time.monotonic() - start, **self._frozen.stats})
+                                      "seconds": time.monotonic() - start, "inner_step": inner_step,
+                                      "applied_at_step": self._applied_at, **self._frozen.stats})
         await self._announce("serving", round_index + 1)
         return outcome
 
@@ -292,4 +304,5 @@ class NoLoCoSync(OuterSync):
             self.counters.solo += 1
             self._outcome = ("solo", None)
             log.info("round %d: solo step (%s)", self.round, reason)
+        self._applied_at = self.parts.inner_steps()
         self.done.set()

@@ -115,6 +115,8 @@ class SyncParts:
     """(status, outer round) -> announced: `matching` while a round looks for a partner."""
     emit: Callable[..., Any] = lambda event, **fields: None
     faults: FaultInjector | None = None
+    inner_steps: Callable[[], int] = lambda: 0
+    """This replica's inner-step counter (rounds record the step their update was applied at)."""
 
 
 class PairingResponder(Protocol):

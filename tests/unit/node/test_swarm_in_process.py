@@ -196,3 +196,26 @@ def test_diloco_replicas_share_phi_after_every_round_in_process(tmp_path):
         assert a.sync.counters.paired == b.sync.counters.paired == steps // every
         for name, phi in a.parts.outer_state.phi.items():
             torch.testing.assert_close(phi, b.parts.outer_state.phi[name], rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_an_overlapped_outer_exchange_lets_stage0_keep_stepping(tmp_path, overlap):
+    """With outer.overlap, stage 0 takes inner steps while its exchange is in flight (slowed here
+    to 0.6 s) and the update lands later; blocking, the round is applied at its own boundary.
+    Either way both replicas end on the same phi and momentum (two replicas always pair, from the
+    same phi_0, and compute the same group mean), with each one's own progress kept on top."""
+    steps, every = 12, 4
+    config = tiny_config(tmp_path, **{"outer.method": "noloco", "outer.inner_steps_per_outer": every,
+                                      "outer.overlap": str(overlap).lower(), "pipeline.num_stages": 1,
+                                      "timeouts.match_s": 5.0, "faults.inject": "during_exchange:delay=0.6"})
+    swarm = run(config, replicas=2, steps=steps)
+    assert_accounting(swarm, steps)
+    a, b = swarm.stage(0)
+    for node in (a, b):
+        history = node.sync.counters.history
+        assert [r["outcome"] for r in history] == ["paired"] * (steps // every), history
+        lag = [r["applied_at_step"] - r["inner_step"] for r in history]
+        assert all(x > 0 for x in lag[:-1]) if overlap else all(x == 0 for x in lag), lag
+    for name, phi in a.parts.outer_state.phi.items():
+        assert torch.equal(phi, b.parts.outer_state.phi[name]), name
+        assert torch.equal(a.parts.outer_state.momentum[name], b.parts.outer_state.momentum[name]), name
