@@ -10,9 +10,11 @@ stages put together. The distributions are transformers' `PreTrainedModel._init_
 Llama: Linear and Embedding weights ~ N(0, initializer_range) (an Embedding's padding row zero),
 biases zero, RMSNorm weights one; the rotary buffers are computed, not drawn.
 
-The normals are drawn in float64 and rounded to float32: PyTorch's float32 sampler has an AVX2
-path whose last bits differ from its scalar path (ARM, older x86), while float64 goes through the
-platform's libm, whose sub-ulp differences almost never survive the rounding to float32.
+The normals are drawn on the CPU in float64 and rounded to float32, whatever the device: PyTorch's
+float32 sampler has a vectorised AVX2 path whose last bits need not match its scalar path (ARM,
+older x86), while float64 goes through the scalar path and libm, whose sub-ulp differences almost
+never survive the rounding. Seen: the same bits from torch 2.13 on this 2-core x86 and torch 2.11
+on an AVX-512 Xeon, with 1, 2 or 16 threads, built on the CPU or on a CUDA device.
 """
 
 from __future__ import annotations
@@ -138,18 +140,15 @@ class _Checkpoint:
         from safetensors import safe_open
 
         self._where: dict[str, object] = {}
-        self._handles = []
         for path in files:
             if path.suffix == ".safetensors":
                 handle = safe_open(str(path), framework="pt", device="cpu")
-                self._handles.append(handle)
                 for key in handle.keys():
                     self._where[key] = handle
             else:
                 state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
                 for key in state:
                     self._where[key] = state
-        self.files = files
 
     def __contains__(self, name: str) -> bool:
         return name in self._where

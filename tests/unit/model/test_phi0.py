@@ -52,6 +52,22 @@ def test_each_parameter_draws_from_its_own_name_and_the_seed():
     assert all(torch.equal(params[n], other[n]) for n in params if "norm" in n)  # ones, whatever the seed
 
 
+def test_the_scheme_is_pinned():
+    """The bits of tiny's last stage (seed 0, 4096 tokens), as computed on this machine (torch 2.13
+    CPU, 1 and 2 threads) and on an H200 machine (torch 2.11 + CUDA, 1 and 16 threads, built on the
+    CPU and on the GPU): a change that moves phi_0 must bump init.INIT_SCHEME (which the manifest
+    carries) and then this digest."""
+    import hashlib
+
+    cfg = load_config(overrides=["pipeline.num_stages=2", "model.seq_len=1024"])
+    config, ranges = run_model(cfg, 4096)
+    digest = hashlib.sha256()
+    for name, param in build_run_stage(cfg, config, ranges, 1).named_parameters():
+        digest.update(name.encode())
+        digest.update(param.detach().numpy().data)
+    assert (init.INIT_SCHEME, digest.hexdigest()[:16]) == ("phi0-by-name/v1", "05ed27975c8da35e")
+
+
 def _hf_shaped_config() -> LlamaConfig:
     # Everything transformers' init distinguishes: biases, a padding row, a non-default std.
     return LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -168,6 +184,19 @@ def test_init_from_a_bf16_checkpoint_gives_float32_parameters(tmp_path):
         assert param.dtype == torch.float32 and torch.equal(param.detach(), saved[name].float()), name
 
 
+def test_init_from_a_pytorch_bin_checkpoint(tmp_path):
+    saved = _save_sharded(tmp_path / "st")
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "st" / "config.json").rename(tmp_path / "bin" / "config.json")
+    torch.save(saved, tmp_path / "bin" / "pytorch_model.bin")  # memory-mapped when read
+    cfg = load_config(overrides=[f"model.init_from={tmp_path / 'bin'}", "model.seq_len=32", "pipeline.num_stages=2"])
+    config, ranges = run_model(cfg, 300)
+    stage = build_run_stage(cfg, config, ranges, 0)
+    assert stage.checkpoint_reads.tensors == len(list(stage.parameters())) < len(saved)
+    for name, param in stage.named_parameters():
+        assert torch.equal(param.detach(), saved[name]), name
+
+
 def test_init_from_refuses_weights_that_do_not_match_the_config(tmp_path):
     import json
 
@@ -213,19 +242,22 @@ params = sum(p.numel() for p in stage.parameters())
 print(json.dumps({"before_mib": before, "peak_mib": peak_mib(), "params": params, "layers": len(ranges[stage_index])}))
 """
 
-# The fixed overhead a node pays before it builds anything, measured as VmHWM on this machine
-# (2-core x86, torch 2.13 CPU, transformers 5.24): python 11 MiB; + torch 219 MiB; + transformers
-# 367 MiB; + noloco_node 368 MiB; + a cached 4096-token tokenizer and its corpus 406 MiB (training
-# the tokenizer the first time peaks at ~540 MiB, but before the build, so it does not add to it).
-FIXED_OVERHEAD_MIB = 512
+# The fixed overhead a node pays before it builds anything, measured as VmHWM. Here (2-core x86,
+# torch 2.13 CPU, transformers 5.24): python 11 MiB; + torch 219; + transformers 367; + noloco_node
+# 368; + a cached 4096-token tokenizer and its corpus 406 MiB (training the tokenizer the first time
+# peaks at ~540 MiB, but before the build, so it does not add to it). On the H200 machine (torch 2.11
+# with CUDA 13) the imports alone are 798 MiB, 924 MiB with a CUDA context.
+FIXED_OVERHEAD_MIB = 1024
 
 
 @pytest.mark.slow
 def test_building_one_stage_of_large_costs_that_stages_memory_only(tmp_path):
     """One stage of `large` (8.6 B parameters at 4096 tokens) split 16 ways, built in a child
     process: its peak RSS (VmHWM from /proc, not an estimate) stays <= 1.5x the stage's fp32
-    parameter bytes + FIXED_OVERHEAD_MIB. Building the whole model and slicing it, as nodes did,
-    needs its 8.6 B x 4 bytes = 34 GB at least: more than this 23 GiB machine has."""
+    parameter bytes over what the process held before the build, and that fixed overhead stays
+    <= FIXED_OVERHEAD_MIB. Measured here: 2112 MiB of parameters, 406 MiB before, 2541 MiB peak.
+    Building the whole model and slicing it, as nodes did, needs 8.6 B x 4 bytes = 34 GB at least:
+    more than this 23 GiB machine has."""
     import json
     import random
     import subprocess
@@ -247,4 +279,4 @@ def test_building_one_stage_of_large_costs_that_stages_memory_only(tmp_path):
           f"VmHWM {got['before_mib']:.0f} MiB before the build, {got['peak_mib']:.0f} MiB after")
     assert got["params"] > 500_000_000
     assert got["before_mib"] <= FIXED_OVERHEAD_MIB, "the stated fixed overhead no longer covers the imports"
-    assert got["peak_mib"] <= 1.5 * stage_mib + FIXED_OVERHEAD_MIB
+    assert got["peak_mib"] <= 1.5 * stage_mib + got["before_mib"]
