@@ -55,8 +55,9 @@ def build_compute(config: NodeConfig, llama, ranges: list[range], stage_index: i
     pipe, inner, method = config.pipeline, config.inner, config.outer.method
     device = compute_device(pipe.device)
     check_fits(config, llama, ranges, stage_index, device)  # before anything is allocated
-    stage = build_run_stage(config, llama, ranges, stage_index)
-    stage.to(device)  # built (and seeded) on CPU, so every device starts from the same phi_0
+    # Drawn on the CPU (model/init.py) and materialised on the device: every device starts from the
+    # same phi_0, and a GPU node never holds its stage in host RAM.
+    stage = build_run_stage(config, llama, ranges, stage_index, device=device)
     schedule = InnerSchedule(lr_max=inner.lr, warmup_steps=inner.warmup_steps, total_steps=inner.total_steps,
                              min_lr_ratio=inner.min_lr_ratio)
     optimizer = InnerOptimizer(stage.parameters(), schedule, betas=(inner.beta1, inner.beta2), eps=inner.eps,
