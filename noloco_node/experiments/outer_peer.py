@@ -6,7 +6,13 @@ The state comes from --state (safetensors with phi, theta, momentum, and optiona
 offsetN: before round r >= 2 theta is set to phi + offset<r>) or is random with --numel; the new
 phi, momentum, theta (and phi@r, momentum@r after each of --rounds rounds) and the rounds'
 outcomes, times and bytes are written to --out.
-Fault injection for tests: --poison (NaN or 1e6-scaled fast weights), --die-after-writes.
+Fault injection for tests: --poison (NaN or 1e6-scaled fast weights), --die-after-writes,
+--fault POINT:ACTION (runtime/faults.py, e.g. exchange_write:stall=30@3: a partner that stops
+sending). Deadlines follow the link (runtime/link_estimates.py): --assumed-mbit, --stall-s,
+--deadline-slack, --deadline-ceiling-s; the peers' measured links go to --out's JSON ("links").
+With --fetch-state the peer runs no round: it copies another peer's phi and momentum over
+Outer.FetchState (deadline floor --rpc-s) and writes them to --out; --serve-until FILE keeps a
+peer serving (its state, too) until FILE exists.
 
     python -m noloco_node.experiments.outer_peer --state S --out O --ready-file R --go-file G [--initial-peers M]
 """
@@ -36,6 +42,7 @@ from noloco_node.rpc.outer_service import OuterClient, OuterServicer, Traffic
 from noloco_node.rpc.server import NodeServer
 from noloco_node.runtime.compute import ComputeThread
 from noloco_node.runtime.faults import FaultInjector
+from noloco_node.runtime.link_estimates import DeadlinePolicy, LinkDeadlines, LinkEstimates
 from noloco_node.sync.diloco import DiLoCoSync
 from noloco_node.sync.noloco import NoLoCoSync
 from noloco_node.sync.ports import SyncParts
@@ -51,7 +58,7 @@ RUN, MANIFEST = "outer-test", "m-outer"
 log = logging.getLogger("outer_peer")
 
 
-def parse() -> argparse.Namespace:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--state", help="safetensors with phi, theta, momentum (1-D float tensors)")
     p.add_argument("--numel", type=int, default=0, help="instead of --state: random state of this many floats")
@@ -77,7 +84,21 @@ def parse() -> argparse.Namespace:
     p.add_argument("--dht-announce", help="diloco: host:port peers dial for the all-reduce (e.g. a WAN relay)")
     p.add_argument("--poison", choices=["nan", "scale"])
     p.add_argument("--die-after-writes", type=int, default=0)
-    return p.parse_args()
+    p.add_argument("--fault", action="append", default=[], help="a fault spec (runtime/faults.py); repeatable")
+    p.add_argument("--assumed-mbit", type=float, default=5.0, help="timeouts.assumed_mbit_s")
+    p.add_argument("--stall-s", type=float, default=10.0, help="timeouts.stall_s (progress deadline)")
+    p.add_argument("--deadline-slack", type=float, default=3.0, help="timeouts.deadline_slack")
+    p.add_argument("--deadline-ceiling-s", type=float, default=3600.0,
+                   help="timeouts.deadline_ceiling_s (= --match-s: the fixed deadlines before they followed the link)")
+    p.add_argument("--fetch-state", action="store_true", help="copy another peer's state instead of running rounds")
+    p.add_argument("--rpc-s", type=float, default=30.0, help="--fetch-state: the deadline's floor (timeouts.rpc_s)")
+    p.add_argument("--serve-until", help="keep serving after the rounds until this file exists")
+    return p.parse_args(argv)
+
+
+def outer_config(args: argparse.Namespace) -> OuterConfig:
+    return OuterConfig(method=args.method, alpha=args.alpha, beta=args.beta, gamma=args.gamma, codec=args.codec,
+                       codec_delta=args.codec_delta, inner_steps_per_outer=50)
 
 
 def initial_state(args: argparse.Namespace) -> tuple[nn.Module, OuterState, dict]:
@@ -116,24 +137,47 @@ async def run_rounds(args: argparse.Namespace, sync, model: nn.Module, state: Ou
     return outcome, per_round
 
 
+class _Donor:
+    """sync.ports.StateDonor for one tensor: phi and momentum, at inner step 0."""
+
+    def __init__(self, state: OuterState) -> None:
+        self.state = state
+
+    async def export_state(self) -> tuple[dict, str]:
+        tensors = {"phi/w": self.state.phi["w"].clone(), "momentum/w": self.state.momentum["w"].clone()}
+        return tensors, json.dumps({"inner_step": 0, "outer_round": self.state.round})
+
+
+async def fetch_from_peer(args: argparse.Namespace, directory: PeerDirectory, client: OuterClient,
+                          state: OuterState) -> tuple[dict, dict]:
+    """--fetch-state: another peer's phi and momentum, and how long the copy took."""
+    donors = [r.peer_id for r in await directory.replicas(0, fresh=True) if r.peer_id != directory.peer_id]
+    if not donors:
+        raise RuntimeError("--fetch-state: no other peer to copy from")
+    expected = {f"{kind}/w": (tuple(state.phi["w"].shape), state.phi["w"].dtype) for kind in ("phi", "momentum")}
+    start = time.monotonic()
+    tensors, counters = await client.fetch_state(donors[0], stage=0, requester=directory.peer_id, timeout_s=args.rpc_s,
+                                                 expected=expected)
+    seconds = time.monotonic() - start
+    log.info("fetched %d bytes of state from %s in %.1f s", sum(t.numel() * t.element_size() for t in tensors.values()),
+             donors[0][-8:], seconds)
+    return {"phi": tensors["phi/w"], "momentum": tensors["momentum/w"]}, {"outcome": "fetched", "fetch_s": seconds,
+                                                                          "donor": donors[0], "counters": counters}
+
+
 async def main(args: argparse.Namespace) -> None:
     model, state, tensors = initial_state(args)
     # --die-after-writes N: the process exits at its (N+1)th write of an exchange, mid-stream.
-    faults = FaultInjector([f"exchange_write:crash@{args.die_after_writes + 1}"] if args.die_after_writes else [])
+    faults = FaultInjector(([f"exchange_write:crash@{args.die_after_writes + 1}"] if args.die_after_writes else [])
+                           + list(args.fault))
+    policy = DeadlinePolicy(assumed_bytes_per_s=args.assumed_mbit * 1e6 / 8, slack=args.deadline_slack,
+                            ceiling_s=args.deadline_ceiling_s, stall_s=args.stall_s)
+    deadlines = LinkDeadlines(LinkEstimates(), policy, floor_s=args.match_s)
 
     directory = await PeerDirectory.start(DirectoryIdentity(RUN, MANIFEST, __version__, 1),
                                           initial_peers=args.initial_peers, startup_timeout_s=20)
-    all_reduce = None
-    if args.method == "diloco":  # forks hivemind processes: before any gRPC thread exists
-        from noloco_node.dht.averaging import GroupSettings, HivemindAllReduce
+    all_reduce = await _all_reduce(args, directory, model) if args.method == "diloco" else None
 
-        # The first peer has no initial peers: its averager joins through its own DHT node.
-        peers = args.initial_peers or await directory.visible_maddrs()
-        # The DHT in a thread (it pings ours, which needs this loop running); the averager on
-        # the main thread (hivemind installs signal handlers there).
-        dht = await asyncio.to_thread(HivemindAllReduce.start_dht, peers, "127.0.0.1", args.dht_port, args.dht_announce)
-        all_reduce = HivemindAllReduce([model.w.shape], GroupSettings(prefix="outer_test_diloco", target_group_size=args.group_size,
-                                                                      matchmaking_s=args.matchmaking_s), dht=dht)
     async def lookup(peer_id: str):
         r = await directory.record_of(peer_id)
         return None if r is None else Contact(r.peer_id, r.address, r.reach, r.tls_cert, tuple(r.p2p_addrs))
@@ -141,8 +185,7 @@ async def main(args: argparse.Namespace) -> None:
     links = Links(directory.key, swarm_key=None, max_skew_s=60.0, options=GRPC_OPTIONS, lookup=lookup)
     guard = PeerGuard(requests_per_s=1000, burst=1000, max_streams=64, ban_after_invalid=5, ban_s=30, ban_max_s=60)
     compute, bans = ComputeThread(), Bans()
-    config = OuterConfig(method=args.method, alpha=args.alpha, beta=args.beta, gamma=args.gamma, codec=args.codec,
-                         codec_delta=args.codec_delta, inner_steps_per_outer=50)
+    config = outer_config(args)
     server = NodeServer("127.0.0.1", args.port, credentials=links.certificate.server_credentials(),
                         admission=AdmissionInterceptor(verifier=links.verifier, swarm_key=None, guard=guard,
                                                        bridged=links.origin))
@@ -152,13 +195,14 @@ async def main(args: argparse.Namespace) -> None:
         status.update(status=value, round=round_index)
         record = StageRecord(peer_id=directory.peer_id, address=status["address"], stage=0, inner_step=0,
                              outer_round=round_index, status=value, tokens_per_s=0.0, version=__version__,
-                             manifest_hash=MANIFEST, run_id=RUN, updated_at=time.time(), tls_cert=links.certificate.b64)
+                             manifest_hash=MANIFEST, run_id=RUN, updated_at=time.time(), tls_cert=links.certificate.b64,
+                             link_mbit_s=round(deadlines.estimates.link_mbit_s(), 3))
         await directory.announce(record, ttl_s=30)
 
     max_bytes = 16 * max(1, model.w.numel()) + (1 << 20)  # phi and delta, float64
     traffic = Traffic()
     client = OuterClient(run_id=RUN, manifest_hash=MANIFEST, max_bytes=max_bytes, traffic=traffic, dialer=links.dialer,
-                         faults=faults)
+                         faults=faults, deadlines=deadlines)
     parts = SyncParts(compute=compute, peer_id=directory.peer_id, stage=0, set_status=set_status, faults=faults)
     if all_reduce is not None:
         sync = DiLoCoSync(state, config, parts, all_reduce=all_reduce, timeout_s=args.match_s + 10)
@@ -166,7 +210,8 @@ async def main(args: argparse.Namespace) -> None:
         sync = NoLoCoSync(state, config, parts, transport=client, directory=DhtMatching(directory),
                           match_s=args.match_s, bans=bans, payload=args.payload)
         server.add_outer(OuterServicer(sync, peer_id=directory.peer_id, run_id=RUN, manifest_hash=MANIFEST, stage=0,
-                                       max_bytes=max_bytes, timeout_s=args.match_s, traffic=traffic, faults=faults))
+                                       max_bytes=max_bytes, deadlines=deadlines, traffic=traffic, faults=faults,
+                                       donor=_Donor(state)))
     port = await server.start()
     status["address"] = args.announce_addr or f"127.0.0.1:{port}"
     await set_status("serving", 0)
@@ -175,14 +220,20 @@ async def main(args: argparse.Namespace) -> None:
     while not os.path.exists(args.go_file):
         await asyncio.sleep(0.02)
     log.info("round starts")
-    outcome, per_round = await run_rounds(args, sync, model, state, tensors)
-    save_file({"phi": state.phi["w"], "momentum": state.momentum["w"], "theta": model.w.detach().clone(), **per_round},
-              args.out)
-    Path(args.out + ".json").write_text(json.dumps({"outcome": outcome, "peer_id": directory.peer_id,
-                                                    "bytes_sent": sync.bytes_sent, "method": args.method,
-                                                    "counters": {k: v for k, v in vars(sync.counters).items() if k != "history"},
-                                                    "history": sync.counters.history, "banned": bans.total}))
+    if args.fetch_state:
+        outputs, summary = await fetch_from_peer(args, directory, client, state)
+    else:
+        outcome, per_round = await run_rounds(args, sync, model, state, tensors)
+        outputs = {"phi": state.phi["w"], "momentum": state.momentum["w"], "theta": model.w.detach().clone(), **per_round}
+        summary = {"outcome": outcome, "bytes_sent": sync.bytes_sent, "method": args.method,
+                   "counters": {k: v for k, v in vars(sync.counters).items() if k != "history"},
+                   "history": sync.counters.history, "banned": bans.total}
+    save_file(outputs, args.out)
+    Path(args.out + ".json").write_text(json.dumps({"peer_id": directory.peer_id, **summary,
+                                                    "links": deadlines.estimates.summary()}))
     await asyncio.sleep(1.0)  # let a partner finish reading our receipt before we close
+    while args.serve_until and not os.path.exists(args.serve_until):
+        await asyncio.sleep(0.05)
     for step in (server.stop(1.0), client.close(), links.close(), directory.shutdown()):
         try:
             await asyncio.wait_for(step, timeout=5)
@@ -191,6 +242,19 @@ async def main(args: argparse.Namespace) -> None:
     if all_reduce is not None:
         all_reduce.shutdown()
     compute.shutdown()
+
+
+async def _all_reduce(args: argparse.Namespace, directory: PeerDirectory, model: nn.Module):
+    """DiLoCo's averager; it forks hivemind processes, so before any gRPC thread exists."""
+    from noloco_node.dht.averaging import GroupSettings, HivemindAllReduce
+
+    # The first peer has no initial peers: its averager joins through its own DHT node.
+    peers = args.initial_peers or await directory.visible_maddrs()
+    # The DHT in a thread (it pings ours, which needs this loop running); the averager on
+    # the main thread (hivemind installs signal handlers there).
+    dht = await asyncio.to_thread(HivemindAllReduce.start_dht, peers, "127.0.0.1", args.dht_port, args.dht_announce)
+    return HivemindAllReduce([model.w.shape], GroupSettings(prefix="outer_test_diloco", target_group_size=args.group_size,
+                                                            matchmaking_s=args.matchmaking_s), dht=dht)
 
 
 if __name__ == "__main__":

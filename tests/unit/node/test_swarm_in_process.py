@@ -58,6 +58,7 @@ def test_two_by_two_trains_with_noloco_rounds_in_process(tmp_path):
     for node in swarm.stage(0):
         losses = node.driver.log.step_losses
         assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.5, losses
+    assert all(not node.worker.saved and not node.runtime.in_flight for node in swarm.nodes)  # nothing left behind
 
 
 def test_a_pair_round_leaves_both_replicas_on_the_same_weights(tmp_path):
@@ -184,18 +185,20 @@ def test_dp_replicas_that_came_apart_are_averaged_back_together(tmp_path):
         assert torch.equal(sa[pa]["exp_avg"], sb[pb]["exp_avg"]) and float(sa[pa]["step"]) == float(sb[pb]["step"])
 
 
-def test_diloco_replicas_share_phi_after_every_round_in_process(tmp_path):
-    steps, every = 6, 3
+def test_diloco_three_replicas_share_phi_after_every_round_in_process(tmp_path):
+    steps, every = 10, 5
     config = tiny_config(tmp_path, **{"outer.method": "diloco", "outer.inner_steps_per_outer": every,
-                                      "outer.allreduce_group_size": 2, "pipeline.num_stages": 2,
+                                      "outer.allreduce_group_size": 3, "pipeline.num_stages": 2,
                                       "pipeline.batch_size": 6})
-    swarm = run(config, replicas=2, steps=steps)
+    swarm = run(config, replicas=3, steps=steps)
     assert_accounting(swarm, steps)
     for stage in (0, 1):
-        a, b = swarm.stage(stage)
-        assert a.sync.counters.paired == b.sync.counters.paired == steps // every
-        for name, phi in a.parts.outer_state.phi.items():
-            torch.testing.assert_close(phi, b.parts.outer_state.phi[name], rtol=0, atol=1e-7)
+        members = swarm.stage(stage)
+        rounds = [h for n in members for h in n.sync.counters.history]
+        assert len(rounds) == 3 * steps // every and all(h["group"] == 3 and h["same_round"] for h in rounds), rounds
+        for a, b in itertools.combinations(members, 2):
+            for name, phi in a.parts.outer_state.phi.items():
+                torch.testing.assert_close(phi, b.parts.outer_state.phi[name], rtol=0, atol=1e-7)
 
 
 @pytest.mark.parametrize("overlap", [False, True])

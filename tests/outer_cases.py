@@ -1,25 +1,25 @@
-"""Slow weights phi and outer delta Delta on the wire between real peer processes (outer_peer.py):
-gamma != beta reaches the oracle (codec none, float64, 1e-9); gamma == beta picks the theta form
-by itself and says so; V1 and V2 over the phi+delta form; each lossy codec gives both sides the
-math applied to the decoded wire values; top-k's residual travels in the next round."""
+"""NoLoCo outer rounds among one-tensor peers (tests/outer_peers.py): the cases, written once and
+run on both harnesses. The fast tier runs every case in process over the in-memory pairing twin
+(tests/unit/sync/test_outer_rounds_in_process.py); the integration tier runs the ones whose subject
+includes gRPC's streams between real processes (tests/integration/test_outer_exchange.py).
+
+V1 exactly, bf16 wire values bit for bit, one pair + one solo among three, hostile partners
+rejected and banned; gamma != beta reaches the oracle (codec none, float64, 1e-9); gamma == beta
+picks the theta form by itself; V1 and V2 over the phi+delta form; each lossy codec gives both
+sides the math applied to the decoded wire values; top-k's residual travels in the next round."""
 
 import numpy as np
 import pytest
 import torch
 
+from noloco_node.optim.outer import noloco_step, noloco_step_sent, solo_step
 from noloco_node.wire.codec import decode, encode
-from noloco_node.optim.outer import noloco_step_sent
-from tests.integration.test_outer_exchange import A, B, Peers, t
+from tests.outer_peers import t
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 f64 = torch.float64
-
-
-@pytest.fixture
-def peers(tmp_path):
-    p = Peers(tmp_path)
-    yield p
-    p.stop()
+A = dict(phi=[1.0, -2.0, 0.5, 3.0], theta=[1.5, -2.5, 0.25, 3.0], momentum=[0.1, -0.2, 0.0, 0.4])
+B = dict(phi=[0.0, -1.0, 1.0, 2.0], theta=[-0.5, -0.5, 1.5, 2.25], momentum=[0.3, 0.0, -0.1, 0.2])
+NOLOCO = dict(alpha=0.5, beta=0.7)
 
 
 V1 = {"a": ([0.7, -1.75, 0.7625, 2.9375], [-0.3, 0.25, 0.2625, -0.0625]),
@@ -36,6 +36,7 @@ def oracle(phis, thetas, moms, a, b, g):
 
 
 def wire(x, codec):
+    """x as a receiver decodes it; codec may be topk:F."""
     name, _, fraction = codec.partition(":")
     spec, payload = encode(x, name, fraction=float(fraction or 1))
     return decode(spec, payload)
@@ -158,3 +159,59 @@ def test_lone_peer_with_gamma_takes_the_solo_step(peers):
     assert r["outcome"] == "solo" and r["history"][0]["payload"] == "phi+delta"
     torch.testing.assert_close(r["phi"], t([1.4, -2.45, 0.325, 3.2]), atol=1e-9, rtol=0)
     torch.testing.assert_close(r["momentum"], t([0.4, -0.45, -0.175, 0.2]), atol=1e-9, rtol=0)
+
+
+def test_two_peers_reach_exactly_v1(peers):
+    peers.start("a", A, "--codec", "none")
+    peers.start("b", B, "--codec", "none")
+    results = peers.run_round()
+    assert results["a"]["outcome"] == results["b"]["outcome"] == "paired"
+    torch.testing.assert_close(results["a"]["phi"], t([0.7, -1.75, 0.7625, 2.9375]), atol=1e-9, rtol=0)
+    torch.testing.assert_close(results["a"]["momentum"], t([-0.3, 0.25, 0.2625, -0.0625]), atol=1e-9, rtol=0)
+    torch.testing.assert_close(results["b"]["phi"], t([0.5, -1.35, 0.8625, 2.5375]), atol=1e-9, rtol=0)
+    torch.testing.assert_close(results["b"]["momentum"], t([0.5, -0.35, -0.1375, 0.5375]), atol=1e-9, rtol=0)
+    assert torch.equal(results["a"]["theta"], results["a"]["phi"])  # theta <- phi
+
+
+def test_bf16_wire_values_bit_for_bit(peers):
+    peers.start("a", A, "--codec", "bf16")
+    peers.start("b", B, "--codec", "bf16")
+    results = peers.run_round()
+    for me, other in (("a", B), ("b", A)):
+        mine = A if me == "a" else B
+        phi, m = noloco_step(t(mine["phi"]), wire(t(mine["theta"]), "bf16"), t(mine["momentum"]),
+                             [(None, wire(t(other["theta"]), "bf16"))], **NOLOCO)
+        assert torch.equal(results[me]["phi"], phi) and torch.equal(results[me]["momentum"], m)
+
+
+def test_three_replicas_one_pair_one_solo(peers):
+    states = {"a": A, "b": B, "c": A}
+    for name, state in states.items():
+        peers.start(name, state, "--codec", "none", "--match-s", "4")
+    results = peers.run_round()
+    outcomes = sorted(r["outcome"] for r in results.values())
+    assert outcomes == ["paired", "paired", "solo"]
+    by_peer = {r["peer_id"]: name for name, r in results.items()}
+    for name, r in results.items():
+        mine = states[name]
+        if r["outcome"] == "solo":
+            expected, _ = solo_step(t(mine["phi"]), t(mine["theta"]), t(mine["momentum"]), **NOLOCO)
+        else:
+            partner = states[by_peer[r["history"][0]["partner"]]]
+            expected, _ = noloco_step(t(mine["phi"]), t(mine["theta"]), t(mine["momentum"]),
+                                      [(None, t(partner["theta"]))], **NOLOCO)
+        torch.testing.assert_close(r["phi"], expected, atol=1e-12, rtol=0)
+        assert r["counters"]["rounds"] == 1
+
+
+@pytest.mark.parametrize("poison", ["nan", "scale"])
+def test_hostile_snapshot_rejected_banned_and_solo(peers, poison):
+    peers.start("honest", A, "--codec", "none")
+    peers.start("hostile", B, "--codec", "none", "--poison", poison)
+    results = peers.run_round()
+    honest = results["honest"]
+    expected, _ = solo_step(t(A["phi"]), t(A["theta"]), t(A["momentum"]), **NOLOCO)
+    assert honest["outcome"] == "solo"
+    assert honest["counters"]["rejected"] == 1 and honest["banned"] >= 1
+    assert torch.isfinite(honest["phi"]).all()
+    torch.testing.assert_close(honest["phi"], expected, atol=1e-12, rtol=0)
