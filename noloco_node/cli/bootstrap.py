@@ -1,4 +1,7 @@
-"""`noloco-node bootstrap`: a DHT-only peer with a persistent identity; prints its multiaddr."""
+"""`noloco-node bootstrap`: a DHT peer with a persistent identity; prints its multiaddr. Public by
+definition, it also relays between peers behind NAT and answers Diagnostics.Probe (over libp2p, on
+the one port every peer already dials), so a joining node can prove its address is reachable even
+when no other node is."""
 
 from __future__ import annotations
 
@@ -31,18 +34,15 @@ async def _serve(config, args: argparse.Namespace) -> int:
     from noloco_node import __version__
     from noloco_node.dht.directory import DirectoryIdentity, PeerDirectory
     from noloco_node.rpc.security import read_swarm_key
-    from noloco_node.transport.relay import RelayService
 
     stop = stop_on_signals()
     Path(args.identity).parent.mkdir(parents=True, exist_ok=True)
+    swarm_key = read_swarm_key(config.security)
     directory = await PeerDirectory.start(
         DirectoryIdentity(config.run.run_id, "", __version__, config.pipeline.num_stages),
         initial_peers=args.initial_peers, host=args.host, port=args.port, identity_path=args.identity,
-        startup_timeout_s=config.timeouts.startup_s, swarm_key=read_swarm_key(config.security),
-        max_skew_s=config.security.max_clock_skew_s)
-    # Nodes behind NAT reserve a slot here and reach each other through this splice (transport/relay.py).
-    relay = RelayService(directory.p2p)
-    await relay.start()
+        startup_timeout_s=config.timeouts.startup_s, swarm_key=swarm_key, max_skew_s=config.security.max_clock_skew_s)
+    links, server = await _serve_probes(config, directory, swarm_key)
     maddrs = await directory.visible_maddrs()
     if args.maddr_file:
         atomic_write_text(args.maddr_file, "\n".join(maddrs) + "\n")
@@ -53,6 +53,31 @@ async def _serve(config, args: argparse.Namespace) -> int:
     try:
         await stop.wait()
     finally:
-        await relay.close()
+        await links.close()
+        await server.stop(1.0)
         await directory.shutdown()
     return 0
+
+
+async def _serve_probes(config, directory, swarm_key: bytes | None):
+    """Diagnostics (Probe) and health behind the same admission as a node's, reachable only over
+    libp2p (the gRPC ports bind 127.0.0.1); the same daemon serves the relay splice for peers
+    behind NAT (transport/relay.py). Returns (links, server) for shutdown."""
+    from noloco_node import __version__
+    from noloco_node.rpc.diagnostics import DiagnosticsServicer
+    from noloco_node.rpc.security import build_admission
+    from noloco_node.rpc.server import NodeServer
+    from noloco_node.rpc.stage_service import GRPC_OPTIONS
+    from noloco_node.transport.links import Links
+
+    links = Links(directory.key, swarm_key=swarm_key, max_skew_s=config.security.max_clock_skew_s, options=GRPC_OPTIONS)
+    admission = build_admission(config.security, links)
+    server = NodeServer("127.0.0.1", 0, admission=admission.interceptor,
+                        credentials=links.certificate.server_credentials(),
+                        max_concurrent_rpcs=config.security.max_concurrent_rpcs)
+    server.add_diagnostics(DiagnosticsServicer(run_id=config.run.run_id, version=__version__, manifest_hash="",
+                                               timeout_s=config.timeouts.connect_s))
+    await server.start()
+    await links.attach(directory.p2p, server.bridge_port)
+    await links.serve_relay()
+    return links, server

@@ -331,6 +331,10 @@ class NetworkConfig:
     libp2p = always over libp2p (behind NAT, skips the probe)."""
     relays: tuple[str, ...] = ()
     """Multiaddrs of public peers to reserve a relay slot on when behind NAT; () = the initial peers."""
+    reprobe_s: float = 60.0
+    """reach = auto, served over libp2p because no peer could prove it dials our address: ask
+    again after this many seconds, doubling after each failed probe up to 16x; the first success
+    moves the node to direct. 0 = never ask again (the next start probes anew)."""
 
     def __post_init__(self) -> None:
         if self.metrics_port is not None:
@@ -343,6 +347,8 @@ class NetworkConfig:
                      "use e.g. 203.0.113.7:31337")
         _require(self.reach in ("auto", "direct", "libp2p"), "reach", f"unknown reach {self.reach!r}",
                  "use auto, direct or libp2p")
+        _require(self.reprobe_s >= 0, "reprobe_s", f"must be >= 0 seconds, got {self.reprobe_s}",
+                 "use a number of seconds, e.g. 60, or 0 to never re-probe")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -51,6 +51,8 @@ class PeerDirectory:
         self.impostor_records = 0  # records refused because they claim another node's peer id
         self._by_peer: dict[str, tuple[float, StageRecord]] = {}  # every accepted record, leaving ones too
         self.peer_id = node.peer_id.to_base58()
+        self._restarting = False
+        self._start_args: dict = {"initial_peers": []}
         assert self.peer_id == key.peer_id, "the DHT must run under the node's own identity key"
 
     @property
@@ -101,19 +103,32 @@ class PeerDirectory:
                                      client_mode=client_mode, swarm_key=swarm_key, max_skew_s=max_skew_s, key=key)
         return directory
 
+    @property
+    def initial_peers(self) -> list[str]:
+        """The multiaddrs this directory bootstrapped from."""
+        return list(self._start_args["initial_peers"])
+
     async def restart(self, p2p_options: dict) -> None:
         """Start the DHT node again under the same identity with other libp2p settings (behind NAT:
-        a private peer with relays), in place, so everything holding this directory keeps working."""
-        await self.shutdown()
-        fresh = await PeerDirectory.start(self.identity, **self._start_args, p2p_options=p2p_options)
-        self.node, self.signer, self._own_p2p = fresh.node, fresh.signer, fresh._own_p2p
-        self._cache.clear()
+        a private peer with relays; public again once a peer reached us), in place, so everything
+        holding this directory keeps working. Meanwhile (a node may restart while it trains)
+        lookups answer from the cache and announcements wait for the next heartbeat."""
+        self._restarting = True
+        try:
+            await self.shutdown()
+            fresh = await PeerDirectory.start(self.identity, **self._start_args, p2p_options=p2p_options)
+            self.node, self.signer, self._own_p2p = fresh.node, fresh.signer, fresh._own_p2p
+            self._cache.clear()
+        finally:
+            self._restarting = False
 
     async def visible_maddrs(self) -> list[str]:
         return [str(m) for m in await self.node.get_visible_maddrs()]
 
     async def announce(self, record: StageRecord, ttl_s: float) -> bool:
         """Store our record under our own signed subkey for ttl_s seconds."""
+        if self._restarting:
+            return False
         return await self.node.store(stage_key(self.identity.run_id, record.stage), subkey=self.signer.local_public_key,
                                      value=record.dict(), expiration_time=get_dht_time() + ttl_s)
 
@@ -122,8 +137,10 @@ class PeerDirectory:
         (status joining, pipeline/stage_choice.py) is not a replica yet: it serves nothing."""
         now = time.monotonic()
         cached = self._cache.get(stage)
-        if cached is not None and not fresh and now - cached[0] < self.cache_s:
+        if cached is not None and (self._restarting or not fresh and now - cached[0] < self.cache_s):
             return cached[1]
+        if self._restarting:
+            return []
         found = await self.node.get(stage_key(self.identity.run_id, stage), latest=True)
         records = []
         if found is not None and isinstance(found.value, dict):
@@ -150,8 +167,11 @@ class PeerDirectory:
         return [r for r in await self.compatible_records() if r.status == "joining"]
 
     async def compatible_records(self) -> list[StageRecord]:
-        """Every stage's compatible records, whatever their status (joining and leaving too)."""
+        """Every stage's compatible records, whatever their status (joining and leaving too); none
+        while the DHT node restarts."""
         out = []
+        if self._restarting:
+            return out
         for stage in range(self.identity.num_stages):
             found = await self.node.get(stage_key(self.identity.run_id, stage), latest=True)
             if found is not None and isinstance(found.value, dict):

@@ -193,7 +193,9 @@ class Node:
         cfg = self.config
         await self.server.start()
         await self.links.attach(self.directory.p2p, self.server.bridge_port, self.server.tls_target)
-        await settle_reach(self.directory, self.links, cfg, address=self.address, server=self.server)
+        # Relayed until a peer proves it dials us; the heartbeat then asks again (node/joining.py).
+        self.reprobe = await settle_reach(self.directory, self.links, cfg, address=self.address, server=self.server,
+                                          announce=self.announce)
         if cfg.network.metrics_port is not None:
             from noloco_node.node.metrics import NodeMetrics
 
@@ -309,6 +311,8 @@ class Node:
                                   in_flight=len(self.runtime.in_flight), window=self.config.pipeline.max_in_flight)
                 await self.announce()
                 await self.runtime.expire_saved()
+                if self.reprobe is not None and self.reprobe.due():  # its own task: a probe takes seconds
+                    self._spawn(self.reprobe.run())
                 if self.links.reach != "direct" and self.links.bridge is not None:  # behind NAT: see joining.py
                     await self.links.bridge.dial_out(await public_libp2p_addrs(self.directory,
                                                                                self.config.pipeline.num_stages))

@@ -1,10 +1,18 @@
 """Volunteers behind home routers, in a real NAT topology (network namespaces, MASQUERADE, new
-inbound connections dropped): two home nodes join with nothing but `--initial-peers` and
-`--stage auto` (plus the run's config file and a step count), are reached over libp2p (over
-connections they opened to public peers, and through the bootstrap's relay splice between the two
-homes), train with the public replicas, pair in outer rounds
-with each other and with the public replica of their stage, and `status` says how each is reached.
-Neither home node can be dialled directly from the public namespace, checked before training."""
+inbound connections dropped).
+
+- Two home nodes join with nothing but `--initial-peers` and `--stage auto` (plus the run's config
+  file and a step count), are reached over libp2p (over connections they opened to public peers,
+  and through the bootstrap's relay splice between the two homes), train with the public replicas,
+  pair in outer rounds with each other and with the public replica of their stage, and `status`
+  says how each is reached. Neither home node can be dialled directly from the public namespace,
+  checked before training.
+- Only the bootstrap is public: the first home joiner serves stage 1 and shows as relayed (never as
+  direct at an address nobody can dial), and a second home node trains through it.
+- A relayed home node whose router starts forwarding its port is found reachable by a later
+  probe (the bootstrap answers probes) and moves to direct while it serves; a public node then
+  trains through it over direct TLS.
+"""
 
 import json
 import subprocess
@@ -18,6 +26,7 @@ from .conftest import prepare_tokenizer, tiny_overrides
 from .netns_topology import NatTopology, unavailable_reason
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+NO_NAT = unavailable_reason()
 STEPS, H = 24, 4
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -139,3 +148,147 @@ def test_home_nodes_behind_nat_join_train_and_pair(tmp_path):
     # circuits are (128 KiB per direction): together the homes moved more than that through it.
     relayed = [stats[p]["transport"]["bytes_by_path"].get("relayed", {}) for p in home_ids]
     assert sum(r.get("out", 0) for r in relayed) > 2 * 131072, relayed
+
+
+def _setup(tmp_path: Path, **extra) -> tuple[Path, Path]:
+    overrides = tiny_overrides(tmp_path, **{
+        "pipeline.num_stages": 2, "timeouts.rpc_s": 15.0, "timeouts.microbatch_s": 20.0, "timeouts.startup_s": 40.0,
+        "timeouts.relay_s": 30.0, "log.progress": "off", **extra})
+    prepare_tokenizer(overrides)
+    config = tmp_path / "run.toml"
+    config.write_text(_toml(overrides))
+    (tmp_path / "logs").mkdir()
+    return config, tmp_path / "logs"
+
+
+class _Procs:
+    """Starts `noloco-node` commands in the topology's namespaces (which ends them all on close)."""
+
+    def __init__(self, topo: NatTopology, logs: Path) -> None:
+        self.topo, self.logs = topo, logs
+
+    def start(self, ns: str, name: str, *argv: str) -> subprocess.Popen:
+        log = open(self.logs / f"{name}.log", "w")
+        return self.topo.run(ns, [sys.executable, "-m", "noloco_node", *argv], stdout=log, stderr=subprocess.STDOUT,
+                             cwd=str(ROOT))
+
+    def in_public(self, argv: list[str]) -> str:
+        return subprocess.run(["ip", "netns", "exec", self.topo.public, *argv], capture_output=True, text=True,
+                              timeout=60, cwd=str(ROOT)).stdout
+
+    def status(self, config: Path, maddr: str) -> dict:
+        out = self.in_public([sys.executable, "-m", "noloco_node", "status", "--json", "--config", str(config),
+                              "--initial-peers", maddr])
+        return {r["peer_id"]: r for r in json.loads(out)["replicas"]}
+
+    def bootstrap(self, config: Path, tmp_path: Path) -> str:
+        boot = self.start(self.topo.public, "bootstrap", "bootstrap", "--config", str(config), "--host",
+                          self.topo.public_ip, "--port", "31330", "--identity", str(tmp_path / "boot.key"),
+                          "--maddr-file", str(tmp_path / "maddr"))
+        return _wait_file(tmp_path / "maddr", boot, self.logs / "bootstrap.log", 60)["text"].split()[0]
+
+    def finish(self, proc: subprocess.Popen, name: str, timeout_s: float) -> None:
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{name} did not finish; log:\n{(self.logs / f'{name}.log').read_text()[-4000:]}")
+        assert proc.returncode == 0, (self.logs / f"{name}.log").read_text()[-4000:]
+
+
+def _stats(nodes: Path) -> dict:
+    return {json.loads(p.read_text())["peer_id"]: json.loads(p.read_text()) for p in nodes.glob("*.json")}
+
+
+@pytest.mark.skipif(NO_NAT is not None, reason=f"no NAT topology here: {NO_NAT}")
+def test_only_the_bootstrap_public_a_home_serves_stage_1_and_another_home_trains_through_it(tmp_path):
+    steps = 10
+    config, logs = _setup(tmp_path, **{"outer.method": "noloco", "outer.inner_steps_per_outer": 4,
+                                       "inner.total_steps": steps})
+    nodes = tmp_path / "nodes"
+    with NatTopology() as topo:
+        procs = _Procs(topo, logs)
+        maddr = procs.bootstrap(config, tmp_path)
+        # Exactly what a volunteer types: nothing about the network. The first one is the only
+        # replica of anything, so no other node exists to check its address.
+        common = ["--config", str(config), "--initial-peers", maddr, "--out", str(nodes)]
+        home1 = procs.start(topo.homes[0], "home1", "join", *common, "--stage", "1",
+                            "--ready-file", str(tmp_path / "home1.json"))
+        info = _wait_file(tmp_path / "home1.json", home1, logs / "home1.log", 180)
+        print("\nhome1 ready:", {k: info[k] for k in ("stage", "address", "reach", "p2p_addrs")})
+        assert info["stage"] == 1 and info["reach"] in ("holepunched", "relayed"), info
+        assert any("p2p-circuit" in a for a in info["p2p_addrs"]), info
+        host, _, port = info["address"].rpartition(":")
+        assert not _dialable(procs.in_public, host, int(port)), f"{info['address']} is dialable from the public side"
+        record = procs.status(config, maddr)[info["peer_id"]]
+        assert record["reach"] in ("holepunched", "relayed"), record
+
+        home2 = procs.start(topo.homes[1], "home2", "join", *common, "--stage", "auto", "--steps", str(steps),
+                            "--ready-file", str(tmp_path / "home2.json"))
+        info2 = _wait_file(tmp_path / "home2.json", home2, logs / "home2.log", 180)
+        assert info2["stage"] == 0 and info2["reach"] in ("holepunched", "relayed"), info2
+        procs.finish(home2, "home2", 360)
+        record = procs.status(config, maddr)[info["peer_id"]]
+        assert record["reach"] in ("holepunched", "relayed"), record  # after training too: never direct
+        home1.terminate()
+        home1.wait(timeout=60)
+
+    stats = _stats(nodes)
+    trainer, server = stats[info2["peer_id"]], stats[info["peer_id"]]
+    mb = trainer["microbatches"]
+    print(f"home2: {trainer['inner_steps']} steps, microbatches {mb}, losses {trainer['losses'][0]:.3f} -> "
+          f"{trainer['losses'][-1]:.3f}; home1 reach {server['transport']['reach']}, bytes by path "
+          f"{server['transport']['bytes_by_path']}")
+    assert trainer["inner_steps"] == steps and mb["completed"] >= steps, mb
+    assert server["transport"]["reach"] != "direct" and server["inner_steps"] == steps, server["transport"]
+    # Every activation and gradient between the two homes crossed the bootstrap's relay splice.
+    assert server["transport"]["bytes_by_path"].get("relayed", {}).get("in", 0) > 0, server["transport"]
+    assert "direct" not in server["transport"]["bytes_by_path"], server["transport"]
+
+
+@pytest.mark.skipif(NO_NAT is not None, reason=f"no NAT topology here: {NO_NAT}")
+def test_a_relayed_node_moves_to_direct_once_its_router_forwards_its_port(tmp_path):
+    config, logs = _setup(tmp_path, **{"network.reprobe_s": 2.0, "inner.total_steps": 5})
+    port = 31340
+    nodes = tmp_path / "nodes"
+    with NatTopology() as topo:
+        procs = _Procs(topo, logs)
+        maddr = procs.bootstrap(config, tmp_path)
+        boot_id = maddr.rsplit("/p2p/", 1)[1]
+        wan = topo.router_wan_ips[0]
+        common = ["--config", str(config), "--initial-peers", maddr, "--out", str(nodes)]
+        # Announces its router's address before the router forwards anything: the bootstrap, the
+        # only other peer, is asked and cannot reach it.
+        home = procs.start(topo.homes[0], "home1", "join", *common, "--stage", "1", "--host", "0.0.0.0",
+                           "--port", str(port), "--announce-addr", f"{wan}:{port}", "--ready-file",
+                           str(tmp_path / "home1.json"))
+        info = _wait_file(tmp_path / "home1.json", home, logs / "home1.log", 180)
+        assert info["reach"] in ("holepunched", "relayed") and info["address"] == f"{wan}:{port}", info
+        log_text = (logs / "home1.log").read_text()
+        assert f"peers cannot reach {wan}:{port}: {boot_id[-8:]}:" in log_text, log_text[-3000:]
+        assert not _dialable(procs.in_public, wan, port)
+
+        topo.forward_port(1, port)
+        assert _dialable(procs.in_public, wan, port)
+        deadline = time.monotonic() + 90
+        while json.loads((tmp_path / "home1.json").read_text())["reach"] != "direct":
+            assert home.poll() is None and time.monotonic() < deadline, (logs / "home1.log").read_text()[-4000:]
+            time.sleep(0.5)
+        log_text = (logs / "home1.log").read_text()
+        assert f"peers {boot_id[-8:]} reached {wan}:{port}" in log_text, log_text[-3000:]
+        record = procs.status(config, maddr)[info["peer_id"]]
+        print("\nafter the port forward:", {k: record[k] for k in ("address", "reach")})
+        assert record["reach"] == "direct" and record["address"] == f"{wan}:{port}", record
+
+        # A public node now dials the home node directly and trains through it.
+        s0 = procs.start(topo.public, "public-s0", "join", *common, "--stage", "0", "--host", topo.public_ip,
+                         "--steps", "5", "--ready-file", str(tmp_path / "public-s0.json"))
+        procs.finish(s0, "public-s0", 300)
+        home.terminate()
+        home.wait(timeout=60)
+
+    stats = _stats(nodes)
+    trainer = next(s for p, s in stats.items() if p != info["peer_id"])
+    print("public-s0 bytes by path:", trainer["transport"]["bytes_by_path"], "microbatches:", trainer["microbatches"])
+    assert trainer["inner_steps"] == 5 and trainer["microbatches"]["completed"] >= 5, trainer["microbatches"]
+    assert trainer["transport"]["bytes_by_path"].get("direct", {}).get("out", 0) > 0, trainer["transport"]
+    assert stats[info["peer_id"]]["transport"]["reach"] == "direct"
