@@ -407,17 +407,22 @@ class SecurityConfig:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TimeoutsConfig:
     rpc_s: float = 30.0
-    """Deadline of one Forward/Backward call."""
+    """The floor of a Forward/Backward call's and of a state fetch's deadline: each gets this, or
+    its payload's time at the peer's measured bandwidth times deadline_slack where that is longer
+    (up to deadline_ceiling_s)."""
     connect_s: float = 5.0
     receive_s: float = 10.0
-    """A caller must send a stream's header within this (and its payload within this plus its size
-    at security.min_receive_bytes_per_s), whatever deadline it set itself."""
+    """A caller must send a stream's header within this, whatever deadline it set itself; its payload
+    then within this plus its size at security.min_receive_bytes_per_s, or at the caller's measured
+    bandwidth / deadline_slack where that is slower (a slow link is not cut, a stalled one is: see stall_s)."""
     relay_s: float = 30.0
     """Behind NAT: how long to wait for a relay reservation before serving without one."""
     startup_s: float = 30.0
     """How long to wait for the DHT bootstrap before failing with a clear error."""
     match_s: float = 5.0
-    """How long an outer step may look for a partner before the solo step."""
+    """How long an outer step may look for a partner before the solo step. An exchange, once a
+    partner accepted, gets its own deadline: the snapshot bytes both ways at the partner's measured
+    bandwidth times deadline_slack, never less than this (both sides derive it), plus stall_s."""
     allreduce_s: float = 60.0
     """DiLoCo/dp: how long an all-reduce may run once its group formed (and a peer's stream may
     make no progress for max(5, 2 x match_s)) before the round fails and the step goes solo."""
@@ -429,13 +434,34 @@ class TimeoutsConfig:
     """Stage 0 re-issues a microbatch whose gradient has not returned within this time."""
     drain_s: float = 10.0
     """Graceful shutdown: how long to wait for microbatches in flight before leaving anyway."""
+    assumed_mbit_s: float = 5.0
+    """Deadlines that follow the link (runtime/link_estimates.py): the bandwidth taken for a peer
+    this node has not measured yet (or the median of the peers it has, if slower). Set it near your
+    own uplink on a link slower than this, so a first large transfer is not cut."""
+    deadline_slack: float = 3.0
+    """A transfer's derived deadline is this many times its time at the measured bandwidth."""
+    deadline_ceiling_s: float = 3600.0
+    """No derived deadline is longer than this (a 2.4 GB outer exchange at 10 Mbit/s needs ~2000 s)."""
+    stall_s: float = 10.0
+    """Progress deadline: a transfer that moves no message for this long (or for one 1 MiB chunk's
+    time at the peer's bandwidth times deadline_slack, if longer) is cut, whatever its total deadline."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
+            if f.name in ("assumed_mbit_s", "deadline_slack"):
+                continue
             _require(getattr(self, f.name) > 0, f.name, f"must be > 0 seconds, got {getattr(self, f.name)}",
                      "use a positive number of seconds")
         _require(self.record_ttl_s > self.heartbeat_s, "record_ttl_s",
                  f"{self.record_ttl_s} must exceed heartbeat_s {self.heartbeat_s}", "use about 3x heartbeat_s")
+        _require(self.assumed_mbit_s > 0, "assumed_mbit_s", f"must be > 0 Mbit/s, got {self.assumed_mbit_s}",
+                 "use your link's uplink bandwidth in Mbit/s, e.g. 5")
+        _require(self.deadline_slack >= 1, "deadline_slack", f"must be >= 1, got {self.deadline_slack}",
+                 "use e.g. 3 (a transfer may take three times its time at the measured bandwidth)")
+        for name in ("rpc_s", "match_s", "receive_s", "stall_s"):
+            _require(self.deadline_ceiling_s >= getattr(self, name), "deadline_ceiling_s",
+                     f"{self.deadline_ceiling_s} is below {name} {getattr(self, name)}",
+                     f"use at least {name}; e.g. 3600 for large models on home links")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

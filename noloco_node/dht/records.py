@@ -47,6 +47,9 @@ class StageRecord(pydantic.BaseModel):
     """Microbatches in flight / the in-flight window."""
     hop_s: pydantic.confloat(strict=True, ge=0.0, le=1e6) = 0.0
     """Seconds per Forward call to the next stage."""
+    link_mbit_s: pydantic.confloat(strict=True, ge=0.0, le=1e9) = 0.0
+    """Median bandwidth the node measured to its peers, in Mbit/s (runtime/link_estimates.py); 0 =
+    not measured yet (and in records from nodes that predate the field)."""
     movable: pydantic.StrictBool = False
     """Whether the node may move to another stage when rebalancing (pipeline/rebalance.py)."""
     moved_at: pydantic.confloat(strict=True, ge=0.0) = 0.0

@@ -33,6 +33,7 @@ from noloco_node.rpc.stage_service import GRPC_OPTIONS, StageClient, StageServic
 from noloco_node.rpc.stage_transport import GrpcStageTransport
 from noloco_node.runtime.events import EventLog
 from noloco_node.runtime.faults import FaultInjector
+from noloco_node.runtime.link_estimates import DeadlinePolicy, LinkDeadlines
 from noloco_node.runtime.memory import tune_allocator
 from noloco_node.runtime.throughput import ThroughputMeter
 from noloco_node.sync.factory import SyncPorts
@@ -146,14 +147,17 @@ class Node:
         """Clients, the outer-sync method, the boundary, the pipeline and the services, in the order
         each needs the one before."""
         cfg, parts = self.config, self.parts
+        # Every call's deadline follows its peer's link, as measured by the meter's estimates (announced).
+        deadlines = LinkDeadlines(self.meter.links, DeadlinePolicy.from_timeouts(cfg.timeouts))
         self.client = StageClient(run_id=cfg.run.run_id, manifest_hash=self.manifest_hash,
                                   codec=cfg.pipeline.activation_codec, gradient_codec=cfg.pipeline.gradient_codec,
-                                  timeout_s=cfg.timeouts.rpc_s,
+                                  timeout_s=cfg.timeouts.rpc_s, deadlines=deadlines,
                                   observe=self._observe_rpc, dialer=self.links.dialer)
         state_bytes = sum(p.numel() * 16 for p in parts.stage.parameters())
         self.outer_traffic = Traffic()
         outer_client = OuterClient(run_id=cfg.run.run_id, manifest_hash=self.manifest_hash, max_bytes=state_bytes,
-                                   traffic=self.outer_traffic, faults=self.faults, dialer=self.links.dialer)
+                                   traffic=self.outer_traffic, faults=self.faults, dialer=self.links.dialer,
+                                   deadlines=deadlines.floored(cfg.timeouts.match_s))
         self.outer_client = outer_client
         ports = SyncPorts(pairing=outer_client, matching=DhtMatching(self.directory), all_reduce=all_reduce)
         self.sync: OuterSync = build_sync(cfg, parts, ports, peer_id=self.peer_id, set_status=self._set_status,
@@ -176,12 +180,13 @@ class Node:
         self.servicer = StageServicer(self.runtime, run_id=cfg.run.run_id, manifest_hash=self.manifest_hash,
                                       max_payload_bytes=max_bytes, receive_s=cfg.timeouts.receive_s,
                                       min_bytes_per_s=cfg.security.min_receive_bytes_per_s,
-                                      rms_factor=cfg.security.payload_rms_factor, max_abs=cfg.security.payload_max_abs)
+                                      rms_factor=cfg.security.payload_rms_factor, max_abs=cfg.security.payload_max_abs,
+                                      deadlines=deadlines)
         self.server.add_stage(self.servicer)
         if self.sync.responder is not None:  # pairing, and state for joiners: NoLoCo only
             self.server.add_outer(OuterServicer(self.sync.responder, peer_id=self.peer_id, run_id=cfg.run.run_id,
                                                 manifest_hash=self.manifest_hash, stage=self.stage_index,
-                                                max_bytes=state_bytes, timeout_s=cfg.timeouts.match_s,
+                                                max_bytes=state_bytes, deadlines=deadlines.floored(cfg.timeouts.match_s),
                                                 traffic=self.outer_traffic, faults=self.faults, donor=self))
         from noloco_node.rpc.diagnostics import DiagnosticsServicer
 

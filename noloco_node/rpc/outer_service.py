@@ -14,6 +14,8 @@ import asyncio
 import hashlib
 import json
 import logging
+import math
+import time
 
 import grpc
 import torch
@@ -22,9 +24,11 @@ from torch import Tensor
 from noloco_node.wire.codec import DTYPES, CodecError, TensorSpec, decode_into, encode
 from noloco_node.errors import InvalidPayload, NodeError, PeerBusy, PeerUnavailable, ProtocolMismatch
 from noloco_node.rpc.admission import CALLER
+from noloco_node.rpc.deadlines import ExchangeLimits, Progress, TransferTimedOut, exchange_limits, watch_exchange, within
 from noloco_node.rpc.status import status_of
 from noloco_node.rpc.tensors import PayloadReceiver, header_to_spec, iter_chunks, spec_to_header
 from noloco_node.runtime.faults import FaultInjector
+from noloco_node.runtime.link_estimates import RECEIVED, SENT, LinkDeadlines
 from noloco_node.sync.ports import (Decision, EncodedSnapshot, ExpectedTensor, PairingResponder, PairProposal,
                                     StateDonor)
 from noloco_node.wire.v1 import outer_pb2, outer_pb2_grpc, tensor_pb2
@@ -56,17 +60,22 @@ def pair_request(proposal: PairProposal) -> outer_pb2.PairRequest:
 
 
 async def exchange_snapshots(read, write, mine: EncodedSnapshot, expected: list[ExpectedTensor], codec: str,
-                             max_bytes: int, traffic: Traffic | None = None,
-                             faults: FaultInjector | None = None) -> dict[str, Tensor]:
+                             max_bytes: int, traffic: Traffic | None = None, faults: FaultInjector | None = None,
+                             limits: ExchangeLimits | None = None) -> dict[str, Tensor]:
     """Send `mine` and receive the partner's snapshot concurrently; returns the decoded tensors
-    once both receipts check out. Raises InvalidPayload / PeerUnavailable otherwise."""
+    once both receipts check out. Raises InvalidPayload / PeerUnavailable otherwise, and
+    TransferTimedOut past `limits` (rpc/deadlines.py: the total deadline for the bytes both ways,
+    set once the partner's manifest is in, and the progress deadline)."""
+    limits = limits or ExchangeLimits(total_s=lambda _: 3600.0, stall_s=3600.0)
+    progress = Progress(limits.stall_s, asyncio.get_running_loop().time)
     received_all = asyncio.Event()
     received_hash: list[bytes] = []
 
     async def put(message) -> None:
         if faults is not None:
-            await faults.hit("exchange_write")  # tests: a partner that dies mid-stream
+            await faults.hit("exchange_write")  # tests: a partner that dies (or stalls) mid-stream
         await write(message)
+        progress.stamp_wrote()
 
     async def send() -> None:
         await put(outer_pb2.ExchangeMessage(manifest=outer_pb2.SnapshotManifest(
@@ -84,6 +93,7 @@ async def exchange_snapshots(read, write, mine: EncodedSnapshot, expected: list[
 
     async def next_message(kind: str):
         message = await read()
+        progress.stamp_read()
         if message is None:
             raise InvalidPayload(f"undecodable message while waiting for {kind}")
         if message is grpc.aio.EOF:
@@ -98,28 +108,12 @@ async def exchange_snapshots(read, write, mine: EncodedSnapshot, expected: list[
         manifest = await next_message("manifest")
         if manifest.num_tensors != len(expected):
             raise InvalidPayload(f"snapshot has {manifest.num_tensors} tensors, expected {len(expected)}")
-        digest, out = hashlib.sha256(), {}
-        budget = max_bytes
-        for want in expected:
-            header = await next_message("tensor")
-            spec = header_to_spec(header)
-            want_codec = want.codec or codec
-            if header.name != want.name or spec.shape != want.shape or spec.dtype != want.dtype or spec.codec != want_codec:
-                raise InvalidPayload(f"tensor {header.name!r} {spec.dtype}{list(spec.shape)}/{spec.codec} does not match "
-                                     f"{want.name!r} {want.dtype}{list(want.shape)}/{want_codec}")
-            receiver = PayloadReceiver(spec, max_bytes=budget)
-            while not receiver.complete:
-                receiver.add(await next_message("chunk"))
-            budget -= spec.payload_bytes
-            payload = receiver.finish()
-            digest.update(payload)
-            tensor = torch.empty(spec.shape, dtype=DTYPES[spec.dtype])
-            try:
-                decode_into(spec, payload, tensor)
-            except CodecError as exc:
-                raise InvalidPayload(str(exc)) from None
-            out[want.name] = tensor
-        received_hash.append(digest.digest())
+        progress.set_total(limits.total_s(mine.payload_bytes + manifest.payload_bytes))
+        began = progress.read
+        out, digest = await _receive_tensors(next_message, expected, codec, max_bytes, progress)
+        if limits.observe is not None:
+            limits.observe(manifest.payload_bytes, progress.clock() - began)
+        received_hash.append(digest)
         received_all.set()
         receipt = await next_message("receipt")
         if receipt.sha256 != mine.sha256:
@@ -127,27 +121,62 @@ async def exchange_snapshots(read, write, mine: EncodedSnapshot, expected: list[
         return out
 
     sender = asyncio.create_task(send())
+    receiver = asyncio.create_task(receive())
     try:
-        result = await receive()
-        await sender
+        await watch_exchange(receiver, sender, progress, received_all)
+        result = receiver.result()
+        await within(sender, limits.stall_s, "writing our receipt")
         return result
     finally:
-        if not sender.done():
-            sender.cancel()
+        for task in (sender, receiver):
+            if not task.done():
+                task.cancel()
+
+
+async def _receive_tensors(next_message, expected: list[ExpectedTensor], codec: str, max_bytes: int,
+                           progress: Progress) -> tuple[dict[str, Tensor], bytes]:
+    """The partner's tensors, each checked against `expected` before it is allocated, and the
+    SHA-256 of their payloads."""
+    digest, out = hashlib.sha256(), {}
+    budget = max_bytes
+    for want in expected:
+        header = await next_message("tensor")
+        spec = header_to_spec(header)
+        want_codec = want.codec or codec
+        if header.name != want.name or spec.shape != want.shape or spec.dtype != want.dtype or spec.codec != want_codec:
+            raise InvalidPayload(f"tensor {header.name!r} {spec.dtype}{list(spec.shape)}/{spec.codec} does not match "
+                                 f"{want.name!r} {want.dtype}{list(want.shape)}/{want_codec}")
+        receiver = PayloadReceiver(spec, max_bytes=budget)
+        while not receiver.complete:
+            receiver.add(await next_message("chunk"))
+        budget -= spec.payload_bytes
+        payload = receiver.finish()
+        digest.update(payload)
+        tensor = torch.empty(spec.shape, dtype=DTYPES[spec.dtype])
+        try:
+            decode_into(spec, payload, tensor)
+        except CodecError as exc:
+            raise InvalidPayload(str(exc)) from None
+        out[want.name] = tensor
+        progress.stamp_read()  # decoding a large tensor is not the partner stalling
+    return out, digest.digest()
 
 
 class OuterServicer(outer_pb2_grpc.OuterServicer):
     def __init__(self, handler: PairingResponder | None, *, peer_id: str, run_id: str, manifest_hash: str, stage: int,
-                 max_bytes: int, timeout_s: float, traffic: Traffic | None = None, donor: StateDonor | None = None,
-                 faults: FaultInjector | None = None) -> None:
+                 max_bytes: int, deadlines: LinkDeadlines, traffic: Traffic | None = None,
+                 donor: StateDonor | None = None, faults: FaultInjector | None = None) -> None:
         """`handler` answers pairing proposals (None: this node does not pair, e.g. a dp replica);
-        `peer_id` is this node's, named in every reply."""
+        `peer_id` is this node's, named in every reply. `deadlines` (runtime/link_estimates.py)
+        derives each exchange's and state transfer's deadline from the caller's measured
+        bandwidth; its floor (timeouts.match_s) also bounds the wait for a PairRequest."""
         self.handler, self.peer_id = handler, peer_id
         self.faults = faults
         self.traffic = traffic
         self.donor = donor
         self.run_id, self.manifest_hash, self.stage = run_id, manifest_hash, stage
-        self.max_bytes, self.timeout_s = max_bytes, timeout_s
+        self.max_bytes, self.deadlines = max_bytes, deadlines
+        self.timeout_s = deadlines.floor_s
 
     async def Exchange(self, request_iterator, context):
         try:  # a server-side deadline on the first message, whatever the client set
@@ -173,13 +202,17 @@ class OuterServicer(outer_pb2_grpc.OuterServicer):
         if answer.decision != Decision.ACCEPT:
             return
         mine, expected, codec = self.handler.frozen()
-        try:
-            received = await asyncio.wait_for(
-                exchange_snapshots(context.read, context.write, mine, expected, codec, self.max_bytes, self.traffic,
-                                   self.faults),
-                self.timeout_s)
+        try:  # the caller's announced payload_bytes and our estimate of its link set the deadline
+            received = await exchange_snapshots(context.read, context.write, mine, expected, codec, self.max_bytes,
+                                                self.traffic, self.faults, exchange_limits(self.deadlines, request.peer_id))
+        except asyncio.CancelledError:  # the caller vanished: the round must still end (solo)
+            await self.handler.finish(request.peer_id, None, "failed")
+            raise
         except (NodeError, asyncio.TimeoutError, grpc.aio.AioRpcError) as exc:
             await self.handler.finish(request.peer_id, None, _reason(exc))
+            if isinstance(exc, TransferTimedOut):
+                log.info("exchange with %s cut: %s", request.peer_id[-8:], exc)
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"exchange cut: {exc}")
             if isinstance(exc, PeerUnavailable):
                 # The caller ended or aborted its own exchange: not malformed data (an honest
                 # partner does this when its deadline passes), so not a strike towards a ban.
@@ -204,20 +237,38 @@ class OuterServicer(outer_pb2_grpc.OuterServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this node does not donate state")
         tensors, counters = await self.donor.export_state()
         encoded = [(name, *encode(tensor, "none")) for name, tensor in tensors.items()]
+        payload_bytes = sum(len(p) for _, _, p in encoded)
         counters_dict = json.loads(counters)
-        yield outer_pb2.StateMessage(manifest=outer_pb2.StateManifest(
+        manifest = outer_pb2.StateMessage(manifest=outer_pb2.StateManifest(
             inner_step=int(counters_dict["inner_step"]), outer_round=int(counters_dict["outer_round"]),
-            num_tensors=len(encoded), payload_bytes=sum(len(p) for _, _, p in encoded), counters_json=counters))
+            num_tensors=len(encoded), payload_bytes=payload_bytes, counters_json=counters))
+        try:
+            await self._send_state(context, request.peer_id, manifest, encoded, payload_bytes)
+        except TransferTimedOut as exc:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"state transfer cut: {exc}")
+
+    async def _send_state(self, context, requester: str, manifest, encoded: list, payload_bytes: int) -> None:
+        """Written, not yielded, so that each write has the progress deadline (a requester that
+        stops reading is cut) and the whole the deadline derived from its measured bandwidth."""
+        progress = Progress(self.deadlines.stall_s(requester, SENT))
+        progress.set_total(self.deadlines.total_s(requester, payload_bytes, SENT))
+
+        async def put(message) -> None:
+            await within(context.write(message), progress.check(reads_only=False), f"sending state to {requester[-8:]}")
+            progress.stamp_wrote()
+
+        await put(manifest)
         if self.faults is not None:
             await self.faults.hit("during_state_transfer")
         for name, spec, payload in encoded:
-            yield outer_pb2.StateMessage(tensor=spec_to_header(spec, name))
+            await put(outer_pb2.StateMessage(tensor=spec_to_header(spec, name)))
             for chunk in iter_chunks(payload):
-                yield outer_pb2.StateMessage(chunk=chunk)
+                await put(outer_pb2.StateMessage(chunk=chunk))
+        self.deadlines.estimates.observe(requester, payload_bytes, progress.clock() - progress.started, SENT)
 
 
 def _reason(exc: BaseException) -> str:
-    if isinstance(exc, asyncio.TimeoutError):
+    if isinstance(exc, (asyncio.TimeoutError, TransferTimedOut)):
         return "timed_out"
     if isinstance(exc, InvalidPayload):
         return "rejected"
@@ -228,13 +279,21 @@ class OuterClient:
     """Pairing exchanges and state fetches, by peer id, through the dialer (transport/dialer.py)."""
 
     def __init__(self, *, run_id: str, manifest_hash: str, max_bytes: int, dialer, traffic: Traffic | None = None,
-                 faults: FaultInjector | None = None) -> None:
+                 faults: FaultInjector | None = None, deadlines: LinkDeadlines | None = None) -> None:
+        """`deadlines` (runtime/link_estimates.py) derives an exchange's deadline from the partner's
+        measured bandwidth, never under its floor (timeouts.match_s); None: a fresh estimator with
+        the default policy and no floor."""
         self.run = tensor_pb2.RunIdentity(run_id=run_id, manifest_hash=manifest_hash)
         self.dialer = dialer
         self.faults = faults
+        self.deadlines = deadlines or LinkDeadlines()
         self.max_bytes = max_bytes
         self.traffic = traffic or Traffic()
         self._stubs: dict[str, tuple[grpc.aio.Channel, outer_pb2_grpc.OuterStub]] = {}
+
+    def exchange_deadline_s(self, peer_id: str, payload_bytes: int) -> float:
+        """The longest an exchange moving `payload_bytes` (both ways) with the peer may run."""
+        return self.deadlines.total_s(peer_id, payload_bytes) + self.deadlines.stall_s(peer_id)
 
     @property
     def bytes_sent(self) -> int:
@@ -250,13 +309,20 @@ class OuterClient:
 
     async def exchange(self, to: str, proposal: PairProposal, mine: EncodedSnapshot,
                        expected: list[ExpectedTensor], codec: str, *, timeout_s: float) -> dict[str, Tensor]:
-        """Propose a pair and, if accepted, exchange snapshots. Raises PeerBusy when refused."""
+        """Propose a pair and, if accepted, exchange snapshots. Raises PeerBusy when refused.
+        `timeout_s` bounds the wait for the partner's answer (the rest of the matching window); the
+        exchange then gets the deadline derived from the bytes both ways at the partner's measured
+        bandwidth, and the progress deadline (rpc/deadlines.py: TransferTimedOut)."""
         request = pair_request(proposal)
         request.run.CopyFrom(self.run)
-        call = (await self._stub(to)).Exchange(timeout=timeout_s)
+        limits = exchange_limits(self.deadlines, to)
+        # gRPC's own deadline only backs ours up: the derived one is known once the sizes are.
+        call = (await self._stub(to)).Exchange(timeout=timeout_s + self.deadlines.policy.ceiling_s + limits.stall_s)
         try:
+            asked = time.monotonic()
             await call.write(outer_pb2.ExchangeMessage(request=request))
-            reply_message = await call.read()
+            reply_message = await within(call.read(), timeout_s, f"waiting for {to[-8:]} to answer our proposal")
+            self.deadlines.estimates.observe_rtt(to, time.monotonic() - asked)
             if reply_message is grpc.aio.EOF or reply_message.WhichOneof("kind") != "reply":
                 raise PeerUnavailable(f"{to} closed the exchange without a reply")
             reply = reply_message.reply
@@ -265,9 +331,10 @@ class OuterClient:
             if reply.decision != ACCEPT:
                 raise PeerBusy(f"{to}: {outer_pb2.PairReply.Decision.Name(reply.decision)} {reply.reason}".strip())
             received = await exchange_snapshots(call.read, call.write, mine, expected, codec, self.max_bytes, self.traffic,
-                                                self.faults)
+                                                self.faults, limits)
             await call.done_writing()
-            await call.read()  # EOF once the partner has read our receipt and closed its side
+            # EOF once the partner has read our receipt and closed its side
+            await within(call.read(), limits.stall_s, f"waiting for {to[-8:]} to close the exchange")
             return received
         except grpc.aio.AioRpcError as exc:
             call.cancel()
@@ -283,12 +350,18 @@ class OuterClient:
 
     async def fetch_state(self, to: str, *, stage: int, requester: str, timeout_s: float,
                           expected: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> tuple[dict[str, Tensor], dict]:
-        """Download a donor's state; every tensor is checked against `expected` before allocation."""
+        """Download a donor's state; every tensor is checked against `expected` before allocation.
+        The deadline is `timeout_s` (timeouts.rpc_s) or the expected state's size at the donor's
+        measured bandwidth times the slack, whichever is longer; once the manifest is in, a donor
+        that sends nothing for the progress deadline is cut (TransferTimedOut)."""
         request = outer_pb2.FetchStateRequest(run=self.run, stage=stage, peer_id=requester)
-        call = (await self._stub(to)).FetchState(request, timeout=timeout_s)
-        tensors: dict[str, Tensor] = {}
+        state_bytes = sum(math.prod(shape) * dtype.itemsize for shape, dtype in expected.values())
+        total_s = self.deadlines.floored(timeout_s).total_s(to, state_bytes, RECEIVED)
+        stall_s = self.deadlines.stall_s(to, RECEIVED)
+        call = (await self._stub(to)).FetchState(request, timeout=total_s)
         try:
-            first = await call.read()
+            first = await call.read()  # the donor copies its state first: only the total deadline here
+            began = time.monotonic()
             if first is grpc.aio.EOF or first.WhichOneof("kind") != "manifest":
                 raise InvalidPayload(f"{to} did not start FetchState with a manifest")
             manifest = first.manifest
@@ -296,30 +369,41 @@ class OuterClient:
                 await self.faults.hit("during_state_transfer")
             if manifest.num_tensors > len(expected) or manifest.payload_bytes > self.max_bytes * 4:
                 raise InvalidPayload(f"{to} declares {manifest.num_tensors} tensors / {manifest.payload_bytes} bytes")
-            for _ in range(manifest.num_tensors):
-                message = await call.read()
-                if message is grpc.aio.EOF or message.WhichOneof("kind") != "tensor":
-                    raise InvalidPayload("expected a tensor header")
-                header, spec = message.tensor, header_to_spec(message.tensor)
-                want = expected.get(header.name)
-                if want is None or spec.shape != want[0] or DTYPES[spec.dtype] != want[1] or spec.codec != "none":
-                    raise InvalidPayload(f"unexpected state tensor {header.name!r} {spec.dtype}{list(spec.shape)}")
-                receiver = PayloadReceiver(spec, max_bytes=self.max_bytes)
-                while not receiver.complete:
-                    chunk = await call.read()
-                    if chunk is grpc.aio.EOF or chunk.WhichOneof("kind") != "chunk":
-                        raise InvalidPayload("state stream ended inside a tensor")
-                    receiver.add(chunk.chunk)
-                tensor = torch.empty(spec.shape, dtype=DTYPES[spec.dtype])
-                decode_into(spec, receiver.finish(), tensor)
-                if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-                    raise InvalidPayload(f"state tensor {header.name!r} is not finite")
-                tensors[header.name] = tensor
+            tensors = await self._state_tensors(lambda: within(call.read(), stall_s, f"receiving state from {to[-8:]}"),
+                                                manifest.num_tensors, expected)
+            self.deadlines.estimates.observe(to, manifest.payload_bytes, time.monotonic() - began, RECEIVED)
             return tensors, json.loads(manifest.counters_json)
         except grpc.aio.AioRpcError as exc:
             raise PeerUnavailable(f"{to}: {exc.code().name} {exc.details() or ''}".strip()) from None
         except (CodecError, ValueError) as exc:
+            call.cancel()
             raise InvalidPayload(f"{to}: {exc}") from None
+        except BaseException:
+            call.cancel()  # we gave up early (a stalled donor, a bad tensor): free the stream
+            raise
+
+    async def _state_tensors(self, read, count: int, expected: dict) -> dict[str, Tensor]:
+        tensors: dict[str, Tensor] = {}
+        for _ in range(count):
+            message = await read()
+            if message is grpc.aio.EOF or message.WhichOneof("kind") != "tensor":
+                raise InvalidPayload("expected a tensor header")
+            header, spec = message.tensor, header_to_spec(message.tensor)
+            want = expected.get(header.name)
+            if want is None or spec.shape != want[0] or DTYPES[spec.dtype] != want[1] or spec.codec != "none":
+                raise InvalidPayload(f"unexpected state tensor {header.name!r} {spec.dtype}{list(spec.shape)}")
+            receiver = PayloadReceiver(spec, max_bytes=self.max_bytes)
+            while not receiver.complete:
+                chunk = await read()
+                if chunk is grpc.aio.EOF or chunk.WhichOneof("kind") != "chunk":
+                    raise InvalidPayload("state stream ended inside a tensor")
+                receiver.add(chunk.chunk)
+            tensor = torch.empty(spec.shape, dtype=DTYPES[spec.dtype])
+            decode_into(spec, receiver.finish(), tensor)
+            if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+                raise InvalidPayload(f"state tensor {header.name!r} is not finite")
+            tensors[header.name] = tensor
+        return tensors
 
     async def close(self) -> None:
         self._stubs.clear()

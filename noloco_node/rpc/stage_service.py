@@ -24,8 +24,10 @@ from noloco_node.errors import InvalidPayload, NodeError, PoisonedPayload, Proto
 from noloco_node.optim.integrity import RunningBounds
 from noloco_node.pipeline.ports import BackwardCall, ForwardCall, Hop, MicrobatchKey, StageHandler
 from noloco_node.rpc.admission import CALLER, POISONED
+from noloco_node.rpc.deadlines import Progress, paced, while_sending
 from noloco_node.rpc.status import error_from_rpc, status_of
 from noloco_node.rpc.tensors import PayloadReceiver, encode_tensor, header_to_spec, iter_chunks
+from noloco_node.runtime.link_estimates import RECEIVED, SENT, LinkDeadlines
 from noloco_node.wire.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
 
 log = logging.getLogger(__name__)
@@ -59,9 +61,14 @@ def backward_call(header: stage_pb2.BackwardHeader) -> BackwardCall:
                         loss=float(header.loss), num_tokens=int(header.num_tokens))
 
 
-async def _receive(messages: AsyncIterator, spec: TensorSpec, max_bytes: int) -> tuple[Tensor, int]:
+async def _receive(messages: AsyncIterator, spec: TensorSpec, max_bytes: int, stall_s: float) -> tuple[Tensor, int]:
+    """The payload after the header; a stream that sends no message for `stall_s` raises TimeoutError."""
     receiver = PayloadReceiver(spec, max_bytes=max_bytes)
-    async for message in messages:
+    while True:
+        try:
+            message = await asyncio.wait_for(messages.__anext__(), stall_s)
+        except StopAsyncIteration:
+            break
         if message is None:
             raise InvalidPayload("undecodable message in the stream")
         if message.WhichOneof("kind") != "chunk":
@@ -77,17 +84,20 @@ async def _receive(messages: AsyncIterator, spec: TensorSpec, max_bytes: int) ->
 
 
 class StageServicer(stage_pb2_grpc.StageServicer):
-    """`receive_s` bounds how long a caller may take to send its header, and, with
-    `min_bytes_per_s`, its whole payload: a stream that stalls is cut with DEADLINE_EXCEEDED and
-    its in-flight slot freed, whatever deadline (or none) the client set."""
+    """`receive_s` bounds how long a caller may take to send its header; its payload must then
+    arrive within `receive_s` plus its size at `min_bytes_per_s`, or at the caller's measured
+    bandwidth (`deadlines`, runtime/link_estimates.py) times the slack where that is slower, and
+    no chunk may take longer than the progress deadline: a stream that stalls is cut with
+    DEADLINE_EXCEEDED and its in-flight slot freed, whatever deadline (or none) the client set."""
 
     def __init__(self, handler: StageHandler, *, run_id: str, manifest_hash: str, max_payload_bytes: int,
                  receive_s: float = 10.0, min_bytes_per_s: float = 1e6, rms_factor: float = 1000.0,
-                 max_abs: float = 1e6) -> None:
+                 max_abs: float = 1e6, deadlines: LinkDeadlines | None = None) -> None:
         self.handler = handler
         self.run_id, self.manifest_hash = run_id, manifest_hash
         self.max_payload_bytes = max_payload_bytes
         self.receive_s, self.min_bytes_per_s = receive_s, min_bytes_per_s
+        self.deadlines = deadlines or LinkDeadlines()
         self.rejected: dict[str, int] = {}
         self.bytes_received = 0
         self.cut_at_deadline = 0
@@ -127,8 +137,20 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         log.debug("%s rejected with %s: %s", method, code.name, error)
         await context.abort(code, str(error))
 
-    def _payload_deadline(self, started: float, spec: TensorSpec) -> float:
-        return started + self.receive_s + spec.payload_bytes / self.min_bytes_per_s
+    def _payload_deadline(self, started: float, spec: TensorSpec, caller: str) -> float:
+        link_s = self.deadlines.transfer_s(caller, spec.payload_bytes, RECEIVED)
+        return started + self.receive_s + max(spec.payload_bytes / self.min_bytes_per_s, link_s)
+
+    async def _payload(self, messages: AsyncIterator, started: float, spec: TensorSpec) -> tuple[Tensor, int]:
+        """The payload within its deadlines; a bandwidth sample of the caller's link when it arrived."""
+        caller = CALLER.get()
+        began = asyncio.get_running_loop().time()
+        async with asyncio.timeout_at(self._payload_deadline(started, spec, caller)):
+            tensor, size = await _receive(messages, spec, self.max_payload_bytes,
+                                          self.deadlines.stall_s(caller, RECEIVED))
+        if caller:
+            self.deadlines.estimates.observe(caller, size, asyncio.get_running_loop().time() - began, RECEIVED)
+        return tensor, size
 
     async def _cut(self, context, method: str, waited_s: float) -> None:
         self.cut_at_deadline += 1
@@ -148,8 +170,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 raise InvalidPayload(f"the route's last hop must be the caller {caller[-8:]}, who signed this call")
             spec = header_to_spec(header.activations)
             ticket = self.handler.admit_forward(forward_call(header), spec)
-            async with asyncio.timeout_at(self._payload_deadline(started, spec)):
-                tensor, size = await _receive(request_iterator, spec, self.max_payload_bytes)
+            tensor, size = await self._payload(request_iterator, started, spec)
             self._check_values("forward", tensor)
             accepted, ticket = ticket, None
             self.bytes_received += size
@@ -176,8 +197,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             self._check_run(header.run)
             spec = header_to_spec(header.grad)
             ticket = self.handler.admit_backward(backward_call(header), spec, CALLER.get())
-            async with asyncio.timeout_at(self._payload_deadline(started, spec)):
-                tensor, size = await _receive(request_iterator, spec, self.max_payload_bytes)
+            tensor, size = await self._payload(request_iterator, started, spec)
             self._check_values("backward", tensor)
             self.bytes_received += size
             await self.handler.accept_backward(ticket, tensor)
@@ -194,14 +214,20 @@ class StageClient:
 
     `codec` encodes the activations of Forward, `gradient_codec` (None = `codec`) the gradients
     of Backward. Gradients round stochastically where the codec can (int4, see wire/codec.py),
-    with draws from a generator seeded by `rounding_seed` (None = a fresh random seed)."""
+    with draws from a generator seeded by `rounding_seed` (None = a fresh random seed).
+
+    A call's deadline is `timeout_s` (timeouts.rpc_s) or its payload's time at the peer's measured
+    bandwidth times the slack, whichever is longer (`deadlines`, runtime/link_estimates.py; None: a
+    fresh estimator with the default policy); a call that gets no message out for the progress
+    deadline is cut. Every call is a sample of that peer's link."""
 
     def __init__(self, *, run_id: str, manifest_hash: str, codec: str, timeout_s: float, dialer,
                  observe: Callable[[str, float], None] | None = None, gradient_codec: str | None = None,
-                 rounding_seed: int | None = None) -> None:
+                 rounding_seed: int | None = None, deadlines: LinkDeadlines | None = None) -> None:
         self.run = tensor_pb2.RunIdentity(run_id=run_id, manifest_hash=manifest_hash)
         self.dialer = dialer
         self.codec, self.timeout_s = codec, timeout_s
+        self.deadlines = (deadlines or LinkDeadlines()).floored(timeout_s)
         self.gradient_codec = gradient_codec or codec
         self.rounding = torch.Generator()
         if rounding_seed is None:
@@ -239,14 +265,18 @@ class StageClient:
 
     async def _call(self, peer_id: str, method: str, messages: list, payload_bytes: int) -> None:
         stub, path = await self._stub(peer_id)
+        progress = Progress(self.deadlines.stall_s(peer_id, SENT))
         start = time.monotonic()
+        call = getattr(stub, method)(paced(messages, progress),
+                                     timeout=self.deadlines.total_s(peer_id, payload_bytes, SENT))
         try:
-            await getattr(stub, method)(iter(messages), timeout=self.timeout_s)
+            await while_sending(call, progress, call.cancel)
         except grpc.aio.AioRpcError as exc:
             raise error_from_rpc(exc, f"{peer_id[-8:]} ({path})") from None
         finally:
             if self.observe is not None:
                 self.observe(method, time.monotonic() - start)
+        self.deadlines.estimates.observe(peer_id, payload_bytes, time.monotonic() - start, SENT)
         self.bytes_sent += payload_bytes
         self.dialer.count_sent(path, payload_bytes)
 

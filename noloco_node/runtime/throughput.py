@@ -7,7 +7,9 @@ moving average so one slow window does not swing the traffic:
   a slower device or a contended CPU shows up here),
 - throughput: sequences per wall-clock second (what it did),
 - busy: microbatches in flight / the in-flight window,
-- hop_s: seconds per outgoing Forward call (the link to the next stage).
+- hop_s: seconds per outgoing Forward call (the link to the next stage),
+- link_mbit_s: the median bandwidth measured to this node's peers (runtime/link_estimates.py,
+  fed by every transfer; the same estimates set its deadlines).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+from noloco_node.runtime.link_estimates import LinkEstimates
 
 
 @dataclass
@@ -27,8 +31,9 @@ class _Ewma:
 
 
 class ThroughputMeter:
-    def __init__(self, *, alpha: float = 0.3, clock=time.monotonic) -> None:
+    def __init__(self, *, alpha: float = 0.3, clock=time.monotonic, links: LinkEstimates | None = None) -> None:
         self.clock = clock
+        self.links = links or LinkEstimates()
         self._capacity, self._throughput = _Ewma(alpha), _Ewma(alpha)
         self._busy, self._hop = _Ewma(alpha), _Ewma(alpha)
         # (time, sequences, compute busy seconds): from creation, so the first heartbeat measures
@@ -51,9 +56,10 @@ class ThroughputMeter:
         self._hop.add(seconds)
 
     def record_fields(self) -> dict[str, float]:
-        """capacity and throughput (sequences/s), busy (0..1), hop_s; 0 = not measured yet."""
+        """capacity and throughput (sequences/s), busy (0..1), hop_s, link_mbit_s; 0 = not measured yet."""
         return {"capacity": round(self._capacity.value or 0.0, 4), "throughput": round(self._throughput.value or 0.0, 4),
-                "busy": round(min(1.0, self._busy.value or 0.0), 4), "hop_s": round(self._hop.value or 0.0, 5)}
+                "busy": round(min(1.0, self._busy.value or 0.0), 4), "hop_s": round(self._hop.value or 0.0, 5),
+                "link_mbit_s": round(self.links.link_mbit_s(), 3)}
 
 
 def routing_weights(capacities: Iterable[float]) -> list[float]:

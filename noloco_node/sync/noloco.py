@@ -192,8 +192,11 @@ class NoLoCoSync(OuterSync):
             unrelayed = [p for p in candidates if p.reach != "relayed"]
             await self._propose(self.rng.choice(unrelayed or candidates), inner_step, deadline, tried)
         if self.partner is not None and not self.done.is_set():
-            # A session we accepted is still streaming: give it its own deadline, then give up.
-            await _wait(self.done, self.match_s)
+            # A session we accepted is still streaming: its server side ends it within a deadline
+            # derived from the partner's link and finishes the round; this wait only backs that up.
+            exchange_s = getattr(self.transport, "exchange_deadline_s", None)
+            await _wait(self.done, self.match_s + (0.0 if exchange_s is None else
+                                                   exchange_s(self.partner, 2 * self._frozen.snapshot.payload_bytes)))
         if not self.claimed:
             await self._complete(None, None, "no partner")
         await self.done.wait()
@@ -246,7 +249,7 @@ class NoLoCoSync(OuterSync):
         self.outgoing = peer.peer_id
         proposal = PairProposal(peer_id=self.peer_id, stage=self.stage, round=self.round, inner_step=inner_step,
                                 nonce=os.urandom(8), sends_slow_weights=self.payload == PHI_DELTA)
-        try:
+        try:  # the rest of the matching window for an answer; the transfer's deadline follows the link
             received = await self.transport.exchange(peer.peer_id, proposal, self._frozen.snapshot, self._frozen.expected,
                                                      self.codec_phi, timeout_s=max(0.1, deadline - time.monotonic()))
         except PeerBusy:
