@@ -74,7 +74,9 @@ def build_compute(config: NodeConfig, llama, ranges: list[range], stage_index: i
                               # Overlap: a step can fall between a microbatch's forward and its backward here.
                               stash_weights=pipe.schedule == "overlap" and not stage.is_last,
                               device=device, bf16_autocast=pipe.bf16_autocast,
-                              compute_delay_s=config.faults.compute_delay_s)
+                              compute_delay_s=config.faults.compute_delay_s,
+                              host_dtypes=tuple(torch.bfloat16 if device.type == "cuda" and codec == "bf16" else torch.float32
+                                                for codec in (pipe.activation_codec, pipe.gradient_codec)))
     worker = StageWorker(stage, optimizer, settings, faults=faults, emit=events.emit,
                          slow_weights=None if outer_state is None else (lambda: outer_state.phi))
     shape = StageShape(stage=stage_index, num_stages=pipe.num_stages, hidden_size=llama.hidden_size,

@@ -53,8 +53,10 @@ class InnerOptimizer:
         self.params = [p for p in params if p.requires_grad]
         self.schedule = schedule
         self.clip_norm = clip_norm
+        # On a GPU, the fused kernel: one launch for the whole stage instead of several per tensor.
+        fused = bool(self.params) and all(p.is_cuda for p in self.params)
         self.adam = torch.optim.Adam(
-            self.params, lr=schedule.lr_at(1), betas=betas, eps=eps, weight_decay=weight_decay
+            self.params, lr=schedule.lr_at(1), betas=betas, eps=eps, weight_decay=weight_decay, fused=fused or None
         )
         self.step_count = 0
         self.skipped_steps = 0  # steps whose gradients were not finite: Adam did not step

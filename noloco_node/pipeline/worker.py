@@ -70,6 +70,10 @@ class WorkerSettings:
     """On a GPU: bf16 autocast for the stage's compute; weights, phi and m stay fp32 masters."""
     compute_delay_s: float = 0.0
     """faults.compute_delay_s: emulates a slower device."""
+    host_dtypes: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.float32)
+    """(activations, gradients): the dtype a GPU stage copies its results to the host in.
+    bfloat16 when that direction's wire codec is bf16: cast on the device, the copy moves half the
+    bytes and the codec sends the same bits it would have made from float32."""
 
 
 class StageWorker:
@@ -84,6 +88,8 @@ class StageWorker:
         self.batch_size, self.saved_ttl_s, self.auto_step = settings.batch_size, settings.saved_ttl_s, settings.auto_step
         self.defer_step, self.stash_weights = settings.defer_step, settings.stash_weights
         self.compute_delay_s = settings.compute_delay_s
+        self.host_dtypes = settings.host_dtypes
+        self._staging: dict[torch.dtype, Tensor] = {}
         self.clock = clock
         self.saved: dict[Hashable, Saved] = {}
         self.sequences_since_step = 0
@@ -117,9 +123,9 @@ class StageWorker:
         if keep_graph:
             with self._autocast():
                 saved.output = self._run_stage(inputs, saved.stash)
-            return self._to_host(saved.output.detach())
+            return self._to_host(saved.output.detach(), self.host_dtypes[0])
         with torch.no_grad(), self._autocast():
-            return self._to_host(self._finite(self._run_stage(inputs, saved.stash), key, "output"))
+            return self._to_host(self._finite(self._run_stage(inputs, saved.stash), key, "output"), self.host_dtypes[0])
 
     def forward_backward_last(self, inputs: Tensor, labels: Tensor) -> tuple[Tensor, float, int]:
         """Last stage: loss (token mean, scaled by b/B for accumulation), backward; returns
@@ -132,7 +138,7 @@ class StageWorker:
         self._finite(loss.detach(), "last stage", "loss")  # before backward: the accumulated gradients stay clean
         (loss * (inputs.shape[0] / self.batch_size)).backward()
         self._count(inputs.shape[0], labels.numel())
-        return self._to_host(x.grad), float(loss.detach()), labels.numel()
+        return self._to_host(x.grad, self.host_dtypes[1]), float(loss.detach()), labels.numel()
 
     def forward_backward_whole(self, inputs: Tensor, labels: Tensor) -> tuple[float, int]:
         """A single-stage swarm (P = 1): the whole model here, from token ids to loss and back;
@@ -165,7 +171,9 @@ class StageWorker:
         if saved.stash is not None and not any(saved.stash is s for s in self._stashes_with_gradients):
             self._stashes_with_gradients.append(saved.stash)
         self._count(inputs.shape[0], inputs.shape[0] * inputs.shape[1])
-        return self._to_host(grad_input if grad_input is None else self._finite(grad_input, key, "input gradient"))
+        if grad_input is None:
+            return None
+        return self._to_host(self._finite(grad_input, key, "input gradient"), self.host_dtypes[1])
 
     def _run_stage(self, inputs: Tensor, stash: dict[str, Tensor] | None) -> Tensor:
         return self.stage(inputs) if stash is None else torch.func.functional_call(self.stage, stash, (inputs,))
@@ -214,13 +222,20 @@ class StageWorker:
         # Received tensors are host buffers: pin them so the copy is a DMA that overlaps compute.
         return tensor.pin_memory().to(self.device, non_blocking=True)
 
-    def _to_host(self, tensor: Tensor | None) -> Tensor | None:
-        """Results go to the wire as fp32 host tensors (the codec decides the wire dtype)."""
-        if tensor is None or tensor.device.type == "cpu":
+    def _to_host(self, tensor: Tensor, dtype: torch.dtype) -> Tensor:
+        """A result on its way to the wire, as a host tensor of `dtype` (the codec decides the wire
+        format). From a GPU: cast there, DMA into one pinned staging buffer this thread reuses (a
+        fresh pinned allocation per microbatch costs more than the copy), then a pageable copy
+        for the transport, which may still hold it while the next result is staged."""
+        if tensor.device.type == "cpu":
             return tensor
-        host = torch.empty(tensor.shape, dtype=torch.float32, pin_memory=True)
-        host.copy_(tensor)
-        return host
+        wire = tensor.detach().to(dtype)
+        staging = self._staging.get(dtype)
+        if staging is None or staging.numel() < wire.numel():
+            staging = self._staging[dtype] = torch.empty(wire.numel(), dtype=dtype, pin_memory=True)
+        view = staging[:wire.numel()].view(wire.shape)
+        view.copy_(wire)
+        return view.clone()
 
     def _count(self, sequences: int, tokens: int) -> None:
         self.sequences_since_step += sequences

@@ -247,7 +247,8 @@ class StageClient:
 
     async def forward(self, peer_id: str, *, microbatch: stage_pb2.MicrobatchId, route: list[stage_pb2.Hop],
                       target_stage: int, activations: Tensor, labels: Tensor) -> None:
-        tensor_header, payload = encode_tensor(activations, self.codec)
+        # Activations and gradients are float32 on the wire's spec, whatever precision the stage handed over.
+        tensor_header, payload = encode_tensor(activations, self.codec, dtype="float32")
         header = stage_pb2.ForwardHeader(run=self.run, microbatch=microbatch, route=route, activations=tensor_header,
                                          labels=labels.reshape(-1).tolist(), target_stage=target_stage)
         messages = [stage_pb2.ForwardMessage(header=header)]
@@ -256,7 +257,7 @@ class StageClient:
 
     async def backward(self, peer_id: str, *, microbatch: stage_pb2.MicrobatchId, target_stage: int, grad: Tensor,
                        loss: float, num_tokens: int) -> None:
-        tensor_header, payload = encode_tensor(grad, self.gradient_codec, stochastic=self.rounding)
+        tensor_header, payload = encode_tensor(grad, self.gradient_codec, stochastic=self.rounding, dtype="float32")
         header = stage_pb2.BackwardHeader(run=self.run, microbatch=microbatch, grad=tensor_header, loss=loss,
                                           num_tokens=num_tokens, target_stage=target_stage)
         messages = [stage_pb2.BackwardMessage(header=header)]

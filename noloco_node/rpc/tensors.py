@@ -48,10 +48,11 @@ def header_to_spec(header: tensor_pb2.TensorHeader) -> TensorSpec:
     return spec
 
 
-def encode_tensor(tensor: Tensor, codec: str, name: str = "", *,
-                  stochastic: torch.Generator | None = None) -> tuple[tensor_pb2.TensorHeader, bytes]:
-    """`stochastic`: int4 rounds stochastically with this generator's draws (wire/codec.py)."""
-    spec, payload = encode(tensor, codec, stochastic=stochastic)
+def encode_tensor(tensor: Tensor, codec: str, name: str = "", *, stochastic: torch.Generator | None = None,
+                  dtype: str | None = None) -> tuple[tensor_pb2.TensorHeader, bytes]:
+    """`stochastic`: int4 rounds stochastically with this generator's draws; `dtype`: the logical
+    dtype when a lower-precision copy is handed in (wire/codec.py)."""
+    spec, payload = encode(tensor, codec, stochastic=stochastic, dtype=dtype)
     return spec_to_header(spec, name), payload
 
 

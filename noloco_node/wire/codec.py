@@ -125,14 +125,21 @@ def expected_payload_bytes(spec: TensorSpec) -> int:
 
 
 def encode(tensor: Tensor, codec: str, *, block_size: int = DEFAULT_BLOCK, fraction: float = 0.01,
-           stochastic: torch.Generator | None = None) -> tuple[TensorSpec, bytes]:
+           stochastic: torch.Generator | None = None, dtype: str | None = None) -> tuple[TensorSpec, bytes]:
     """Encode `tensor` (any device) with `codec`; returns its spec and the payload bytes.
     `fraction` is topk's share of elements sent (the largest magnitudes). `stochastic`: int4
     rounds stochastically (unbiased) with draws from this CPU generator; None = to nearest. The
-    other codecs ignore it (see the module docstring for why fp8 needs no such rounding)."""
-    dtype = DTYPE_NAMES.get(tensor.dtype)
-    if dtype is None:
+    other codecs ignore it (see the module docstring for why fp8 needs no such rounding).
+    `dtype` declares the tensor's logical dtype when it differs from the one handed in: a GPU stage
+    hands a bfloat16 copy of float32 activations for the lossy codecs (half the device-to-host
+    bytes, and no float32 round trip), which they encode exactly as they would the float32 tensor
+    (bf16 rounds to the same bits); `none` and `topk` carry values as they are, so there it must match."""
+    actual = DTYPE_NAMES.get(tensor.dtype)
+    if actual is None:
         raise CodecError(f"cannot encode dtype {tensor.dtype}")
+    dtype = dtype or actual
+    if dtype != actual and (codec in ("none", "topk") or dtype not in FLOAT_DTYPES or actual not in FLOAT_DTYPES):
+        raise CodecError(f"codec {codec!r} cannot send a {actual} tensor as {dtype}")
     flat = tensor.detach().reshape(-1).cpu()
     nnz = 0
     spec_block = block_size if codec in BLOCKWISE else 0
