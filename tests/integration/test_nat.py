@@ -15,6 +15,7 @@ inbound connections dropped).
 """
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -247,8 +248,8 @@ def test_only_the_bootstrap_public_a_home_serves_stage_1_and_another_home_trains
 
 @pytest.mark.skipif(NO_NAT is not None, reason=f"no NAT topology here: {NO_NAT}")
 def test_a_relayed_node_moves_to_direct_once_its_router_forwards_its_port(tmp_path):
-    config, logs = _setup(tmp_path, **{"network.reprobe_s": 2.0, "inner.total_steps": 5})
-    port = 31340
+    steps, port = 40, 31340
+    config, logs = _setup(tmp_path, **{"network.reprobe_s": 1.0, "inner.total_steps": steps})
     nodes = tmp_path / "nodes"
     with NatTopology() as topo:
         procs = _Procs(topo, logs)
@@ -267,28 +268,44 @@ def test_a_relayed_node_moves_to_direct_once_its_router_forwards_its_port(tmp_pa
         assert f"peers cannot reach {wan}:{port}: {boot_id[-8:]}:" in log_text, log_text[-3000:]
         assert not _dialable(procs.in_public, wan, port)
 
-        topo.forward_port(1, port)
+        # A public stage-0 node trains through it, over libp2p (the only way: the address is closed).
+        s0 = procs.start(topo.public, "public-s0", "join", *common, "--stage", "0", "--host", topo.public_ip,
+                         "--steps", str(steps), "--ready-file", str(tmp_path / "public-s0.json"))
+        _wait_step(tmp_path / "public-s0.json", s0, logs / "public-s0.log", 3, 180)
+
+        topo.forward_port(1, port)  # while it trains
         assert _dialable(procs.in_public, wan, port)
         deadline = time.monotonic() + 90
         while json.loads((tmp_path / "home1.json").read_text())["reach"] != "direct":
             assert home.poll() is None and time.monotonic() < deadline, (logs / "home1.log").read_text()[-4000:]
             time.sleep(0.5)
+        switched_at = json.loads((tmp_path / "public-s0.json").read_text())["inner_step"]
+        assert s0.poll() is None and switched_at < steps, "the switch came after training ended"
         log_text = (logs / "home1.log").read_text()
-        assert f"peers {boot_id[-8:]} reached {wan}:{port}" in log_text, log_text[-3000:]
+        # Asked: the public replica (a direct one, first) and the bootstrap.
+        assert re.search(rf"peers .*{boot_id[-8:]}.* reached {wan}:{port}", log_text), log_text[-3000:]
         record = procs.status(config, maddr)[info["peer_id"]]
-        print("\nafter the port forward:", {k: record[k] for k in ("address", "reach")})
+        print(f"\nafter the port forward (public-s0 at inner step {switched_at}):",
+              {k: record[k] for k in ("address", "reach")})
         assert record["reach"] == "direct" and record["address"] == f"{wan}:{port}", record
-
-        # A public node now dials the home node directly and trains through it.
-        s0 = procs.start(topo.public, "public-s0", "join", *common, "--stage", "0", "--host", topo.public_ip,
-                         "--steps", "5", "--ready-file", str(tmp_path / "public-s0.json"))
         procs.finish(s0, "public-s0", 300)
         home.terminate()
         home.wait(timeout=60)
 
     stats = _stats(nodes)
-    trainer = next(s for p, s in stats.items() if p != info["peer_id"])
-    print("public-s0 bytes by path:", trainer["transport"]["bytes_by_path"], "microbatches:", trainer["microbatches"])
-    assert trainer["inner_steps"] == 5 and trainer["microbatches"]["completed"] >= 5, trainer["microbatches"]
+    trainer = stats[json.loads((tmp_path / "public-s0.json").read_text())["peer_id"]]
+    mb = trainer["microbatches"]
+    print("public-s0 bytes by path:", trainer["transport"]["bytes_by_path"], "microbatches:", mb)
+    assert trainer["inner_steps"] == steps and mb["completed"] >= steps, mb
+    # After the switch it dialled the home node directly (TLS to the forwarded port).
     assert trainer["transport"]["bytes_by_path"].get("direct", {}).get("out", 0) > 0, trainer["transport"]
     assert stats[info["peer_id"]]["transport"]["reach"] == "direct"
+
+
+def _wait_step(ready: Path, proc: subprocess.Popen, log: Path, step: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ready.exists() or json.loads(ready.read_text())["inner_step"] < step:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(f"{ready.name}: inner step {step} not reached (exit {proc.poll()}); log:\n"
+                                 f"{log.read_text()[-3000:]}")
+        time.sleep(0.2)
