@@ -248,3 +248,21 @@ def test_partner_that_stops_sending_is_cut_at_the_progress_deadline():
     got_a, got_b, seconds = asyncio.run(main())
     assert isinstance(got_a, TransferTimedOut) and "progress deadline 0.5" in str(got_a)
     assert 0.5 <= seconds < 2.0  # cut at its 0.5 s progress deadline, not the 60 s total
+
+
+# ---- what the swarm sees ------------------------------------------------------------------------
+def test_records_carry_the_measured_link_and_old_records_still_validate():
+    from noloco_node.cli.status import _mbit
+    from noloco_node.dht.records import StageRecord
+    from noloco_node.runtime.throughput import ThroughputMeter
+
+    old = dict(peer_id="p", address="127.0.0.1:1", stage=0, inner_step=0, outer_round=0, status="serving",
+               tokens_per_s=0.0, version="0", manifest_hash="m", run_id="r", updated_at=1.0)
+    assert StageRecord.parse_obj(old).link_mbit_s == 0.0  # a record from before the field
+    meter = ThroughputMeter()
+    meter.links.observe("q", 10 * MB, 2.0, SENT)
+    record = StageRecord.parse_obj({**old, **meter.record_fields()})
+    assert record.link_mbit_s == pytest.approx(40.0)
+    with pytest.raises(ValueError):
+        StageRecord.parse_obj({**old, "link_mbit_s": -1.0})
+    assert _mbit(0.0) == "-" and _mbit(record.link_mbit_s) == "40"
