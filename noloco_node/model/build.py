@@ -137,27 +137,25 @@ def build_run_stage(cfg, config: LlamaConfig, ranges: list[range], stage_index: 
     return stage
 
 
-def check_fits(cfg, config: LlamaConfig, ranges: list[range], stage_index: int, device, *, headroom: float = 0.9) -> None:
-    """Refuse (ConfigError) a stage whose estimated training memory exceeds `headroom` of what
-    `device` has free, saying how much it needs and what to change (model/memory.py)."""
-    from noloco_node.model.memory import GIB, available_bytes, describe, estimate
+def check_fits(cfg, config: LlamaConfig, ranges: list[range], stage_index: int, device, *, headroom: float = 0.9):
+    """Refuse (ConfigError) a stage whose estimated peak training memory exceeds `headroom` of what
+    `device` has free, saying how much it needs and what to change; returns the estimate
+    (model/memory.StageMemory: `.total` is the node's `memory_estimate_bytes`)."""
+    from noloco_node.model.memory import GIB, available_bytes, describe, estimate_for_run
 
     p = cfg.pipeline
-    first, last = stage_index == 0, stage_index == p.num_stages - 1
-    overlap = not last and p.schedule == "overlap"  # weight stashing (pipeline/worker.py): one copy
-    graphs = min(p.max_in_flight, (2 if overlap else 1) * p.batch_size // p.microbatch_size) if first and not last else 1
-    need = estimate(config, ranges[stage_index], first=first, last=last,
-                    outer=cfg.outer.method in ("noloco", "diloco"), max_in_flight=p.max_in_flight,
-                    microbatch=p.microbatch_size, seq_len=cfg.model.seq_len, checkpointing=p.activation_checkpointing,
-                    graphs=graphs, weight_stash=overlap)
+    need = estimate_for_run(cfg, config, ranges, stage_index, device.type)
     free = available_bytes(device)
     if free is None or need.total <= headroom * free:
-        return
+        return need
     fixes = ["more stages (pipeline.num_stages, or fewer layers here with pipeline.layers_per_stage)"]
     if not p.activation_checkpointing:
         fixes.append("pipeline.activation_checkpointing = true")
+    if p.schedule == "overlap" and need.stash:
+        fixes.append("pipeline.schedule = exact")
     if p.max_in_flight > 1 and need.saved_inputs_bytes > 0.1 * need.total:
         fixes.append("a smaller pipeline.max_in_flight")
     fixes.append("a smaller model (model.preset)")
     raise ConfigError("model", f"stage {stage_index} needs about {describe(need)}, but {device} has "
-                               f"{free / GIB:.2f} GiB free", "use " + ", or ".join(fixes))
+                               f"{free / GIB:.2f} GiB free", "use " + ", or ".join(fixes) +
+                      " (`noloco-node plan` finds the fewest stages that fit)")

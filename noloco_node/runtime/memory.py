@@ -41,3 +41,35 @@ def rss_mb(pid: int) -> float | None:
     except FileNotFoundError:
         pass
     return None
+
+
+def _status_kib(field: str, pid: int | str = "self") -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except (FileNotFoundError, ProcessLookupError):
+        pass
+    return None
+
+
+def peak_memory_bytes(device) -> int:
+    """The most memory this process has held where `device` (a torch.device) computes: the host's
+    resident-set high-water mark (VmHWM) on CPU, `torch.cuda.max_memory_allocated` on a GPU
+    (tensors only: the CUDA context and the caching allocator's slack come on top)."""
+    if device.type == "cuda":
+        import torch
+
+        return int(torch.cuda.max_memory_allocated(device))
+    return (_status_kib("VmHWM") or 0) * 1024
+
+
+def current_memory_bytes(device) -> int:
+    """What this process holds now where `device` computes: VmRSS on CPU, allocated on a GPU.
+    Taken before a stage is built, it is the baseline that `peak_memory_bytes` is compared from."""
+    if device.type == "cuda":
+        import torch
+
+        return int(torch.cuda.memory_allocated(device))
+    return (_status_kib("VmRSS") or 0) * 1024
