@@ -33,12 +33,13 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"run {config.run.run_id}: {len(rows)} replicas over {config.pipeline.num_stages} stages")
     header = (f"{'stage':>5}  {'peer':<10} {'address':<22} {'reach':<12} {'inner':>6} {'round':>5} {'status':<9} "
-              f"{'tok/s':>8} {'cap seq/s':>9} {'busy':>5} {'hop ms':>6} {'link Mb/s':>9} {'version':<8} {'seen':>6}")
+              f"{'tok/s':>8} {'cap seq/s':>9} {'busy':>5} {'hop ms':>6} {'link Mb/s':>9} {'mem GiB est/peak':>16} "
+              f"{'version':<8} {'seen':>6}")
     print(header)
     for r in rows:
         print(f"{r['stage']:>5}  {r['peer_id'][-8:]:<10} {r['address']:<22} {r['reach']:<12} {r['inner_step']:>6} {r['outer_round']:>5} "
               f"{r['status']:<9} {r['tokens_per_s']:>8.0f} {r['capacity']:>9.1f} {r['busy']:>5.2f} {r['hop_s'] * 1e3:>6.0f} "
-              f"{_mbit(r.get('link_mbit_s', 0.0)):>9} {r['version']:<8} {r['seen_s_ago']:>5.0f}s")
+              f"{_mbit(r.get('link_mbit_s', 0.0)):>9} {_memory(r):>16} {r['version']:<8} {r['seen_s_ago']:>5.0f}s")
     for s in stages:
         mark = "  <- limits the swarm" if s == limit else ""
         print(f"stage {s}: {len(capacity[s])} replicas, capacity {sum(capacity[s]):.1f} sequences/s{mark}")
@@ -46,6 +47,13 @@ def run(args: argparse.Namespace) -> int:
     if empty:
         print(f"stages with no live replica: {empty}")
     return 0
+
+
+def _memory(row: dict) -> str:
+    """'estimate/peak' in GiB; '-' for what the node has not published (yet)."""
+    def gib(value: int) -> str:
+        return f"{value / (1 << 30):.2f}" if value else "-"
+    return f"{gib(row.get('memory_estimate_bytes', 0))}/{gib(row.get('memory_peak_bytes', 0))}"
 
 
 async def _collect(config) -> list[dict]:

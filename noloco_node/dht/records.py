@@ -50,6 +50,12 @@ class StageRecord(pydantic.BaseModel):
     link_mbit_s: pydantic.confloat(strict=True, ge=0.0, le=1e9) = 0.0
     """Median bandwidth the node measured to its peers, in Mbit/s (runtime/link_estimates.py); 0 =
     not measured yet (and in records from nodes that predate the field)."""
+    memory_estimate_bytes: pydantic.conint(strict=True, ge=0, le=1 << 50) = 0
+    """The node's estimate of its stage's peak training memory where it computes (model/memory.py:
+    host RAM on CPU, device memory on a GPU); 0 = not given (records that predate the field)."""
+    memory_peak_bytes: pydantic.conint(strict=True, ge=0, le=1 << 50) = 0
+    """The most the stage has used so far, measured the same way: the process's peak RSS on CPU,
+    torch.cuda.max_memory_allocated on a GPU, less what the process held before building it."""
     movable: pydantic.StrictBool = False
     """Whether the node may move to another stage when rebalancing (pipeline/rebalance.py)."""
     moved_at: pydantic.confloat(strict=True, ge=0.0) = 0.0

@@ -146,3 +146,18 @@ def test_peak_memory_bytes_sees_an_allocation_on_cpu():
     after = current_memory_bytes(cpu)
     assert after - before >= 60 << 20 and peak_memory_bytes(cpu) >= after
     del block
+
+
+def test_records_carry_the_memory_figures_and_old_records_still_validate():
+    from noloco_node.cli.status import _memory
+    from noloco_node.dht.records import StageRecord
+
+    old = dict(peer_id="p", address="127.0.0.1:1", stage=0, inner_step=0, outer_round=0, status="serving",
+               tokens_per_s=0.0, version="0", manifest_hash="m", run_id="r", updated_at=1.0)
+    record = StageRecord.parse_obj(old)  # a record from before the fields
+    assert (record.memory_estimate_bytes, record.memory_peak_bytes) == (0, 0) and _memory(record.dict()) == "-/-"
+    record = StageRecord.parse_obj({**old, "memory_estimate_bytes": 3 << 30, "memory_peak_bytes": 5 << 29})
+    assert _memory(record.dict()) == "3.00/2.50"
+    for bad in (-1, 2.5, "1"):
+        with pytest.raises(ValueError):
+            StageRecord.parse_obj({**old, "memory_peak_bytes": bad})
