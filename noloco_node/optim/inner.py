@@ -54,9 +54,9 @@ class InnerOptimizer:
         self.schedule = schedule
         self.clip_norm = clip_norm
         # On a GPU, the fused kernel: one launch for the whole stage instead of several per tensor.
-        fused = bool(self.params) and all(p.is_cuda for p in self.params)
+        self.fused = bool(self.params) and all(p.is_cuda for p in self.params)
         self.adam = torch.optim.Adam(
-            self.params, lr=schedule.lr_at(1), betas=betas, eps=eps, weight_decay=weight_decay, fused=fused or None
+            self.params, lr=schedule.lr_at(1), betas=betas, eps=eps, weight_decay=weight_decay, fused=self.fused or None
         )
         self.step_count = 0
         self.skipped_steps = 0  # steps whose gradients were not finite: Adam did not step
@@ -76,9 +76,14 @@ class InnerOptimizer:
         """Inverse of export_moments; parameters without saved moments are left untouched."""
         for name, param in named_params:
             if f"adam_exp_avg/{name}" in tensors:
-                self.adam.state[param] = {"step": torch.tensor(float(steps.get(name, 0.0))),
+                self.adam.state[param] = {"step": self.step_tensor(param, steps.get(name, 0.0)),
                                           "exp_avg": tensors[f"adam_exp_avg/{name}"].to(param.device, param.dtype, copy=True),
                                           "exp_avg_sq": tensors[f"adam_exp_avg_sq/{name}"].to(param.device, param.dtype, copy=True)}
+
+    def step_tensor(self, param: torch.Tensor, value: float) -> torch.Tensor:
+        """Adam's per-parameter step count as torch keeps it: on the parameter's device for the
+        fused kernel (seen on an H200: a CPU step there fails the step), on the CPU otherwise."""
+        return torch.tensor(float(value), dtype=torch.float32, device=param.device if self.fused else "cpu")
 
     def clip_gradients(self) -> float:
         """Clip this stage's gradients to clip_norm; returns the norm before clipping."""

@@ -152,11 +152,11 @@ class DataParallelSync(OuterSync):
                 if part == 0:
                     p.copy_(mean.to(p.device, p.dtype))
                     continue
-                entry = state.setdefault(p, {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                entry = state.setdefault(p, {"step": self.worker.inner.step_tensor(p, 0.0), "exp_avg": torch.zeros_like(p),
                                              "exp_avg_sq": torch.zeros_like(p)})
                 entry["exp_avg" if part == 1 else "exp_avg_sq"].copy_(mean.to(p.device, p.dtype))
             if part == 2:  # counts: every member rounds the same mean to the same whole number
                 adam_step, inner_step = (round(float(v)) for v in means[-1])
-                for entry in state.values():
-                    entry["step"] = torch.tensor(float(adam_step))
+                for p, entry in state.items():
+                    entry["step"] = self.worker.inner.step_tensor(p, adam_step)
                 self.worker.inner.step_count = inner_step
