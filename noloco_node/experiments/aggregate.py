@@ -5,6 +5,11 @@ difference stands out of the seed-to-seed noise.
 A difference of two group means counts as outside the noise when it exceeds twice its standard
 error, sqrt(s_a^2 / n_a + s_b^2 / n_b) (about a 95% two-sided bound for a normal difference; with 3
 seeds per group the estimate of s is itself rough, which the reports say).
+
+Groups that differ in one option but share their seeds (the same initial weights and data) are
+also compared seed by seed: the mean of the per-seed differences against twice its standard error
+s_d / sqrt(n). Seed-to-seed noise cancels out of that difference, so it can resolve an option's
+price far below the spread between seeds; it says nothing the unpaired test contradicts.
 """
 
 from __future__ import annotations
@@ -87,7 +92,10 @@ def summarize_groups(cells: list[dict]) -> list[dict]:
             "peak_spread": stat(max((e["spread"] for e in c["evals"]), default=math.nan) for c in members),
             "pearson": stat(values("spread_lr_pearson")),
             "bytes_per_node": stat(values("bytes_per_node")),
+            "pipeline_bytes_per_node": stat(values("pipeline_bytes_per_node")),
             "outer_bytes_per_round": stat(values("outer_bytes_per_round")),
+            "outer_lag_steps": stat(values("outer_lag_steps")),
+            "val_loss_by_seed": {c["row"]["seed"]: c["row"].get("final_val_loss", math.nan) for c in members},
             "delta_rel_error": stat(values("delta_rel_error")),
             "idle": stat(values("idle_fraction")),
             "curve": {k: stat(v) for k, v in sorted(curve.items())},
@@ -120,3 +128,21 @@ def verdict(label_a: str, a: Stat, label_b: str, b: Stat, quantity: str) -> str:
     if outside:
         return text + f" ± {se:.2g} (SE): {lower} is lower, outside the noise (|diff| > 2 SE)."
     return text + f" ± {se:.2g} (SE): inside the noise (|diff| <= 2 SE), no difference can be claimed."
+
+
+def paired(a: dict, b: dict) -> Stat:
+    """Per-seed differences a - b over the seeds both have (seed -> value maps)."""
+    return stat(a[seed] - b[seed] for seed in sorted(set(a) & set(b)))
+
+
+def paired_verdict(label_a: str, label_b: str, diffs: Stat, quantity: str) -> str:
+    """One sentence on a paired difference: its mean, SE, and whether it is outside the noise."""
+    if diffs.n < 2:
+        return f"{quantity}, seed by seed: {label_a} - {label_b} over {diffs.n} common seed(s): no verdict."
+    se = diffs.std / math.sqrt(diffs.n)
+    text = (f"{quantity}, seed by seed: {label_a} - {label_b} = {diffs.mean:+.4g} ± {se:.2g} (SE over "
+            f"{diffs.n} common seeds)")
+    if abs(diffs.mean) > 2 * se:
+        lower = label_a if diffs.mean < 0 else label_b
+        return text + f": {lower} is lower, outside the noise (|diff| > 2 SE)."
+    return text + ": inside the noise (|diff| <= 2 SE)."

@@ -118,6 +118,14 @@ def _wait_under_chaos(scenario: Scenario, cell: Cell, swarm: LocalSwarm, out_dir
     return drivers
 
 
+def outer_lag_steps(history: list[dict]) -> float:
+    """Mean inner steps between a paired NoLoCo round's boundary and the step its update landed at:
+    0 when blocking; under outer.overlap, the staleness the rounds actually had. NaN: no such round."""
+    lags = [r["applied_at_step"] - r["inner_step"] for r in history
+            if r.get("outcome") == "paired" and "applied_at_step" in r and "inner_step" in r]
+    return statistics.fmean(lags) if lags else math.nan
+
+
 def summarize(scenario: Scenario, cell: Cell, config, swarm: LocalSwarm, events_dir: Path, snapshots: Path,
               wall_s: float) -> dict:
     stats = swarm.node_stats()
@@ -157,6 +165,7 @@ def summarize(scenario: Scenario, cell: Cell, config, swarm: LocalSwarm, events_
     outer = [s["outer"] for s in stats.values() if "outer" in s]
     exchanged = [r for s in stats.values() for r in s.get("outer_history", [])
                  if r.get("outcome") == "paired" and isinstance(r.get("bytes"), dict)]
+
     after_warmup = [r for r in evals if r["step"] > config.inner.warmup_steps]
     row = {
         "cell": cell.name, "group": cell.group, "variant": cell.variant.name if cell.variant else "",
@@ -173,6 +182,10 @@ def summarize(scenario: Scenario, cell: Cell, config, swarm: LocalSwarm, events_
         "outer_rounds": sum(o.get("rounds", 0) for o in outer), "outer_paired": sum(o.get("paired", 0) for o in outer),
         "outer_solo": sum(o.get("solo", 0) for o in outer),
         "outer_partial": sum(o.get("partial_rounds", 0) for o in outer),
+        "outer_skipped": sum(o.get("skipped", 0) for o in outer),  # dp: rounds all replicas skipped together
+        "outer_resynced": sum(o.get("resynced", 0) for o in outer),  # dp: apart replicas averaged back
+        "outer_lag_steps": outer_lag_steps([r for s in stats.values() for r in s.get("outer_history", [])]),
+        "pipeline_bytes_per_node": statistics.fmean(s.get("bytes_sent", 0) for s in stats.values()) if stats else 0.0,
         # What one node sends in one NoLoCo exchange (all kinds), and the relative error of its Delta
         # on the wire; the all-reduce baselines leave these empty.
         "outer_bytes_per_round": statistics.fmean(sum(r["bytes"].values()) for r in exchanged) if exchanged else math.nan,

@@ -8,7 +8,7 @@ import math
 import statistics
 from pathlib import Path
 
-from noloco_node.experiments.aggregate import Stat, verdict
+from noloco_node.experiments.aggregate import Stat, paired, paired_verdict, verdict
 from noloco_node.experiments.scenario import Scenario
 
 PAPER_PEARSON = (0.91, 0.97)
@@ -22,6 +22,12 @@ def _fmt(value, digits: int = 3) -> str:
 
 def _mb(s: Stat) -> str:
     return "n/a" if s.n == 0 or math.isnan(s.mean) else f"{s.mean / 1e6:.3f}"
+
+
+def _count(row: dict, key: str) -> str:
+    """A counter of a results row; '?' for rows written before the counter existed."""
+    value = row.get(key)
+    return str(int(value)) if isinstance(value, (int, float)) and not math.isnan(value) else "?"
 
 
 def sync_summary(sync_rows: list[dict]) -> list[dict]:
@@ -72,6 +78,8 @@ def verdicts(groups: list[dict], sync_rows: list[dict], scenario: Scenario) -> l
         for other in variants[1:]:
             a, b = other["group"], base["group"]
             out.append(verdict(a, other["val_loss"], b, base["val_loss"], f"Validation loss at step {int(base['eval_step'])}"))
+            out.append(paired_verdict(a, b, paired(other["val_loss_by_seed"], base["val_loss_by_seed"]),
+                                      f"Validation loss at step {int(base['eval_step'])}"))
             if base["method"] != "dp":
                 out.append(verdict(a, other["spread"], b, base["spread"], "Final replica spread"))
                 out.append(verdict(a, other["peak_spread"], b, base["peak_spread"], "Peak replica spread"))
@@ -106,25 +114,30 @@ def _matrix(groups: list[dict], scenario: Scenario) -> list[str]:
     for method in dict.fromkeys(g["method"] for g in groups):
         cell = {(values[g["variant"]][down], values[g["variant"]][across]): g for g in groups
                 if g["method"] == method and g["variant"] in values}
-        lines += ["", f"Validation loss (mean ± std over seeds) / bytes one node sends per outer round, {method}:", "",
+        lines += ["", f"Validation loss (mean ± std over seeds) / MB one node sends on the pipeline (activations or "
+                  f"gradients) / bytes one node sends per outer round, {method}:", "",
                   f"| {down} \\ {across} | " + " | ".join(str(c) for c in cols_v) + " |", "|---" * (len(cols_v) + 1) + "|"]
         for r in rows_v:
             cells = []
             for c in cols_v:
                 g = cell.get((r, c))
-                cells.append("–" if g is None else f"{g['val_loss']} / {_fmt(g['outer_bytes_per_round'].mean, 0)} B")
+                cells.append("–" if g is None else f"{g['val_loss']} / {_mb(g['pipeline_bytes_per_node'])} MB / "
+                             f"{_fmt(g['outer_bytes_per_round'].mean, 0)} B")
             lines.append(f"| {r} | " + " | ".join(cells) + " |")
     return lines
 
 
 def write_report(out: Path, scenario: Scenario, cells: list[dict], groups: list[dict], sync_rows: list[dict],
-                 links: list[dict], *, command: str, machine: str, elapsed_s: float, figures: list[str]) -> None:
+                 links: list[dict], *, command: str, machine: str, elapsed_s: float, figures: list[str],
+                 notes: tuple[str, ...] = ()) -> None:
     rows = [c["row"] for c in cells]
     lines = [f"# Experiment: {scenario.name}", "",
              f"Reproduce: `{command}`", "",
              f"Machine: {machine}. Total time {elapsed_s / 60:.1f} min. Every node is a separate process on 127.0.0.1 "
              f"behind a delaying, rate-limiting TCP relay (`noloco_node/netem/relay.py`) that carries its gRPC traffic "
              f"and, for DiLoCo and dp, its hivemind all-reduce traffic; DHT control traffic is not delayed.", ""]
+    if notes:
+        lines += ["## Re-runs", ""] + [f"- {n}" for n in notes] + [""]
     if scenario.paper:
         lines += ["## What the paper claims", ""] + [f"- {c}" for c in scenario.paper] + [""]
     lines += ["## Links as measured before the run", "",
@@ -140,12 +153,13 @@ def write_report(out: Path, scenario: Scenario, cells: list[dict], groups: list[
                   "(validation loss interpolated between evaluations). Spread: RMS deviation of the replicas' weights "
                   "from their mean; Pearson after warm-up. Outer bytes: what one node sends in one paired NoLoCo round.", "",
                   "| group | seeds | val loss (step) | val loss at equal time | train wall s | final spread | peak spread "
-                  "| Pearson(spread, lr) | MB/node | outer B/round | Δ rel. error |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| Pearson(spread, lr) | MB/node | pipeline MB/node | outer B/round | outer lag (steps) | Δ rel. error |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for g in groups:
             lines.append(f"| {g['group']} | {g['seeds']}/{g['cells']} | {g['val_loss']} ({_fmt(g['eval_step'], 0)}) | "
                          f"{g['val_loss_equal_time']} | {g['train_wall_s']} | {g['spread']} | {g['peak_spread']} | "
-                         f"{g['pearson']} | {_mb(g['bytes_per_node'])} | {_fmt(g['outer_bytes_per_round'].mean, 0)} | "
-                         f"{g['delta_rel_error']} |")
+                         f"{g['pearson']} | {_mb(g['bytes_per_node'])} | {_mb(g['pipeline_bytes_per_node'])} | "
+                         f"{_fmt(g['outer_bytes_per_round'].mean, 0)} | {g['outer_lag_steps']} | {g['delta_rel_error']} |")
         lines += _matrix(groups, scenario)
     seeds = len(scenario.seeds)
     lines += ["", "## Verdicts", "",
@@ -156,7 +170,7 @@ def write_report(out: Path, scenario: Scenario, cells: list[dict], groups: list[
     if rows:
         lines += ["", "## Cells", "",
                   "| cell | status | final val loss (at step) | final train loss | train wall s | MB/node | idle | spread "
-                  "| Pearson | outer paired/solo/partial | microbatches issued/completed/dropped |",
+                  "| Pearson | outer paired/solo/partial/skipped/resynced | microbatches issued/completed/dropped |",
                   "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             if r["status"] != "ok":
@@ -165,7 +179,8 @@ def write_report(out: Path, scenario: Scenario, cells: list[dict], groups: list[
             lines.append(f"| {r['cell']} | ok | {_fmt(r['final_val_loss'])} ({r.get('final_eval_step', '?')}) | "
                          f"{_fmt(r['final_train_loss'])} | {_fmt(r['train_wall_s'], 1)} | {r['bytes_per_node'] / 1e6:.2f} | "
                          f"{_fmt(r['idle_fraction'], 2)} | {_fmt(r['final_spread'], 5)} | {_fmt(r['spread_lr_pearson'], 2)} | "
-                         f"{r['outer_paired']}/{r['outer_solo']}/{r.get('outer_partial', 0)} | "
+                         f"{r['outer_paired']}/{r['outer_solo']}/{r.get('outer_partial', 0)}/"
+                         f"{_count(r, 'outer_skipped')}/{_count(r, 'outer_resynced')} | "
                          f"{r['mb_issued']}/{r['mb_completed']}/{r['mb_dropped']} |")
     summary = sync_summary(sync_rows)
     if summary:

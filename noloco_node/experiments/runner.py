@@ -28,12 +28,14 @@ from noloco_node.netem.selfcheck import measure_link
 FIGURES = {"validation_loss": "validation_loss.png", "outer_sync": "outer_sync_vs_n.png", "bytes": "bytes_per_node.png",
            "spread": "spread_vs_lr.png", "idle": "idle_time.png"}
 STAT_FIELDS = ["val_loss", "val_loss_equal_time", "train_wall_s", "spread", "peak_spread", "pearson", "bytes_per_node",
-               "outer_bytes_per_round", "delta_rel_error", "idle"]
+               "pipeline_bytes_per_node", "outer_bytes_per_round", "outer_lag_steps", "delta_rel_error", "idle"]
 GROUP_FIELDS = ["group", "method", "variant", "replicas", "stages", "profile", "seeds", "eval_step", "equal_time_s"] + \
     [f"{k}_{s}" for k in STAT_FIELDS for s in ("mean", "std")]
+SYNC_FIELDS = ["method", "profile", "n", "repeat", "median_s", "max_s", "mb_per_node", "paired", "solo"]
 ROW_FIELDS = ["cell", "group", "variant", "method", "replicas", "stages", "profile", "seed", "status", "steps", "final_val_loss", "final_eval_step",
               "final_train_loss", "wall_s", "train_wall_s", "bytes_per_node", "idle_fraction", "final_spread",
-              "spread_lr_pearson", "outer_rounds", "outer_paired", "outer_solo", "outer_partial", "outer_bytes_per_round", "delta_rel_error", "mb_issued", "mb_completed",
+              "spread_lr_pearson", "outer_rounds", "outer_paired", "outer_solo", "outer_partial", "outer_skipped", "outer_resynced", "outer_lag_steps",
+              "pipeline_bytes_per_node", "outer_bytes_per_round", "delta_rel_error", "mb_issued", "mb_completed",
               "mb_reissued", "mb_dropped", "error"]
 
 
@@ -70,16 +72,22 @@ def run_experiment(scenario: Scenario, out: Path, command: str) -> dict:
         row = result["row"]
         say(f"cell {i}/{len(grid)} {cell.name}: {row['status']} in {time.monotonic() - t:.0f} s"
             + (f", val loss {row['final_val_loss']:.3f}" if row["status"] == "ok" else f" ({row['error']})"))
+    sync_rows = outer_sync_rows(scenario, out / "outer_sync")
+    groups = write_outputs(out, scenario, cells, sync_rows, links, command=command, elapsed_s=time.time() - started)
+    say(f"done in {time.time() - started:.0f} s: {out / 'report.md'}")
+    return {"cells": [c["row"] for c in cells], "groups": groups, "outer_sync": sync_rows, "links": links}
+
+
+def write_outputs(out: Path, scenario: Scenario, cells: list[dict], sync_rows: list[dict], links: list[dict], *,
+                  command: str, elapsed_s: float, notes: tuple[str, ...] = ()) -> list[dict]:
+    """results.csv, curves.json, groups.csv, outer_sync.csv, the plots and report.md from measured
+    cells (`notes`: what was re-run and why, for the report); returns the groups."""
     _write_csv(out / "results.csv", [c["row"] for c in cells], ROW_FIELDS)
     (out / "curves.json").write_text(json.dumps([{"cell": c["row"]["cell"], "evals": c["evals"], "train": c["train"]}
                                                  for c in cells]))
     groups = summarize_groups(cells)
     _write_csv(out / "groups.csv", [_group_csv_row(g) for g in groups], GROUP_FIELDS)
-
-    sync_rows = outer_sync_rows(scenario, out / "outer_sync")
-    _write_csv(out / "outer_sync.csv", sync_rows, ["method", "profile", "n", "repeat", "median_s", "max_s", "mb_per_node",
-                                                   "paired", "solo"])
-
+    _write_csv(out / "outer_sync.csv", sync_rows, SYNC_FIELDS)
     figures = []
     if groups:
         plots.validation_loss(groups, cells, out / FIGURES["validation_loss"])
@@ -93,9 +101,8 @@ def run_experiment(scenario: Scenario, out: Path, command: str) -> dict:
         plots.outer_sync(sync_summary(sync_rows), out / FIGURES["outer_sync"])
         figures.append(FIGURES["outer_sync"])
     write_report(out, scenario, cells, groups, sync_rows, links, command=command, machine=machine_description(),
-                 elapsed_s=time.time() - started, figures=figures)
-    say(f"done in {time.time() - started:.0f} s: {out / 'report.md'}")
-    return {"cells": [c["row"] for c in cells], "groups": groups, "outer_sync": sync_rows, "links": links}
+                 elapsed_s=elapsed_s, figures=figures, notes=notes)
+    return groups
 
 
 def _group_csv_row(group: dict) -> dict:

@@ -49,3 +49,27 @@ def test_a_difference_is_claimed_only_outside_twice_its_standard_error():
     assert compare(Stat(4.0, 0.01, 3), Stat(4.5, 0.01, 3))[2] is True
     assert "x is lower, outside the noise" in verdict("x", Stat(4.0, 0.01, 3), "y", Stat(4.5, 0.01, 3), "loss")
     assert compare(Stat(4.0, 0.0, 1), b)[2] is None and "no verdict" in verdict("x", Stat(4.0, 0.0, 1), "y", b, "loss")
+
+
+def test_paired_differences_resolve_a_price_the_seed_noise_hides():
+    from noloco_node.experiments.aggregate import paired, paired_verdict
+
+    base = {0: 5.50, 1: 5.60, 2: 5.55}  # seeds 0.05 apart
+    worse = {0: 5.52, 1: 5.621, 2: 5.569, 3: 9.0}  # about +0.02 on every seed; seed 3 has no partner
+    unpaired = compare(stat([worse[s] for s in base]), stat(base.values()))
+    assert unpaired[2] is False  # 0.02 is inside the seed-to-seed noise
+    diffs = paired(worse, base)
+    assert diffs.n == 3 and math.isclose(diffs.mean, 0.02, abs_tol=1e-12)
+    assert "base is lower, outside the noise" in paired_verdict("worse", "base", diffs, "loss")
+    same = paired({0: 1.0, 1: 2.01, 2: 2.99}, {0: 1.0, 1: 2.0, 2: 3.0})
+    assert "inside the noise" in paired_verdict("a", "b", same, "loss")
+    assert "no verdict" in paired_verdict("a", "b", paired({0: 1.0}, {0: 2.0, 1: 3.0}), "loss")
+
+
+def test_groups_keep_each_seeds_loss_and_the_new_columns():
+    cells = [_cell("noloco-D2", s, [6.0, 5.0 + 0.1 * s], [0.0, 5.0]) for s in range(2)]
+    for c in cells:
+        c["row"] |= {"pipeline_bytes_per_node": 2e6, "outer_lag_steps": 1.5}
+    (group,) = summarize_groups(cells)
+    assert group["val_loss_by_seed"] == {0: 5.0, 1: 5.1}
+    assert group["pipeline_bytes_per_node"].mean == 2e6 and group["outer_lag_steps"].mean == 1.5

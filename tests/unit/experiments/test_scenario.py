@@ -55,7 +55,7 @@ def test_variants_cross_the_grid_and_group_cells_by_everything_but_the_seed(tmp_
     assert scenario.to_dict()["variants"][0] == {"name": "fixed", "pipeline.routing": "fixed"}
 
 
-@pytest.mark.parametrize("name", ["convergence", "routing", "scaling", "gamma_codec"])
+@pytest.mark.parametrize("name", ["convergence", "routing", "scaling", "gamma_codec", "loss_price"])
 def test_the_reproduction_scenarios_load(name):
     scenario = load_scenario(Path(__file__).parents[3] / "examples" / f"{name}.toml")
     assert scenario.paper and scenario.sync_methods()
