@@ -22,28 +22,45 @@ SDPA attention (flash / memory-efficient kernels: no T^2 scores are kept):
   eager attention adds the softmax of a * T scores: 4aT bytes (fp32), 6aT (autocast, + its cast).
 Activation checkpointing keeps each layer's fp32 input (4h) instead, and recomputes one layer at a
 time. The last stage adds the final norm (12h fp32, 10h autocast) and the logits: log-softmax's
-output, its gradient and the input gradient at once in backward (12V fp32, 14V with the bf16
-gradient of the LM head). Under autocast every graph also holds bf16 casts of the matmul weights
-(2 bytes per matmul parameter): one per kept graph.
+output is kept (4V), and its backward holds four [b T, V] fp32 tensors at once (16V, measured).
+Under autocast every graph also holds bf16 casts of the matmul weights (2 bytes per matmul
+parameter): one per kept graph (measured on an H200).
 
 Who keeps what: stage 0 keeps the graph of every microbatch it has issued (the driver issues a
 whole batch at once: M = batch / microbatch graphs; 2M under overlap, whose next batch is issued
-while the current one drains). Past stage 0 a forward keeps only its fp32 input (b T h 4 bytes, at
-most `max_in_flight` of them) and its backward recomputes one graph at a time (a middle stage) or
-runs forward and backward at once (the last stage). On top of the kept or recomputed graphs, a
-backward's working set: the gradients of one layer's saved tensors (one layer's activations).
+while the current one drains; max_in_flight does not bound it). Past stage 0 a forward keeps only
+its fp32 input (b T h 4 bytes, at most `max_in_flight` of them) and its backward recomputes one
+graph at a time (a middle stage) or runs forward and backward at once (the last stage). On top of
+the kept or recomputed graphs, a backward's working set: two layers' worth of activations (the
+recomputed or kept layer and the gradients of its tensors). Adam's step allocates a temporary the
+size of the weights (foreach sqrt of the second moment) when no graph is alive.
 
 Outer exchange (noloco, every H steps): the frozen fp32 theta (4), our own values as the partner
 decodes them (4 per tensor sent: theta, or phi and delta), the payload out and in (codec bytes
-each) and the partner's decoded values (4 per tensor). On a GPU the first two live on the device,
-the rest on the host. A stage > 0 runs the exchange in the background while it keeps computing,
-as does any stage with `outer.overlap`: it adds to the training peak. Stage 0's blocking
-exchange runs between batches: the peak is the larger of training and the exchange (plus the
-next batch's graphs under overlap). dp and diloco hold a sent and a received copy (8 bytes).
+each), the partner's decoded values (4 per tensor), and while freezing, the float64 error check of
+one tensor (32 bytes per element of the largest). On a GPU the first two and the check live on
+the device, the rest on the host. A stage > 0 runs the exchange in the background while it keeps
+computing, as does any stage with `outer.overlap`: it adds to the training peak. Stage 0's
+blocking exchange runs between batches: there the peak is the larger of the compute and the
+exchange (plus the next batch's graphs under overlap). dp and diloco hold a sent and a received
+copy (8 bytes).
 
-The peak is state + stash + weight casts + saved inputs + activations (+ exchange as above). The
-CUDA caching allocator and the process's own baseline (interpreter, libraries, CUDA context) come
-on top: the check keeps `headroom` of what is free.
+On the host (CPU nodes; RSS is the measure) three effects of glibc's heap, measured with the
+node's allocator settings (runtime/memory.tune_allocator) and its compute thread: the first outer
+step replaces phi and m from the compute thread while their first blocks stay with the main
+thread's arena, never trimmed (8 bytes per parameter kept); the exchange's freed blocks, one per
+parameter, do not take the next batch's larger tensors, so the exchange adds to the compute peak
+on stage 0 too; and the first training steps page in library code and the thread's arena
+(CPU_RUNTIME_BYTES).
+
+The peak is state + stash + saved inputs (+ retained heap and runtime on CPU) + the larger of
+(weight casts + activations) and Adam's temporary, + the exchange as above. Measured against it
+(benchmarks/memory_estimate.py): on an H200, max_memory_allocated for `small` and `medium` (seq
+1024, 4 microbatches of 4, P = 1 and each stage of P = 3, both schedules) is 0.85-0.98 of the
+estimate; on CPU the peak RSS for `small` is 0.85-0.94 of it, and for `tiny`, whose 20-50 MiB of
+state is within glibc's run-to-run noise of +-20 MiB, 0.7-1.15. The CUDA caching allocator's slack,
+the CUDA context and the process's own baseline come on top: the check keeps `headroom` of
+what is free.
 """
 
 from __future__ import annotations
@@ -273,7 +290,7 @@ def available_bytes(device) -> int | None:
 
 
 def describe(m: StageMemory) -> str:
-    kept = "weights, gradients, Adam, phi and m" if m.outer == 2 * m.weights else "weights, gradients, Adam"
+    kept = "weights, gradients, Adam, phi and m" if m.outer == 2 * m.weights else "weights, gradients, Adam and a repair copy"
     text = (f"{m.total / GIB:.2f} GiB ({m.params:,} parameters: {m.state_bytes / GIB:.2f} GiB for {kept}; "
             f"{m.saved_inputs / GIB:.2f} GiB of saved inputs; {m.activation_bytes / GIB:.2f} GiB of activations")
     if m.stash:

@@ -1,9 +1,15 @@
 """1,000 microbatches through a 2-stage swarm: afterwards no saved input is left on either
 stage, and the resident memory of each node grows by less than RSS_GROWTH_BOUND_MB between the
-end of warm-up (microbatch 200) and the end."""
+end of warm-up (microbatch 200) and the end. The memory estimate (model/memory.py) against the peak
+RSS a stage really reaches (benchmarks/memory_estimate.py, one fresh process per case), and the
+node's check: a stage that does not fit is refused before anything is allocated, one that fits
+starts."""
 
 import json
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -64,7 +70,7 @@ def test_a_stage_that_cannot_fit_is_refused_before_allocating(tmp_path):
     import sys
 
     from noloco_node.model.build import run_model
-    from noloco_node.model.memory import available_bytes, estimate
+    from noloco_node.model.memory import available_bytes, estimate_for_run
 
     overrides = tiny_overrides(tmp_path, **{"pipeline.num_stages": 1, "model.preset": "large"})
     overrides = [o for o in overrides if not o.startswith(("model.hidden_size", "model.intermediate_size",
@@ -73,8 +79,7 @@ def test_a_stage_that_cannot_fit_is_refused_before_allocating(tmp_path):
     llama, ranges = run_model(config, len(tokenizer))
     import torch
 
-    need = estimate(llama, ranges[0], first=True, last=True, outer=False, max_in_flight=8, microbatch=2, seq_len=16,
-                    checkpointing=False)
+    need = estimate_for_run(config, llama, ranges, 0, "cpu")
     assert need.total > available_bytes(torch.device("cpu")), "this machine could hold it: the check would not fire"
     sets = [a for o in overrides for a in ("--set", o)]
     started = time.monotonic()
@@ -84,3 +89,58 @@ def test_a_stage_that_cannot_fit_is_refused_before_allocating(tmp_path):
     assert result.returncode == 2, result.stderr[-2000:]
     assert "needs about" in result.stderr and "activation_checkpointing" in result.stderr, result.stderr[-2000:]
     print(f"\nrefused in {time.monotonic() - started:.1f} s: {result.stderr.strip()[-400:]}")
+
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "memory_estimate.py"
+
+
+def _measure(case: str, *args: str) -> dict:
+    result = subprocess.run([sys.executable, str(BENCH), "--case", case, "--json", "--seq-len", "256", "--micro", "2",
+                             "--batch", "4", "--steps", "3", *args], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+# `small` (hidden 768, 12 layers) as three stages and as one: every role (kept graphs and weight
+# stashes on stage 0, recompute in the middle, logits on the last) under both schedules where they differ.
+SMALL_CASES = ["small:3:0:overlap", "small:3:1:exact", "small:3:1:overlap", "small:3:2:exact", "small:1:0:exact"]
+
+
+@pytest.mark.parametrize("case", SMALL_CASES)
+def test_the_estimate_is_within_25_percent_above_the_measured_peak_rss(case):
+    r = _measure(case)
+    ratio = r["estimate"] / r["peak"]
+    print(f"\n{case}: estimate {r['estimate'] / 2**20:.0f} MiB, measured peak RSS {r['peak'] / 2**20:.0f} MiB "
+          f"(build {r['build_peak'] / 2**20:.0f}), ratio {ratio:.2f}")
+    assert 1.0 <= ratio <= 1.25, r["parts"]
+
+
+@pytest.mark.parametrize("case", ["tiny:3:0:overlap", "tiny:3:2:exact", "tiny:1:0:exact"])
+def test_tiny_stages_are_estimated_within_the_allocators_noise(case):
+    """`tiny` holds 20-50 MiB of state; glibc's heap alone moves its peak RSS by +-20 MiB from run to
+    run (the same case measured 101 and 129 MiB), more than a 25 % band: here the estimate only has
+    to land within [0.75, 1.5] of the measurement."""
+    r = _measure(case)
+    ratio = r["estimate"] / r["peak"]
+    print(f"\n{case}: estimate {r['estimate'] / 2**20:.0f} MiB, measured {r['peak'] / 2**20:.0f} MiB, ratio {ratio:.2f}")
+    assert 0.75 <= ratio <= 1.5, r["parts"]
+
+
+def test_a_stage_that_fits_starts(tmp_path, make_swarm):
+    """`small` as two stages: the node checks its stage against this machine's free memory and starts."""
+    from noloco_node.model.build import run_model
+    from noloco_node.model.memory import available_bytes, estimate_for_run
+
+    overrides = [o for o in tiny_overrides(tmp_path, **{"pipeline.num_stages": 2, "model.preset": "small"})
+                 if not o.startswith(("model.hidden_size", "model.intermediate_size", "model.num_layers", "model.num_heads"))]
+    config, _, tokenizer = prepare_tokenizer(overrides)
+    llama, ranges = run_model(config, len(tokenizer))
+    import torch
+
+    need = estimate_for_run(config, llama, ranges, 1, "cpu")
+    assert llama.hidden_size == 768 and need.total < 0.9 * available_bytes(torch.device("cpu"))
+    swarm = make_swarm(overrides)
+    node = swarm.start_node(1, 0)
+    swarm.wait_ready([node])
+    assert node.proc.poll() is None
+    swarm.stop()
