@@ -264,7 +264,11 @@ class OuterServicer(outer_pb2_grpc.OuterServicer):
             await put(outer_pb2.StateMessage(tensor=spec_to_header(spec, name)))
             for chunk in iter_chunks(payload):
                 await put(outer_pb2.StateMessage(chunk=chunk))
-        self.deadlines.estimates.observe(requester, payload_bytes, progress.clock() - progress.started, SENT)
+        # No bandwidth sample here: a server stream's writes return once the bytes are buffered
+        # (socket buffers and HTTP/2 windows hold megabytes), long before they arrive, so bytes
+        # over write time measured thousands of Mbit/s on a 0.6 Mbit/s link, and every later
+        # exchange with this requester got the floor as its deadline (benchmarks/wan_utilisation.py).
+        # The requester times the arrival (RECEIVED), which is the link.
 
 
 def _reason(exc: BaseException) -> str:

@@ -266,3 +266,38 @@ def test_records_carry_the_measured_link_and_old_records_still_validate():
     with pytest.raises(ValueError):
         StageRecord.parse_obj({**old, "link_mbit_s": -1.0})
     assert _mbit(0.0) == "-" and _mbit(record.link_mbit_s) == "40"
+
+
+def test_a_state_donor_takes_no_bandwidth_sample_from_its_own_buffered_writes():
+    """A donor's writes return once buffered, not once delivered: 1.2 MB 'sent' in no time must not
+    become a rate for the requester, or every later exchange with it gets only the floor (seen
+    at 0.6 Mbit/s: the donor measured ~4000 Mbit/s and cut each exchange at match_s)."""
+    from noloco_node.rpc.outer_service import OuterServicer
+    from noloco_node.wire.v1 import outer_pb2
+
+    class Donor:
+        async def export_state(self):
+            return {"phi": torch.zeros(300_000)}, '{"inner_step": 0, "outer_round": 0}'
+
+    class BufferedContext:  # every write returns at once, as into a socket buffer
+        def __init__(self) -> None:
+            self.written = 0
+
+        async def write(self, message) -> None:
+            self.written += 1
+
+        async def abort(self, code, details):
+            raise AssertionError(f"aborted: {code} {details}")
+
+    policy = DeadlinePolicy(assumed_bytes_per_s=0.6e6 / 8)
+    deadlines = LinkDeadlines(LinkEstimates(), policy, floor_s=5.0)
+    servicer = OuterServicer(None, peer_id="donor", run_id="r", manifest_hash="h", stage=0, max_bytes=1 << 24,
+                             deadlines=deadlines, donor=Donor())
+    context = BufferedContext()
+    request = outer_pb2.FetchStateRequest(stage=0, peer_id="joiner")
+    request.run.run_id, request.run.manifest_hash = "r", "h"
+    asyncio.run(servicer.FetchState(request, context))
+    assert context.written >= 3  # manifest, header, chunks: the state went out
+    assert deadlines.estimates.bytes_per_s("joiner") is None
+    # so a 1 MB exchange with the joiner still gets its time at the assumed 0.6 Mbit/s (x 3), not the floor
+    assert deadlines.total_s("joiner", 1_000_000) == pytest.approx(3 * 1_000_000 / (0.6e6 / 8))
