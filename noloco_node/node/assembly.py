@@ -33,6 +33,7 @@ from noloco_node.pipeline.worker import StageWorker, WorkerSettings
 from noloco_node.runtime.compute import ComputeThread, compute_device
 from noloco_node.runtime.events import EventLog
 from noloco_node.runtime.faults import FaultInjector
+from noloco_node.runtime.memory import current_memory_bytes
 from noloco_node.sync.factory import SyncPorts, build_outer_sync, needs_outer_state
 from noloco_node.sync.ports import OuterSync, SyncParts
 
@@ -47,6 +48,10 @@ class ComputeParts:
     compute: ComputeThread
     outer_state: OuterState | None
     shape: StageShape
+    memory_estimate_bytes: int = 0
+    """What model/memory.py estimates this stage needs to train (the start-up check)."""
+    memory_baseline_bytes: int = 0
+    """What the process held before the stage was built: its peak is reported above this."""
 
 
 def build_compute(config: NodeConfig, llama, ranges: list[range], stage_index: int, *, vocab_size: int,
@@ -54,7 +59,8 @@ def build_compute(config: NodeConfig, llama, ranges: list[range], stage_index: i
     """Build (and check the fit of) stage `stage_index` with its optimizers and worker."""
     pipe, inner, method = config.pipeline, config.inner, config.outer.method
     device = compute_device(pipe.device)
-    check_fits(config, llama, ranges, stage_index, device)  # before anything is allocated
+    estimate = check_fits(config, llama, ranges, stage_index, device)  # before anything is allocated
+    baseline = current_memory_bytes(device)
     # Drawn on the CPU (model/init.py) and materialised on the device: every device starts from the
     # same phi_0, and a GPU node never holds its stage in host RAM.
     stage = build_run_stage(config, llama, ranges, stage_index, device=device)
@@ -81,7 +87,8 @@ def build_compute(config: NodeConfig, llama, ranges: list[range], stage_index: i
                          slow_weights=None if outer_state is None else (lambda: outer_state.phi))
     shape = StageShape(stage=stage_index, num_stages=pipe.num_stages, hidden_size=llama.hidden_size,
                        seq_len=config.model.seq_len, microbatch_size=pipe.microbatch_size, vocab_size=vocab_size)
-    return ComputeParts(stage, device, worker, ComputeThread(), outer_state, shape)
+    return ComputeParts(stage, device, worker, ComputeThread(), outer_state, shape,
+                        memory_estimate_bytes=int(estimate.total), memory_baseline_bytes=baseline)
 
 
 def build_sync(config: NodeConfig, parts: ComputeParts, ports: SyncPorts, *, peer_id: str,

@@ -34,7 +34,7 @@ from noloco_node.rpc.stage_transport import GrpcStageTransport
 from noloco_node.runtime.events import EventLog
 from noloco_node.runtime.faults import FaultInjector
 from noloco_node.runtime.link_estimates import DeadlinePolicy, LinkDeadlines
-from noloco_node.runtime.memory import tune_allocator
+from noloco_node.runtime.memory import peak_memory_bytes, tune_allocator
 from noloco_node.runtime.throughput import ThroughputMeter
 from noloco_node.sync.factory import SyncPorts
 from noloco_node.sync.ports import OuterSync
@@ -303,7 +303,10 @@ class Node:
                            manifest_hash=self.manifest_hash, run_id=self.config.run.run_id, updated_at=time.time(),
                            reach=self.links.update_reach(), tls_cert=self.links.certificate.b64,
                            p2p_addrs=self.links.p2p_addrs[:16], movable=self.movable,
-                           moved_at=float(moves[-1]["at"]) if moves else 0.0, **self.meter.record_fields())
+                           moved_at=float(moves[-1]["at"]) if moves else 0.0,
+                           memory_estimate_bytes=self.parts.memory_estimate_bytes,
+                           memory_peak_bytes=max(0, peak_memory_bytes(self.parts.device) - self.parts.memory_baseline_bytes),
+                           **self.meter.record_fields())
 
     async def announce(self, ttl_s: float | None = None) -> None:
         await self.directory.announce(self.record(), ttl_s=ttl_s or self.config.timeouts.record_ttl_s)
