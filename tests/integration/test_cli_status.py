@@ -25,6 +25,8 @@ def test_status_json_lists_every_node(tmp_path, make_swarm):
     found = {(r["peer_id"], r["stage"], r["address"]) for r in listing["replicas"]}
     assert found == {(n.info["peer_id"], n.stage, n.info["address"]) for n in nodes}
     assert all(r["status"] == "serving" and r["run_id"] == "status-test" for r in listing["replicas"])
+    # Every replica publishes its memory: the start-up estimate and the peak it has measured since.
+    assert all(r["memory_estimate_bytes"] > 0 and r["memory_peak_bytes"] > 0 for r in listing["replicas"]), listing
 
     table = subprocess.run([sys.executable, "-m", "noloco_node", "status", "--initial-peers", swarm.maddr, *sets],
                            capture_output=True, text=True, timeout=120)
