@@ -7,14 +7,18 @@ tokens (n = b T h activation elements); M = batch / b microbatches per inner ste
 pipeline.max_in_flight; F = device TFLOP/s x MFU; B = link bandwidth (bytes/s, each direction, every
 node on its own access link); r = RTT; c_a, c_g = bytes per element of the activation and gradient
 codecs (wire/codec.py: none 4, bf16 2, int8 and fp8 1 + 4/64, int4 0.5 + 4/64); w = outer
-payload bytes per parameter (theta, or phi and delta).
+payload bytes per parameter (theta, or phi and delta); O = seconds a round costs whatever the
+link (pairing through the DHT, freezing and applying the snapshot; 0 unless measured).
 
 Compute per microbatch on stage s (model_costs: multiply-adds per token of the forward pass, causal
 attention included): c_s = k_s * 2 * macs_s * b T / F, with k_s = 3 (forward and backward; stage 0
 and the last stage, which keep their graph), 4 on a middle stage (it recomputes its forward in
-backward), +1 with activation checkpointing.
+backward), +1 with activation checkpointing; or c_s as measured (`stage_seconds`).
 Transfer per microbatch on node s's uplink: x_s = n (c_a [s < P-1] + c_g [s > 0]) / B (a middle
-node sends activations down and gradients up on the same uplink).
+node sends activations down and gradients up on the same uplink). On links that are per
+connection (`Link.shared = False`: the netem relay limits each TCP connection and direction on its
+own) a middle node's two sends do not share: x_s = max of the two, and the outer exchange does not
+share with the pipeline either.
 A microbatch's round trip: L = sum_s c_s + (P - 1) (n c_a / B + n c_g / B + r).
 Bottleneck interval: tau = max(max_s c_s, max_s x_s); the window of microbatches in flight
 (Little's law) adds its own bound: tau' = max(tau, L / min(W', M')), W' = W past stage 0
@@ -22,12 +26,13 @@ Bottleneck interval: tau = max(max_s c_s, max_s x_s); the window of microbatches
 Inner step (GPipe's fill and drain): exact t = L + (M - 1) tau'; overlap (the next batch fills
 while this one drains, two batches in flight) t = max(M tau', (L + (M - 1) tau') / 2).
 Outer round (every H inner steps; the slowest stage's exchange): X = N_s w / B + 2 r (proposal,
-then the snapshots both ways at once). Blocking: R = H t + X. Overlapped with the next H steps
-(outer.overlap): R = max(H t, X, H M x_s + N_s w / B) (the exchange shares the uplink with the
-pipeline's own traffic).
-Ratio = H t_inf / R, t_inf the inner step with B = infinity and r = 0: 1 on an unlimited link,
-never more, and falling as bandwidth falls or RTT grows. Overlapped never predicts less than
-blocking: max(a, b, c) <= a + b whenever c <= a + b, which holds because t >= M x_s.
+then the snapshots both ways at once). Blocking: R = H t + X + O. Overlapped with the next H
+steps (outer.overlap): R = max(H t, X + O, H M x_s + N_s w / B) (on a shared link the exchange
+shares the uplink with the pipeline's own traffic; the last term is dropped on per-connection links).
+Ratio = R_inf / R, R_inf the same round with B = infinity and r = 0 (H t_inf + O blocking,
+max(H t_inf, O) overlapped): 1 on an unlimited link, never more, and falling as bandwidth falls or
+RTT grows. With O = 0, overlapped never predicts less than blocking: max(a, b, c) <= a + b whenever
+c <= a + b, which holds because t >= M x_s.
 """
 
 from __future__ import annotations
@@ -44,6 +49,9 @@ DEFAULT_MFU = 0.3  # the plain Hugging Face loop measured 0.31 on an H200 at `me
 class Link:
     mbit: float = math.inf  # each direction, per node
     rtt_ms: float = 0.0
+    shared: bool = True
+    """True: a node's sends share one access link (a home uplink). False: every connection has its
+    own `mbit` each way (how the netem relay emulates links: benchmarks/wan_utilisation.py)."""
 
     @property
     def bytes_per_s(self) -> float:
@@ -120,13 +128,14 @@ def pipeline_costs(config, ranges: list[range], *, microbatch: int, seq_len: int
                          inner_steps_per_outer=inner_steps_per_outer, outer_overlap=outer_overlap)
 
 
-def inner_step_seconds(costs: PipelineCosts, flops_per_s: float, link: Link) -> tuple[float, tuple, tuple, str]:
-    """(seconds per inner step, compute per stage, uplink per node, what limits it)."""
+def inner_step_seconds(costs: PipelineCosts, compute: tuple[float, ...], link: Link) -> tuple[float, tuple, str]:
+    """(seconds per inner step, uplink per node, what limits it), given each stage's compute
+    seconds per microbatch."""
     p = len(costs.stage_flops)
-    compute = tuple(f / flops_per_s for f in costs.stage_flops)
     fwd = link.seconds(costs.hop_elements * costs.activation_bytes)
     bwd = link.seconds(costs.hop_elements * costs.gradient_bytes)
-    uplink = tuple((fwd if s < p - 1 else 0.0) + (bwd if s > 0 else 0.0) for s in range(p))
+    join = (lambda a, b: a + b) if link.shared else max
+    uplink = tuple(join(fwd if s < p - 1 else 0.0, bwd if s > 0 else 0.0) for s in range(p))
     rtt = link.rtt_ms / 1e3
     round_trip = sum(compute) + (p - 1) * (fwd + bwd + rtt)
     m = costs.microbatches_per_batch
@@ -144,29 +153,83 @@ def inner_step_seconds(costs: PipelineCosts, flops_per_s: float, link: Link) -> 
         step = max(m * interval, (round_trip + (m - 1) * interval) / 2)
     else:
         step = round_trip + (m - 1) * interval
-    return step, compute, uplink, limit
+    return step, uplink, limit
 
 
-def predict(costs: PipelineCosts, *, tflops: float, mfu: float = DEFAULT_MFU, link: Link = Link()) -> Prediction:
-    """Predicted inner step, outer round and tokens/s ratio against an unlimited link (module docstring)."""
-    if tflops <= 0 or not 0 < mfu <= 1:
-        raise ValueError(f"need device TFLOP/s > 0 and 0 < MFU <= 1, got {tflops} and {mfu}")
-    flops_per_s = tflops * 1e12 * mfu
-    step, compute, uplink, limit = inner_step_seconds(costs, flops_per_s, link)
-    unlimited, *_ = inner_step_seconds(costs, flops_per_s, Link())
+def round_seconds(costs: PipelineCosts, step: float, uplink: tuple, link: Link, overhead_s: float) -> tuple[float, float]:
+    """(one exchange's transfer, the whole round: H inner steps and the exchange)."""
     h = costs.inner_steps_per_outer
-    outer_bytes = max(costs.stage_params) * costs.outer_bytes_per_param
-    outer = link.seconds(outer_bytes) + 2 * link.rtt_ms / 1e3
-    if costs.outer_overlap:
-        shared = max(h * costs.microbatches_per_batch * x + link.seconds(n * costs.outer_bytes_per_param)
-                     for x, n in zip(uplink, costs.stage_params))
-        round_s = max(h * step, outer, shared)
+    outer = link.seconds(max(costs.stage_params) * costs.outer_bytes_per_param) + 2 * link.rtt_ms / 1e3
+    if not costs.outer_overlap:
+        return outer, h * step + outer + overhead_s
+    shared = max((h * costs.microbatches_per_batch * x + link.seconds(n * costs.outer_bytes_per_param)
+                  for x, n in zip(uplink, costs.stage_params)), default=0.0) if link.shared else 0.0
+    return outer, max(h * step, outer + overhead_s, shared)
+
+
+def predict(costs: PipelineCosts, *, tflops: float | None = None, mfu: float = DEFAULT_MFU, link: Link = Link(),
+            stage_seconds: tuple[float, ...] | None = None, round_overhead_s: float = 0.0) -> Prediction:
+    """Predicted inner step, outer round and tokens/s ratio against an unlimited link (module
+    docstring). The device's speed is `tflops` x `mfu`, or each stage's measured compute seconds
+    per microbatch (`stage_seconds`, forward and backward); `round_overhead_s` is O."""
+    if stage_seconds is not None:
+        if len(stage_seconds) != len(costs.stage_flops) or min(stage_seconds) <= 0:
+            raise ValueError(f"need one compute time > 0 per stage ({len(costs.stage_flops)}), got {stage_seconds}")
+        compute = tuple(stage_seconds)
+    elif tflops is None or tflops <= 0 or not 0 < mfu <= 1:
+        raise ValueError(f"need device TFLOP/s > 0 and 0 < MFU <= 1, got {tflops} and {mfu}")
     else:
-        round_s = h * step + outer
+        compute = tuple(f / (tflops * 1e12 * mfu) for f in costs.stage_flops)
+    step, uplink, limit = inner_step_seconds(costs, compute, link)
+    unlimited, unlimited_uplink, _ = inner_step_seconds(costs, compute, Link())
+    h = costs.inner_steps_per_outer
+    outer, round_s = round_seconds(costs, step, uplink, link, round_overhead_s)
+    _, round_unlimited = round_seconds(costs, unlimited, unlimited_uplink, Link(), round_overhead_s)
     if round_s - h * step > 0.5 * round_s:
         limit = "the outer exchange"
-    ratio = h * unlimited / round_s if round_s > 0 else 1.0
+    ratio = round_unlimited / round_s if round_s > 0 else 1.0
     return Prediction(compute_s=compute, uplink_s=uplink, step_s=step, step_unlimited_s=unlimited, outer_s=outer,
                       round_s=round_s, ratio=min(1.0, ratio), limited_by=limit,
-                      extra={"outer_bytes_per_stage": outer_bytes,
-                             "hop_bytes": costs.hop_elements * costs.activation_bytes})
+                      extra={"outer_bytes_per_stage": max(costs.stage_params) * costs.outer_bytes_per_param,
+                             "hop_bytes": costs.hop_elements * costs.activation_bytes,
+                             "round_unlimited_s": round_unlimited,
+                             # the busiest stage's compute over the round: the device's busy share
+                             "busy": min(1.0, h * costs.microbatches_per_batch * max(compute) / round_s)})
+
+
+@dataclass(frozen=True)
+class Option:
+    """Settings a volunteer can pick for a link, named as in the config."""
+
+    activation_codec: str = "bf16"
+    gradient_codec: str = "bf16"
+    outer_overlap: bool = False
+    outer_codec: str = "bf16"
+    schedule: str = "exact"
+
+    def settings(self) -> dict[str, object]:
+        return {"pipeline.activation_codec": self.activation_codec, "pipeline.gradient_codec": self.gradient_codec,
+                "outer.overlap": self.outer_overlap, "outer.codec": self.outer_codec, "pipeline.schedule": self.schedule}
+
+
+# Fewest changes from the defaults first, then fewer bytes: the loss price grows down the list as
+# far as it is known (int8 outer deltas cost nothing measurable; docs/volunteer.md has the rest).
+# fp8 sends as many bytes as int8 and predicts the same.
+OPTIONS = (Option(), Option(outer_overlap=True, outer_codec="int8"), Option("int8", "int8", True, "int8"),
+           Option("int4", "int8", True, "int8"), Option("int4", "int4", True, "int8"),
+           Option("int4", "int4", True, "int8", "overlap"))
+
+
+def choose(costs_for, *, link: Link, target: float = 0.9, **speed) -> tuple[int, list[tuple[Option, Prediction, float]]]:
+    """Each of OPTIONS with its prediction on `link` and its tokens/s relative to the defaults on an
+    unlimited link (the same tokens per round: R_inf of the defaults / R); and the index of the first
+    reaching `target`, else of the best. `costs_for(option)` builds its PipelineCosts; `speed` is
+    predict's tflops and mfu (or stage_seconds)."""
+    baseline = predict(costs_for(OPTIONS[0]), link=Link(), **speed).round_s
+    rows = []
+    for option in OPTIONS:
+        pred = predict(costs_for(option), link=link, **speed)
+        rows.append((option, pred, baseline / pred.round_s))
+    reaching = [i for i, (_, _, relative) in enumerate(rows) if relative >= target]
+    best = max(range(len(rows)), key=lambda i: (rows[i][2], -i))
+    return (reaching[0] if reaching else best), rows

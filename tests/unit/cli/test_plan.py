@@ -10,7 +10,7 @@ from noloco_node.cli.main import main
 from noloco_node.cli.plan import find_plan
 from noloco_node.config import load_config
 from noloco_node.model.build import resolve_llama_config, run_model
-from noloco_node.model.costs import Link, pipeline_costs, predict
+from noloco_node.model.costs import OPTIONS, Link, choose, pipeline_costs, predict
 
 GIB = 1 << 30
 
@@ -121,6 +121,69 @@ def test_fewer_bytes_per_hop_predict_more_and_the_figures_add_up():
     assert bf16.extra["hop_bytes"] == 4 * 1024 * 2048 * 2
     assert bf16.uplink_s[0] == pytest.approx(4 * 1024 * 2048 * 2 * 8 / 100e6)
     assert bf16.outer_s == pytest.approx(bf16.extra["outer_bytes_per_stage"] * 8 / 100e6 + 0.06)
+
+
+def _hop_link(costs, compute_s: float, hop_ratio: float, rtt_ms: float = 0.0, shared: bool = True) -> Link:
+    """The link on which one bf16 hop takes hop_ratio x `compute_s` (the benchmark's profiles)."""
+    return Link(costs.hop_elements * 2.0 / (hop_ratio * compute_s) * 8 / 1e6, rtt_ms, shared)
+
+
+def test_measured_compute_and_the_fill_and_drain_arithmetic():
+    # P = 2, M = 4, each stage 0.1 s per microbatch, a hop 4x that (the benchmark's home profile)
+    costs = _costs(microbatches_per_batch=4, inner_steps_per_outer=6)
+    c, link = 0.1, _hop_link(costs, 0.1, 4.0, rtt_ms=30)
+    pred = predict(costs, stage_seconds=(c, c), link=link)
+    assert pred.compute_s == (c, c) and pred.uplink_s == pytest.approx((4 * c, 4 * c))
+    assert pred.step_unlimited_s == pytest.approx(2 * c + 3 * c)  # L + (M - 1) tau, nothing on the wire
+    assert pred.step_s == pytest.approx(2 * c + 2 * 4 * c + 0.03 + 3 * 4 * c)  # the link is the interval
+    with pytest.raises(ValueError, match="one compute time"):
+        predict(costs, stage_seconds=(c,), link=link)
+
+
+def test_a_round_overhead_counts_in_both_runs_and_hides_behind_an_overlapped_exchange():
+    costs, c = _costs(microbatches_per_batch=4, inner_steps_per_outer=6), 0.1
+    link = _hop_link(costs, c, 0.4)
+    plain = predict(costs, stage_seconds=(c, c), link=link)
+    overhead = predict(costs, stage_seconds=(c, c), link=link, round_overhead_s=1.0)
+    h = costs.inner_steps_per_outer
+    assert overhead.round_s == pytest.approx(plain.round_s + 1.0)
+    assert overhead.ratio == pytest.approx((h * plain.step_unlimited_s + 1.0) / (plain.round_s + 1.0))
+    assert overhead.ratio > plain.ratio  # the same fixed cost on both links narrows the gap
+    assert predict(costs, stage_seconds=(c, c), link=Link(), round_overhead_s=1.0).ratio == 1.0
+    overlapped = predict(_costs(microbatches_per_batch=4, inner_steps_per_outer=50, outer_overlap=True),
+                         stage_seconds=(c, c), link=link, round_overhead_s=1.0)
+    assert overlapped.outer_s + 1.0 < 50 * overlapped.step_s
+    assert overlapped.round_s == pytest.approx(50 * overlapped.step_s)  # 1 s + the exchange fit in H steps
+
+
+def test_per_connection_links_never_predict_less_than_a_shared_uplink():
+    for stages, overlap in ((2, False), (3, True), (3, False)):
+        cfg = load_config(overrides=["model.preset=small", f"pipeline.num_stages={stages}", "model.seq_len=1024"])
+        config, ranges = run_model(cfg, 4096)
+        costs = pipeline_costs(config, ranges, microbatch=4, seq_len=1024, microbatches_per_batch=4, max_in_flight=8,
+                               inner_steps_per_outer=50, outer_overlap=overlap)
+        for mbit in (10, 100, 1000):
+            shared = predict(costs, tflops=200, link=Link(mbit, 20, shared=True))
+            apart = predict(costs, tflops=200, link=Link(mbit, 20, shared=False))
+            assert apart.ratio >= shared.ratio, (stages, overlap, mbit)
+            if stages == 3:  # a middle node's activations and gradients no longer share its uplink
+                assert apart.uplink_s[1] < shared.uplink_s[1]
+
+
+def test_choose_needs_fewer_changes_on_faster_links():
+    def costs_for(option):
+        return _costs(activation_codec=option.activation_codec, gradient_codec=option.gradient_codec,
+                      outer_payload=(option.outer_codec,), outer_overlap=option.outer_overlap, schedule=option.schedule)
+
+    picks = []
+    for mbit in (10, 100, 1000, 10_000, 1e6):
+        pick, rows = choose(costs_for, link=Link(mbit, 20), tflops=200)
+        assert [o for o, _, _ in rows] == list(OPTIONS)
+        relative = [r for _, _, r in rows]
+        assert pick == next((i for i, r in enumerate(relative) if r >= 0.9), relative.index(max(relative)))
+        picks.append(pick)
+    assert picks == sorted(picks, reverse=True) and picks[-1] == 0 and picks[0] > 0, picks
+    assert choose(costs_for, link=Link(), tflops=200)[0] == 0  # unlimited: keep the defaults
 
 
 def test_config_show_prints_the_model_the_run_trains_and_its_split(capsys):
