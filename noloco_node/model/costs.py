@@ -14,8 +14,11 @@ Compute per microbatch on stage s (model_costs: multiply-adds per token of the f
 attention included): c_s = k_s * 2 * macs_s * b T / F, with k_s = 3 (forward and backward; stage 0
 and the last stage, which keep their graph), 4 on a middle stage (it recomputes its forward in
 backward), +1 with activation checkpointing; or c_s as measured (`stage_seconds`).
-Transfer per microbatch on node s's uplink: x_s = n (c_a [s < P-1] + c_g [s > 0]) / B (a middle
-node sends activations down and gradients up on the same uplink). On links that are per
+Transfer per microbatch on node s's uplink: x_s = ((n c_a + e) [s < P-1] + (n c_g + e) [s > 0]) / B
+(a middle node sends activations down and gradients up on the same uplink), e = the bytes a
+Forward or Backward call adds to its payload (gRPC and HTTP/2 headers with the call's signed
+metadata, TLS records: 1.2-1.5 KB measured through a counting proxy; 15% of an int4 hop of 16 K
+values, nothing at real sizes). On links that are per
 connection (`Link.shared = False`: the netem relay limits each TCP connection and direction on its
 own) a middle node's two sends do not share: x_s = max of the two, and the outer exchange does not
 share with the pipeline either.
@@ -43,6 +46,9 @@ from dataclasses import dataclass, field
 # Dense bf16 peak TFLOP/s from the vendors' datasheets (no sparsity); pass --device-tflops for others.
 DEVICE_TFLOPS = {"h100": 989.0, "h200": 989.0, "a100": 312.0}
 DEFAULT_MFU = 0.3  # the plain Hugging Face loop measured 0.31 on an H200 at `medium` (issue 27)
+# Wire bytes a Forward/Backward call adds to its payload: 1482 and 1215 per call (TLS, connection
+# set-up amortised over 80 calls) measured through a counting proxy, P = 2, this repository's nodes.
+CALL_OVERHEAD_BYTES = 1400.0
 
 
 @dataclass(frozen=True)
@@ -76,6 +82,7 @@ class PipelineCosts:
     outer_bytes_per_param: float = 2.0
     inner_steps_per_outer: int = 50
     outer_overlap: bool = False
+    call_overhead_bytes: float = CALL_OVERHEAD_BYTES
 
 
 @dataclass(frozen=True)
@@ -132,8 +139,8 @@ def inner_step_seconds(costs: PipelineCosts, compute: tuple[float, ...], link: L
     """(seconds per inner step, uplink per node, what limits it), given each stage's compute
     seconds per microbatch."""
     p = len(costs.stage_flops)
-    fwd = link.seconds(costs.hop_elements * costs.activation_bytes)
-    bwd = link.seconds(costs.hop_elements * costs.gradient_bytes)
+    fwd = link.seconds(costs.hop_elements * costs.activation_bytes + costs.call_overhead_bytes)
+    bwd = link.seconds(costs.hop_elements * costs.gradient_bytes + costs.call_overhead_bytes)
     join = (lambda a, b: a + b) if link.shared else max
     uplink = tuple(join(fwd if s < p - 1 else 0.0, bwd if s > 0 else 0.0) for s in range(p))
     rtt = link.rtt_ms / 1e3
@@ -167,6 +174,18 @@ def round_seconds(costs: PipelineCosts, step: float, uplink: tuple, link: Link, 
     return outer, max(h * step, outer + overhead_s, shared)
 
 
+def _what_limits(step_limit: str, lost_in_steps: float, lost_to_outer: float, round_s: float) -> str:
+    """What costs the most of a round against compute alone: the inner steps' time on the link
+    (`step_limit` says how), or the outer exchange's exposed time (blocking, or too long to hide)."""
+    if max(lost_in_steps, lost_to_outer) < 0.01 * round_s:
+        return "compute"
+    if lost_to_outer > lost_in_steps:
+        return "the outer exchange"
+    if step_limit == "compute":  # every interval is compute's, but each hop's time adds to fill and drain
+        return "the hops' time in the pipeline's fill and drain"
+    return step_limit
+
+
 def predict(costs: PipelineCosts, *, tflops: float | None = None, mfu: float = DEFAULT_MFU, link: Link = Link(),
             stage_seconds: tuple[float, ...] | None = None, round_overhead_s: float = 0.0) -> Prediction:
     """Predicted inner step, outer round and tokens/s ratio against an unlimited link (module
@@ -185,8 +204,7 @@ def predict(costs: PipelineCosts, *, tflops: float | None = None, mfu: float = D
     h = costs.inner_steps_per_outer
     outer, round_s = round_seconds(costs, step, uplink, link, round_overhead_s)
     _, round_unlimited = round_seconds(costs, unlimited, unlimited_uplink, Link(), round_overhead_s)
-    if round_s - h * step > 0.5 * round_s:
-        limit = "the outer exchange"
+    limit = _what_limits(limit, h * (step - unlimited), round_s - h * step, round_s)
     ratio = round_unlimited / round_s if round_s > 0 else 1.0
     return Prediction(compute_s=compute, uplink_s=uplink, step_s=step, step_unlimited_s=unlimited, outer_s=outer,
                       round_s=round_s, ratio=min(1.0, ratio), limited_by=limit,
