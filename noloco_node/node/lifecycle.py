@@ -12,20 +12,20 @@ from pathlib import Path
 
 from noloco_node import __version__
 from noloco_node.config import NodeConfig
-from noloco_node.dht.directory import DirectoryIdentity, PeerDirectory
+from noloco_node.dht.directory import PeerDirectory
 from noloco_node.dht.records import StageRecord
 from noloco_node.model.build import run_model
 from noloco_node.node.adapters import DhtMatching, DhtReplicas, swarm_replicas
 from noloco_node.node.assembly import ComputeParts, PipelineParts, build_compute, build_driver, build_pipeline, build_sync
 from noloco_node.node.boundary import InnerStepBoundary, Snapshots
 from noloco_node.node.checkpoint import Checkpointer
+from noloco_node.node.discovery import choose_stage, start_directory
 from noloco_node.node.joining import (announced_address, contact_lookup, fetch_state, public_libp2p_addrs, settle_reach,
                                       wait_for_replicas)
 from noloco_node.node.manifest import load_run_inputs
 from noloco_node.pipeline.driver import Stage0Driver
 from noloco_node.pipeline.ports import Hop
 from noloco_node.pipeline.rebalance import Move, watch
-from noloco_node.pipeline.stage_choice import claim_stage_in
 from noloco_node.rpc.outer_service import OuterClient, OuterServicer, Traffic
 from noloco_node.rpc.security import build_admission, read_swarm_key
 from noloco_node.rpc.server import NodeServer
@@ -102,7 +102,7 @@ class Node:
         swarm_key = read_swarm_key(cfg.security)
         self.corpus, self.tokenizer, self.manifest_hash = load_run_inputs(cfg)
         if self.stage_index is None:
-            self.stage_index = await self._choose_stage(identity, swarm_key)
+            self.directory, self.stage_index = await choose_stage(cfg, self.manifest_hash, identity, swarm_key)
         llama, ranges = run_model(cfg, len(self.tokenizer))
         self.parts: ComputeParts = build_compute(cfg, llama, ranges, self.stage_index, vocab_size=len(self.tokenizer),
                                                  events=self.events, faults=self.faults)
@@ -116,7 +116,7 @@ class Node:
                 [p.shape for p in self.parts.stage.parameters()]
             all_reduce = build_all_reduce(cfg, self.stage_index, shapes, swarm_key)
         if self.directory is None:
-            await self._start_directory(identity, swarm_key)
+            self.directory = await start_directory(cfg, self.manifest_hash, identity, swarm_key)
         self.peer_id = self.directory.peer_id
         self.links = Links(identity, swarm_key=swarm_key, max_skew_s=cfg.security.max_clock_skew_s,
                            lookup=contact_lookup(self.directory), options=GRPC_OPTIONS)
@@ -225,37 +225,6 @@ class Node:
         start_at = getattr(self.sync, "start_at", None)
         if start_at is not None:
             start_at(round_index)
-
-    async def _start_directory(self, identity: NodeIdentity, swarm_key: bytes | None) -> None:
-        cfg = self.config
-        self.directory = await PeerDirectory.start(
-            DirectoryIdentity(cfg.run.run_id, self.manifest_hash, __version__, cfg.pipeline.num_stages),
-            initial_peers=list(cfg.network.initial_peers), host=cfg.network.host, port=cfg.network.dht_port,
-            startup_timeout_s=cfg.timeouts.startup_s, swarm_key=swarm_key,
-            max_skew_s=cfg.security.max_clock_skew_s, key=identity)
-
-    async def _choose_stage(self, identity: NodeIdentity, swarm_key: bytes | None) -> int:
-        """`--stage auto`: the stage of our own checkpoint if there is exactly one, else the stage
-        that sustains the least (runtime/throughput.py: weakest_stage)."""
-        cfg = self.config
-        if cfg.checkpoint.dir is not None:
-            from noloco_node.node.checkpoint import stages_in
-
-            stages = stages_in(Path(cfg.checkpoint.dir).expanduser(), cfg.run.run_id)
-            if len(stages) == 1:
-                log.info("stage auto: resuming stage %d from the checkpoint in %s", stages[0], cfg.checkpoint.dir)
-                return stages[0]
-        await self._start_directory(identity, swarm_key)
-        stage = await claim_stage_in(self.directory, self.claim_record, ttl_s=cfg.timeouts.record_ttl_s)
-        log.info("stage auto: replicas' capacities per stage %s -> serving stage %d",
-                 await self.directory.replica_capacities(), stage)
-        return stage
-
-    def claim_record(self, stage: int, status: str, claimed_at: float) -> StageRecord:
-        """A joiner's claim on a stage (pipeline/stage_choice.py): no address yet, never routed to."""
-        return StageRecord(peer_id=self.directory.peer_id, address="", stage=stage, inner_step=0, outer_round=0,
-                           status=status, tokens_per_s=0.0, version=__version__, manifest_hash=self.manifest_hash,
-                           run_id=self.config.run.run_id, updated_at=claimed_at)
 
     # ---- parts other modules read -----------------------------------------------------------
     @property
@@ -427,22 +396,3 @@ class Node:
         self.parts.compute.shutdown()
         self.events.emit("stopped", inner_step=self.worker.inner_steps, saved_inputs=len(self.worker.saved))
         self.events.close()
-
-    async def moved_to(self, move: Move) -> Node:
-        """Leave this stage gracefully (withdraw, drain, no checkpoint of it) and come back on
-        `move.target` under the same identity; start() fetches the new stage's state from a replica."""
-        import dataclasses
-
-        log.info("moving: %s", move)
-        await self.stop(final=False)
-        record = {"from": move.source, "to": move.target, "at": time.time(), "inner_step": self.worker.inner_steps}
-        if self.driver is not None:
-            record["microbatches"] = self.driver.counters.as_dict()
-        cfg = self.config
-        moved = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, stage=move.target, rebalance=True))
-        new = Node(moved, outputs=self.outputs,
-                   membership=Membership(self.identity, self.moves + [record]))
-        await new.start()
-        new.events.emit("moved", **record)
-        log.info("moved to stage %d (state fetched: %s)", new.stage_index, new.fetched_state)
-        return new

@@ -5,11 +5,13 @@ there. What `join` runs once its arguments are read (cli/join.py)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from noloco_node.node.lifecycle import Node
+from noloco_node.node.lifecycle import Membership, Node
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +57,7 @@ async def serve(node: Node, plan: ServePlan, stop: asyncio.Event, reporter: Stag
                     reporter.stopped(node)
         if not moving:
             return 0
-        node = await node.moved_to(node.move)
+        node = await moved(node)
 
 
 async def _every(period_s: float, report: Callable[[], Awaitable[None]]) -> None:
@@ -128,3 +130,21 @@ async def race(coro, stop: asyncio.Event) -> None:
             pass
         return
     task.result()
+
+
+async def moved(node: Node) -> Node:
+    """Leave this stage gracefully (withdraw, drain, no checkpoint of it) and come back on
+    the planned stage under the same identity; start() fetches the new stage's state from a replica."""
+    move = node.move
+    log.info("moving: %s", move)
+    await node.stop(final=False)
+    record = {"from": move.source, "to": move.target, "at": time.time(), "inner_step": node.worker.inner_steps}
+    if node.driver is not None:
+        record["microbatches"] = node.driver.counters.as_dict()
+    cfg = node.config
+    there = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, stage=move.target, rebalance=True))
+    new = Node(there, outputs=node.outputs, membership=Membership(node.identity, node.moves + [record]))
+    await new.start()
+    new.events.emit("moved", **record)
+    log.info("moved to stage %d (state fetched: %s)", new.stage_index, new.fetched_state)
+    return new

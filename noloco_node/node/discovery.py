@@ -1,0 +1,50 @@
+"""Finding the swarm before a node is built: its DHT directory, and for `--stage auto` the stage to
+serve (its own checkpoint's, else the one the swarm needs most, agreed with simultaneous joiners)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from noloco_node import __version__
+from noloco_node.config import NodeConfig
+from noloco_node.dht.directory import DirectoryIdentity, PeerDirectory
+from noloco_node.dht.records import StageRecord
+from noloco_node.pipeline.stage_choice import claim_stage_in
+from noloco_node.transport.identity import NodeIdentity
+
+log = logging.getLogger(__name__)
+
+
+async def start_directory(cfg: NodeConfig, manifest_hash: str, identity: NodeIdentity,
+                          swarm_key: bytes | None) -> PeerDirectory:
+    return await PeerDirectory.start(
+        DirectoryIdentity(cfg.run.run_id, manifest_hash, __version__, cfg.pipeline.num_stages),
+        initial_peers=list(cfg.network.initial_peers), host=cfg.network.host, port=cfg.network.dht_port,
+        startup_timeout_s=cfg.timeouts.startup_s, swarm_key=swarm_key, max_skew_s=cfg.security.max_clock_skew_s,
+        key=identity)
+
+
+async def choose_stage(cfg: NodeConfig, manifest_hash: str, identity: NodeIdentity,
+                       swarm_key: bytes | None) -> tuple[PeerDirectory | None, int]:
+    """`--stage auto`: (the directory, if it had to be started, and) the stage of our own checkpoint
+    if there is exactly one, else the stage that sustains the least (runtime/throughput.py:
+    weakest_stage), claimed in the DHT first (pipeline/stage_choice.py)."""
+    if cfg.checkpoint.dir is not None:
+        from noloco_node.node.checkpoint import stages_in
+
+        stages = stages_in(Path(cfg.checkpoint.dir).expanduser(), cfg.run.run_id)
+        if len(stages) == 1:
+            log.info("stage auto: resuming stage %d from the checkpoint in %s", stages[0], cfg.checkpoint.dir)
+            return None, stages[0]
+    directory = await start_directory(cfg, manifest_hash, identity, swarm_key)
+
+    def claim_record(stage: int, status: str, claimed_at: float) -> StageRecord:
+        """A joiner's claim on a stage: no address yet, never routed to."""
+        return StageRecord(peer_id=directory.peer_id, address="", stage=stage, inner_step=0, outer_round=0,
+                           status=status, tokens_per_s=0.0, version=__version__, manifest_hash=manifest_hash,
+                           run_id=cfg.run.run_id, updated_at=claimed_at)
+
+    stage = await claim_stage_in(directory, claim_record, ttl_s=cfg.timeouts.record_ttl_s)
+    log.info("stage auto: replicas' capacities per stage %s -> serving stage %d", await directory.replica_capacities(), stage)
+    return directory, stage
