@@ -212,13 +212,20 @@ def model_link(link: dict):
     return Link(link["mbit"], 2 * link["one_way_ms"], shared=False)  # the relay limits each connection on its own
 
 
-def predict_run(result: dict, base: dict):
+def predict_run(result: dict, base: dict, overhead_s: float):
     """The link model's prediction for `result`'s settings and link, from the unlimited run's
-    compute per microbatch and round overhead (base) alone."""
+    compute per microbatch (`base`) and the round overhead O alone."""
     from noloco_node.model.costs import predict
 
-    return predict(run_costs(result["sets"]), stage_seconds=tuple(base["compute_s"]), round_overhead_s=base["round_s"],
+    return predict(run_costs(result["sets"]), stage_seconds=tuple(base["compute_s"]), round_overhead_s=overhead_s,
                    link=model_link(result["link"]))
+
+
+def round_overhead_s(unlimited_default: dict) -> float:
+    """O: a round's median seconds on loopback with the blocking step, where partners meet at the
+    boundary (pairing, freezing, applying). An overlapped round on loopback also counts the wait
+    for a partner still stepping towards its boundary, which costs training nothing."""
+    return unlimited_default["round_s"]
 
 
 def print_options(name: str, link: LinkProfile, base: dict) -> None:
@@ -226,7 +233,7 @@ def print_options(name: str, link: LinkProfile, base: dict) -> None:
     from noloco_node.model.costs import OPTIONS, choose
 
     pick, rows = choose(lambda option: run_costs(base["sets"], option), link=model_link(link.to_dict()),
-                        stage_seconds=tuple(base["compute_s"]), round_overhead_s=base["round_s"])
+                        stage_seconds=tuple(base["compute_s"]), round_overhead_s=round_overhead_s(base))
     names = {index: variant for variant, index in VARIANTS.items()}
     for i, (option, pred, relative) in enumerate(rows):
         label = names.get(i, ", ".join(f"{k}={str(v).lower()}" for k, v in option.settings().items()))
@@ -234,11 +241,11 @@ def print_options(name: str, link: LinkProfile, base: dict) -> None:
               f"defaults unlimited; limited by {pred.limited_by}{'  <- the pick (first >= 0.9 of the defaults, else the best)' if i == pick else ''}", flush=True)
 
 
-def print_run(name: str, result: dict, base: dict | None = None) -> None:
+def print_run(name: str, result: dict, base: dict | None = None, overhead_s: float = 0.0) -> None:
     head = f"{name:<22} {result['tokens_per_s']:7.1f} tokens/s"
     if result["link"] is not None:
         link = result["link"]
-        pred = predict_run(result, base)
+        pred = predict_run(result, base, overhead_s)
         ratio = result["tokens_per_s"] / base["tokens_per_s"]
         result.update(ratio=ratio, predicted_ratio=pred.ratio, predicted_step_s=pred.step_s,
                       predicted_round_s=pred.round_s, predicted_limit=pred.limited_by)
@@ -304,7 +311,7 @@ def main() -> None:
             results[run] = {"error": str(exc)}
             print(f"{run}: FAILED: {exc}", flush=True)
             continue
-        print_run(run, results[run], reference)
+        print_run(run, results[run], reference, round_overhead_s(base["default"]))
     print(f"total {time.monotonic() - started:.0f} s")
     (out / "results.json").write_text(json.dumps({"unlimited": base, "runs": results, "args": vars(args)}, indent=1,
                                                  default=str))
@@ -338,7 +345,7 @@ def reprint(saved: dict) -> None:
             print(f"{run}: FAILED: {result['error']}")
             continue
         result["hop_bytes"] = {int(k): v for k, v in result["hop_bytes"].items()}
-        print_run(run, result, saved["unlimited"][run.split(":")[1]])
+        print_run(run, result, saved["unlimited"][run.split(":")[1]], round_overhead_s(saved["unlimited"]["default"]))
 
 
 def print_volunteer_table() -> None:
@@ -352,8 +359,8 @@ def print_volunteer_table() -> None:
     cfg = load_config(overrides=TABLE_SETS)
     llama = resolve_llama_config(cfg.model, cfg.data.vocab_size)
     print("| uplink, RTT | device (stages) | set | predicted tokens/s vs unlimited defaults (busy) | defaults "
-          "| limited by | loss price known so far |")
-    print("|---|---|---|---|---|---|---|")
+          f"| limited by | H that hides the exchange (H = {cfg.outer.inner_steps_per_outer}) | loss price known so far |")
+    print("|---|---|---|---|---|---|---|---|")
     for device, gib, tflops in TABLE_DEVICES:
         plan = find_plan(cfg, llama, 0.9 * gib * (1 << 30), "cuda")
         p = plan["config"].pipeline
@@ -374,7 +381,8 @@ def print_volunteer_table() -> None:
             if mbit < 5:
                 settings += f", `timeouts.assumed_mbit_s = {mbit}`"
             print(f"| {mbit} Mbit/s, {rtt} ms | {device} ({plan['num_stages']}) | {settings} | {relative:.2f} "
-                  f"({pred.extra['busy']:.0%}) | {rows[0][2]:.2f} | {pred.limited_by} | {LOSS_PRICE[pick]} |")
+                  f"({pred.extra['busy']:.0%}) | {rows[0][2]:.2f} | {pred.limited_by} | "
+                  f"{math.ceil(pred.outer_s / pred.step_s)} | {LOSS_PRICE[pick]} |")
 
 
 if __name__ == "__main__":
