@@ -242,16 +242,22 @@ def print_options(name: str, link: LinkProfile, base: dict) -> None:
 
 
 def print_run(name: str, result: dict, base: dict | None = None, overhead_s: float = 0.0) -> None:
+    """A run's line and its nodes'. Behind a link, two predictions of the ratio: a priori (the
+    unlimited run's compute for both halves, what a volunteer would use) and with each half's own
+    measured compute (the machine's load moves between the halves; this isolates the link model)."""
     head = f"{name:<22} {result['tokens_per_s']:7.1f} tokens/s"
     if result["link"] is not None:
         link = result["link"]
         pred = predict_run(result, base, overhead_s)
+        own = predict_run(result, result, overhead_s)
+        own_ratio = pred.extra["round_unlimited_s"] / own.round_s
         ratio = result["tokens_per_s"] / base["tokens_per_s"]
-        result.update(ratio=ratio, predicted_ratio=pred.ratio, predicted_step_s=pred.step_s,
-                      predicted_round_s=pred.round_s, predicted_limit=pred.limited_by)
+        result.update(ratio=ratio, predicted_ratio=pred.ratio, predicted_ratio_own_compute=own_ratio,
+                      predicted_step_s=own.step_s, predicted_round_s=own.round_s, predicted_limit=pred.limited_by)
         head += (f" (unlimited {base['tokens_per_s']:.1f}) over {link['mbit']:.3g} Mbit/s, RTT {2 * link['one_way_ms']:g} ms: "
-                 f"ratio {ratio:.2f}, predicted {pred.ratio:.2f} (predicted / measured {pred.ratio / ratio:.2f}), limited by {pred.limited_by}; "
-                 f"step {result['step_s']:.3f} s (predicted {pred.step_s:.3f})")
+                 f"ratio {ratio:.2f}; predicted {pred.ratio:.2f} a priori ({pred.ratio / ratio:.2f}x), {own_ratio:.2f} with "
+                 f"this half's compute ({own_ratio / ratio:.2f}x); limited by {pred.limited_by}; step {result['step_s']:.3f} s "
+                 f"(predicted {own.step_s:.3f}); compute {', '.join(f'{c * 1e3:.0f}' for c in result['compute_s'])} ms")
     else:
         head += (f" (unlimited); compute per microbatch {', '.join(f'{c * 1e3:.0f}' for c in result['compute_s'])} ms "
                  f"per stage; round {result['round_s']:.2f} s on loopback; step {result['step_s']:.3f} s")
@@ -327,7 +333,7 @@ LOSS_PRICE = {  # what docs/experiments measured so far, per option in model/cos
     2: "int8 hops: *[pending: issue 26 item 6]*",
     3: "int4 activations: *[pending: issue 26 item 6]*",
     4: "int4 both ways: *[pending: issue 26 item 6]*",
-    5: "int4 and overlap schedule (1 step stale: +0.08 nats at 4 layers, +0.005 at 8, after 23 steps)",
+    5: "int4 *[pending]*; overlap schedule: +0.069 ± 0.008 nats (tiny, 80 steps, 3 seeds: one step stale)",
 }
 
 
