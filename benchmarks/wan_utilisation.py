@@ -10,8 +10,9 @@ unlimited, the codecs, H and the link.
 The device: this 2-core CPU is shared by the 4 nodes (and by whoever else works on the machine),
 so each node's compute is emulated as a fixed hold of its compute thread per pass
 (faults.compute_delay_s: a GPU kernel, which keeps the host thread waiting but not its CPU busy)
-on top of a small real model (its own forward and backward, a few ms). The hold makes the device's
-speed independent of the machine's load; the ratio of transfer to compute is what the profiles set.
+on top of a small real model (its own forward and backward: 6-28 ms of the 106-128 ms per
+microbatch measured). The hold keeps the device's speed nearly independent of the machine's load;
+the ratio of transfer to compute is what the profiles set.
 
 Link profiles, set by the ratio that matters (measured on the unlimited run first, printed):
   fibre: one hop's transfer at bf16 = 0.4 x one microbatch's compute; one outer round's transfer
@@ -27,8 +28,13 @@ int4-overlap-schedule (and pipeline.schedule = overlap). Each variant also runs 
 ratio is against its own unlimited run. Before the runs, the link model's prediction for every
 option on each profile is printed (against the same settings unlimited, and against the defaults).
 
+The emulated runs set timeouts.assumed_mbit_s to the link's rate, as docs/volunteer.md tells a
+volunteer below 5 Mbit/s to: the hops here (32.8 kB) are too small for a node to measure the link
+from (--no-assume-link shows what happens without). Results: OUT/results.json.
+
     .venv/bin/python benchmarks/wan_utilisation.py [--rounds 4] [--hold-s 0.05] [--out runs/bench-wan]
     .venv/bin/python benchmarks/wan_utilisation.py --table     # the volunteer table (link model only)
+    .venv/bin/python benchmarks/wan_utilisation.py --reprint runs/bench-wan/results.json  # against today's model
 """
 
 from __future__ import annotations
@@ -178,14 +184,22 @@ def measure(out: Path, variant: str, link: LinkProfile | None, args) -> dict:
     return result
 
 
-def link_for(profile: Profile, base: dict) -> tuple[LinkProfile, dict]:
+def link_for(profile: Profile, base: dict) -> LinkProfile:
     """The profile's link: the bandwidth at which one bf16 hop takes hop_ratio x the slowest
-    stage's compute per microbatch measured on unlimited; and the ratios that gives."""
-    compute = max(base["compute_s"])
-    rate = base["hop_bytes"][0] / (profile.hop_ratio * compute)  # bytes/s
-    ratios = {"hop_transfer/compute": base["hop_bytes"][0] / rate / compute,
-              "round_transfer/H_steps_compute": base["round_bytes"] / rate / (H * M * compute)}
-    return LinkProfile(profile.name, one_way_ms=profile.rtt_ms / 2, mbit=rate * 8 / 1e6), ratios
+    stage's compute per microbatch measured on unlimited."""
+    rate = base["hop_bytes"][0] / (profile.hop_ratio * max(base["compute_s"]))  # bytes/s
+    return LinkProfile(profile.name, one_way_ms=profile.rtt_ms / 2, mbit=rate * 8 / 1e6)
+
+
+def print_profile(name: str, link: LinkProfile, base: dict) -> None:
+    """The link and the two ratios it gives, measured against the unlimited run's numbers."""
+    compute, profile = max(base["compute_s"]), PROFILES[name]
+    hop, round_ = (base["hop_bytes"][0] / link.bytes_per_s / compute,
+                   base["round_bytes"] / link.bytes_per_s / (H * M * compute))
+    print(f"profile {name}: {link.mbit:.3g} Mbit/s each way per connection, RTT {2 * link.one_way_ms:g} ms; "
+          f"hop transfer / compute {hop:.2f} (target {profile.hop_ratio}), round transfer / H steps' compute "
+          f"{round_:.2f} (target {profile.round_ratio})", flush=True)
+    print_options(name, link, base)
 
 
 def run_costs(sets: list[str], option=None):
@@ -302,12 +316,8 @@ def main() -> None:
 
     links = {}
     for name, profile in PROFILES.items():
-        links[name], ratios = link_for(profile, unlimited("default"))
-        print(f"profile {name}: {links[name].mbit:.3g} Mbit/s each way per connection, RTT {profile.rtt_ms:g} ms; "
-              f"hop transfer / compute {ratios['hop_transfer/compute']:.2f} (target {profile.hop_ratio}), "
-              f"round transfer / H steps' compute {ratios['round_transfer/H_steps_compute']:.2f} "
-              f"(target {profile.round_ratio})", flush=True)
-        print_options(name, links[name], base["default"])
+        links[name] = link_for(profile, unlimited("default"))
+        print_profile(name, links[name], base["default"])
     for run in args.runs.split(","):
         profile, variant = run.split(":")
         reference = unlimited(variant)
@@ -346,7 +356,7 @@ def reprint(saved: dict) -> None:
         profile = run.split(":")[0]
         if "link" in result and profile not in shown:
             shown.add(profile)
-            print_options(profile, LinkProfile(**result["link"]), saved["unlimited"]["default"])
+            print_profile(profile, LinkProfile(**result["link"]), saved["unlimited"]["default"])
         if "error" in result:
             print(f"{run}: FAILED: {result['error']}")
             continue
