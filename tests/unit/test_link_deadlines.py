@@ -301,3 +301,14 @@ def test_a_state_donor_takes_no_bandwidth_sample_from_its_own_buffered_writes():
     assert deadlines.estimates.bytes_per_s("joiner") is None
     # so a 1 MB exchange with the joiner still gets its time at the assumed 0.6 Mbit/s (x 3), not the floor
     assert deadlines.total_s("joiner", 1_000_000) == pytest.approx(3 * 1_000_000 / (0.6e6 / 8))
+
+
+def test_small_hops_on_a_slow_link_are_measured_by_default():
+    """33 KB hops over 0.6 Mbit/s take ~0.45 s: the default estimator must take them as bandwidth
+    samples, or a run with small (int4) hops never learns its link and keeps the assumed 5 Mbit/s."""
+    links = LinkEstimates()
+    links.observe_rtt("p", 0.05)
+    for _ in range(5):
+        links.observe("p", 33_000, 33_000 * 8 / 0.6e6 + 0.05, "sent")
+    rate = links.bytes_per_s("p", "sent")
+    assert rate is not None and 0.4 < rate * 8 / 1e6 < 0.7, rate  # measured: about the link's 0.6 Mbit/s
