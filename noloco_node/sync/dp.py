@@ -65,9 +65,16 @@ class DataParallelSync(OuterSync):
     takes_inner_step = True
 
     def __init__(self, worker: StageWorker, config: OuterConfig, parts: SyncParts, *, all_reduce: AllReduce,
-                 timeout_s: float) -> None:
+                 timeout_s: float, patience_s: float = 0.0) -> None:
+        """`timeout_s` bounds one attempt at a round; a round whose group is short of members is
+        tried again under the same key until `patience_s` has passed (a replica one timeout behind
+        the others would otherwise never meet them again: seen in the convergence reproduction,
+        every round from step 10 on failed for all four replicas of a stage, one of them a timeout
+        ahead of the rest). Keep it below the microbatch timeout: a later stage waits here before
+        it sends the batch's last gradient upstream."""
         super().__init__()
         self.worker, self.parts, self.all_reduce, self.timeout_s = worker, parts, all_reduce, timeout_s
+        self.patience_s = max(timeout_s, patience_s)
         self.compute = parts.compute
         self.group_size = config.allreduce_group_size  # 0 = unknown: any group of two or more is whole
 
@@ -92,7 +99,7 @@ class DataParallelSync(OuterSync):
         start = time.monotonic()
         step = self.worker.inner_steps + 1
         grads, extra = await self.compute.run(self._gradients_and_extra)
-        means, group, same, complete = await self.all_reduce.mean(grads + [extra], self.timeout_s, step)
+        means, group, same, complete = await self._mean(grads + [extra], step, start)
         c = self.counters
         c.rounds += 1
         c.mixed_rounds += not same
@@ -114,6 +121,18 @@ class DataParallelSync(OuterSync):
         if outcome != "paired":
             log.warning("dp step %d %s (group %d, same round %s, complete %s)", step, outcome, group, same, complete)
         return lr
+
+    async def _mean(self, tensors: list[Tensor], step: int, start: float) -> tuple[list[Tensor], int, bool, bool]:
+        """The round's all-reduce, tried again while the group is short and patience is left."""
+        while True:
+            left = self.patience_s - (time.monotonic() - start)
+            result = await self.all_reduce.mean(tensors, max(1.0, min(self.timeout_s, left)), step)
+            group = result[1]
+            short = group < self.group_size if self.group_size else group < 2
+            if not short or self.patience_s - (time.monotonic() - start) < 1.0:
+                return result
+            log.info("dp step %d: group of %d, waiting for the rest (%.0f s of patience left)", step, group,
+                     self.patience_s - (time.monotonic() - start))
 
     def _gradients_and_extra(self) -> tuple[list[Tensor], Tensor]:
         grads = self.worker.take_gradients()

@@ -42,5 +42,7 @@ def build_outer_sync(config: NodeConfig, parts: SyncParts, ports: SyncPorts, *, 
     if outer.method == "dp":
         from noloco_node.sync.dp import DataParallelSync
 
-        return DataParallelSync(worker, outer, parts, all_reduce=ports.all_reduce, timeout_s=allreduce_s)
+        # A round short of members is tried again for up to 3/4 of the microbatch timeout (sync/dp.py).
+        return DataParallelSync(worker, outer, parts, all_reduce=ports.all_reduce, timeout_s=allreduce_s,
+                                patience_s=0.75 * timeouts.microbatch_s)
     return NoSync()

@@ -117,12 +117,15 @@ class MemoryAllReduceHub:
 
     Fault injection for tests: `partial` holds (member, round) pairs that receive only part of the
     mean (their own values for the rest, reported incomplete, as hivemind does), `absent` pairs that
-    never join that round (so it fails for everyone). `wait_s` caps how long a member waits."""
+    never join that round (so it fails for everyone), `late` pairs that join it that many seconds
+    late. `wait_s` caps how long a member waits in one attempt."""
 
     def __init__(self, group_size: int, *, wait_s: float | None = None) -> None:
         self.group_size, self.wait_s = group_size, wait_s
         self.partial: set[tuple[str, int]] = set()
         self.absent: set[tuple[str, int]] = set()
+        self.late: dict[tuple[str, int], float] = {}
+        """(member, round) -> seconds that member arrives late at that round."""
         self._rounds: dict[int, dict[str, list[Tensor]]] = {}
         self._done: dict[int, asyncio.Event] = {}
         self._means: dict[int, list[Tensor]] = {}
@@ -155,6 +158,9 @@ class MemoryAllReduce:
     async def mean(self, tensors: list[Tensor], timeout_s: float, round_index: int) -> tuple[list[Tensor], int, bool, bool]:
         if (self.name, round_index) in self.hub.absent:
             return [t.clone() for t in tensors], 1, True, True
+        delay = self.hub.late.pop((self.name, round_index), 0.0)
+        if delay:
+            await asyncio.sleep(delay)
         means = await self.hub._join(self.name, tensors, round_index, timeout_s)
         if means is None:
             return [t.clone() for t in tensors], 1, True, True

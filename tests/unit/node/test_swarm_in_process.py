@@ -165,6 +165,23 @@ def test_a_dp_round_that_fails_for_everyone_is_skipped_by_everyone(tmp_path):
     assert_identical_replicas(swarm)
 
 
+def test_a_dp_replica_late_for_a_round_is_waited_for_not_skipped(tmp_path):
+    """A member that reaches round 2 after the others' attempt timed out (wait 0.5 s, late 1.5 s):
+    they try the round again while patience lasts, and it is applied by all. Without that, a replica
+    one timeout behind never meets the others again (every later round fails for everyone)."""
+    steps = 4
+
+    def late_for_round_2(swarm: InProcessSwarm) -> None:
+        swarm.all_reduce[1].wait_s = 0.5
+        swarm.all_reduce[1].late[("s1r0", 2)] = 1.5
+
+    swarm = run(dp_config(tmp_path), replicas=2, steps=steps, inject=late_for_round_2)
+    assert_accounting(swarm, steps)
+    for node in swarm.stage(1):
+        assert [r["outcome"] for r in node.sync.counters.history] == ["paired"] * steps, node.peer_id
+    assert_identical_replicas(swarm)
+
+
 def test_dp_replicas_that_came_apart_are_averaged_back_together(tmp_path):
     """A round hivemind delivers in part to one member only: that member skips while the other
     steps, so the two come apart; the next round's fingerprints show it to both, and they average
