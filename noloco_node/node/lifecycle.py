@@ -347,13 +347,18 @@ class Node:
 
     # ---- stop ------------------------------------------------------------------------------
     async def stop(self, grace_s: float | None = None, *, final: bool = True) -> None:
-        """Withdraw the DHT record (status leaving), finish a running outer step, drain the
+        """Finish a running outer step, withdraw the DHT record (status leaving), drain the
         microbatches in flight within `grace_s`, checkpoint, write stats (and weights), shut down.
         `final=False` (a move to another stage): no checkpoint, snapshot or outputs of this stage."""
         cfg = self.config
         grace_s = cfg.timeouts.drain_s if grace_s is None else grace_s
-        self.status = "leaving"
         self.events.emit("stopping", inner_step=self.worker.inner_steps, in_flight=len(self.runtime.in_flight))
+        # Let a running outer step finish first, while our record still says we are here: withdrawn
+        # first, a partner's lookup no longer found us and an overlapped round in flight at the end
+        # went solo (seen in 8 of 20 overlapped loss_price cells); and the weights we save are post-update.
+        if not await self.sync.settle(2 * cfg.timeouts.match_s + 10):
+            log.warning("an outer step was still running at shutdown")
+        self.status = "leaving"
         # A mover's leaving record outlives its trip to the new stage (a restart, a state fetch), so
         # no other node plans a move while this one is in transit (pipeline/rebalance.py).
         ttl_s = None if final else max(cfg.timeouts.record_ttl_s, 2 * cfg.pipeline.rebalance_period_s)
@@ -361,9 +366,6 @@ class Node:
             await asyncio.wait_for(self.announce(ttl_s), timeout=cfg.timeouts.connect_s)
         except Exception:  # noqa: BLE001 - leaving anyway; the record expires by TTL
             pass
-        # Let a running outer step finish, so the weights we save are post-update.
-        if not await self.sync.settle(2 * cfg.timeouts.match_s + 10):
-            log.warning("an outer step was still running at shutdown")
         await self.runtime.drain(grace_s)
         if final:
             await self._final_outputs()
