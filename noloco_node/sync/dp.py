@@ -22,6 +22,7 @@ replica that drifted is thus back in lockstep one round later: the state heals i
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import time
@@ -74,7 +75,7 @@ class DataParallelSync(OuterSync):
         it sends the batch's last gradient upstream."""
         super().__init__()
         self.worker, self.parts, self.all_reduce, self.timeout_s = worker, parts, all_reduce, timeout_s
-        self.patience_s = max(timeout_s, patience_s)
+        self.patience_s = patience_s
         self.compute = parts.compute
         self.group_size = config.allreduce_group_size  # 0 = unknown: any group of two or more is whole
 
@@ -126,13 +127,18 @@ class DataParallelSync(OuterSync):
         """The round's all-reduce, tried again while the group is short and patience is left."""
         while True:
             left = self.patience_s - (time.monotonic() - start)
-            result = await self.all_reduce.mean(tensors, max(1.0, min(self.timeout_s, left)), step)
+            attempt_s = max(1.0, min(self.timeout_s, left)) if self.patience_s > 0 else self.timeout_s
+            began = time.monotonic()
+            result = await self.all_reduce.mean(tensors, attempt_s, step)
             group = result[1]
             short = group < self.group_size if self.group_size else group < 2
-            if not short or self.patience_s - (time.monotonic() - start) < 1.0:
+            left = self.patience_s - (time.monotonic() - start)
+            if not short or left < 1.0:
                 return result
-            log.info("dp step %d: group of %d, waiting for the rest (%.0f s of patience left)", step, group,
-                     self.patience_s - (time.monotonic() - start))
+            log.info("dp step %d: group of %d, waiting for the rest (%.0f s of patience left)", step, group, left)
+            # An attempt can come back short at once (the group formed without us, or we are the one
+            # missing): pause before the next, or the retries spin and starve the event loop.
+            await asyncio.sleep(max(0.0, min(0.5, attempt_s) - (time.monotonic() - began)))
 
     def _gradients_and_extra(self) -> tuple[list[Tensor], Tensor]:
         grads = self.worker.take_gradients()

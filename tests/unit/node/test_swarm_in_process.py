@@ -157,7 +157,8 @@ def test_a_dp_round_that_fails_for_everyone_is_skipped_by_everyone(tmp_path):
         swarm.all_reduce[1].wait_s = 0.5
         swarm.all_reduce[1].absent.add(("s1r0", 2))  # s1r0 never joins round 2: it fails for both
 
-    swarm = run(dp_config(tmp_path), replicas=2, steps=steps, inject=miss_round_2)
+    # The round is retried for 3/4 of timeouts.microbatch_s before everyone skips it; 4 s keeps that short.
+    swarm = run(dp_config(tmp_path, **{"timeouts.microbatch_s": 4.0}), replicas=2, steps=steps, inject=miss_round_2)
     assert_accounting(swarm, steps)
     for node in swarm.stage(1):
         outcomes = [r["outcome"] for r in node.sync.counters.history]
