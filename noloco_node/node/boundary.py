@@ -46,14 +46,19 @@ class InnerStepBoundary:
         self.worker, self.sync, self.events, self.compute = worker, sync, events, compute
         self.stage_index, self.bytes_sent = stage_index, bytes_sent
         self.checkpoints, self.snapshots = checkpoints, snapshots
+        # A later stage runs its boundaries in the background of the gradient that stepped it, so
+        # several can be pending at once; they are taken one at a time, in step order (asyncio.Lock
+        # wakes its waiters first come, first served).
+        self._in_order = asyncio.Lock()
 
     async def __call__(self, inner_step: int, driver: Stage0Driver | None = None) -> None:
         self._emit(inner_step, driver)
-        await self.sync.at_boundary(inner_step)
-        if self.checkpoints is not None and self.checkpoints.due(inner_step):
-            await self.checkpoint(driver)
-        if self.snapshots is not None and self.snapshots.due(inner_step):
-            await self.snapshots.save(inner_step)
+        async with self._in_order:
+            await self.sync.at_boundary(inner_step)
+            if self.checkpoints is not None and self.checkpoints.due(inner_step):
+                await self.checkpoint(driver)
+            if self.snapshots is not None and self.snapshots.due(inner_step):
+                await self.snapshots.save(inner_step)
 
     async def checkpoint(self, driver: Stage0Driver | None) -> None:
         microbatches = driver.counters.as_dict() if driver is not None else None

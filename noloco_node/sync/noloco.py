@@ -100,11 +100,13 @@ class NoLoCoSync(OuterSync):
         waited for there: one round at a time, never more than one behind."""
         if inner_step % self.every:
             return
-        if self._round_task is not None:
+        # Rounds share this object's per-round state: a second caller must not start one while
+        # another does (the node's boundary takes calls one at a time; this holds without it too).
+        while self._round_task is not None and not self._round_task.done():
             await asyncio.shield(self._round_task)
-        self._round_task = self._track(asyncio.ensure_future(self._round(inner_step, inner_step // self.every)))
+        task = self._round_task = self._track(asyncio.ensure_future(self._round(inner_step, inner_step // self.every)))
         if not self.overlap:
-            await asyncio.shield(self._round_task)
+            await asyncio.shield(task)
 
     async def _round(self, inner_step: int, round_index: int) -> None:
         await self.outer_step(inner_step, round_index)
@@ -170,6 +172,7 @@ class NoLoCoSync(OuterSync):
         self._outcome = ("solo", None)
         self._applied_at = inner_step
         poison = self.faults.poison() if self.faults is not None else None
+        frozen_at = self.parts.inner_steps()  # past inner_step when the boundaries before it queued up
         self._frozen = await self.compute.run(functools.partial(
             freeze, self.state, self.payload, self.codec_phi, self.codec_delta, dict(self.feedback.residual), poison))
         self.matching = True
@@ -205,7 +208,7 @@ class NoLoCoSync(OuterSync):
         self.counters.rounds += 1
         self.counters.history.append({"round": round_index, "outcome": outcome, "partner": partner,
                                       "seconds": time.monotonic() - start, "inner_step": inner_step,
-                                      "applied_at_step": self._applied_at, **self._frozen.stats})
+                                      "frozen_at_step": frozen_at, "applied_at_step": self._applied_at, **self._frozen.stats})
         await self._announce("serving", round_index + 1)
         return outcome
 

@@ -178,7 +178,8 @@ class OuterSync(ABC):
 
     @abstractmethod
     async def at_boundary(self, inner_step: int) -> None:
-        """After inner step `inner_step`: run an outer round if one is due (it may finish later)."""
+        """After inner step `inner_step`: run an outer round if one is due (it may finish later).
+        The node calls it once per inner step, in step order, one call at a time."""
 
     @property
     def outer_round(self) -> int:

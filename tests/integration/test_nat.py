@@ -240,7 +240,10 @@ def test_only_the_bootstrap_public_a_home_serves_stage_1_and_another_home_trains
           f"{trainer['losses'][-1]:.3f}; home1 reach {server['transport']['reach']}, bytes by path "
           f"{server['transport']['bytes_by_path']}")
     assert trainer["inner_steps"] == steps and mb["completed"] >= steps, mb
-    assert server["transport"]["reach"] != "direct" and server["inner_steps"] == steps, server["transport"]
+    assert server["transport"]["reach"] != "direct", server["transport"]
+    # One step per batch the trainer issued; a microbatch re-issued after its first attempt was
+    # computed anyway counts twice here (two per batch), as test_demo_noloco's bound allows.
+    assert steps <= server["inner_steps"] <= steps + (mb["reissued"] + 1) // 2, (server["inner_steps"], mb)
     # Every activation and gradient between the two homes crossed the bootstrap's relay splice.
     assert server["transport"]["bytes_by_path"].get("relayed", {}).get("in", 0) > 0, server["transport"]
     assert "direct" not in server["transport"]["bytes_by_path"], server["transport"]
@@ -248,8 +251,11 @@ def test_only_the_bootstrap_public_a_home_serves_stage_1_and_another_home_trains
 
 @pytest.mark.skipif(NO_NAT is not None, reason=f"no NAT topology here: {NO_NAT}")
 def test_a_relayed_node_moves_to_direct_once_its_router_forwards_its_port(tmp_path):
+    # Training must outlast the re-probe's backoff (doubling from 1 s to 16 s): each pass holds its
+    # compute thread 50 ms, so 40 steps take well over 16 s (unpaced, they took 3 s and ended first).
     steps, port = 40, 31340
-    config, logs = _setup(tmp_path, **{"network.reprobe_s": 1.0, "inner.total_steps": steps})
+    config, logs = _setup(tmp_path, **{"network.reprobe_s": 1.0, "inner.total_steps": steps,
+                                       "faults.compute_delay_s": 0.05})
     nodes = tmp_path / "nodes"
     with NatTopology() as topo:
         procs = _Procs(topo, logs)

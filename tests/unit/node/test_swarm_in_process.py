@@ -241,3 +241,25 @@ def test_an_overlapped_outer_exchange_lets_stage0_keep_stepping(tmp_path, overla
     for name, phi in a.parts.outer_state.phi.items():
         assert torch.equal(phi, b.parts.outer_state.phi[name]), name
         assert torch.equal(a.parts.outer_state.momentum[name], b.parts.outer_state.momentum[name]), name
+
+
+def test_a_later_stage_runs_its_overlapped_rounds_one_at_a_time_in_order(tmp_path):
+    """A later stage's boundaries run in the background of its gradients, so with a slow exchange
+    several can be waiting at once; each round must still start only after the one before it was
+    applied (concurrent rounds shared one round's state: seen in the D4 x P2 demo, rounds 4-7 of a
+    stage-1 replica ran together and three of them ended with no outcome counted)."""
+    steps, every = 12, 2
+    config = tiny_config(tmp_path, **{"outer.method": "noloco", "outer.inner_steps_per_outer": every,
+                                      "outer.overlap": "true", "pipeline.num_stages": 2, "pipeline.batch_size": 4,
+                                      "timeouts.match_s": 5.0, "faults.inject": "during_exchange:delay=0.6"})
+    swarm = run(config, replicas=2, steps=steps)
+    assert_accounting(swarm, steps)
+    for node in swarm.stage(1):
+        history, counters = node.sync.counters.history, node.sync.counters
+        rounds = [r["round"] for r in history]
+        assert rounds == list(range(1, len(rounds) + 1)), history
+        assert counters.paired + counters.solo == counters.rounds == len(history), vars(counters)
+        frozen_at = [r["frozen_at_step"] for r in history]
+        applied_at = [r["applied_at_step"] for r in history]
+        assert all(r["frozen_at_step"] >= r["inner_step"] for r in history), history
+        assert all(applied <= later for applied, later in zip(applied_at, frozen_at[1:])), (frozen_at, applied_at)
