@@ -90,16 +90,18 @@ class Router:
         self.rng = rng or random.Random()
         self._cycle: list[str] = []
 
-    def pick_permuted(self, candidates: list[Peer], senders: list[str], me: str, seed: str) -> Peer | None:
+    def pick_permuted(self, candidates: list[Peer], senders: list[str], me: str, seed: str, *,
+                      ignore_bans: bool = False) -> Peer | None:
         """The balanced choice for the microbatch `seed` names: None when it does not apply (the
-        stages differ in size, we are not among the senders) or its receiver is banned here."""
+        stages differ in size, we are not among the senders) or its receiver is banned here (unless
+        `ignore_bans`: in lockstep no other receiver will do)."""
         if len(candidates) != len(senders) or me not in senders:
             return None
         receivers = sorted(candidates, key=lambda p: p.peer_id)
         order = list(range(len(receivers)))
         random.Random(seed).shuffle(order)  # str seeds hash the same in every process
         peer = receivers[order[sorted(senders).index(me)]]
-        return None if self.bans.is_banned(peer.peer_id) else peer
+        return None if self.bans.is_banned(peer.peer_id) and not ignore_bans else peer
 
     def pick_fixed(self, candidates: list[Peer], senders: list[str], me: str) -> Peer | None:
         """The fixed choice: the sender at index d among its stage's replicas always sends to index

@@ -83,6 +83,12 @@ class RuntimeSettings:
     routing: str = "random"
     """random | capacity | balanced | fixed (pipeline/router.py); balanced and fixed pick by sender index."""
     routing_seed: int = 0
+    lockstep: bool = False
+    """dp: a microbatch goes only to its balanced receiver, retried there until the deadline and
+    never handed to another replica. A dp replica of a later stage steps per batch it received, so
+    any other share leaves one replica short and the whole stage waiting for it in the all-reduce
+    (seen in the convergence reproduction: three stage-1 replicas at step 12, one short, the
+    stage-0 replicas waiting for the gradients those three hold until their round completes)."""
     delay_before_forward_s: float = 0.0
     """Fault injection (faults.delay_before_forward_s)."""
 
@@ -109,7 +115,7 @@ class StageRuntime:
         self.transport, self.directory, self.router, self.me = transport, directory, router, me
         self.max_in_flight, self.send_deadline_s = settings.max_in_flight, settings.send_deadline_s
         self.delay_before_forward_s = settings.delay_before_forward_s
-        self.routing, self.routing_seed = settings.routing, settings.routing_seed
+        self.routing, self.routing_seed, self.lockstep = settings.routing, settings.routing_seed, settings.lockstep
         self.hooks = hooks
         self.faults = faults or FaultInjector()
         self._last_hooked_step = 0
@@ -262,25 +268,21 @@ class StageRuntime:
 
     async def send_forward(self, key: MicrobatchKey, route: list[Hop], output: Tensor, labels: Tensor,
                            avoid: frozenset[str] = frozenset()) -> str | None:
-        """Push to a random live replica of the next stage, retrying others until the deadline.
-
-        Replicas in `avoid` (those that already lost this microbatch) are skipped while any other
-        is available. Returns the peer id that accepted it, or None.
-        """
+        """Push to a live replica of the next stage (picked by the routing), retrying others until
+        the deadline (in lockstep: the same one). Replicas in `avoid` (those that already lost this
+        microbatch) are skipped while any other is available. Returns the peer id that accepted it,
+        or None."""
         deadline = time.monotonic() + self.send_deadline_s
         tried: set[str] = set(avoid)
         delay = 0.05
         while time.monotonic() < deadline:
             candidates = await self.directory.replicas(self.shape.stage + 1)
-            balanced = None
-            if self.routing in ("balanced", "fixed") and not tried:  # a re-issue or a retry goes to anyone else
-                senders = [r.peer_id for r in await self.directory.replicas(self.shape.stage)]
-                balanced = (self.router.pick_fixed(candidates, senders, self.me.peer_id) if self.routing == "fixed" else
-                            self.router.pick_permuted(candidates, senders, self.me.peer_id,
-                                                      f"{self.routing_seed}:{key.sequence}:{self.shape.stage}"))
-            peer = balanced or self.router.pick(candidates, exclude=tried)
+            balanced = await self._balanced_receiver(candidates, key) if self._routes_balanced(tried) else None
+            peer = balanced or (None if self.lockstep else self.router.pick(candidates, exclude=tried))
             if peer is None:
-                tried.clear()  # everyone was tried once (or is banned): wait a little, then cycle again
+                # Everyone was tried once (or is banned), or (lockstep) the stages' views of who is
+                # in them differ for now: wait a little, then look again.
+                tried.clear()
                 await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
                 delay = min(1.0, delay * 2)
                 continue
@@ -300,13 +302,34 @@ class StageRuntime:
                 return peer.peer_id
             except PeerBusy:
                 tried.add(peer.peer_id)
+                if self.lockstep:  # the same receiver again, after a pause
+                    await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+                    delay = min(1.0, delay * 2)
             except NodeError as exc:
                 tried.add(peer.peer_id)
                 self.stats.send_failures += 1
+                if self.lockstep:
+                    log.info("forward of %s to %s failed (%s); trying it again", key, peer.peer_id[-8:], exc)
+                    await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+                    delay = min(1.0, delay * 2)
+                    continue
                 duration = self.router.bans.ban(peer.peer_id)
                 log.info("forward of %s to %s failed (%s); banned for %.0f s", key, peer.peer_id[-8:], exc, duration)
         log.warning("no replica of stage %d took microbatch %s within %.0f s", self.shape.stage + 1, key, self.send_deadline_s)
         return None
+
+    def _routes_balanced(self, tried: set[str]) -> bool:
+        """Balanced and fixed routing pick by sender index for a first attempt; a re-issue or a
+        retry goes to anyone else, except in lockstep, where it goes to the same receiver."""
+        return self.routing in ("balanced", "fixed") and (self.lockstep or not tried)
+
+    async def _balanced_receiver(self, candidates: list, key: MicrobatchKey):
+        senders = [r.peer_id for r in await self.directory.replicas(self.shape.stage)]
+        if self.routing == "fixed":
+            return self.router.pick_fixed(candidates, senders, self.me.peer_id)
+        return self.router.pick_permuted(candidates, senders, self.me.peer_id,
+                                         f"{self.routing_seed}:{key.sequence}:{self.shape.stage}",
+                                         ignore_bans=self.lockstep)
 
     async def _send_backward(self, upstream: Hop, key: MicrobatchKey, grad: Tensor, loss: float, tokens: int) -> None:
         for retry_in in (*BACKWARD_LOOKUP_RETRIES_S, None):

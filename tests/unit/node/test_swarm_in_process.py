@@ -263,3 +263,19 @@ def test_a_later_stage_runs_its_overlapped_rounds_one_at_a_time_in_order(tmp_pat
         applied_at = [r["applied_at_step"] for r in history]
         assert all(r["frozen_at_step"] >= r["inner_step"] for r in history), history
         assert all(applied <= later for applied, later in zip(applied_at, frozen_at[1:])), (frozen_at, applied_at)
+
+
+def test_dp_forwards_answered_busy_wait_for_their_own_receiver(tmp_path):
+    """Stage-1 replicas hold one microbatch at a time (max_in_flight 1), so senders hear BUSY. A dp
+    replica steps per batch it received: the sender must retry its balanced receiver, never hand
+    the microbatch to the other one (that one would step early, this one would be short, and the
+    stage would wait for it in the all-reduce)."""
+    steps = 4
+    swarm = run(dp_config(tmp_path, **{"pipeline.max_in_flight": 1}), replicas=2, steps=steps)
+    assert_accounting(swarm, steps)
+    assert sum(n.runtime.stats.busy_answers for n in swarm.stage(1)) > 0
+    for node in swarm.stage(0):
+        assert node.runtime.stats.routed_random == 0, vars(node.runtime.stats)
+    for node in swarm.stage(1):
+        assert [r["outcome"] for r in node.sync.counters.history] == ["paired"] * steps, node.peer_id
+    assert_identical_replicas(swarm)
