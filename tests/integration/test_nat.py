@@ -28,7 +28,7 @@ from .netns_topology import NatTopology, unavailable_reason
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 NO_NAT = unavailable_reason()
-STEPS, H = 24, 4
+STEPS, H = 32, 4
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -109,14 +109,15 @@ def test_home_nodes_behind_nat_join_train_and_pair(tmp_path):
             assert not _dialable(in_public, wan, port), f"{wan}:{port} is dialable from the public namespace"
             assert not _dialable(in_public, lan, port), f"{lan}:{port} is dialable from the public namespace"
 
-        s0 = start(topo.public, "public-s0", "join", *common, "--stage", "0", "--host", pub, "--steps", str(STEPS),
-                   "--ready-file", str(tmp_path / "public-s0.json"))
-        _wait_file(tmp_path / "public-s0.json", s0, logs / "public-s0.log", 120)
-
+        # While the homes train (with int8 hops they can finish before a later joiner is up).
         status = json.loads(in_public([*base, "status", "--json", "--config", str(config), "--initial-peers", maddr]))
         reach = {r["peer_id"]: r["reach"] for r in status["replicas"]}
         print("\nstatus reach:", {p[-8:]: r for p, r in reach.items()})
         assert all(reach.get(i["peer_id"]) in ("holepunched", "relayed") for i in infos), reach
+
+        s0 = start(topo.public, "public-s0", "join", *common, "--stage", "0", "--host", pub, "--steps", str(STEPS),
+                   "--ready-file", str(tmp_path / "public-s0.json"))
+        _wait_file(tmp_path / "public-s0.json", s0, logs / "public-s0.log", 120)
 
         for proc, name in [(homes[0], "home1"), (homes[1], "home2"), (s0, "public-s0")]:
             try:
