@@ -23,7 +23,7 @@ import time
 import torch
 
 from noloco_node.runtime.memory import tune_allocator
-from noloco_node.wire.codec import decode_into, encode
+from noloco_node.codec.tensors import decode_into, encode
 
 BLOCK = 64
 # (label, codec, encode keyword arguments); the generator is reseeded for every encode.

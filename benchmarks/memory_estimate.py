@@ -44,7 +44,7 @@ class Exchange:
 
     def __init__(self, state, cfg) -> None:
         from noloco_node.sync.snapshot import THETA, choose_payload, freeze, unpack
-        from noloco_node.wire.codec import decode
+        from noloco_node.codec.tensors import decode
 
         o = cfg.outer
         self.state, self.payload = state, choose_payload(state, o.codec_phi, o.codec_delta)

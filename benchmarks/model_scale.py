@@ -23,7 +23,7 @@ import torch
 
 from two_stage_runs import one_process, two_stage_swarm
 
-from noloco_node.wire.codec import encode
+from noloco_node.codec.tensors import encode
 from noloco_node.config import load_config
 from noloco_node.data.corpus import resolve_corpus
 from noloco_node.data.tokenizer import load_tokenizer

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from noloco_node.optim.outer import noloco_step, noloco_step_sent, solo_step
-from noloco_node.wire.codec import decode, encode
+from noloco_node.codec.tensors import decode, encode
 from tests.outer_peers import t
 
 f64 = torch.float64

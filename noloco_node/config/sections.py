@@ -13,7 +13,7 @@ from typing import Any
 
 METHODS = ("noloco", "diloco", "dp", "none")
 CODECS = ("none", "bf16", "int8")
-# Codecs of the pipeline's activations and gradients (wire/codec.py: fp8 and int4 are blockwise).
+# Codecs of the pipeline's activations and gradients (codec/tensors.py: fp8 and int4 are blockwise).
 PIPELINE_CODECS = ("none", "bf16", "int8", "fp8", "int4")
 # Reference hyperparameters per method (noloco-reference.md section 1): H, alpha, beta.
 METHOD_DEFAULTS = {"noloco": (50, 0.5, 0.7), "diloco": (100, 0.3, 0.7), "dp": (1, 0.0, 0.0), "none": (1, 0.0, 0.0)}

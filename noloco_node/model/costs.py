@@ -6,7 +6,7 @@ Notation: P stages, stage s holds `layers_s` decoder layers; a microbatch is b s
 tokens (n = b T h activation elements); M = batch / b microbatches per inner step; W =
 pipeline.max_in_flight; F = device TFLOP/s x MFU; B = link bandwidth (bytes/s, each direction, every
 node on its own access link); r = RTT; c_a, c_g = bytes per element of the activation and gradient
-codecs (wire/codec.py: none 4, bf16 2, int8 and fp8 1 + 4/64, int4 0.5 + 4/64); w = outer
+codecs (codec/tensors.py: none 4, bf16 2, int8 and fp8 1 + 4/64, int4 0.5 + 4/64); w = outer
 payload bytes per parameter (theta, or phi and delta); O = seconds a round costs whatever the
 link (pairing through the DHT, freezing and applying the snapshot; 0 unless measured).
 
@@ -99,8 +99,8 @@ class Prediction:
 
 
 def codec_bytes_per_element(codec: str) -> float:
-    """Wire bytes per element of a tensor codec (wire/codec.py), blockwise scales included."""
-    from noloco_node.wire.codec import BLOCKWISE, DEFAULT_BLOCK, TensorSpec, expected_payload_bytes
+    """Wire bytes per element of a tensor codec (codec/tensors.py), blockwise scales included."""
+    from noloco_node.codec.tensors import BLOCKWISE, DEFAULT_BLOCK, TensorSpec, expected_payload_bytes
 
     n = 1 << 16
     name = codec.split(":")[0]

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from noloco_node.wire.codec import TensorSpec, decode, encode
+from noloco_node.codec.tensors import TensorSpec, decode, encode
 
 DENSE_CODECS = ("none", "bf16", "int8")
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from noloco_node.wire.codec import decode, encode
+from noloco_node.codec.tensors import decode, encode
 from noloco_node.config import NodeConfig
 from noloco_node.model.build import build_run_stage, run_model
 from noloco_node.model.stage import LlamaStage

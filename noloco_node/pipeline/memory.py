@@ -14,7 +14,7 @@ from torch import Tensor
 
 from noloco_node.errors import PeerUnavailable, PeerUnknown
 from noloco_node.pipeline.ports import BackwardCall, ForwardCall, Hop, MicrobatchKey, Peer, StageHandler
-from noloco_node.wire.codec import DTYPES, decode_into, encode
+from noloco_node.codec.tensors import DTYPES, decode_into, encode
 
 
 @dataclass(frozen=True)

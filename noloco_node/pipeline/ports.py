@@ -9,7 +9,7 @@ from typing import Any, Protocol
 
 from torch import Tensor
 
-from noloco_node.wire.codec import TensorSpec
+from noloco_node.codec.tensors import TensorSpec
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ from typing import Awaitable, Callable
 
 from torch import Tensor
 
-from noloco_node.wire.codec import TensorSpec
+from noloco_node.codec.tensors import TensorSpec
 from noloco_node.errors import InvalidPayload, NodeError, PeerBusy, PeerUnknown, ProtocolMismatch, UnknownMicrobatch
 from noloco_node.pipeline.ports import BackwardCall, ForwardCall, Hop, MicrobatchKey, ReplicaDirectory, StageTransport
 from noloco_node.pipeline.completions import Stage0Completions

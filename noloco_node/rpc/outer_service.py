@@ -21,7 +21,7 @@ import grpc
 import torch
 from torch import Tensor
 
-from noloco_node.wire.codec import DTYPES, CodecError, decode_into, encode
+from noloco_node.codec.tensors import DTYPES, CodecError, decode_into, encode
 from noloco_node.errors import InvalidPayload, NodeError, PeerBusy, PeerUnavailable, ProtocolMismatch
 from noloco_node.rpc.admission import CALLER
 from noloco_node.rpc.deadlines import ExchangeLimits, Progress, TransferTimedOut, exchange_limits, watch_exchange, within

@@ -19,7 +19,7 @@ import grpc
 import torch
 from torch import Tensor
 
-from noloco_node.wire.codec import DTYPES, CodecError, TensorSpec, decode_into
+from noloco_node.codec.tensors import DTYPES, CodecError, TensorSpec, decode_into
 from noloco_node.errors import InvalidPayload, NodeError, PoisonedPayload, ProtocolMismatch, TooLarge
 from noloco_node.optim.integrity import RunningBounds
 from noloco_node.pipeline.ports import BackwardCall, ForwardCall, Hop, MicrobatchKey, StageHandler
@@ -213,7 +213,7 @@ class StageClient:
     (transport/dialer.py: direct TLS or gRPC over libp2p, whichever the peer's record says).
 
     `codec` encodes the activations of Forward, `gradient_codec` (None = `codec`) the gradients
-    of Backward. Gradients round stochastically where the codec can (int4, see wire/codec.py),
+    of Backward. Gradients round stochastically where the codec can (int4, see codec/tensors.py),
     with draws from a generator seeded by `rounding_seed` (None = a fresh random seed).
 
     A call's deadline is `timeout_s` (timeouts.rpc_s) or its payload's time at the peer's measured

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from noloco_node.wire.codec import CodecError, TensorSpec, encode, expected_payload_bytes
+from noloco_node.codec.tensors import CodecError, TensorSpec, encode, expected_payload_bytes
 from noloco_node.errors import InvalidPayload
 from noloco_node.wire.v1 import tensor_pb2
 
@@ -51,7 +51,7 @@ def header_to_spec(header: tensor_pb2.TensorHeader) -> TensorSpec:
 def encode_tensor(tensor: Tensor, codec: str, name: str = "", *, stochastic: torch.Generator | None = None,
                   dtype: str | None = None) -> tuple[tensor_pb2.TensorHeader, bytes]:
     """`stochastic`: int4 rounds stochastically with this generator's draws; `dtype`: the logical
-    dtype when a lower-precision copy is handed in (wire/codec.py)."""
+    dtype when a lower-precision copy is handed in (codec/tensors.py)."""
     spec, payload = encode(tensor, codec, stochastic=stochastic, dtype=dtype)
     return spec_to_header(spec, name), payload
 

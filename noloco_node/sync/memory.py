@@ -14,7 +14,7 @@ from noloco_node.errors import InvalidPayload, PeerBusy, PeerUnavailable, Protoc
 from noloco_node.runtime.faults import FaultInjector
 from noloco_node.sync.ports import (Decision, EncodedSnapshot, ExpectedTensor, PairingResponder, PairProposal,
                                     StateDonor)
-from noloco_node.wire.codec import DTYPES, CodecError, decode_into
+from noloco_node.codec.tensors import DTYPES, CodecError, decode_into
 
 
 def decode_snapshot(snapshot: EncodedSnapshot, expected: list[ExpectedTensor], codec: str) -> dict[str, Tensor]:

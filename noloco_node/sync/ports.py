@@ -30,7 +30,7 @@ from torch import Tensor
 from noloco_node.pipeline.ports import Peer
 from noloco_node.runtime.compute import ComputeThread
 from noloco_node.runtime.faults import FaultInjector
-from noloco_node.wire.codec import TensorSpec
+from noloco_node.codec.tensors import TensorSpec
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from noloco_node.rpc.outer_service import exchange_snapshots
 from noloco_node.runtime.faults import FaultInjector
 from noloco_node.runtime.link_estimates import RECEIVED, SENT, DeadlinePolicy, LinkDeadlines, LinkEstimates
 from noloco_node.sync.ports import EncodedSnapshot, ExpectedTensor
-from noloco_node.wire.codec import encode
+from noloco_node.codec.tensors import encode
 
 MB = 1_000_000
 

@@ -50,7 +50,7 @@ def test_imports_against_the_layering_are_found():
     assert not structure._allowed("optim", "pipeline.worker")
     assert not structure._allowed("node", "wire.v1.stage_pb2")
     assert structure._allowed("rpc", "pipeline.ports") and not structure._allowed("rpc", "pipeline.runtime")
-    assert structure._allowed("sync", "wire.codec") and structure._allowed("node", "rpc.server")
+    assert structure._allowed("sync", "codec.tensors") and not structure._allowed("sync", "wire.v1.outer_pb2") and structure._allowed("node", "rpc.server")
 
 
 def test_long_functions_and_wide_constructors_are_found():

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from noloco_node.wire.codec import (LEVELS, MAX_ABSMAX, MIN_SCALE, CodecError, TensorSpec, decode, decode_into,
+from noloco_node.codec.tensors import (LEVELS, MAX_ABSMAX, MIN_SCALE, CodecError, TensorSpec, decode, decode_into,
                                     encode, expected_payload_bytes)
 
 BLOCK = 64

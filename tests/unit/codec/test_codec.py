@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from noloco_node.wire.codec import CodecError, TensorSpec, decode, decode_into, encode, expected_payload_bytes
+from noloco_node.codec.tensors import CodecError, TensorSpec, decode, decode_into, encode, expected_payload_bytes
 
 
 def weights(n=100_003, seed=0):

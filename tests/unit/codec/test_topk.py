@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from noloco_node.wire.codec import CodecError, TensorSpec, decode, encode, expected_payload_bytes
+from noloco_node.codec.tensors import CodecError, TensorSpec, decode, encode, expected_payload_bytes
 from noloco_node.optim.compress import ErrorFeedback, encode_tensor, parse_codec
 from noloco_node.optim.state import OuterState
 from noloco_node.sync.snapshot import PHI_DELTA, THETA, check_snapshot, choose_payload, freeze, unpack

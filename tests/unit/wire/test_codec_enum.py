@@ -11,7 +11,7 @@ import torch
 from noloco_node.errors import InvalidPayload
 from noloco_node.rpc.stage_service import StageClient, StageServicer
 from noloco_node.rpc.tensors import encode_tensor, header_to_spec, spec_to_header
-from noloco_node.wire.codec import CODECS, decode, encode
+from noloco_node.codec.tensors import CODECS, decode, encode
 from noloco_node.wire.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
 
 # Numbers on the wire are a contract between versions: appended, never renumbered.
