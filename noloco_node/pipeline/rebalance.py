@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -125,5 +126,21 @@ async def watch(*, me: str, read: Callable[[], Awaitable[list[Replica]]], num_st
         move = plan_move(replicas, num_stages, margin=margin, now=clock(), settle_s=settle_s, cooldown_s=cooldown_s)
         if move is not None:
             log.info("rebalance plan: %s%s", move, " (this node)" if move.peer_id == me else "")
-            if move.peer_id == me:
+            if move.peer_id == me and await _still_named(me, read, num_stages, margin, period_s, settle_s,
+                                                         cooldown_s, clock):
                 return move
+
+
+async def _still_named(me: str, read: Callable[[], Awaitable[list[Replica]]], num_stages: int, margin: float,
+                       period_s: float, settle_s: float, cooldown_s: float, clock: Callable[[], float]) -> bool:
+    """Views of the DHT differ for a while, so two nodes can each find themselves named in the same
+    period (seen: two stage-0 replicas moved at once). After a random pause the plan is made again
+    from a fresh read: the first to move is `leaving` by then, the swarm is not settled, and the
+    other stays."""
+    await asyncio.sleep(random.uniform(0.0, period_s / 2))
+    try:
+        replicas = await read()
+    except Exception:  # noqa: BLE001 - a failed lookup: not confirmed, the next period decides
+        return False
+    move = plan_move(replicas, num_stages, margin=margin, now=clock(), settle_s=settle_s, cooldown_s=cooldown_s)
+    return move is not None and move.peer_id == me
