@@ -4,6 +4,8 @@ ports lives in rpc/ itself (rpc/stage_transport.py, rpc/outer_service.py)."""
 
 from __future__ import annotations
 
+import asyncio
+
 from noloco_node.dht.directory import PeerDirectory
 from noloco_node.pipeline.ports import Peer
 from noloco_node.pipeline.rebalance import Replica
@@ -20,7 +22,7 @@ class DhtReplicas:
 
 
 class DhtMatching:
-    """sync.noloco.MatchingDirectory over the DHT directory (always a fresh lookup)."""
+    """sync.ports.MatchingDirectory and sync.ports.StageProgress over the DHT directory (fresh lookups)."""
 
     def __init__(self, directory: PeerDirectory) -> None:
         self.directory = directory
@@ -32,6 +34,10 @@ class DhtMatching:
     async def replica_count(self, stage: int) -> int:
         """Live replicas of `stage`, ours included (a cached lookup is fine)."""
         return len(await self.directory.replicas(stage))
+
+    async def inner_steps(self, stage: int, *, timeout_s: float) -> dict[str, int]:
+        records = await asyncio.wait_for(self.directory.replicas(stage, fresh=True), timeout_s)
+        return {r.peer_id: r.inner_step for r in records}
 
 
 async def swarm_replicas(directory: PeerDirectory) -> list[Replica]:

@@ -92,7 +92,7 @@ class InProcessSwarm:
         parts = build_compute(config, llama, ranges, stage, vocab_size=len(self.tokenizer), events=events, faults=faults)
         pairing = self.hub.transport(peer_id, faults)
         ports = SyncPorts(pairing=pairing, matching=self.network.directory(),
-                          all_reduce=self.all_reduce[stage].member(peer_id))
+                          all_reduce=self.all_reduce[stage].member(peer_id), progress=self.network.directory())
 
         async def set_status(status: str, round_index: int) -> None:
             await self.network.set_status(peer_id, status, round_index)
@@ -104,7 +104,7 @@ class InProcessSwarm:
         pipeline = build_pipeline(config, parts, transport=transport, directory=self.network.directory(),
                                   me=Hop(peer_id, f"memory:{peer_id}", stage), sync=sync, on_inner_step=boundary,
                                   faults=faults)
-        self.network.register(peer_id, stage, pipeline.runtime)
+        self.network.register(peer_id, stage, pipeline.runtime, inner_steps=lambda: parts.worker.inner_steps)
         self.hub.register(peer_id, sync.responder)
         return InProcessNode(peer_id, replica, config, parts, sync, pipeline, boundary, events)
 

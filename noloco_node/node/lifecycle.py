@@ -159,7 +159,9 @@ class Node:
                                    traffic=self.outer_traffic, faults=self.faults, dialer=self.links.dialer,
                                    deadlines=deadlines.floored(cfg.timeouts.match_s))
         self.outer_client = outer_client
-        ports = SyncPorts(pairing=outer_client, matching=DhtMatching(self.directory), all_reduce=all_reduce)
+        stage_directory = DhtMatching(self.directory)
+        ports = SyncPorts(pairing=outer_client, matching=stage_directory, all_reduce=all_reduce,
+                          progress=stage_directory)
         self.sync: OuterSync = build_sync(cfg, parts, ports, peer_id=self.peer_id, set_status=self._set_status,
                                           events=self.events, faults=self.faults)
         name = f"stage{self.stage_index}-{self.peer_id[-8:]}"

@@ -7,6 +7,7 @@ trains whole swarms on it in seconds (node/in_process.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -34,14 +35,19 @@ class MemoryNetwork:
         self.records: dict[str, MemoryRecord] = {}
         self.down: set[str] = set()
         """Peers whose calls fail as if their process had died (tests: fault injection)."""
+        self.inner_steps: dict[str, Callable[[], int]] = {}
 
-    def register(self, peer_id: str, stage: int, handler: StageHandler) -> None:
+    def register(self, peer_id: str, stage: int, handler: StageHandler,
+                 inner_steps: Callable[[], int] = lambda: 0) -> None:
+        """`inner_steps` reads the node's counter: its record's inner step, always fresh."""
         self.handlers[peer_id] = handler
         self.records[peer_id] = MemoryRecord(Peer(peer_id, f"memory:{peer_id}"), stage)
+        self.inner_steps[peer_id] = inner_steps
 
     def leave(self, peer_id: str) -> None:
         self.handlers.pop(peer_id, None)
         self.records.pop(peer_id, None)
+        self.inner_steps.pop(peer_id, None)
 
     async def set_status(self, peer_id: str, status: str, outer_round: int) -> None:
         record = self.records.get(peer_id)
@@ -98,7 +104,8 @@ class MemoryStageTransport:
 
 
 class MemoryDirectory:
-    """pipeline.ports.ReplicaDirectory and sync.ports.MatchingDirectory over a MemoryNetwork."""
+    """pipeline.ports.ReplicaDirectory, sync.ports.MatchingDirectory and sync.ports.StageProgress
+    over a MemoryNetwork."""
 
     def __init__(self, network: MemoryNetwork) -> None:
         self.network = network
@@ -114,3 +121,6 @@ class MemoryDirectory:
 
     async def replica_count(self, stage: int) -> int:
         return len(self._live(stage))
+
+    async def inner_steps(self, stage: int, *, timeout_s: float) -> dict[str, int]:
+        return {r.peer.peer_id: self.network.inner_steps[r.peer.peer_id]() for r in self._live(stage)}

@@ -18,6 +18,14 @@ group's mean fingerprint is not this replica's own, the replicas have come apart
 sees it in the same round, and instead of stepping they average their weights, Adam moments and
 counters back together (three more all-reduce rounds, keyed apart from the gradient rounds). A
 replica that drifted is thus back in lockstep one round later: the state heals itself.
+
+A round short of members is tried again while patience lasts, for the replica that is only late.
+But hivemind can also form a group that one member's own matchmaking has already given up on: the
+others get a partial mean, skip the round and move on, while that member sees a short group.
+Waiting for them under the old round's key would take its whole patience (seen: 450 s, and a
+convergence cell timed out). So before each retry a replica reads the stage's records: once any
+other replica has finished this round (its inner step has reached it), nobody will join it again,
+and the round is skipped at once.
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ from torch import Tensor
 from noloco_node.config import OuterConfig
 from noloco_node.pipeline.worker import StageWorker
 from noloco_node.sync.diloco import AllReduce
-from noloco_node.sync.ports import OuterSync, SyncParts
+from noloco_node.sync.ports import OuterSync, StageProgress, SyncParts
 
 log = logging.getLogger(__name__)
 EXTRA_SHAPE = torch.Size([2])
@@ -66,16 +74,17 @@ class DataParallelSync(OuterSync):
     takes_inner_step = True
 
     def __init__(self, worker: StageWorker, config: OuterConfig, parts: SyncParts, *, all_reduce: AllReduce,
-                 timeout_s: float, patience_s: float = 0.0) -> None:
+                 timeout_s: float, patience_s: float = 0.0, progress: StageProgress | None = None) -> None:
         """`timeout_s` bounds one attempt at a round; a round whose group is short of members is
         tried again under the same key until `patience_s` has passed (a replica one timeout behind
         the others would otherwise never meet them again: seen in the convergence reproduction,
         every round from step 10 on failed for all four replicas of a stage, one of them a timeout
         ahead of the rest). Keep it below the microbatch timeout: a later stage waits here before
-        it sends the batch's last gradient upstream."""
+        it sends the batch's last gradient upstream. `progress` tells when the others have moved past a
+        round this replica is still retrying (module docstring); without it, patience alone ends it."""
         super().__init__()
         self.worker, self.parts, self.all_reduce, self.timeout_s = worker, parts, all_reduce, timeout_s
-        self.patience_s = patience_s
+        self.patience_s, self.progress = patience_s, progress
         self.compute = parts.compute
         self.group_size = config.allreduce_group_size  # 0 = unknown: any group of two or more is whole
 
@@ -87,8 +96,6 @@ class DataParallelSync(OuterSync):
         return self.all_reduce.bytes_sent
 
     async def close(self) -> None:
-        import asyncio
-
         await asyncio.to_thread(self.all_reduce.shutdown)
 
     def _whole(self, group: int, same: bool, complete: bool) -> bool:
@@ -100,7 +107,7 @@ class DataParallelSync(OuterSync):
         start = time.monotonic()
         step = self.worker.inner_steps + 1
         grads, extra = await self.compute.run(self._gradients_and_extra)
-        means, group, same, complete = await self._mean(grads + [extra], step, start)
+        (means, group, same, complete), left_behind = await self._mean(grads + [extra], step, start)
         c = self.counters
         c.rounds += 1
         c.mixed_rounds += not same
@@ -118,13 +125,16 @@ class DataParallelSync(OuterSync):
             if apart:
                 outcome = "resynced" if await self._resync(step) else "apart"
         c.history.append({"round": step, "outcome": outcome, "group": group, "same_round": same, "complete": complete,
-                          "seconds": time.monotonic() - start})
+                          "left_behind": left_behind, "seconds": time.monotonic() - start})
         if outcome != "paired":
             log.warning("dp step %d %s (group %d, same round %s, complete %s)", step, outcome, group, same, complete)
         return lr
 
-    async def _mean(self, tensors: list[Tensor], step: int, start: float) -> tuple[list[Tensor], int, bool, bool]:
-        """The round's all-reduce, tried again while the group is short and patience is left."""
+    async def _mean(self, tensors: list[Tensor], step: int,
+                    start: float) -> tuple[tuple[list[Tensor], int, bool, bool], bool]:
+        """The round's all-reduce, tried again while the group is short, patience is left and no
+        other replica has finished the round; returns the last attempt and whether the others had
+        moved on without this replica."""
         while True:
             left = self.patience_s - (time.monotonic() - start)
             attempt_s = max(1.0, min(self.timeout_s, left)) if self.patience_s > 0 else self.timeout_s
@@ -134,11 +144,27 @@ class DataParallelSync(OuterSync):
             short = group < self.group_size if self.group_size else group < 2
             left = self.patience_s - (time.monotonic() - start)
             if not short or left < 1.0:
-                return result
+                return result, False
+            if await self._others_finished(step):
+                log.warning("dp step %d: another replica of the stage has finished this round without us; "
+                            "skipping it", step)
+                return result, True
             log.info("dp step %d: group of %d, waiting for the rest (%.0f s of patience left)", step, group, left)
             # An attempt can come back short at once (the group formed without us, or we are the one
             # missing): pause before the next, or the retries spin and starve the event loop.
             await asyncio.sleep(max(0.0, min(0.5, attempt_s) - (time.monotonic() - began)))
+
+    async def _others_finished(self, step: int) -> bool:
+        """Whether any other replica of this stage announces an inner step of `step` or more: it
+        has applied or skipped this round, so the round's group will never form again."""
+        if self.progress is None:
+            return False
+        try:
+            steps = await self.progress.inner_steps(self.parts.stage, timeout_s=min(self.timeout_s, 10.0))
+        except Exception as exc:  # noqa: BLE001 - a failed lookup only means we keep waiting
+            log.info("dp step %d: could not read the stage's progress (%s)", step, exc or type(exc).__name__)
+            return False
+        return any(inner >= step for peer, inner in steps.items() if peer != self.parts.peer_id)
 
     def _gradients_and_extra(self) -> tuple[list[Tensor], Tensor]:
         grads = self.worker.take_gradients()

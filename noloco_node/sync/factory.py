@@ -8,7 +8,8 @@ from noloco_node.config import NodeConfig
 from noloco_node.optim.state import OuterState
 from noloco_node.pipeline.worker import StageWorker
 from noloco_node.sync.diloco import AllReduce
-from noloco_node.sync.ports import MatchingDirectory, NoSync, OuterSync, PairingTransport, SyncParts
+from noloco_node.sync.ports import (MatchingDirectory, NoSync, OuterSync, PairingTransport, StageProgress,
+                                    SyncParts)
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,7 @@ class SyncPorts:
     pairing: PairingTransport | None = None
     matching: MatchingDirectory | None = None
     all_reduce: AllReduce | None = None
+    progress: StageProgress | None = None
 
 
 def needs_outer_state(method: str) -> bool:
@@ -43,6 +45,6 @@ def build_outer_sync(config: NodeConfig, parts: SyncParts, ports: SyncPorts, *, 
         from noloco_node.sync.dp import DataParallelSync
 
         # A round short of members is tried again for up to 3/4 of the microbatch timeout (sync/dp.py).
-        return DataParallelSync(worker, outer, parts, all_reduce=ports.all_reduce, timeout_s=allreduce_s,
-                                patience_s=0.75 * timeouts.microbatch_s)
+        return DataParallelSync(worker, outer, parts, all_reduce=ports.all_reduce, progress=ports.progress,
+                                timeout_s=allreduce_s, patience_s=0.75 * timeouts.microbatch_s)
     return NoSync()

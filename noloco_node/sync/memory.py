@@ -113,39 +113,51 @@ class MemoryPairing:
 class MemoryAllReduceHub:
     """In-memory twin of the all-reduce (dht/averaging.py) for one stage's replicas: a round's mean
     (float64, rounded once to each tensor's dtype, as with hivemind in float64) once all
-    `group_size` members have joined it, else, after the deadline, a group of one.
+    `group_size` members have joined it, else, after the deadline, a group of one. A round's group
+    forms once: a later attempt at the same round waits for a new group, as hivemind's does.
 
     Fault injection for tests: `partial` holds (member, round) pairs that receive only part of the
     mean (their own values for the rest, reported incomplete, as hivemind does), `absent` pairs that
     never join that round (so it fails for everyone), `late` pairs that join it that many seconds
-    late. `wait_s` caps how long a member waits in one attempt."""
+    late, `unaware` pairs whose part is taken into the group while their own matchmaking reports
+    failure (a group of one), so the others get an incomplete mean (seen with hivemind: "could not
+    find a group" on one member, a partial round on the rest). `wait_s` caps one attempt's wait."""
 
     def __init__(self, group_size: int, *, wait_s: float | None = None) -> None:
         self.group_size, self.wait_s = group_size, wait_s
         self.partial: set[tuple[str, int]] = set()
         self.absent: set[tuple[str, int]] = set()
+        self.unaware: set[tuple[str, int]] = set()
         self.late: dict[tuple[str, int], float] = {}
         """(member, round) -> seconds that member arrives late at that round."""
-        self._rounds: dict[int, dict[str, list[Tensor]]] = {}
-        self._done: dict[int, asyncio.Event] = {}
-        self._means: dict[int, list[Tensor]] = {}
+        self._forming: dict[int, _Group] = {}
 
     def member(self, name: str) -> MemoryAllReduce:
         return MemoryAllReduce(self, name)
 
-    async def _join(self, name: str, tensors: list[Tensor], round_index: int, timeout_s: float) -> list[Tensor] | None:
-        members = self._rounds.setdefault(round_index, {})
-        done = self._done.setdefault(round_index, asyncio.Event())
-        members[name] = [t.detach().to("cpu", torch.float64) for t in tensors]
-        if len(members) == self.group_size:
-            self._means[round_index] = [torch.stack(ts).mean(0) for ts in zip(*members.values())]
-            done.set()
+    async def _join(self, name: str, tensors: list[Tensor], round_index: int, timeout_s: float) -> _Group | None:
+        group = self._forming.setdefault(round_index, _Group())
+        group.members[name] = [t.detach().to("cpu", torch.float64) for t in tensors]
+        if len(group.members) == self.group_size:
+            group.means = [torch.stack(ts).mean(0) for ts in zip(*group.members.values())]
+            group.unaware = {m for m in group.members if (m, round_index) in self.unaware}
+            self.unaware -= {(m, round_index) for m in group.unaware}
+            del self._forming[round_index]
+            group.done.set()
         try:
-            await asyncio.wait_for(done.wait(), min(timeout_s, self.wait_s or timeout_s))
+            await asyncio.wait_for(group.done.wait(), min(timeout_s, self.wait_s or timeout_s))
         except asyncio.TimeoutError:
-            members.pop(name, None)
+            group.members.pop(name, None)
             return None
-        return self._means[round_index]
+        return group
+
+
+class _Group:
+    def __init__(self) -> None:
+        self.members: dict[str, list[Tensor]] = {}
+        self.means: list[Tensor] = []
+        self.unaware: set[str] = set()
+        self.done = asyncio.Event()
 
 
 class MemoryAllReduce:
@@ -156,20 +168,23 @@ class MemoryAllReduce:
         self.bytes_sent = 0
 
     async def mean(self, tensors: list[Tensor], timeout_s: float, round_index: int) -> tuple[list[Tensor], int, bool, bool]:
+        own = [t.clone() for t in tensors], 1, True, True
         if (self.name, round_index) in self.hub.absent:
-            return [t.clone() for t in tensors], 1, True, True
+            return own
         delay = self.hub.late.pop((self.name, round_index), 0.0)
         if delay:
             await asyncio.sleep(delay)
-        means = await self.hub._join(self.name, tensors, round_index, timeout_s)
-        if means is None:
-            return [t.clone() for t in tensors], 1, True, True
-        out = [m.to(t.dtype) for m, t in zip(means, tensors)]
-        complete = (self.name, round_index) not in self.hub.partial
+        group = await self.hub._join(self.name, tensors, round_index, timeout_s)
+        if group is None:
+            return own
+        self.bytes_sent += 2 * sum(t.numel() * t.element_size() for t in tensors)
+        if self.name in group.unaware:
+            return own
+        out = [m.to(t.dtype) for m, t in zip(group.means, tensors)]
+        complete = (self.name, round_index) not in self.hub.partial and not group.unaware
         if not complete:  # the second half of the tensors never arrived: our own values stand
             half = len(out) // 2
             out = out[:half] + [t.clone() for t in tensors[half:]]
-        self.bytes_sent += 2 * sum(t.numel() * t.element_size() for t in tensors)
         return out, self.hub.group_size, True, complete
 
     def shutdown(self) -> None:

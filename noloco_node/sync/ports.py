@@ -161,6 +161,12 @@ class MatchingDirectory(Protocol):
         """Live replicas of `stage`, ours included (the gather window ends once all match)."""
 
 
+class StageProgress(Protocol):
+    async def inner_steps(self, stage: int, *, timeout_s: float) -> dict[str, int]:
+        """Each live replica of `stage` (by peer id) and the inner step it last announced (fresh
+        lookup): how a replica learns the others have moved past a round it is still trying."""
+
+
 class OuterSync(ABC):
     """One replica's synchronisation with the other replicas of its stage."""
 

@@ -16,13 +16,13 @@ from tests.oracle import train_whole_model
 from .conftest import tiny_config
 
 
-def run(config, *, replicas: int, steps: int, inject=None) -> InProcessSwarm:
+def run(config, *, replicas: int, steps: int, inject=None, timeout_s: float = 120.0) -> InProcessSwarm:
     async def go() -> InProcessSwarm:
         swarm = await InProcessSwarm(config, replicas=replicas).start()
         if inject is not None:
             inject(swarm)
         try:
-            await swarm.train(steps)
+            await swarm.train(steps, timeout_s)
         finally:
             await swarm.stop()
         return swarm
@@ -202,6 +202,29 @@ def test_dp_replicas_that_came_apart_are_averaged_back_together(tmp_path):
     sa, sb = (n.worker.inner.adam.state for n in (a, b))
     for pa, pb in zip(a.worker.inner.params, b.worker.inner.params):
         assert torch.equal(sa[pa]["exp_avg"], sb[pb]["exp_avg"]) and float(sa[pa]["step"]) == float(sb[pb]["step"])
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_a_dp_replica_left_behind_by_a_group_it_gave_up_on_skips_the_round(tmp_path, stage):
+    """hivemind formed round 2's group with s?r0's part while s?r0's own matchmaking reported
+    failure: s?r1 gets an incomplete mean and skips round 2; s?r0 sees a short group. It must not
+    wait for round 2 for its whole patience (450 s here; the train deadline is 60 s): the stage's
+    records show s?r1 past round 2, so s?r0 skips it too, and both stay in lockstep."""
+    steps = 4
+
+    def unaware_of_round_2(swarm: InProcessSwarm) -> None:
+        swarm.all_reduce[stage].wait_s = 0.5
+        swarm.all_reduce[stage].unaware.add((f"s{stage}r0", 2))
+
+    swarm = run(dp_config(tmp_path, **{"timeouts.microbatch_s": 600.0}), replicas=2, steps=steps,
+                inject=unaware_of_round_2, timeout_s=60.0)
+    assert_accounting(swarm, steps)
+    behind, ahead = swarm.stage(stage)
+    for node in (behind, ahead):
+        assert [r["outcome"] for r in node.sync.counters.history] == ["paired", "skipped", "paired", "paired"], node.peer_id
+    assert behind.sync.counters.history[1]["left_behind"] and not ahead.sync.counters.history[1]["left_behind"]
+    assert not ahead.sync.counters.history[1]["complete"]
+    assert_identical_replicas(swarm)
 
 
 def test_diloco_three_replicas_share_phi_after_every_round_in_process(tmp_path):
