@@ -1,8 +1,10 @@
 """Routing in proportion to measured capacity. One stage-0 replica feeds two stage-1 replicas, one
-of them slowed on its compute thread (faults.compute_delay_s, as a slower device). With uniform
-routing (`random`) each gets half the microbatches and the slow one sets the pace; with
-`capacity` routing the slow replica's share follows its measured capacity, and the swarm's
-tokens/s is higher. Both runs happen in this test, one after the other, on the same machine."""
+of them slowed on its compute thread (faults.compute_delay_s, as a slower device): the slowdown is
+measured, and the slow replica's share of the microbatches follows its measured capacity.
+
+Uniform routing's equal shares are checked in tests/unit/pipeline/test_router.py; what capacity
+routing gains in tokens/s over uniform routing is measured, not asserted, by
+`benchmarks/heterogeneous.py --routing-only` (both runs in one invocation, the ratio printed)."""
 
 import pytest
 
@@ -42,15 +44,13 @@ def run_swarm(tmp_path, make_swarm, routing: str) -> dict:
             "capacity": (slow_stats["throughput"]["capacity"], fast_stats["throughput"]["capacity"])}
 
 
-def test_capacity_routing_follows_measured_capacity_and_beats_uniform(tmp_path, make_swarm):
-    uniform = run_swarm(tmp_path, make_swarm, "random")
+def test_capacity_routing_follows_measured_capacity(tmp_path, make_swarm):
     weighted = run_swarm(tmp_path, make_swarm, "capacity")
     slow_cap, fast_cap = weighted["capacity"]
-    print(f"\nuniform: {uniform}\ncapacity: {weighted}")
+    print(f"\ncapacity: {weighted}")
     assert 0 < slow_cap < fast_cap / 2  # the slowdown is measured
-    assert uniform["slow_share"] == pytest.approx(0.5, abs=0.1)
     # The share the slow replica got, against the share its measured capacity gave it at each
     # pick (capacities move with the machine's load during the run), and against the end's ratio.
     assert weighted["slow_share"] == pytest.approx(weighted["expected_share"], rel=0.2)
     assert weighted["slow_share"] == pytest.approx(slow_cap / (slow_cap + fast_cap), rel=0.5)
-    assert weighted["tok_s"] > uniform["tok_s"]
+    assert weighted["slow_share"] < 0.4  # uniform routing would give it half
