@@ -24,7 +24,7 @@ def test_dp_two_replicas_stay_identical(tmp_path, make_swarm):
     # take longer than the tiny default re-issue deadline (5 s); a re-issue would then be
     # computed twice by stage 1, so the microbatch deadline covers a slow round.
     overrides = tiny_overrides(tmp_path, **{"outer.method": "dp", "inner.total_steps": steps, "outer.allreduce_group_size": 2,
-                                            "timeouts.match_s": 1.5, "pipeline.batch_size": batch, "model.seq_len": seq_len,
+                                            "timeouts.match_s": 3.0, "pipeline.batch_size": batch, "model.seq_len": seq_len,
                                             "timeouts.microbatch_s": 30.0})
     prepare_tokenizer(overrides)
     swarm = make_swarm(overrides)
