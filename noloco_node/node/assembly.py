@@ -106,6 +106,7 @@ def runtime_settings(config: NodeConfig) -> RuntimeSettings:
     routing = "balanced" if config.outer.method in ("dp", "diloco") else config.pipeline.routing
     return RuntimeSettings(max_in_flight=config.pipeline.max_in_flight, send_deadline_s=config.timeouts.rpc_s,
                            routing=routing, routing_seed=config.run.seed, lockstep=config.outer.method == "dp",
+                           lockstep_replicas=config.outer.allreduce_group_size if config.outer.method == "dp" else 0,
                            delay_before_forward_s=config.faults.delay_before_forward_s)
 
 

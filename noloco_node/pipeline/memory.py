@@ -36,6 +36,8 @@ class MemoryNetwork:
         self.down: set[str] = set()
         """Peers whose calls fail as if their process had died (tests: fault injection)."""
         self.inner_steps: dict[str, Callable[[], int]] = {}
+        self.hidden: set[str] = set()
+        """Peers whose records lookups do not return for now, as an expired DHT record (tests)."""
 
     def register(self, peer_id: str, stage: int, handler: StageHandler,
                  inner_steps: Callable[[], int] = lambda: 0) -> None:
@@ -111,7 +113,8 @@ class MemoryDirectory:
         self.network = network
 
     def _live(self, stage: int) -> list[MemoryRecord]:
-        return [r for r in self.network.records.values() if r.stage == stage and r.status != "leaving"]
+        return [r for r in self.network.records.values()
+                if r.stage == stage and r.status != "leaving" and r.peer.peer_id not in self.network.hidden]
 
     async def replicas(self, stage: int) -> list[Peer]:
         return [r.peer for r in self._live(stage)]

@@ -89,6 +89,10 @@ class RuntimeSettings:
     any other share leaves one replica short and the whole stage waiting for it in the all-reduce
     (seen in the convergence reproduction: three stage-1 replicas at step 12, one short, the
     stage-0 replicas waiting for the gradients those three hold until their round completes)."""
+    lockstep_replicas: int = 0
+    """In lockstep, the replicas every stage has (outer.allreduce_group_size; 0 = unknown). A view of
+    the stages with fewer (records expired on a loaded machine) is not routed on: in it the balanced
+    choice is another replica's, so the sender waits for the whole view instead."""
     delay_before_forward_s: float = 0.0
     """Fault injection (faults.delay_before_forward_s)."""
 
@@ -116,6 +120,7 @@ class StageRuntime:
         self.max_in_flight, self.send_deadline_s = settings.max_in_flight, settings.send_deadline_s
         self.delay_before_forward_s = settings.delay_before_forward_s
         self.routing, self.routing_seed, self.lockstep = settings.routing, settings.routing_seed, settings.lockstep
+        self.lockstep_replicas = settings.lockstep_replicas
         self.hooks = hooks
         self.faults = faults or FaultInjector()
         self._last_hooked_step = 0
@@ -325,6 +330,8 @@ class StageRuntime:
 
     async def _balanced_receiver(self, candidates: list, key: MicrobatchKey):
         senders = [r.peer_id for r in await self.directory.replicas(self.shape.stage)]
+        if self.lockstep_replicas and not len(candidates) == len(senders) == self.lockstep_replicas:
+            return None  # a partial view: its balanced choice would be another replica's (RuntimeSettings)
         if self.routing == "fixed":
             return self.router.pick_fixed(candidates, senders, self.me.peer_id)
         return self.router.pick_permuted(candidates, senders, self.me.peer_id,

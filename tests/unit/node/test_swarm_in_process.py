@@ -204,6 +204,32 @@ def test_dp_replicas_that_came_apart_are_averaged_back_together(tmp_path):
         assert torch.equal(sa[pa]["exp_avg"], sb[pb]["exp_avg"]) and float(sa[pa]["step"]) == float(sb[pb]["step"])
 
 
+def test_dp_routes_nothing_while_its_view_of_the_stages_is_short(tmp_path):
+    """Replica 1 of both stages drops out of the lookups for a while (their records expired, as on
+    a loaded machine). s0r0 then sees one sender and one receiver, a view in which the balanced
+    choice is always s1r0; in lockstep it must wait for the whole view instead, or s1r0 gets a
+    microbatch that was s1r1's and the stage's replicas step on different batches."""
+    steps = 6
+
+    def hide_replica_1_for_a_while(swarm: InProcessSwarm) -> None:
+        async def hide() -> None:
+            driver = swarm.stage(0)[0]
+            while driver.worker.inner_steps < 1:
+                await asyncio.sleep(0.005)
+            swarm.network.hidden |= {"s0r1", "s1r1"}
+            await asyncio.sleep(0.5)
+            swarm.network.hidden.clear()
+
+        asyncio.get_running_loop().create_task(hide())
+
+    swarm = run(dp_config(tmp_path), replicas=2, steps=steps, inject=hide_replica_1_for_a_while, timeout_s=60.0)
+    assert_accounting(swarm, steps)
+    for node in swarm.stage(1):  # every stage-1 replica got exactly its share of every batch
+        received = node.runtime.stats.forwards_received
+        assert sum(received.values()) == steps * 6 // 2, (node.peer_id, dict(received))
+    assert_identical_replicas(swarm)
+
+
 @pytest.mark.parametrize("stage", [0, 1])
 def test_a_dp_replica_left_behind_by_a_group_it_gave_up_on_skips_the_round(tmp_path, stage):
     """hivemind formed round 2's group with s?r0's part while s?r0's own matchmaking reported
