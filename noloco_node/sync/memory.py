@@ -168,18 +168,17 @@ class MemoryAllReduce:
         self.bytes_sent = 0
 
     async def mean(self, tensors: list[Tensor], timeout_s: float, round_index: int) -> tuple[list[Tensor], int, bool, bool]:
-        own = [t.clone() for t in tensors], 1, True, True
         if (self.name, round_index) in self.hub.absent:
-            return own
+            return _alone(tensors)
         delay = self.hub.late.pop((self.name, round_index), 0.0)
         if delay:
             await asyncio.sleep(delay)
         group = await self.hub._join(self.name, tensors, round_index, timeout_s)
         if group is None:
-            return own
+            return _alone(tensors)
         self.bytes_sent += 2 * sum(t.numel() * t.element_size() for t in tensors)
         if self.name in group.unaware:
-            return own
+            return _alone(tensors)
         out = [m.to(t.dtype) for m, t in zip(group.means, tensors)]
         complete = (self.name, round_index) not in self.hub.partial and not group.unaware
         if not complete:  # the second half of the tensors never arrived: our own values stand
@@ -189,3 +188,8 @@ class MemoryAllReduce:
 
     def shutdown(self) -> None:
         return None
+
+
+def _alone(tensors: list[Tensor]) -> tuple[list[Tensor], int, bool, bool]:
+    """A group of one, as hivemind's averager reports a round nobody else joined: our own values."""
+    return [t.clone() for t in tensors], 1, True, True
