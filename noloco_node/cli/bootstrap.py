@@ -10,7 +10,7 @@ import asyncio
 import sys
 from pathlib import Path
 
-from noloco_node.cli.common import add_config_flags, resolve_config, stop_on_signals
+from noloco_node.cli.common import add_config_flags, check_listen, resolve_config, stop_on_signals
 from noloco_node.runtime.files import atomic_write_text
 
 
@@ -27,6 +27,7 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     config = resolve_config(args)
+    check_listen(args.host, {"--port": args.port}, "--host")
     return asyncio.run(_serve(config, args))
 
 

@@ -40,3 +40,29 @@ def stop_on_signals() -> asyncio.Event:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     return stop
+
+
+def check_listen(host: str, ports: dict[str, int | None], host_field: str) -> None:
+    """Fail fast, naming the flag and the fix, when `host` is not an address of this machine or a
+    fixed port is taken: started anyway, the node would only fail later, far from the cause (a TLS
+    error and a relay fallback). `ports` maps each port's flag or field to its value (0/None = any)."""
+    import errno
+    import socket
+
+    from noloco_node.config import ConfigError
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    for field_name, port in [(host_field, 0), *ports.items()]:
+        if port is None or (port == 0 and field_name != host_field):
+            continue
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart within TIME_WAIT is fine
+            try:
+                sock.bind((host, port))
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    raise ConfigError(field_name, f"port {port} on {host} is in use (another noloco-node?)",
+                                      "stop what holds it, or pick another port") from None
+                raise ConfigError(host_field, f"cannot listen on {host!r}: {exc.strerror or exc}",
+                                  "use 0.0.0.0 (every interface) or an address of this machine; behind NAT "
+                                  "the address peers dial is network.announce_addr, not the host") from None

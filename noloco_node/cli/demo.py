@@ -51,8 +51,9 @@ def _prepare_tokenizer(config) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.steps < 1 or args.replicas < 1:
-        raise SystemExit("demo: --steps and --replicas must be >= 1")
+    if args.steps < 1 or args.replicas < 1 or (args.stages is not None and args.stages < 1):
+        print("noloco-node demo: --steps, --replicas and --stages must be whole numbers >= 1", file=sys.stderr)
+        return 2
     # SIGTERM/SIGINT/SIGHUP, from start-up on, unwind through the swarm's `with`: its nodes get
     # SIGTERM and drain, then whatever is left of its process group is killed.
     try:
@@ -83,8 +84,24 @@ def _run(args: argparse.Namespace) -> int:
     if summary.get("outer") is not None:
         spread = summary.get("replica_spread_last")
         print(f"outer steps {summary['outer']}; replica spread " + (f"{spread:.3e}" if spread is not None else "n/a"))
+        warning = _outer_warning(summary["outer"], summary["method"], summary["replicas"])
+        if warning:
+            summary["warnings"] = [warning]
+            print(f"warning: {warning}", file=sys.stderr)
     print(f"wrote {out / 'summary.json'}")
     return 0
+
+
+def _outer_warning(outer: dict, method: str, replicas: int) -> str | None:
+    """A demo whose outer steps never averaged anything did not show the method; say so and why."""
+    rounds, solo = outer.get("rounds", 0), outer.get("solo", 0)
+    if method not in ("noloco", "diloco") or not rounds or 2 * solo <= rounds:
+        return None
+    what = f"all {rounds} outer rounds went solo" if solo == rounds else f"{solo} of {rounds} outer rounds went solo"
+    if replicas < 2:
+        return f"{what}: with --replicas 1 there is no replica to average with"
+    return (f"{what}: replicas did not find a partner within timeouts.match_s (a loaded machine); rerun with "
+            f"--set timeouts.match_s=10 or fewer --replicas")
 
 
 def _run_local(config, args) -> dict:

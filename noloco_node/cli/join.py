@@ -8,7 +8,7 @@ import json
 import logging
 from pathlib import Path
 
-from noloco_node.cli.common import add_config_flags, resolve_config, stop_on_signals
+from noloco_node.cli.common import add_config_flags, check_listen, resolve_config, stop_on_signals
 from noloco_node.runtime.files import atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -28,11 +28,13 @@ def register(subparsers) -> None:
                    "checked at join by asking live peers to call our health endpoint; behind NAT, leave it out: "
                    "the node is then reached over libp2p (hole punching or a relay)")
     p.add_argument("--events", metavar="FILE", help="append a JSONL event stream here (log.events_file)")
-    p.add_argument("--steps", type=int, default=0, help="stage 0: train until inner step N, then leave (a node that "
-                   "resumed from its checkpoint or fetched a replica's state runs only what is left; 0 = serve until stopped)")
+    p.add_argument("--steps", type=_positive, metavar="N", help="stage 0: train until inner step N, then leave (a node "
+                   "that resumed from its checkpoint or fetched a replica's state runs only what is left); without it, "
+                   "stage 0 trains until the run's inner.total_steps and then keeps serving until stopped")
     p.add_argument("--serve-after", action="store_true", help="stage 0 with --steps: keep serving after the last "
                    "step (phi for joiners and `export --initial-peers`) until stopped")
-    p.add_argument("--wait-replicas", type=int, default=1, help="stage 0: wait until every stage has this many replicas")
+    p.add_argument("--wait-replicas", type=_positive, default=1, metavar="N",
+                   help="stage 0: wait (as long as it takes) until every stage has this many replicas")
     p.add_argument("--threads", type=int, help="torch threads for this process (default: all cores)")
     p.add_argument("--out", help="write this node's stats (and weights with --save-weights) here on exit")
     p.add_argument("--save-weights", action="store_true")
@@ -42,6 +44,16 @@ def register(subparsers) -> None:
                    help="experiments: save theta every K inner steps (and at start) under --snapshot-dir")
     p.add_argument("--snapshot-dir", help="where --snapshot-every writes stage{s}-{peer}-step{k}.safetensors")
     p.set_defaults(run=run)
+
+
+def _positive(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number >= 1")
+    return number
 
 
 def _stage(value: str) -> str:
@@ -57,6 +69,9 @@ def run(args: argparse.Namespace) -> int:
         "pipeline": {"stage": args.stage},
         "log": {"events_file": args.events},
     })
+    net = config.network
+    check_listen(net.host, {"network.port": net.port, "network.dht_port": net.dht_port,
+                            "network.metrics_port": net.metrics_port}, "network.host")
     if args.threads:
         import torch
 
@@ -94,9 +109,10 @@ class _JoinReporter:
         setup_logging(logging.getLevelName(logging.getLogger().level), prefix=f"{node.peer_id[-6:]} s{node.stage_index}")
         self.maddrs = await node.directory.visible_maddrs()
         # The progress line shows the same on a terminal; without one, step lines go to the log instead.
-        steps = self.args.steps
+        steps = self.args.steps or self.config.inner.total_steps
         self.training = TrainingLog(self.config.log.every_steps if self.progress is None else 0,
-                                    total=steps if node.stage_index == 0 and steps > 0 else None)
+                                    total=steps if node.stage_index == 0 else None)
+        self.warned: set[str] = set()
         await self()
 
     async def __call__(self, _step: int = 0) -> None:
@@ -108,8 +124,18 @@ class _JoinReporter:
         if self.args.ready_file:
             atomic_write_text(self.args.ready_file, json.dumps({**ready_fields(node), "maddrs": self.maddrs}))
         self.ticks += 1
+        if self.ticks % 10 == 0:
+            self._warn(node.attention())
         if self.progress is not None and self.ticks % 5 == 0:
             self.progress.update(_progress_text(node))
+
+    def _warn(self, notes: list[str]) -> None:
+        """Each new warning once in the log (the progress line shows it while it lasts)."""
+        causes = {note.split(": ", 1)[-1]: note for note in notes}
+        for cause, note in causes.items():
+            if cause not in self.warned:
+                log.warning("%s", note)
+        self.warned = set(causes)
 
     def stopping(self, node) -> None:
         if self.progress is not None:
@@ -131,9 +157,17 @@ def _progress(mode: str):
 
 def _progress_text(node) -> str:
     stats = node.runtime.stats
-    text = (f"stage {node.stage_index} | {node.status} | inner step {node.worker.inner_steps} | outer round "
+    doing = node.progress.waiting_text() or node.status
+    if node.done_at_step is not None:
+        doing = f"trained all {node.done_at_step} steps; serving until stopped"
+    elif doing == "serving" and node.stage_index > 0 and node.progress.since_progress_s() > 5:
+        doing = f"waiting for microbatches from stage {node.stage_index - 1}; {node.progress.since_progress_s():.0f} s"
+    text = (f"stage {node.stage_index} | {doing} | inner step {node.worker.inner_steps} | outer round "
             f"{node.outer_round} | {node.tokens_per_s:.0f} tok/s | "
             f"in flight {len(node.runtime.in_flight)} | sent {stats.forwards_sent} fwd {stats.backwards_sent} bwd")
     if node.driver is not None and node.driver.log.step_losses:
         text += f" | loss {node.driver.log.step_losses[-1]:.3f}"
+    notes = node.attention()
+    if notes:
+        text += f" | ! {notes[0]}"
     return text

@@ -21,23 +21,52 @@ COMMANDS = (join, bootstrap, status, doctor, keygen, demo, experiment, config_cm
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="noloco-node", description="A NoLoCo peer node: pipeline stages with random "
-                                     "routing and pairwise outer steps, no all-reduce.")
+                                     "routing and pairwise outer steps, no all-reduce.", allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"noloco-node {__version__}")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:
         command.register(subparsers)
+    for sub in _subparsers(parser):
+        sub.allow_abbrev = False  # `demo --replica 3` is a typo, not --replicas
     return parser
 
 
+def _subparsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    out = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                out += [sub, *_subparsers(sub)]
+    return out
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """As parse_args, but an unknown flag is reported by the subcommand that got it, with its usage
+    (argparse leaves them to the top-level parser, whose usage lists commands, not flags)."""
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        parser_of = getattr(args, "parser_of", None) or parser
+        parser_of.error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    for sub in _subparsers(parser):
+        sub.set_defaults(parser_of=sub)
+    args = parse_args(parser, argv)
     from noloco_node.runtime.logging import setup_logging
 
     setup_logging(args.log_level)
     _quiet_native_logs(args.log_level)
     try:
         return int(args.run(args) or 0)
+    except BrokenPipeError:
+        # `status --json | head`: the reader has what it wanted. Point stdout at /dev/null so
+        # the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except ConfigError as exc:
         print(f"noloco-node: {exc}", file=sys.stderr)
         return 2

@@ -121,6 +121,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | Mapping[s
                         values[section] = content
         except FileNotFoundError:
             raise ConfigError("--config", f"no such file {str(path)!r}", "pass the path of an existing TOML file") from None
+        except IsADirectoryError:
+            raise ConfigError("--config", f"{str(path)!r} is a directory", "pass the path of a TOML file in it, "
+                              "e.g. deploy/node.example.toml") from None
+        except PermissionError:
+            raise ConfigError("--config", f"{str(path)!r} cannot be read (permission denied)",
+                              "make it readable by this user") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError("--config", f"{path} is not UTF-8 text (byte {exc.start})",
+                              "save it as UTF-8 TOML (a binary file or another encoding was given)") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError("--config", f"{path} is not valid TOML ({exc})", "fix the TOML syntax at that line") from None
     extra = overrides if isinstance(overrides, Mapping) else parse_overrides(list(overrides))

@@ -160,19 +160,23 @@ class Reprobe:
         return False
 
 
-async def wait_for_replicas(directory: PeerDirectory, num_stages: int, count: int, timeout_s: float) -> None:
-    """Block until every stage shows at least `count` live replicas (or raise TimeoutError)."""
+async def wait_for_replicas(directory: PeerDirectory, num_stages: int, count: int,
+                            waiting: Callable[[str | None], None], poll_s: float = 0.5) -> None:
+    """Block until every stage shows at least `count` live replicas, however long that takes (in a
+    volunteer swarm someone is always first); meanwhile `waiting(what)` says which stage is short,
+    and `waiting(None)` once none is."""
     import asyncio
-    import time
 
-    deadline = time.monotonic() + timeout_s
     while True:
         sizes = [len(await directory.replicas(s, fresh=True)) for s in range(num_stages)]
-        if min(sizes) >= count:
+        short = [s for s, n in enumerate(sizes) if n < count]
+        if not short:
+            waiting(None)
             return
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"replicas per stage {sizes}, waited for {count} each")
-        await asyncio.sleep(0.25)
+        s = short[0]
+        have = f" (has {sizes[s]})" if sizes[s] else ""
+        waiting(f"a stage-{s} replica{have}" if count == 1 else f"{count} replicas of stage {s}{have}")
+        await asyncio.sleep(poll_s)
 
 
 def contact_lookup(directory: PeerDirectory):

@@ -16,6 +16,7 @@ from noloco_node.dht.directory import PeerDirectory
 from noloco_node.dht.records import StageRecord
 from noloco_node.model.build import run_model
 from noloco_node.node.adapters import DhtMatching, DhtReplicas, swarm_replicas
+from noloco_node.node.attention import NodeView, Progress, attention
 from noloco_node.node.assembly import ComputeParts, PipelineParts, build_compute, build_driver, build_pipeline, build_sync
 from noloco_node.node.boundary import InnerStepBoundary, Snapshots
 from noloco_node.node.checkpoint import Checkpointer
@@ -86,6 +87,9 @@ class Node:
         self.faults = FaultInjector(config.faults.inject)
         self.started_at = time.monotonic()
         self.status = "joining"
+        self.progress = Progress()
+        self.stage_replicas: int | None = None  # live replicas of our stage, ours included (heartbeat)
+        self.done_at_step: int | None = None  # stage 0 trained all its steps and only serves now
         self.directory: PeerDirectory | None = None
         self.driver: Stage0Driver | None = None
         self.metrics = None
@@ -277,7 +281,16 @@ class Node:
                            moved_at=float(moves[-1]["at"]) if moves else 0.0,
                            memory_estimate_bytes=self.parts.memory_estimate_bytes,
                            memory_peak_bytes=max(0, peak_memory_bytes(self.parts.device) - self.parts.memory_baseline_bytes),
-                           **self.meter.record_fields())
+                           attention=self.attention(), **self.meter.record_fields())
+
+    def attention(self) -> list[str]:
+        """What needs a person's attention now (node/attention.py), each with its likely cause."""
+        self.progress.observe(self.worker.inner_steps)
+        method = self.config.outer.method
+        history = self.sync.counters.history if method != "none" else []
+        return attention(NodeView(stage=self.stage_index, method=method, replicas_of_stage=self.stage_replicas,
+                                  outer_history=history, since_progress_s=self.progress.since_progress_s(),
+                                  waiting_for=self.progress.waiting_for, done=self.done_at_step is not None))
 
     async def announce(self, ttl_s: float | None = None) -> None:
         await self.directory.announce(self.record(), ttl_s=ttl_s or self.config.timeouts.record_ttl_s)
@@ -288,6 +301,7 @@ class Node:
             try:
                 self.meter.sample(sequences=self.worker.sequences_total, busy_s=self.parts.compute.busy_s,
                                   in_flight=len(self.runtime.in_flight), window=self.config.pipeline.max_in_flight)
+                await self._look_around()
                 await self.announce()
                 await self.runtime.expire_saved()
                 if self.reprobe is not None and self.reprobe.due():  # its own task: a probe takes seconds
@@ -297,6 +311,14 @@ class Node:
                                                                                self.config.pipeline.num_stages))
             except Exception:  # noqa: BLE001 - a failed heartbeat is retried next period
                 log.exception("heartbeat failed")
+
+    async def _look_around(self) -> None:
+        """How many replicas our stage has (a lone one pairs with nobody), and for a later stage
+        whether any replica upstream could send us work at all."""
+        self.stage_replicas = len(await self.directory.replicas(self.stage_index, fresh=True))
+        if self.stage_index > 0 and (self.progress.waiting_for is None or self.progress.waiting_for.startswith("a stage")):
+            upstream = await self.directory.replicas(self.stage_index - 1, fresh=True)
+            self.progress.wait(None if upstream else f"a stage-{self.stage_index - 1} replica")
 
     async def _watch_balance(self) -> None:
         """Rebalancing (pipeline/rebalance.py): when the plan names this node, ask whoever serves it
@@ -321,9 +343,9 @@ class Node:
         task.add_done_callback(self._background.discard)
 
     # ---- training (stage 0) -----------------------------------------------------------------
-    async def wait_for_replicas(self, count: int, timeout_s: float) -> None:
-        """Block until every stage shows at least `count` live replicas (or raise TimeoutError)."""
-        await wait_for_replicas(self.directory, self.config.pipeline.num_stages, count, timeout_s)
+    async def wait_for_replicas(self, count: int) -> None:
+        """Block until every stage shows at least `count` live replicas; `progress` says which is short."""
+        await wait_for_replicas(self.directory, self.config.pipeline.num_stages, count, self.progress.wait)
 
     async def train(self, steps: int, on_inner_step=None) -> None:
         """Stage 0 only: run `steps` inner steps over this replica's data shard; `on_inner_step(step)`

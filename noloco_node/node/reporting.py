@@ -31,6 +31,7 @@ class Snapshot:
     bytes_received: int = 0  # pipeline payloads
     dropped: int = 0  # stage 0: microbatches given up; other stages: forwards dropped here
     issued: int | None = None  # stage 0: distinct microbatches issued
+    attention: tuple[str, ...] = ()  # what needs attention (node/attention.py)
 
 
 def format_bytes(n: float) -> str:
@@ -91,6 +92,7 @@ def summary_line(snap: Snapshot, *, total: int | None, wall_s: float) -> str:
     parts.append(_bytes(snap))
     parts.append(f"dropped {snap.dropped} of {snap.issued} microbatches" if snap.issued is not None
                  else f"dropped {snap.dropped} microbatches")
+    parts.extend(f"warning: {note}" for note in snap.attention)
     return " | ".join(parts)
 
 
@@ -125,5 +127,5 @@ class TrainingLog:
             return None
         self.summarized = True
         line = summary_line(snap, total=self.total, wall_s=self.clock() - self.started)
-        log.info("%s", line)
+        log.log(logging.WARNING if snap.attention else logging.INFO, "%s", line)
         return line

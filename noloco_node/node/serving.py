@@ -1,5 +1,6 @@
-"""Serving a stage until done: stage 0 trains until inner step N (with `--steps`), every node
-serves until stopped, and a node the rebalancing plan names moves to another stage and carries on
+"""Serving a stage until done: stage 0 trains (until the run's `inner.total_steps`, or inner step N
+with `--steps N`), waiting first for a replica of every later stage however long that takes; every
+node serves until stopped, and a node the rebalancing plan names moves to another stage and carries on
 there. What `join` runs once its arguments are read (cli/join.py)."""
 
 from __future__ import annotations
@@ -18,10 +19,18 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ServePlan:
-    steps: int = 0
-    """Stage 0: train until inner step N, then leave (0 = serve until stopped)."""
+    steps: int | None = None
+    """Stage 0: train until inner step N, then leave; None = until the run's inner.total_steps,
+    then keep serving (the trained state, for joiners and `export`) until stopped."""
     serve_after: bool = False
     """Stage 0 with steps: keep serving after the last step, until stopped."""
+
+    def last_step(self, total_steps: int) -> int:
+        return total_steps if self.steps is None else self.steps
+
+    @property
+    def serves_after(self) -> bool:
+        return self.serve_after or self.steps is None
     wait_replicas: int = 1
     """Stage 0: wait until every stage has this many replicas before training."""
 
@@ -70,21 +79,30 @@ async def _every(period_s: float, report: Callable[[], Awaitable[None]]) -> None
 async def _serve_stage(node: Node, plan: ServePlan, stop: asyncio.Event, report) -> bool:
     """Serve (and on stage 0 with steps, train) until stopped, done, or a rebalancing move is
     planned for this node; True = move."""
-    config = node.config
-    if node.stage_index == 0 and plan.steps > 0 and node.worker.inner_steps < plan.steps:
-        await race(node.wait_for_replicas(plan.wait_replicas, config.timeouts.startup_s), stop)
+    last = plan.last_step(node.config.inner.total_steps)
+    if node.stage_index == 0 and node.worker.inner_steps < last:
+        await race(node.wait_for_replicas(plan.wait_replicas), stop)
         if stop.is_set():
             return False
         # Until inner step N: a resumed node or one that fetched a replica's state starts past 0.
-        if await _train_unless_moved(node, plan.steps - node.worker.inner_steps, stop, report):
+        if await _train_unless_moved(node, last - node.worker.inner_steps, stop, report):
             return True
-        if not plan.serve_after or stop.is_set():
+        if not plan.serves_after or stop.is_set():
             return False
+        _done(node)
         await report()
-    elif node.stage_index == 0 and plan.steps > 0 and not plan.serve_after:
-        return False  # a node that moved onto stage 0 past inner step N has nothing left to train
+    elif node.stage_index == 0:
+        if not plan.serves_after:
+            return False  # a node that moved onto stage 0 past inner step N has nothing left to train
+        _done(node)
     await first_of(stop.wait(), node.move_requested.wait())
     return node.move_requested.is_set() and not stop.is_set()
+
+
+def _done(node: Node) -> None:
+    node.done_at_step = node.worker.inner_steps
+    log.info("trained all %d inner steps; serving the trained state (for joiners and `noloco-node export`) "
+             "until stopped", node.done_at_step)
 
 
 async def _train_unless_moved(node: Node, steps: int, stop: asyncio.Event, report) -> bool:

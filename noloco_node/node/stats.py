@@ -27,7 +27,7 @@ def node_stats(node: Node) -> dict:
            "bytes_sent": node.client.bytes_sent, "rejected": dict(node.servicer.rejected),
            "saved_inputs": len(node.worker.saved), "bans": node.pipeline.bans.total,
            "in_flight": len(node.runtime.in_flight), "bytes_received": node.servicer.bytes_received,
-           "tokens_per_s": node.tokens_per_s}
+           "tokens_per_s": node.tokens_per_s, "attention": node.attention()}
     guard = node.admission.guard
     out["admission"] = {"swarm_key": node.admission.key is not None, "refused": dict(node.admission.interceptor.refused),
                         "peers_banned": guard.stats.bans, "banned_now": guard.banned(),
@@ -87,7 +87,7 @@ def training_snapshot(stats: dict) -> Snapshot:
         served=sum(stats["forwards_received"].values()), outer=outer, last_round=history[-1] if history else None,
         bytes_sent=stats["bytes_sent"] + stats.get("bytes_sent_outer", 0), bytes_received=stats["bytes_received"],
         dropped=microbatches["dropped"] if microbatches else stats["dropped_here"],
-        issued=microbatches["issued"] if microbatches else None)
+        issued=microbatches["issued"] if microbatches else None, attention=tuple(stats.get("attention") or ()))
 
 
 def ready_fields(node: Node) -> dict:

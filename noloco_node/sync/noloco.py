@@ -170,6 +170,7 @@ class NoLoCoSync(OuterSync):
         self.done = asyncio.Event()
         self.claimed = False
         self._outcome = ("solo", None)
+        self._reason = "no partner"
         self._applied_at = inner_step
         poison = self.faults.poison() if self.faults is not None else None
         frozen_at = self.parts.inner_steps()  # past inner_step when the boundaries before it queued up
@@ -207,7 +208,8 @@ class NoLoCoSync(OuterSync):
         outcome, partner = self._outcome
         self.counters.rounds += 1
         self.counters.history.append({"round": round_index, "outcome": outcome, "partner": partner,
-                                      "seconds": time.monotonic() - start, "inner_step": inner_step,
+                                      "reason": None if outcome == "paired" else self._reason,
+                                      "proposed_to": len(tried), "seconds": time.monotonic() - start, "inner_step": inner_step,
                                       "frozen_at_step": frozen_at, "applied_at_step": self._applied_at, **self._frozen.stats})
         await self._announce("serving", round_index + 1)
         return outcome
@@ -308,7 +310,7 @@ class NoLoCoSync(OuterSync):
         else:
             await self.compute.run(self.state.apply_noloco, [], None, frozen.theta)
             self.counters.solo += 1
-            self._outcome = ("solo", None)
+            self._outcome, self._reason = ("solo", None), reason
             log.info("round %d: solo step (%s)", self.round, reason)
         self._applied_at = self.parts.inner_steps()
         self.done.set()

@@ -1,0 +1,112 @@
+"""What a running node should tell a person without being asked: what it waits for when it is not
+computing, and what needs attention (outer rounds that keep going solo, no replica to pair with, no
+progress for a long while), each with its likely cause and the fix.
+
+Pure: plain numbers in, sentences out, so the rules are tested without a node. The progress line,
+the step lines and summary (cli/join.py), the node's DHT record (so `noloco-node status` shows it)
+and the demo's closing report all read these.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+SOLO_WINDOW = 4
+"""The latest outer rounds looked at: all of them solo is a warning (one solo round is normal)."""
+STALL_S = 120.0
+"""No inner step for this long, while the node is not knowingly waiting, is a warning."""
+MAX_NOTES = 4
+MAX_NOTE_CHARS = 200  # what a DHT record carries of each note (dht/records.py)
+
+
+@dataclass(frozen=True)
+class NodeView:
+    stage: int
+    method: str
+    """outer.method: 'noloco', 'diloco', 'dp' or 'none'"""
+    replicas_of_stage: int | None
+    """live replicas of our own stage, ours included (None = not looked up yet)"""
+    outer_history: Sequence[dict]
+    """sync counters' history: one dict per round with 'outcome' (and NoLoCo's 'reason')"""
+    since_progress_s: float
+    """seconds since our inner step last advanced (or since we started serving)"""
+    waiting_for: str | None = None
+    """what the node knowingly waits for before it can compute (then it is not stalled)"""
+    done: bool = False
+    """stage 0 trained all its steps: nothing is expected to advance any more"""
+
+
+def attention(view: NodeView, *, stall_s: float = STALL_S) -> list[str]:
+    """Warnings, most important first; [] when all is well."""
+    notes = []
+    solo = _solo_note(view)
+    if solo:
+        notes.append(solo)
+    if view.waiting_for is None and not view.done and view.since_progress_s >= stall_s:
+        notes.append(_stall_note(view))
+    return [n[:MAX_NOTE_CHARS] for n in notes[:MAX_NOTES]]
+
+
+def _solo_note(view: NodeView) -> str | None:
+    if view.method not in ("noloco", "diloco"):
+        return None
+    latest = list(view.outer_history)[-SOLO_WINDOW:]
+    if not latest or any(r.get("outcome") == "paired" for r in latest):
+        return None
+    if len(latest) < SOLO_WINDOW and view.replicas_of_stage != 1:
+        return None  # a solo round or two happens; a lone replica is said at once
+    n = len(latest)
+    rounds = f"the last {n} outer rounds went solo" if n > 1 else "the last outer round went solo"
+    if view.replicas_of_stage == 1:
+        return (f"{rounds}: stage {view.stage} has no second replica to average with, so nothing is averaged; "
+                f"it pairs once another node serves stage {view.stage}")
+    if view.method == "diloco":
+        return (f"{rounds}: the all-reduce group never formed in time (a loaded machine or a slow link); "
+                f"raise timeouts.match_s")
+    return (f"{rounds}: no replica of stage {view.stage} answered within timeouts.match_s (a loaded machine, a slow "
+            f"link, or partners that are unreachable: see `noloco-node status`); raise timeouts.match_s")
+
+
+def _stall_note(view: NodeView) -> str:
+    minutes = view.since_progress_s / 60
+    since = f"no inner step for {minutes:.0f} min" if minutes >= 2 else f"no inner step for {view.since_progress_s:.0f} s"
+    if view.stage == 0:
+        return (f"{since}: microbatches are not coming back (a later stage slow, overloaded or unreachable); "
+                f"see `noloco-node status`")
+    return (f"{since}: no microbatches arrive from stage {view.stage - 1} (its replicas finished, stopped, or "
+            f"cannot reach this node); see `noloco-node status` and `noloco-node doctor`")
+
+
+class Progress:
+    """When the node last advanced, and what it knowingly waits for, on the node's own clock."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._step = -1
+        self._at = clock()
+        self.waiting_for: str | None = None
+        self._waiting_since = self._at
+
+    def observe(self, inner_step: int) -> None:
+        if inner_step != self._step:
+            self._step, self._at = inner_step, self.clock()
+
+    def since_progress_s(self) -> float:
+        return self.clock() - self._at
+
+    def wait(self, what: str | None) -> None:
+        """Start (or keep) waiting for `what`; None = no longer waiting (progress counts from now)."""
+        now = self.clock()
+        if what != self.waiting_for:
+            self._waiting_since = now
+        if what is None and self.waiting_for is not None:
+            self._at = now
+        self.waiting_for = what
+
+    def waiting_text(self) -> str | None:
+        """E.g. 'waiting for a stage-1 replica; 12 s'."""
+        if self.waiting_for is None:
+            return None
+        return f"waiting for {self.waiting_for}; {self.clock() - self._waiting_since:.0f} s"
