@@ -51,13 +51,26 @@ async def _serve(config, args: argparse.Namespace) -> int:
     for maddr in maddrs:
         print(f"  noloco-node join --initial-peers {maddr}", flush=True)
     sys.stdout.flush()
+    touch = asyncio.create_task(_keep_in_touch(directory, config.timeouts.heartbeat_s))
     try:
         await stop.wait()
     finally:
+        touch.cancel()
         await links.close()
         await server.stop(1.0)
         await directory.shutdown()
     return 0
+
+
+async def _keep_in_touch(directory, period_s: float) -> None:
+    """Other bootstrap peers (--initial-peers) are pinged every period, so two bootstraps that
+    restart at different times find each other again (nodes ping us the same way)."""
+    while True:
+        await asyncio.sleep(period_s)
+        try:
+            await directory.keep_in_touch()
+        except Exception:  # noqa: BLE001 - tried again next period
+            pass
 
 
 async def _serve_probes(config, directory, swarm_key: bytes | None):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
+import os
 import signal
 from typing import Any
 
@@ -33,13 +35,43 @@ def resolve_config(args: argparse.Namespace, *, base: dict[str, dict[str, Any]] 
     return load_config(args.config, overrides, base=base)
 
 
+log = logging.getLogger(__name__)
+
+
 def stop_on_signals() -> asyncio.Event:
-    """An event that SIGTERM or SIGINT sets; call from inside the running event loop."""
+    """An event that SIGTERM or SIGINT sets; call from inside the running event loop. A second
+    signal exits at once (a person pressing Ctrl-C again means it). Once stopping, the libp2p
+    daemon's connections closing under hivemind's tasks (the signal reached the daemon too: a
+    terminal signals the whole process group, systemd the whole cgroup) are expected, not errors."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal(sig: signal.Signals) -> None:
+        if stop.is_set():
+            log.warning("second %s: exiting now, without finishing the shutdown", sig.name)
+            logging.shutdown()
+            os._exit(128 + sig)
+        log.info("%s: stopping (again to exit at once)", sig.name)
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal, sig)
+
+    def on_exception(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+        error = context.get("exception")
+        if stop.is_set() and isinstance(error, (ConnectionError, asyncio.IncompleteReadError)):
+            log.debug("while stopping: %s: %r", context.get("message"), error)
+            return
+        loop.default_exception_handler(context)
+
+    loop.set_exception_handler(on_exception)
+    logging.getLogger("hivemind.p2p.p2p_daemon").addFilter(_daemon_closing)
     return stop
+
+
+def _daemon_closing(record: logging.LogRecord) -> bool:
+    """The libp2p daemon's own line when it is signalled with us ('use of closed network connection')."""
+    return "use of closed network connection" not in record.getMessage()
 
 
 def check_listen(host: str, ports: dict[str, int | None], host_field: str) -> None:

@@ -246,9 +246,75 @@ class PeerDirectory:
             self._by_peer = {p: v for p, v in self._by_peer.items() if v[0] > cutoff}
         return known[1]
 
-    async def shutdown(self) -> None:
-        await self.node.shutdown()  # does not stop a P2P it was handed
-        await self._own_p2p.shutdown()
+    async def keep_in_touch(self, timeout_s: float = 3.0, max_met: int = 8) -> int:
+        """Dial and ping the initial peers again; if none answers, up to `max_met` peers met through
+        their records. A bootstrap that restarted has forgotten everyone, and the rest of the swarm
+        had dropped it: the ping puts each of us in the other's routing table again, so it re-learns
+        the swarm from the peers that come back to it and a node still finds the swarm after every
+        bootstrap is gone. Called on every heartbeat; returns how many peers answered."""
+        if self._restarting:
+            return 0
+        answered = await self._ping(_targets(self.initial_peers, self.peer_id), timeout_s)
+        if answered == 0:
+            met = {r.peer_id: r.p2p_addrs for _, r in sorted(self._by_peer.values(), key=lambda v: -v[0])
+                   if r.peer_id != self.peer_id and r.status != "leaving"}
+            addrs = [a if "/p2p/" in a else f"{a}/p2p/{peer}" for peer, found in list(met.items())[:max_met]
+                     for a in found if "p2p-circuit" not in a]
+            answered = await self._ping(_targets(addrs, self.peer_id), timeout_s)
+        return answered
+
+    async def _ping(self, targets: dict[str, list[str]], timeout_s: float) -> int:
+        from hivemind.p2p import PeerID
+
+        from noloco_node.transport.bridge import DaemonMaddr
+
+        async def one(peer_id: str, addrs: list[str]) -> bool:
+            peer = PeerID.from_base58(peer_id)
+            try:
+                await asyncio.wait_for(self.p2p._client.connect(peer, [DaemonMaddr(a) for a in addrs]), timeout_s)
+                return await asyncio.wait_for(self.node.protocol.call_ping(peer, validate=False, strict=False),
+                                              timeout_s) is not None
+            except Exception as exc:  # noqa: BLE001 - tried again on the next heartbeat
+                log.debug("peer %s did not answer: %r", peer_id[-8:], exc)
+                return False
+
+        results = await asyncio.gather(*(one(p, a) for p, a in targets.items()))
+        return sum(results)
+
+    async def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Stop the DHT node, then its libp2p daemon. A Ctrl-C in a terminal or systemd's stop reaches
+        the daemon too (it is in our process group and cgroup), and once it has exited, hivemind's
+        DHTNode.shutdown waits forever on its socket: so it runs only until the daemon is gone, at
+        most `timeout_s`."""
+        child = getattr(self._own_p2p, "_child", None)
+        stopping = asyncio.ensure_future(self.node.shutdown())  # does not stop a P2P it was handed
+        watched = {stopping}
+        if child is not None:
+            watched.add(asyncio.ensure_future(child.wait()))
+        done, pending = await asyncio.wait(watched, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        for task in pending:
+            task.cancel()
+        if stopping in done and stopping.exception() is not None:
+            log.debug("DHT node shutdown: %r", stopping.exception())
+        elif stopping not in done:
+            self.node.is_alive = False
+            log.debug("the libp2p daemon went first; DHT node stopped without it")
+        try:
+            await asyncio.wait_for(self._own_p2p.shutdown(), timeout=timeout_s)
+        except asyncio.TimeoutError:
+            log.warning("the libp2p daemon did not exit in %.0f s; killing it", timeout_s)
+            if child is not None and child.returncode is None:
+                child.kill()
+
+
+def _targets(maddrs: list[str], own_peer_id: str) -> dict[str, list[str]]:
+    """Peer id -> its transport addresses, from full multiaddrs (`.../p2p/<peer id>`)."""
+    out: dict[str, list[str]] = {}
+    for maddr in maddrs:
+        base, _, peer_id = maddr.rpartition("/p2p/")
+        if base and peer_id and peer_id != own_peer_id:
+            out.setdefault(peer_id, []).append(base)
+    return out
 
 
 def daemon_with_flags(flags: dict):

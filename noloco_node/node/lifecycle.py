@@ -97,6 +97,7 @@ class Node:
         self.fetched_state: dict | None = None
         self.resumed_from: dict | None = None
         self._background: set[asyncio.Task] = set()
+        self._touching: asyncio.Task | None = None
 
     # ---- start ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -301,6 +302,9 @@ class Node:
             try:
                 self.meter.sample(sequences=self.worker.sequences_total, busy_s=self.parts.compute.busy_s,
                                   in_flight=len(self.runtime.in_flight), window=self.config.pipeline.max_in_flight)
+                if self._touching is None or self._touching.done():  # its own task: a dead peer takes seconds
+                    self._touching = asyncio.create_task(self.directory.keep_in_touch())
+                    self._spawn_task(self._touching)
                 await self._look_around()
                 await self.announce()
                 await self.runtime.expire_saved()
@@ -338,7 +342,9 @@ class Node:
             self.metrics.observe_rpc(method, seconds)
 
     def _spawn(self, coro) -> None:
-        task = asyncio.create_task(coro)
+        self._spawn_task(asyncio.create_task(coro))
+
+    def _spawn_task(self, task: asyncio.Task) -> None:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 

@@ -97,4 +97,6 @@ def ready_fields(node: Node) -> dict:
             "inner_step": node.worker.inner_steps, "outer_round": node.outer_round, "status": node.status,
             "metrics_port": node.metrics_port, "manifest_hash": node.manifest_hash, "run_id": node.config.run.run_id,
             "in_flight": [[k.origin, k.sequence, k.attempt] for k in list(node.runtime.in_flight)],
-            "saved_inputs": len(node.worker.saved), "moves": len(node.moves)}
+            "saved_inputs": len(node.worker.saved), "moves": len(node.moves),
+            "served": sum(node.runtime.stats.forwards_received.values()),
+            "waiting_for": node.progress.waiting_for, "done_at_step": node.done_at_step}
