@@ -18,7 +18,8 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("bootstrap", help="run a DHT-only bootstrap peer", description=__doc__)
     add_config_flags(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for a public peer)")
-    p.add_argument("--port", type=int, default=0, help="TCP port (0 = any; use a fixed one for a public peer)")
+    p.add_argument("--port", type=int, default=31330, help="TCP port (default 31330: with the identity file, the "
+                   "multiaddr stays the same across restarts; 0 = any free port, a new one each start)")
     p.add_argument("--identity", default="bootstrap.key", help="private key file; created once, keeps the peer id stable")
     p.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR", help="other bootstrap peers to link to")
     p.add_argument("--maddr-file", help="also write the multiaddrs here, one per line")

@@ -38,6 +38,15 @@ def resolve_config(args: argparse.Namespace, *, base: dict[str, dict[str, Any]] 
 log = logging.getLogger(__name__)
 
 
+def require_initial_peers(config: NodeConfig) -> None:
+    """Commands that only ask the swarm need a peer of it: from --initial-peers or the config."""
+    if not config.network.initial_peers:
+        from noloco_node.config import ConfigError
+
+        raise ConfigError("network.initial_peers", "no peer of the swarm to ask", "pass --initial-peers MADDR (the "
+                          "multiaddr the bootstrap printed) or set network.initial_peers in --config")
+
+
 def stop_on_signals() -> asyncio.Event:
     """An event that SIGTERM or SIGINT sets; call from inside the running event loop. A second
     signal exits at once (a person pressing Ctrl-C again means it). Once stopping, the libp2p

@@ -21,7 +21,7 @@ import socket
 import sys
 from dataclasses import dataclass
 
-from noloco_node.cli.common import add_config_flags, resolve_config
+from noloco_node.cli.common import add_config_flags, require_initial_peers, resolve_config
 
 CODES = {"python": 10, "cuda": 11, "port": 12, "dht": 13, "reach": 14, "clock": 15, "compat": 16}
 
@@ -38,7 +38,8 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("doctor", help="preflight checks before joining a swarm", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_flags(p)
-    p.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="the swarm's bootstrap multiaddrs")
+    p.add_argument("--initial-peers", nargs="+", metavar="MADDR", help="the swarm's bootstrap multiaddrs (default: "
+                   "network.initial_peers of --config)")
     p.add_argument("--host", help="address the node will bind (network.host)")
     p.add_argument("--port", type=int, help="gRPC port the node will use (network.port)")
     p.add_argument("--announce-addr", metavar="HOST:PORT", help="address peers will dial (network.announce_addr)")
@@ -50,6 +51,7 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     config = resolve_config(args, flags={"network": {"initial_peers": args.initial_peers, "host": args.host,
                                                      "port": args.port, "announce_addr": args.announce_addr}})
+    require_initial_peers(config)
     checks = asyncio.run(_run_checks(config, args))
     failed = None
     for check in checks:

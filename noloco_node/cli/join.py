@@ -8,7 +8,7 @@ import json
 import logging
 from pathlib import Path
 
-from noloco_node.cli.common import add_config_flags, check_listen, resolve_config, stop_on_signals
+from noloco_node.cli.common import add_config_flags, check_listen, require_initial_peers, resolve_config, stop_on_signals
 from noloco_node.runtime.files import atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -72,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
     net = config.network
     check_listen(net.host, {"network.port": net.port, "network.dht_port": net.dht_port,
                             "network.metrics_port": net.metrics_port}, "network.host")
+    require_initial_peers(config)
     if args.threads:
         import torch
 

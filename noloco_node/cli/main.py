@@ -12,11 +12,12 @@ import os
 import sys
 
 from noloco_node import __version__
-from noloco_node.cli import bootstrap, config_cmd, demo, doctor, experiment, join, keygen, model_cmds, plan, status
+from noloco_node.cli import (bootstrap, config_cmd, demo, doctor, experiment, health, join, keygen, model_cmds, plan,
+                             status)
 from noloco_node.config import ConfigError
 from noloco_node.errors import BootstrapError, NodeError, UnreachableAddress
 
-COMMANDS = (join, bootstrap, status, doctor, keygen, demo, experiment, config_cmd, model_cmds, plan)
+COMMANDS = (join, bootstrap, status, doctor, health, keygen, demo, experiment, config_cmd, model_cmds, plan)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -7,29 +7,34 @@ import asyncio
 import json
 import time
 
-from noloco_node.cli.common import add_config_flags, resolve_config
+from noloco_node.cli.common import add_config_flags, require_initial_peers, resolve_config
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("status", help="show the swarm's stages and replicas", description=__doc__)
     add_config_flags(p)
-    p.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="any peer of the swarm")
+    p.add_argument("--initial-peers", nargs="+", metavar="MADDR", help="any peer of the swarm (default: "
+                   "network.initial_peers of --config)")
     p.add_argument("--json", action="store_true", help="print JSON for scripts instead of a table")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     config = resolve_config(args, flags={"network": {"initial_peers": args.initial_peers}})
+    require_initial_peers(config)
     rows = asyncio.run(_collect(config))
     from noloco_node.runtime.throughput import limiting_stage
 
     stages = range(config.pipeline.num_stages)
     capacity = {s: [r["capacity"] for r in rows if r["stage"] == s] for s in stages}
     limit = limiting_stage(capacity)
+    from noloco_node.node.attention import swarm_attention
+
+    notes = swarm_attention(rows, config.pipeline.num_stages, behind_steps=2 * config.outer.inner_steps_per_outer)
     if args.json:
         print(json.dumps({"run_id": config.run.run_id, "stages": config.pipeline.num_stages, "replicas": rows,
-                          "stage_capacity": {str(s): sum(c) for s, c in capacity.items()}, "limiting_stage": limit},
-                         indent=2))
+                          "stage_capacity": {str(s): sum(c) for s, c in capacity.items()}, "limiting_stage": limit,
+                          "attention": notes}, indent=2))
         return 0
     print(f"run {config.run.run_id}: {len(rows)} replicas over {config.pipeline.num_stages} stages")
     header = (f"{'stage':>5}  {'peer':<10} {'address':<22} {'reach':<12} {'inner':>6} {'round':>5} {'status':<9} "
@@ -43,9 +48,8 @@ def run(args: argparse.Namespace) -> int:
     for s in stages:
         mark = "  <- limits the swarm" if s == limit else ""
         print(f"stage {s}: {len(capacity[s])} replicas, capacity {sum(capacity[s]):.1f} sequences/s{mark}")
-    empty = [s for s in range(config.pipeline.num_stages) if not any(r["stage"] == s for r in rows)]
-    if empty:
-        print(f"stages with no live replica: {empty}")
+    for note in notes:
+        print(f"! {note}")
     return 0
 
 

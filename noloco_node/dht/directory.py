@@ -297,7 +297,6 @@ class PeerDirectory:
         if stopping in done and stopping.exception() is not None:
             log.debug("DHT node shutdown: %r", stopping.exception())
         elif stopping not in done:
-            self.node.is_alive = False
             log.debug("the libp2p daemon went first; DHT node stopped without it")
         try:
             await asyncio.wait_for(self._own_p2p.shutdown(), timeout=timeout_s)

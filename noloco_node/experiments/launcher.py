@@ -60,7 +60,8 @@ class LocalSwarm:
         maddr_file = self.out_dir / "bootstrap.maddr"
         with open(self.out_dir / "logs" / "bootstrap.log", "w") as log:
             self.bootstrap = self.group.spawn(
-                self._cmd("bootstrap", "--identity", str(self.out_dir / "bootstrap.key"), "--maddr-file", str(maddr_file)),
+                self._cmd("bootstrap", "--port", "0", "--identity", str(self.out_dir / "bootstrap.key"),
+                          "--maddr-file", str(maddr_file)),
                 stdout=log, stderr=subprocess.STDOUT, env=self._env())
         deadline = time.monotonic() + self.startup_timeout_s
         while not maddr_file.exists():

@@ -143,7 +143,8 @@ def driver_settings(config: NodeConfig) -> DriverSettings:
 
 
 def build_driver(config: NodeConfig, pipeline: PipelineParts, sync: OuterSync,
-                 batches: Iterator[tuple[Tensor, Tensor]], *, restored: dict | None = None) -> Stage0Driver:
+                 batches: Iterator[tuple[Tensor, Tensor]], *, restored: dict | None = None,
+                 before_batch: Callable[[], Awaitable[None]] | None = None) -> Stage0Driver:
     return Stage0Driver(pipeline.runtime, batches, driver_settings(config), completions=pipeline.completions,
                         inner_step=sync.inner_step if sync.takes_inner_step else None,
-                        counters=DriverCounters.restored(restored) if restored else None)
+                        counters=DriverCounters.restored(restored) if restored else None, before_batch=before_batch)

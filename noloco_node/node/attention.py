@@ -60,8 +60,8 @@ def _solo_note(view: NodeView) -> str | None:
     n = len(latest)
     rounds = f"the last {n} outer rounds went solo" if n > 1 else "the last outer round went solo"
     if view.replicas_of_stage == 1:
-        return (f"{rounds}: stage {view.stage} has no second replica to average with, so nothing is averaged; "
-                f"it pairs once another node serves stage {view.stage}")
+        return (f"{rounds}: stage {view.stage} has no second replica to average with (another node on stage "
+                f"{view.stage} fixes it)")
     if view.method == "diloco":
         return (f"{rounds}: the all-reduce group never formed in time (a loaded machine or a slow link); "
                 f"raise timeouts.match_s")
@@ -110,3 +110,29 @@ class Progress:
         if self.waiting_for is None:
             return None
         return f"waiting for {self.waiting_for}; {self.clock() - self._waiting_since:.0f} s"
+
+
+def swarm_attention(rows: Sequence[dict], num_stages: int, *, behind_steps: int) -> list[str]:
+    """What needs attention in a whole swarm, from its live records (`noloco-node status`): empty
+    or lone stages, replicas far behind their stage or only relayed, and each node's own notes."""
+    notes = []
+    live = [r for r in rows if r.get("status") not in ("leaving", "joining")]
+    for s in range(num_stages):
+        here = [r for r in live if r["stage"] == s]
+        if not here:
+            notes.append(f"stage {s} has no replica: nothing trains until one joins (`noloco-node join --stage auto` "
+                         f"takes it)")
+        elif len(here) == 1:
+            notes.append(f"stage {s} has a single replica: its outer rounds have nobody to average with")
+        else:
+            lead = max(r["inner_step"] for r in here)
+            for r in here:
+                if lead - r["inner_step"] > behind_steps:
+                    notes.append(f"replica {r['peer_id'][-8:]} (stage {s}) is {lead - r['inner_step']} inner steps "
+                                 f"behind its stage: a slow machine or link")
+    for r in live:
+        if r.get("reach") == "relayed":
+            notes.append(f"replica {r['peer_id'][-8:]} (stage {r['stage']}) is reached only through a relay (slower): "
+                         f"forward its port and pass --announce-addr; `noloco-node doctor` says how")
+        notes.extend(f"replica {r['peer_id'][-8:]} (stage {r['stage']}): {note}" for note in r.get("attention") or [])
+    return notes

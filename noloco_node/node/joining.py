@@ -167,16 +167,28 @@ async def wait_for_replicas(directory: PeerDirectory, num_stages: int, count: in
     and `waiting(None)` once none is."""
     import asyncio
 
+    fresh = False  # first from the lookup cache: stage 0 asks before every batch
     while True:
-        sizes = [len(await directory.replicas(s, fresh=True)) for s in range(num_stages)]
+        sizes = [len(await directory.replicas(s, fresh=fresh)) for s in range(num_stages)]
         short = [s for s, n in enumerate(sizes) if n < count]
         if not short:
             waiting(None)
             return
+        fresh = True
         s = short[0]
         have = f" (has {sizes[s]})" if sizes[s] else ""
         waiting(f"a stage-{s} replica{have}" if count == 1 else f"{count} replicas of stage {s}{have}")
         await asyncio.sleep(poll_s)
+
+
+async def look_around(directory: PeerDirectory, stage: int, num_stages: int) -> tuple[int, str | None]:
+    """(live replicas of `stage`, ours included; 'a stage-S replica' for a neighbouring stage with
+    none, the next one first, else None)."""
+    ours = len(await directory.replicas(stage, fresh=True))
+    for neighbour in (stage + 1, stage - 1):
+        if 0 <= neighbour < num_stages and not await directory.replicas(neighbour, fresh=True):
+            return ours, f"a stage-{neighbour} replica"
+    return ours, None
 
 
 def contact_lookup(directory: PeerDirectory):

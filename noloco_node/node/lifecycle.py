@@ -21,8 +21,8 @@ from noloco_node.node.assembly import ComputeParts, PipelineParts, build_compute
 from noloco_node.node.boundary import InnerStepBoundary, Snapshots
 from noloco_node.node.checkpoint import Checkpointer
 from noloco_node.node.discovery import choose_stage, start_directory
-from noloco_node.node.joining import (announced_address, contact_lookup, fetch_state, public_libp2p_addrs, settle_reach,
-                                      wait_for_replicas)
+from noloco_node.node.joining import (announced_address, contact_lookup, fetch_state, look_around, public_libp2p_addrs,
+                                      settle_reach, wait_for_replicas)
 from noloco_node.node.manifest import load_run_inputs
 from noloco_node.pipeline.driver import Stage0Driver
 from noloco_node.pipeline.ports import Hop
@@ -317,12 +317,12 @@ class Node:
                 log.exception("heartbeat failed")
 
     async def _look_around(self) -> None:
-        """How many replicas our stage has (a lone one pairs with nobody), and for a later stage
-        whether any replica upstream could send us work at all."""
-        self.stage_replicas = len(await self.directory.replicas(self.stage_index, fresh=True))
-        if self.stage_index > 0 and (self.progress.waiting_for is None or self.progress.waiting_for.startswith("a stage")):
-            upstream = await self.directory.replicas(self.stage_index - 1, fresh=True)
-            self.progress.wait(None if upstream else f"a stage-{self.stage_index - 1} replica")
+        """How many replicas our stage has (a lone one pairs with nobody), and, unless we already wait
+        for something else, which neighbouring stage has none (we wait for it, and say so)."""
+        self.stage_replicas, missing = await look_around(self.directory, self.stage_index,
+                                                         self.config.pipeline.num_stages)
+        if self.progress.waiting_for is None or self.progress.waiting_for.startswith("a stage-"):
+            self.progress.wait(missing)
 
     async def _watch_balance(self) -> None:
         """Rebalancing (pipeline/rebalance.py): when the plan names this node, ask whoever serves it
@@ -366,7 +366,8 @@ class Node:
                                   holdout_fraction=cfg.data.holdout_fraction, seed=cfg.run.seed,
                                   shuffle_buffer=0 if cfg.pipeline.deterministic else 1000).batches(cfg.pipeline.batch_size)
         self.driver = build_driver(cfg, self.pipeline, self.sync, batches,
-                                   restored=(self.resumed_from or {}).get("microbatches"))
+                                   restored=(self.resumed_from or {}).get("microbatches"),
+                                   before_batch=lambda: self.wait_for_replicas(1))
 
         async def after_step(step: int) -> None:
             await self.boundary(step, self.driver)

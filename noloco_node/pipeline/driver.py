@@ -77,14 +77,16 @@ def overlapped(settings: DriverSettings, is_last: bool) -> bool:
 class Stage0Driver:
     def __init__(self, runtime: StageRuntime, batches: Iterator[tuple[Tensor, Tensor]], settings: DriverSettings, *,
                  completions: Stage0Completions, inner_step: Callable[[], Awaitable[float]] | None = None,
-                 counters: DriverCounters | None = None) -> None:
+                 counters: DriverCounters | None = None, before_batch: Callable[[], Awaitable[None]] | None = None) -> None:
         """`completions` is the one the runtime reports to; `inner_step` replaces the worker's own
-        step (a method that takes it, dp); `counters` carries on a predecessor's accounting."""
+        step (a method that takes it, dp); `counters` carries on a predecessor's accounting;
+        `before_batch` is awaited before each batch is issued (the node waits there while a later
+        stage has no replica, rather than issue microbatches nobody can take)."""
         self.runtime, self.batches, self.completions = runtime, batches, completions
         self.microbatch_size = settings.microbatch_size
         self.timeout_s, self.max_attempts = settings.microbatch_timeout_s, settings.max_attempts
         self.sequential = settings.sequential
-        self.inner_step = inner_step
+        self.inner_step, self.before_batch = inner_step, before_batch
         self.counters = counters or DriverCounters()
         self.log = DriverLog()
         self._sequence = 0
@@ -106,6 +108,8 @@ class Stage0Driver:
         for batch in range(steps):
             if self.stop_requested:
                 break
+            if self.before_batch is not None:
+                await self.before_batch()
             inputs, labels = next(self.batches)
             micro = [(inputs[i:i + self.microbatch_size], labels[i:i + self.microbatch_size])
                      for i in range(0, inputs.shape[0], self.microbatch_size)]

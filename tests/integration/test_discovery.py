@@ -99,7 +99,7 @@ def test_bootstrap_identity_is_persistent(tmp_path):
     for _ in range(2):
         maddr_file = tmp_path / "maddr"
         maddr_file.unlink(missing_ok=True)
-        proc = subprocess.Popen([sys.executable, "-m", "noloco_node", "bootstrap", "--identity", str(tmp_path / "id.key"),
+        proc = subprocess.Popen([sys.executable, "-m", "noloco_node", "bootstrap", "--port", "0", "--identity", str(tmp_path / "id.key"),
                                  "--maddr-file", str(maddr_file)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, start_new_session=True)
         try:

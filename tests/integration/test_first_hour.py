@@ -25,7 +25,7 @@ import pytest
 from noloco_node.experiments.process_group import ProcessGroup
 from .conftest import prepare_tokenizer, tiny_overrides
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(360)]
 
 ROOT = Path(__file__).resolve().parents[2]
 DRAIN_S = 3.0
@@ -165,6 +165,18 @@ def status(config: Path, maddr: str) -> list[dict]:
     return json.loads(out.stdout)["replicas"]
 
 
+def status_lists_every_replica(config: Path, maddr: str, ready_files: list[Path], within_s: float = 30) -> None:
+    """`noloco-node status` through `maddr` lists exactly these nodes, within `within_s`."""
+    peers = {ready(p)["peer_id"] for p in ready_files}
+    deadline = time.monotonic() + within_s
+    while True:
+        listed = status(config, maddr)
+        if {r["peer_id"] for r in listed} == peers:
+            return
+        assert time.monotonic() < deadline, f"status through {maddr} lists {listed}, not {peers}"
+        time.sleep(1)
+
+
 def assert_clean(p: Proc) -> None:
     text = p.text()
     assert "Traceback" not in text and "never retrieved" not in text, text[-4000:]
@@ -222,11 +234,7 @@ def test_a_restarted_bootstrap_rejoins_the_swarm_it_lost(tmp_path, procs):
                                                                maddr, "--stage", "1"))
     wait_for(lambda: ready(new_ready).get("served", 0) >= 2, 60,
              "a replica that joined through the restarted bootstrap received no microbatch", s0, s1, new)
-    peers = {ready(p)["peer_id"] for p in (s0_ready, s1_ready, new_ready)}
-    deadline = time.monotonic() + 30
-    while {r["peer_id"] for r in status(config, maddr)} != peers:
-        assert time.monotonic() < deadline, f"status through the restarted bootstrap: {status(config, maddr)}"
-        time.sleep(1)
+    status_lists_every_replica(config, maddr, [s0_ready, s1_ready, new_ready])
 
 
 def test_a_swarm_with_two_bootstraps_outlives_one(tmp_path, procs):
@@ -243,8 +251,4 @@ def test_a_swarm_with_two_bootstraps_outlives_one(tmp_path, procs):
     new, new_ready = start_join(procs, tmp_path, "s1-new", cli("join", "--config", str(config), *both, "--stage", "1"))
     wait_for(lambda: ready(new_ready).get("served", 0) >= 2, 60,
              "a joiner given both bootstraps, one of them gone, received no microbatch", s0, s1, new)
-    peers = {ready(p)["peer_id"] for p in (s0_ready, s1_ready, new_ready)}
-    deadline = time.monotonic() + 30
-    while {r["peer_id"] for r in status(config, b)} != peers:
-        assert time.monotonic() < deadline, f"status through the remaining bootstrap: {status(config, b)}"
-        time.sleep(1)
+    status_lists_every_replica(config, b, [s0_ready, s1_ready, new_ready])

@@ -2,6 +2,7 @@
 systemd units parses with the real CLI parser, and the example config names every field."""
 
 import dataclasses
+import json
 import re
 import shlex
 from pathlib import Path
@@ -29,31 +30,73 @@ def test_example_config_loads_and_names_every_field():
             assert re.search(rf"^#?\s*{f.name}\s*=", text, re.M), f"{section}.{f.name} missing from node.example.toml"
 
 
-def test_systemd_units_run_valid_commands():
+def entrypoint(args: list[str]) -> list[str]:
+    """What deploy/docker-entrypoint.sh runs for `docker run IMAGE ARGS`: flags alone (or none)
+    extend its default join, anything else is a command."""
+    script = (DEPLOY / "docker-entrypoint.sh").read_text()
+    default = shlex.split(re.search(r"^\s*set -- (.*) \"\$@\"$", script, re.M).group(1))
+    assert re.search(r'^exec noloco-node "\$@"$', script, re.M)
+    return default + args if not args or args[0].startswith("-") else args
+
+
+def unit_argv(unit: Path) -> list[str]:
+    text = unit.read_text().replace("\\\n", " ")
+    line = next(l for l in text.splitlines() if l.startswith("ExecStart="))
+    return shlex.split(line.removeprefix("ExecStart="))
+
+
+def test_systemd_units_run_valid_commands_as_a_user_they_create_with_a_config_they_install():
+    sysusers = (DEPLOY / "systemd" / "noloco-node.sysusers").read_text()
     for unit in sorted((DEPLOY / "systemd").glob("*.service")):
-        text = unit.read_text().replace("\\\n", " ")
-        line = next(l for l in text.splitlines() if l.startswith("ExecStart="))
-        argv = shlex.split(line.removeprefix("ExecStart="))
+        argv = unit_argv(unit)
         assert argv[0].endswith("/noloco-node")
         parses(argv[1:])
+        user = re.search(r"^User=(\S+)$", unit.read_text(), re.M).group(1)
+        assert re.search(rf"^u {user} ", sysusers, re.M), f"{unit.name}: nothing creates user {user}"
+        assert "noloco-node.sysusers /etc/sysusers.d/" in unit.read_text(), f"{unit.name} does not say how to create it"
+        # Every unit reads the swarm's config (the bootstrap too: it answers probes only for its run)
+        # from a path its install lines fill from a file in the repository.
+        config = argv[argv.index("--config") + 1]
+        source = re.search(rf"install -D -m 644 (\S+) {re.escape(config)}", unit.read_text())
+        assert source and (DEPLOY.parent / source.group(1)).is_file(), f"{unit.name}: nothing installs {config}"
+        load_config(DEPLOY.parent / source.group(1))
 
 
-def test_compose_services_run_valid_commands():
+def test_compose_services_run_valid_commands_and_every_node_trains_without_extra_flags():
     compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
     assert {"bootstrap", "node-a", "node-b"} <= set(compose["services"])
     for name, service in compose["services"].items():
         if "entrypoint" in service:
-            script = service["entrypoint"][-1]
-            script = re.sub(r"\$\$\(.*?\)", MADDR, script)
+            script = re.sub(r"\$\$\(.*?\)", MADDR, service["entrypoint"][-1])
             argv = shlex.split(script.removeprefix("exec "))
-            assert argv[0] == "noloco-node", name
-            parses(argv[1:])
+            assert argv[0] == "docker-entrypoint.sh", name
+            argv = entrypoint(argv[1:])
         else:
-            parses(service["command"])
+            argv = entrypoint(service["command"])
+        args = build_parser().parse_args(argv)
+        assert "--steps" not in argv, f"{name}: a node trains without --steps (and any stage ignores it)"
+        if args.command == "join":
+            assert args.initial_peers == [MADDR] and args.stage == "auto"
+        if args.command in ("join", "bootstrap"):
+            assert args.config == "/etc/noloco-node/node.toml", f"{name} must read the image's config"
 
 
-def test_dockerfile_default_command_parses():
+def test_dockerfile_entrypoint_ports_healthcheck_and_build_context():
     text = (DEPLOY / "Dockerfile").read_text()
-    cmd = re.search(r'^CMD (\[.*\])$', text, re.M).group(1)
-    parses(yaml.safe_load(cmd) + ["--initial-peers", MADDR])
-    assert re.search(r'^ENTRYPOINT \["noloco-node"\]$', text, re.M)
+    assert re.search(r'^ENTRYPOINT \["docker-entrypoint.sh"\]$', text, re.M)
+    assert "COPY deploy/docker-entrypoint.sh /usr/local/bin/docker-entrypoint.sh" in text
+    assert "COPY deploy/node.example.toml /etc/noloco-node/node.toml" in text
+    join = build_parser().parse_args(entrypoint(["--initial-peers", MADDR]))
+    config = load_config(DEPLOY / "node.example.toml", join.overrides,
+                         base=None).network
+    exposed = {int(p) for p in re.search(r"^EXPOSE (.*)$", text, re.M).group(1).split()}
+    bootstrap_port = build_parser().parse_args(["bootstrap"]).port
+    assert {join.port, config.dht_port, bootstrap_port} <= exposed
+    # The healthcheck asks the default join's own gRPC health service.
+    health = json.loads(re.search(r"^HEALTHCHECK .* CMD (\[.*\])$", text, re.M).group(1))
+    assert health[:2] == ["noloco-node", "health"] and health[health.index("--address") + 1] == f"127.0.0.1:{join.port}"
+    parses(health[1:])
+    # The example dials a bootstrap at the port a bootstrap listens on by default.
+    assert f"/tcp/{bootstrap_port}/p2p/" in text and "/tcp/31337/p2p/" not in text
+    ignored = (DEPLOY.parent / ".dockerignore").read_text().split()
+    assert {".venv", "runs/", ".git"} <= set(ignored)

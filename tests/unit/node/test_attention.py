@@ -1,0 +1,62 @@
+"""node/attention.py: what a node and a swarm say needs attention, and what a node waits for."""
+
+from noloco_node.node.attention import STALL_S, NodeView, Progress, attention, swarm_attention
+
+SOLO = {"outcome": "solo", "reason": "no partner"}
+PAIRED = {"outcome": "paired"}
+
+
+def view(**kw) -> NodeView:
+    values = dict(stage=1, method="noloco", replicas_of_stage=2, outer_history=[], since_progress_s=1.0)
+    values.update(kw)
+    return NodeView(**values)
+
+
+def test_all_is_well_says_nothing():
+    assert attention(view(outer_history=[PAIRED, SOLO, PAIRED, SOLO])) == []
+    assert attention(view(outer_history=[SOLO, SOLO, SOLO])) == []  # a few solo rounds with a partner around
+
+
+def test_rounds_that_keep_going_solo_say_why():
+    notes = attention(view(outer_history=[PAIRED] + [SOLO] * 4))
+    assert len(notes) == 1 and "last 4 outer rounds went solo" in notes[0] and "timeouts.match_s" in notes[0]
+    lone = attention(view(replicas_of_stage=1, outer_history=[SOLO]))
+    assert "no second replica" in lone[0] and "stage 1" in lone[0]
+    assert attention(view(method="none", outer_history=[SOLO] * 9)) == []
+
+
+def test_no_progress_is_a_warning_unless_the_node_knowingly_waits_or_is_done():
+    assert "no microbatches arrive from stage 0" in attention(view(since_progress_s=STALL_S + 1))[0]
+    assert "not coming back" in attention(view(stage=0, since_progress_s=3 * STALL_S))[0]
+    assert attention(view(since_progress_s=STALL_S + 1, waiting_for="a stage-0 replica")) == []
+    assert attention(view(stage=0, since_progress_s=STALL_S + 1, done=True)) == []
+
+
+def test_progress_says_what_it_waits_for_and_restarts_the_clock_after():
+    now = [100.0]
+    progress = Progress(clock=lambda: now[0])
+    progress.wait("a stage-1 replica")
+    now[0] += 12
+    assert progress.waiting_text() == "waiting for a stage-1 replica; 12 s"
+    assert progress.since_progress_s() == 12
+    progress.wait(None)
+    assert progress.waiting_text() is None and progress.since_progress_s() == 0
+    now[0] += 5
+    progress.observe(3)
+    assert progress.since_progress_s() == 0
+
+
+def test_the_swarm_view_names_empty_and_lone_stages_laggards_relays_and_node_notes():
+    rows = [dict(peer_id="peerAAAAAAAA", stage=0, inner_step=100, status="serving", reach="direct", attention=[]),
+            dict(peer_id="peerBBBBBBBB", stage=0, inner_step=10, status="serving", reach="relayed",
+                 attention=["the last 4 outer rounds went solo: x"]),
+            dict(peer_id="peerCCCCCCCC", stage=1, inner_step=90, status="serving", reach="direct", attention=[]),
+            dict(peer_id="peerDDDDDDDD", stage=2, inner_step=0, status="leaving", reach="direct", attention=[])]
+    notes = swarm_attention(rows, 3, behind_steps=50)
+    text = "\n".join(notes)
+    assert "stage 2 has no replica" in text  # a leaving record is not a replica
+    assert "stage 1 has a single replica" in text
+    assert "BBBBBBBB (stage 0) is 90 inner steps behind" in text
+    assert "BBBBBBBB (stage 0) is reached only through a relay" in text
+    assert "BBBBBBBB (stage 0): the last 4 outer rounds went solo" in text
+    assert "AAAAAAAA" not in text
