@@ -135,7 +135,9 @@ def _run_swarm(config, args, out: Path) -> dict:
         stale.unlink()
     progress = ProgressLine()
     start = time.monotonic()
-    with LocalSwarm(out, overrides=overrides, threads=threads, startup_timeout_s=config.timeouts.startup_s + 30) as swarm:
+    # D nodes of a stage start at once, each importing torch and building its model on the same cores.
+    startup_s = config.timeouts.startup_s + 30 + 10 * replicas
+    with LocalSwarm(out, overrides=overrides, threads=threads, startup_timeout_s=startup_s) as swarm:
         swarm.start_bootstrap()
         servers = [swarm.start_node(s, r, "--save-weights") for s in range(1, stages) for r in range(replicas)]
         swarm.wait_ready(servers)

@@ -88,7 +88,11 @@ async def _serve(config, args: argparse.Namespace) -> int:
     outputs = NodeOutputs(out_dir=Path(args.out) if args.out else None, save_weights=args.save_weights,
                           snapshot_every=args.snapshot_every, snapshot_dir=Path(args.snapshot_dir or "snapshots"))
     node = Node(config, outputs=outputs)
-    await node.start()
+    try:
+        await node.start()
+    except BaseException:
+        await node.abandon()
+        raise
     plan = ServePlan(steps=args.steps, serve_after=args.serve_after, wait_replicas=args.wait_replicas)
     return await serve(node, plan, stop, _JoinReporter(config, args))
 

@@ -91,6 +91,8 @@ class Node:
         self.stage_replicas: int | None = None  # live replicas of our stage, ours included (heartbeat)
         self.done_at_step: int | None = None  # stage 0 trained all its steps and only serves now
         self.directory: PeerDirectory | None = None
+        self.server: NodeServer | None = None
+        self.links: Links | None = None
         self.driver: Stage0Driver | None = None
         self.metrics = None
         self.metrics_port = None
@@ -413,6 +415,19 @@ class Node:
             from noloco_node.node.outputs import write_outputs
 
             write_outputs(self, self.outputs.out_dir)
+
+    async def abandon(self) -> None:
+        """After a start that failed: close what it had opened (its gRPC server, libp2p links and
+        DHT peer; no record to withdraw, nothing to drain), so the process exits quietly with the
+        error that stopped it."""
+        for name, part in (("server", self.server), ("links", self.links), ("dht", self.directory)):
+            if part is None:
+                continue
+            try:
+                await asyncio.wait_for(part.stop(0) if name == "server" else
+                                       part.close() if name == "links" else part.shutdown(), timeout=10)
+            except Exception as exc:  # noqa: BLE001 - exiting with the start's error anyway
+                log.debug("closing the %s after a failed start: %r", name, exc)
 
     async def _shut_down(self) -> None:
         timeout_s = self.config.timeouts.connect_s + 5

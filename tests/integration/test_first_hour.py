@@ -96,15 +96,16 @@ def _is_number(value: str) -> bool:
     return re.fullmatch(r"-?\d+(\.\d+)?(e-?\d+)?", value) is not None
 
 
-def documented_join() -> list[str]:
-    """The join command a newcomer copies: README.md's, which docs/volunteer.md must repeat."""
+def documented(command: str) -> list[str]:
+    """The `noloco-node COMMAND --initial-peers MADDR ...` line a newcomer copies: README.md's, which
+    docs/volunteer.md must repeat word for word."""
     found = []
     for page in (ROOT / "README.md", ROOT / "docs" / "volunteer.md"):
         lines = [line.split("#")[0].strip() for line in page.read_text().splitlines()
-                 if re.match(r"^\.venv/bin/noloco-node join --initial-peers MADDR", line.strip())]
-        assert lines, f"{page.name} lost its join command"
+                 if re.match(rf"^\.venv/bin/noloco-node {command} --initial-peers MADDR", line.strip())]
+        assert lines, f"{page.name} lost its {command} command"
         found.append(lines[0])
-    assert found[0] == found[1], f"README.md and volunteer.md document different joins: {found}"
+    assert found[0] == found[1], f"README.md and volunteer.md document different {command} lines: {found}"
     return shlex.split(found[0])
 
 
@@ -185,7 +186,11 @@ def assert_clean(p: Proc) -> None:
 def test_the_documented_join_trains_a_first_stage_0_waits_and_group_signals_stop_cleanly(tmp_path, procs):
     config = tiny_config(tmp_path)
     maddr = start_bootstrap(procs, tmp_path, "bootstrap", free_port())
-    doc = documented_join()
+    # The preflight the docs put first passes against a fresh swarm.
+    doctor = subprocess.run(as_run(documented("doctor"), [maddr], "--config", str(config)), capture_output=True,
+                            text=True, timeout=120)
+    assert doctor.returncode == 0, doctor.stdout + doctor.stderr[-2000:]
+    doc = documented("join")
     first, first_ready = start_join(procs, tmp_path, "first", as_run(doc, [maddr], "--config", str(config)))
     # Alone in the swarm, `auto` gives it stage 0; it waits for a stage-1 replica, saying so, well
     # past timeouts.startup_s (the old behaviour: TimeoutError and exit 1 after it).
@@ -200,6 +205,10 @@ def test_the_documented_join_trains_a_first_stage_0_waits_and_group_signals_stop
     wait_for(lambda: ready(first_ready).get("inner_step", 0) >= 3 and ready(second_ready).get("served", 0) >= 6, 90,
              "the documented join did not train (stage-0 steps and stage-1 microbatches)", first, second)
     assert ready(first_ready)["waiting_for"] is None
+    # The container healthcheck's command asks the node's own gRPC health service.
+    health = subprocess.run(cli("health", "--address", ready(first_ready)["address"]), capture_output=True, text=True,
+                            timeout=60)
+    assert health.returncode == 0 and health.stdout.startswith("serving"), health.stdout + health.stderr
 
     # Ctrl-C in the terminal of each (SIGINT to its process group), SIGTERM as systemd sends it.
     bound = DRAIN_S + 5 + 5  # drain + the issue's 5 s, + a loaded CI machine's process exit
@@ -211,6 +220,9 @@ def test_the_documented_join_trains_a_first_stage_0_waits_and_group_signals_stop
     for p in (first, second, procs[0]):
         assert_clean(p)
     assert "summary: stage 0" in first.text()
+    gone = subprocess.run(cli("health", "--address", ready(first_ready)["address"]), capture_output=True, text=True,
+                          timeout=60)
+    assert gone.returncode == 1 and gone.stderr.startswith("not serving"), gone.stdout + gone.stderr
 
 
 def test_a_restarted_bootstrap_rejoins_the_swarm_it_lost(tmp_path, procs):

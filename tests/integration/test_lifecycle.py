@@ -57,17 +57,20 @@ def test_stage_auto_and_doctor_against_a_live_swarm(tmp_path, make_swarm):
                                             "outer.inner_steps_per_outer": 1000})
     prepare_tokenizer(overrides)
     swarm = make_swarm(overrides)
-    donor, *stage1 = nodes = [swarm.start_node(0, 0), swarm.start_node(1, 0), swarm.start_node(1, 1)]
+    # Stage-0 nodes here only serve (and donate state): one inner step, then serving, so the machine
+    # is not busy training while the checks below run.
+    idle = ("--steps", "1", "--serve-after")
+    donor, *stage1 = nodes = [swarm.start_node(0, 0, *idle), swarm.start_node(1, 0), swarm.start_node(1, 1)]
     swarm.wait_ready(nodes)
 
     # Replicas per stage are [1, 2]: auto picks stage 0 and copies the donor's state.
-    auto = swarm.start_node("auto", 1)
+    auto = swarm.start_node("auto", 1, *idle)
     swarm.wait_ready([auto])
     assert auto.info["stage"] == 0
 
     # Two volunteers at the same instant into [2, 2]: alone, each would take stage 0 (fewest
     # replicas, lowest index); their claims make them agree on one each.
-    pair = [swarm.start_node("auto", 2), swarm.start_node("auto", 3)]
+    pair = [swarm.start_node("auto", 2, *idle), swarm.start_node("auto", 3, *idle)]
     swarm.wait_ready(pair)
     assert sorted(n.info["stage"] for n in pair) == [0, 1]
 
