@@ -28,9 +28,10 @@ def register(subparsers) -> None:
                    "checked at join by asking live peers to call our health endpoint; behind NAT, leave it out: "
                    "the node is then reached over libp2p (hole punching or a relay)")
     p.add_argument("--events", metavar="FILE", help="append a JSONL event stream here (log.events_file)")
-    p.add_argument("--steps", type=_positive, metavar="N", help="stage 0: train until inner step N, then leave (a node "
-                   "that resumed from its checkpoint or fetched a replica's state runs only what is left); without it, "
-                   "stage 0 trains until the run's inner.total_steps and then keeps serving until stopped")
+    p.add_argument("--steps", type=_whole, metavar="N", help="stage 0: train until inner step N, then leave (a node "
+                   "that resumed from its checkpoint or fetched a replica's state runs only what is left); 0 = train "
+                   "nothing, only serve; without it, stage 0 trains until the run's inner.total_steps and then keeps "
+                   "serving until stopped")
     p.add_argument("--serve-after", action="store_true", help="stage 0 with --steps: keep serving after the last "
                    "step (phi for joiners and `export --initial-peers`) until stopped")
     p.add_argument("--wait-replicas", type=_positive, default=1, metavar="N",
@@ -46,14 +47,18 @@ def register(subparsers) -> None:
     p.set_defaults(run=run)
 
 
-def _positive(value: str) -> int:
+def _whole(value: str, least: int = 0) -> int:
     try:
         number = int(value)
     except ValueError:
-        number = 0
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number >= 1")
+        number = least - 1
+    if number < least:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number >= {least}")
     return number
+
+
+def _positive(value: str) -> int:
+    return _whole(value, least=1)
 
 
 def _stage(value: str) -> str:

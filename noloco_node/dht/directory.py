@@ -254,7 +254,17 @@ class PeerDirectory:
         bootstrap is gone. Called on every heartbeat; returns how many peers answered."""
         if self._restarting:
             return 0
-        answered = await self._ping(_targets(self.initial_peers, self.peer_id), timeout_s)
+        # A peer we are still connected to has not restarted: only the others are dialled and pinged.
+        try:
+            connected = {info.peer_id.to_base58() for info in await self.p2p.list_peers()}
+        except Exception as exc:  # noqa: BLE001 - the daemon is restarting or stopping: next heartbeat
+            log.debug("could not list libp2p peers: %r", exc)
+            return 0
+        targets = _targets(self.initial_peers, self.peer_id)
+        if targets and all(peer in connected for peer in targets):
+            return len(targets)
+        answered = await self._ping({p: a for p, a in targets.items() if p not in connected}, timeout_s)
+        answered += sum(peer in connected for peer in targets)
         if answered == 0:
             met = {r.peer_id: r.p2p_addrs for _, r in sorted(self._by_peer.values(), key=lambda v: -v[0])
                    if r.peer_id != self.peer_id and r.status != "leaving"}

@@ -21,7 +21,8 @@ log = logging.getLogger(__name__)
 class ServePlan:
     steps: int | None = None
     """Stage 0: train until inner step N, then leave; None = until the run's inner.total_steps,
-    then keep serving (the trained state, for joiners and `export`) until stopped."""
+    then keep serving (the trained state, for joiners and `export`) until stopped; 0 = train
+    nothing, only serve (a state donor, tests)."""
     serve_after: bool = False
     """Stage 0 with steps: keep serving after the last step, until stopped."""
 
@@ -31,6 +32,10 @@ class ServePlan:
     @property
     def serves_after(self) -> bool:
         return self.serve_after or self.steps is None
+
+    @property
+    def trains(self) -> bool:
+        return self.steps != 0
     wait_replicas: int = 1
     """Stage 0: wait until every stage has this many replicas before training."""
 
@@ -80,7 +85,9 @@ async def _serve_stage(node: Node, plan: ServePlan, stop: asyncio.Event, report)
     """Serve (and on stage 0 with steps, train) until stopped, done, or a rebalancing move is
     planned for this node; True = move."""
     last = plan.last_step(node.config.inner.total_steps)
-    if node.stage_index == 0 and node.worker.inner_steps < last:
+    if node.stage_index == 0 and not plan.trains:
+        pass  # serve only
+    elif node.stage_index == 0 and node.worker.inner_steps < last:
         await race(node.wait_for_replicas(plan.wait_replicas), stop)
         if stop.is_set():
             return False

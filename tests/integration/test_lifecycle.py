@@ -57,9 +57,9 @@ def test_stage_auto_and_doctor_against_a_live_swarm(tmp_path, make_swarm):
                                             "outer.inner_steps_per_outer": 1000})
     prepare_tokenizer(overrides)
     swarm = make_swarm(overrides)
-    # Stage-0 nodes here only serve (and donate state): one inner step, then serving, so the machine
-    # is not busy training while the checks below run.
-    idle = ("--steps", "1", "--serve-after")
+    # Stage-0 nodes here only serve (and donate state): no training load while the checks below run,
+    # and no capacity measured yet, so `auto` goes by replica counts.
+    idle = ("--steps", "0")
     donor, *stage1 = nodes = [swarm.start_node(0, 0, *idle), swarm.start_node(1, 0), swarm.start_node(1, 1)]
     swarm.wait_ready(nodes)
 

@@ -24,7 +24,7 @@ def cases(tmp_path, taken_port):
     return [
         (["config", "show", "--config", str(tmp_path)], "is a directory"),
         (["config", "show", "--config", str(binary)], "not UTF-8"),
-        (["join", "--stage", "0", "--steps", "-5"], "argument --steps: '-5' is not a whole number >= 1"),
+        (["join", "--stage", "0", "--steps", "-5"], "argument --steps: '-5' is not a whole number >= 0"),
         (["join", "--wait-replicas", "0"], "argument --wait-replicas"),
         (["demo", "--steps", "-5"], "--steps, --replicas and --stages must be whole numbers >= 1"),
         (["join", "--stagee", "1"], "noloco-node join: error: unrecognized arguments: --stagee 1"),
