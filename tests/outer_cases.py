@@ -29,7 +29,7 @@ V2 = {"a": ([0.48, -1.44125, 0.885, 2.94125], [-0.22, 0.30875, 0.1225, 0.00375])
 
 
 def oracle(phis, thetas, moms, a, b, g):
-    """noloco-reference.md section 10: independent of the product's code."""
+    """the reference vectors of docs/research.md: independent of the product's code."""
     P, T, M = (np.asarray(x, float) for x in (phis, thetas, moms))
     Mn = a * M + b * (T - P).mean(0) + g * (P.mean(0) - P)
     return P + Mn, Mn

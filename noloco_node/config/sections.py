@@ -15,7 +15,7 @@ METHODS = ("noloco", "diloco", "dp", "none")
 CODECS = ("none", "bf16", "int8")
 # Codecs of the pipeline's activations and gradients (codec/tensors.py: fp8 and int4 are blockwise).
 PIPELINE_CODECS = ("none", "bf16", "int8", "fp8", "int4")
-# Reference hyperparameters per method (noloco-reference.md section 1): H, alpha, beta.
+# Reference hyperparameters per method (the authors' code, as docs/research.md gives them): H, alpha, beta.
 METHOD_DEFAULTS = {"noloco": (50, 0.5, 0.7), "diloco": (100, 0.3, 0.7), "dp": (1, 0.0, 0.0), "none": (1, 0.0, 0.0)}
 
 
@@ -47,7 +47,7 @@ class RunConfig:
                  "use letters, digits, '-' or '_'")
 
 
-# The paper's shapes as the authors' configs build them (noloco-reference.md section 2.1), and
+# The paper's shapes as the authors' configs build them (docs/volunteer.md, Training a real model), and
 # today's tiny default: hidden, intermediate, decoder layers, attention heads.
 MODEL_PRESETS = {"tiny": (128, 352, 4, 4), "small": (768, 3072, 12, 12), "medium": (2048, 8192, 24, 32),
                  "large": (4096, 16384, 32, 32)}

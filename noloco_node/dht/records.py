@@ -19,7 +19,7 @@ REACHES = ("direct", "holepunched", "relayed")
 
 
 class StageRecord(pydantic.BaseModel):
-    """What a node announces about itself (DESIGN.md section 3)."""
+    """What a node announces about itself (docs/architecture.md, Discovery)."""
 
     peer_id: pydantic.StrictStr
     address: pydantic.StrictStr

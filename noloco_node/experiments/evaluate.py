@@ -1,5 +1,5 @@
 """Validation loss and replica weight spread from the theta snapshots the nodes of a cell wrote
-(`join --snapshot-every K`), computed as noloco-reference.md section 7 does:
+(`join --snapshot-every K`), computed as the authors' evaluation does (docs/research.md, Experiments):
 
 - validation loss: replica column d is evaluated with *fixed routing* (replica d of every stage)
   on the same held-out windows; the reported loss is the mean over the D columns (the average

@@ -15,7 +15,7 @@ def _mean(values: list[float]) -> float:
 
 def replica_spread(nodes_dir: Path) -> float | None:
     """RMS deviation of each replica's weights from the replica mean, over all parameters of all
-    stages (noloco-reference.md section 7), from the weights the nodes saved on exit."""
+    stages (docs/research.md, Experiments), from the weights the nodes saved on exit."""
     import torch
     from safetensors.torch import load_file
 

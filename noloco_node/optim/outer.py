@@ -1,6 +1,6 @@
 """NoLoCo and DiLoCo outer steps on one parameter tensor: pure torch, no networking.
 
-Notation (DESIGN.md section 7): theta = fast weights (the live parameters), phi = slow weights,
+Notation (docs/research.md, The outer step): theta = fast weights (the live parameters), phi = slow weights,
 m = outer momentum, Delta = theta - phi. Both updates are heavy-ball momentum with the
 reference code's sign (+beta), whatever the paper calls them.
 

@@ -1,4 +1,4 @@
-"""StageRuntime: the microbatch lifecycle of DESIGN.md section 5 for one node.
+"""StageRuntime: the microbatch lifecycle of docs/architecture.md (Microbatch lifecycle) for one node.
 
 It implements rpc's StageHandler: admits Forward/Backward calls (shape checks, bounded in-flight
 window, BUSY back-pressure), queues compute on the compute thread, and pushes results on: the

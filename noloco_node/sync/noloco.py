@@ -1,7 +1,7 @@
 """NoLoCo outer step over the network: pair with one random replica of the stage, exchange
 snapshots, apply the pair update; anything else ends in the solo step. No global barrier.
 
-Pairing (PAIR-v1, noloco-reference.md section 11.3): at its boundary a node freezes its snapshot
+Pairing (PAIR-v1, docs/architecture.md: The outer step and pairing): at its boundary a node freezes its snapshot
 and marks itself `matching` for round r in the DHT. With probability 1/2 it proposes at once,
 else after a short random passive wait (up to 10% of match_s). A node is in at most one pair per round: while its own proposal
 is pending it refuses others, except the crossing case (A->B and B->A at once), which both sides

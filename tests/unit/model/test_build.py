@@ -12,7 +12,7 @@ from noloco_node.config import ConfigError, load_config
 from noloco_node.model.build import build_run_stage, files_fingerprint, resolve_llama_config, run_model
 from noloco_node.model.split import per_token_costs
 
-PAPER_VOCAB = 128002  # noloco-reference.md 2.1: the counts below are the authors' configs at this vocab
+PAPER_VOCAB = 128002  # the paper's shapes (docs/volunteer.md, Training a real model): the counts below are the authors' configs at this vocab
 
 
 @pytest.mark.parametrize("preset,params", [("small", 309_876_480), ("medium", 2_135_009_280), ("large", 9_638_793_216)])

@@ -1,5 +1,5 @@
 """The overlapped outer step (outer.overlap), checked in float64 against the reference vectors
-(DESIGN.md section 7, docs/research.md): the pair update is computed from the snapshots frozen at
+(docs/research.md, The outer step): the pair update is computed from the snapshots frozen at
 the boundary, exactly as the blocking step, and the inner progress made while the exchange ran
 is kept on top of the new slow weights:
 

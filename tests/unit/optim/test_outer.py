@@ -1,4 +1,4 @@
-"""The outer-step math against DESIGN.md section 7 / noloco-reference.md section 10 vectors,
+"""The outer-step math against the reference vectors of docs/research.md (The outer step, Reference vectors),
 and against a reference written here from the equations on random tensors."""
 
 import pytest

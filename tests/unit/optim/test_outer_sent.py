@@ -23,7 +23,7 @@ def sent(state):
 
 
 def oracle(phis, thetas, moms, a, b, g):
-    """noloco-reference.md section 10, verbatim in substance."""
+    """The reference vectors of docs/research.md, verbatim in substance."""
     P, T, M = (np.asarray(x, float) for x in (phis, thetas, moms))
     phibar, dbar = P.mean(0), (T - P).mean(0)
     Mn = a * M + b * dbar + g * (phibar - P)
