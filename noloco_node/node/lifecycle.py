@@ -16,7 +16,7 @@ from noloco_node.dht.directory import PeerDirectory
 from noloco_node.dht.records import StageRecord
 from noloco_node.model.build import run_model
 from noloco_node.node.adapters import DhtMatching, DhtReplicas, swarm_replicas
-from noloco_node.node.attention import NodeView, Progress, attention
+from noloco_node.node.attention import Progress
 from noloco_node.node.assembly import ComputeParts, PipelineParts, build_compute, build_driver, build_pipeline, build_sync
 from noloco_node.node.boundary import InnerStepBoundary, Snapshots
 from noloco_node.node.checkpoint import Checkpointer
@@ -35,7 +35,7 @@ from noloco_node.rpc.stage_transport import GrpcStageTransport
 from noloco_node.runtime.events import EventLog
 from noloco_node.runtime.faults import FaultInjector
 from noloco_node.runtime.link_estimates import DeadlinePolicy, LinkDeadlines
-from noloco_node.runtime.memory import peak_memory_bytes, tune_allocator
+from noloco_node.runtime.memory import tune_allocator
 from noloco_node.runtime.throughput import ThroughputMeter
 from noloco_node.sync.factory import SyncPorts
 from noloco_node.sync.ports import OuterSync
@@ -275,26 +275,15 @@ class Node:
         await self.announce()
 
     def record(self) -> StageRecord:
-        moves = self.moves
-        return StageRecord(peer_id=self.peer_id, address=self.address, stage=self.stage_index,
-                           inner_step=self.worker.inner_steps, outer_round=self.outer_round, status=self.status,
-                           tokens_per_s=self.tokens_per_s, version=__version__,
-                           manifest_hash=self.manifest_hash, run_id=self.config.run.run_id, updated_at=time.time(),
-                           reach=self.links.update_reach(), tls_cert=self.links.certificate.b64,
-                           p2p_addrs=self.links.p2p_addrs[:16], movable=self.movable,
-                           moved_at=float(moves[-1]["at"]) if moves else 0.0,
-                           memory_estimate_bytes=self.parts.memory_estimate_bytes,
-                           memory_peak_bytes=max(0, peak_memory_bytes(self.parts.device) - self.parts.memory_baseline_bytes),
-                           attention=self.attention(), **self.meter.record_fields())
+        from noloco_node.node.stats import stage_record
+
+        return stage_record(self)
 
     def attention(self) -> list[str]:
         """What needs a person's attention now (node/attention.py), each with its likely cause."""
-        self.progress.observe(self.worker.inner_steps)
-        method = self.config.outer.method
-        history = self.sync.counters.history if method != "none" else []
-        return attention(NodeView(stage=self.stage_index, method=method, replicas_of_stage=self.stage_replicas,
-                                  outer_history=history, since_progress_s=self.progress.since_progress_s(),
-                                  waiting_for=self.progress.waiting_for, done=self.done_at_step is not None))
+        from noloco_node.node.stats import node_attention
+
+        return node_attention(self)
 
     async def announce(self, ttl_s: float | None = None) -> None:
         await self.directory.announce(self.record(), ttl_s=ttl_s or self.config.timeouts.record_ttl_s)
@@ -426,12 +415,13 @@ class Node:
         """After a start that failed: close what it had opened (its gRPC server, libp2p links and
         DHT peer; no record to withdraw, nothing to drain), so the process exits quietly with the
         error that stopped it."""
-        for name, part in (("server", self.server), ("links", self.links), ("dht", self.directory)):
-            if part is None:
+        closers = {"server": self.server and (lambda: self.server.stop(0)), "links": self.links and self.links.close,
+                   "dht": self.directory and self.directory.shutdown}
+        for name, close in closers.items():
+            if not close:
                 continue
             try:
-                await asyncio.wait_for(part.stop(0) if name == "server" else
-                                       part.close() if name == "links" else part.shutdown(), timeout=10)
+                await asyncio.wait_for(close(), timeout=10)
             except Exception as exc:  # noqa: BLE001 - exiting with the start's error anyway
                 log.debug("closing the %s after a failed start: %r", name, exc)
 

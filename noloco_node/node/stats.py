@@ -4,9 +4,14 @@ and summary (node/reporting.py) and its ready file."""
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
+from noloco_node import __version__
+from noloco_node.dht.records import StageRecord
+from noloco_node.node.attention import NodeView, attention
 from noloco_node.node.reporting import Snapshot
+from noloco_node.runtime.memory import peak_memory_bytes
 
 if TYPE_CHECKING:
     from noloco_node.node.lifecycle import Node
@@ -100,3 +105,28 @@ def ready_fields(node: Node) -> dict:
             "saved_inputs": len(node.worker.saved), "moves": len(node.moves),
             "served": sum(node.runtime.stats.forwards_received.values()),
             "waiting_for": node.progress.waiting_for, "done_at_step": node.done_at_step}
+
+
+def stage_record(node: Node) -> StageRecord:
+    """What the node announces about itself in the DHT (dht/records.py)."""
+    moves, parts, links = node.moves, node.parts, node.links
+    return StageRecord(peer_id=node.peer_id, address=node.address, stage=node.stage_index,
+                       inner_step=node.worker.inner_steps, outer_round=node.outer_round, status=node.status,
+                       tokens_per_s=node.tokens_per_s, version=__version__,
+                       manifest_hash=node.manifest_hash, run_id=node.config.run.run_id, updated_at=time.time(),
+                       reach=links.update_reach(), tls_cert=links.certificate.b64,
+                       p2p_addrs=links.p2p_addrs[:16], movable=node.movable,
+                       moved_at=float(moves[-1]["at"]) if moves else 0.0,
+                       memory_estimate_bytes=parts.memory_estimate_bytes,
+                       memory_peak_bytes=max(0, peak_memory_bytes(parts.device) - parts.memory_baseline_bytes),
+                       attention=node_attention(node), **node.meter.record_fields())
+
+
+def node_attention(node: Node) -> list[str]:
+    """node/attention.py's warnings for this node, from what it observed."""
+    node.progress.observe(node.worker.inner_steps)
+    method = node.config.outer.method
+    return attention(NodeView(stage=node.stage_index, method=method, replicas_of_stage=node.stage_replicas,
+                              outer_history=node.sync.counters.history if method != "none" else [],
+                              since_progress_s=node.progress.since_progress_s(),
+                              waiting_for=node.progress.waiting_for, done=node.done_at_step is not None))
