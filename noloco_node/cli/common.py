@@ -55,7 +55,14 @@ def stop_on_signals() -> asyncio.Event:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
 
+    first: list[float] = []
+
     def on_signal(sig: signal.Signals) -> None:
+        # A repeat within a second is the same stop delivered twice (`timeout` signals the child and
+        # its process group), not a person pressing Ctrl-C again.
+        if stop.is_set() and loop.time() - first[0] < 1.0:
+            return
+        first.append(loop.time())
         if stop.is_set():
             log.warning("second %s: exiting now, without finishing the shutdown", sig.name)
             logging.shutdown()
