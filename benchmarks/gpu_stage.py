@@ -10,9 +10,13 @@ Prints tokens/s end to end, MFU (6N + 12*L*h*s FLOPs per token against --peak-tf
 stage's busy-time MFU: its own FLOPs over the seconds its compute thread was busy (both stages
 share one GPU, so a busy second may include waiting for the other stage's kernels).
 With --price-steps N, also trains exact vs overlap for N steps per --seeds and prints the held-out
-loss of each (the price of pipeline.schedule = overlap at this size).
+loss of each (the price of pipeline.schedule = overlap at this size). --runs picks the runs (the
+plain loop is the baseline of every ratio, so keep hf); --json is rewritten after each run, so a
+run cut short by a timeout keeps what it measured. Where the time goes inside a stage:
+benchmarks/gpu_profile.py.
 
     python benchmarks/gpu_stage.py --preset medium [--processes] [--price-steps 40 --seeds 0,1] [--json F]
+    python benchmarks/gpu_stage.py --preset medium --runs hf,exact,overlap,processes --json F
 """
 
 from __future__ import annotations
@@ -185,6 +189,7 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the device (H100/H200: 989)")
     p.add_argument("--processes", action="store_true", help="also the P=2 swarm as processes over gRPC")
+    p.add_argument("--runs", default="hf,exact,overlap", help="of hf, exact, overlap (in-process), processes")
     p.add_argument("--price-only", action="store_true", help="only the price of overlap (--price-steps, --seeds)")
     p.add_argument("--swarm-timeout", type=float, default=600)
     p.add_argument("--price-steps", type=int, default=0)
@@ -210,9 +215,11 @@ def main() -> int:
             result["price_of_overlap"] = asyncio.run(price_of_overlap(args, out))
             return save(args, result)
         batches = PackedSequences(corpus, tokenizer, seq_len=args.seq_len, shuffle_buffer=0).batches(args.batch)
-        hf = result["hf"] = plain_hf(llama, batches, args)
+        runs = set(args.runs.split(",")) | ({"processes"} if args.processes else set())
+        hf = result["hf"] = plain_hf(llama, batches, args) if "hf" in runs else {"tok_s": float("nan"), "peak_gib": 0.0}
         print(f"plain HF          {hf['tok_s']:9.0f} tok/s  MFU {hf['tok_s'] * fpt / peak:.3f}  peak {hf['peak_gib']:.1f} GiB", flush=True)
-        for schedule in ("exact", "overlap"):
+        save(args, result)
+        for schedule in [s for s in ("exact", "overlap") if s in runs]:
             try:
                 run = result[f"in_process_{schedule}"] = asyncio.run(in_process(
                     config_for(args, out, **{"pipeline.schedule": schedule}), args, llama, ranges))
@@ -223,7 +230,8 @@ def main() -> int:
             busy = "  ".join(f"stage {s['stage']} busy MFU {s['busy_mfu']:.3f}" for s in run["stages"])
             print(f"in-process P=2 {schedule:7s} {run['tok_s']:9.0f} tok/s  MFU {run['tok_s'] * fpt / peak:.3f}  "
                   f"x HF {run['tok_s'] / hf['tok_s']:.3f}  {busy}  peak {run['peak_gib']:.1f} GiB", flush=True)
-        if args.processes:
+            save(args, result)
+        if "processes" in runs:
             sets = [f"{k}={v}" for k, v in {"model.preset": args.preset, "model.seq_len": args.seq_len,
                                              "pipeline.batch_size": args.batch, "pipeline.microbatch_size": args.micro,
                                              "pipeline.device": args.device, "pipeline.activation_codec": "bf16",

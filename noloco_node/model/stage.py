@@ -64,7 +64,11 @@ class LlamaStage(nn.Module):
         self.activation_checkpointing = False
         self._mask_cache: tuple[tuple, Tensor] | None = None
 
-    def _mask(self, hidden: Tensor) -> Tensor:
+    def _mask(self, hidden: Tensor) -> Tensor | None:
+        if hidden.is_cuda and self.config._attn_implementation == "sdpa":
+            # No mask: SDPA is then causal by itself (is_causal), and only then may it pick its
+            # flash or cuDNN kernels; an explicit mask sends it to a slower masked kernel.
+            return None
         key = (hidden.shape[1], hidden.dtype, hidden.device)
         if self._mask_cache is None or self._mask_cache[0] != key:
             self._mask_cache = (key, causal_mask(*key))

@@ -67,7 +67,14 @@ class RunningBounds:
 
 
 def all_finite(tensors: Iterable[Tensor]) -> bool:
-    return all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point())
+    """Whether every floating-point tensor holds only finite values. One flag per tensor, kept on
+    its device, and one read of them all: on a GPU, a read per tensor would stall the host on the
+    device once for every parameter of the stage, after every inner step."""
+    flags: dict[torch.device, list[Tensor]] = {}
+    for t in tensors:
+        if t.is_floating_point():
+            flags.setdefault(t.device, []).append(torch.isfinite(t).all())
+    return all(bool(torch.stack(group).all()) for group in flags.values())
 
 
 def repair_weights(params: dict[str, torch.nn.Parameter], phi: dict[str, Tensor] | None,

@@ -72,8 +72,13 @@ class MemoryNetwork:
 
 
 def through_wire(tensor: Tensor, codec: str) -> tuple[object, Tensor, int]:
-    """(spec, the tensor a receiver decodes, payload bytes) for `tensor` sent with `codec`."""
-    spec, payload = encode(tensor.detach().to("cpu", torch.float32), codec)
+    """(spec, the tensor a receiver decodes, payload bytes) for `tensor` sent with `codec`: float32
+    values, handed in as float32 or as the bfloat16 copy a GPU stage makes for a lossy codec,
+    which encodes to the same payload (as the gRPC client sends it, rpc/stage_service.py)."""
+    sent = tensor.detach().cpu()
+    if codec in ("none", "topk"):  # these carry the values as they are: float32 on the wire
+        sent = sent.to(torch.float32)
+    spec, payload = encode(sent, codec, dtype="float32")
     out = torch.empty(spec.shape, dtype=DTYPES[spec.dtype])
     decode_into(spec, payload, out)
     return spec, out, len(payload)

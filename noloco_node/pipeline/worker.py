@@ -89,7 +89,6 @@ class StageWorker:
         self.defer_step, self.stash_weights = settings.defer_step, settings.stash_weights
         self.compute_delay_s = settings.compute_delay_s
         self.host_dtypes = settings.host_dtypes
-        self._staging: dict[torch.dtype, Tensor] = {}
         self.clock = clock
         self.saved: dict[Hashable, Saved] = {}
         self.sequences_since_step = 0
@@ -125,7 +124,7 @@ class StageWorker:
                 saved.output = self._run_stage(inputs, saved.stash)
             return self._to_host(saved.output.detach(), self.host_dtypes[0])
         with torch.no_grad(), self._autocast():
-            return self._to_host(self._finite(self._run_stage(inputs, saved.stash), key, "output"), self.host_dtypes[0])
+            return self._to_host(self._run_stage(inputs, saved.stash), self.host_dtypes[0], finite=(key, "output"))
 
     def forward_backward_last(self, inputs: Tensor, labels: Tensor) -> tuple[Tensor, float, int]:
         """Last stage: loss (token mean, scaled by b/B for accumulation), backward; returns
@@ -173,7 +172,7 @@ class StageWorker:
         self._count(inputs.shape[0], inputs.shape[0] * inputs.shape[1])
         if grad_input is None:
             return None
-        return self._to_host(self._finite(grad_input, key, "input gradient"), self.host_dtypes[1])
+        return self._to_host(grad_input, self.host_dtypes[1], finite=(key, "input gradient"))
 
     def _run_stage(self, inputs: Tensor, stash: dict[str, Tensor] | None) -> Tensor:
         return self.stage(inputs) if stash is None else torch.func.functional_call(self.stage, stash, (inputs,))
@@ -204,10 +203,13 @@ class StageWorker:
 
     def _finite(self, tensor: Tensor, key, what: str) -> Tensor:
         if not bool(torch.isfinite(tensor).all()):
-            self.dropped_non_finite += 1
-            self.emit("non_finite", what=what, microbatch=str(key), inner_step=self.inner_steps)
-            raise NonFiniteValues(f"{what} of {key} is not finite; the microbatch is dropped here")
+            self._drop_non_finite(key, what)
         return tensor
+
+    def _drop_non_finite(self, key, what: str) -> None:
+        self.dropped_non_finite += 1
+        self.emit("non_finite", what=what, microbatch=str(key), inner_step=self.inner_steps)
+        raise NonFiniteValues(f"{what} of {key} is not finite; the microbatch is dropped here")
 
     def _slow_down(self, passes: int = 1) -> None:
         if self.compute_delay_s > 0:  # on the compute thread: it really costs capacity, as a slow device does
@@ -222,20 +224,25 @@ class StageWorker:
         # Received tensors are host buffers: pin them so the copy is a DMA that overlaps compute.
         return tensor.pin_memory().to(self.device, non_blocking=True)
 
-    def _to_host(self, tensor: Tensor, dtype: torch.dtype) -> Tensor:
+    def _to_host(self, tensor: Tensor, dtype: torch.dtype, *, finite: tuple[Hashable, str] | None = None) -> Tensor:
         """A result on its way to the wire, as a host tensor of `dtype` (the codec decides the wire
-        format). From a GPU: cast there, DMA into one pinned staging buffer this thread reuses (a
-        fresh pinned allocation per microbatch costs more than the copy), then a pageable copy
-        for the transport, which may still hold it while the next result is staged."""
+        format); with `finite` = (microbatch, what), checked to be finite first (_finite).
+        From a GPU: cast there, DMA into pinned memory from torch's caching host allocator and hand
+        that buffer itself to the transport (it goes back to the cache once the transport drops
+        it: no second, pageable host copy per result). The finiteness flag travels with the
+        result, so the host waits on the device once per result instead of twice."""
         if tensor.device.type == "cpu":
-            return tensor
-        wire = tensor.detach().to(dtype)
-        staging = self._staging.get(dtype)
-        if staging is None or staging.numel() < wire.numel():
-            staging = self._staging[dtype] = torch.empty(wire.numel(), dtype=dtype, pin_memory=True)
-        view = staging[:wire.numel()].view(wire.shape)
-        view.copy_(wire)
-        return view.clone()
+            return tensor if finite is None else self._finite(tensor, *finite)
+        host = torch.empty(tensor.shape, dtype=dtype, pin_memory=True)
+        host.copy_(tensor.detach().to(dtype), non_blocking=True)
+        flag = None
+        if finite is not None:
+            flag = torch.empty((), dtype=torch.bool, pin_memory=True)
+            flag.copy_(torch.isfinite(tensor).all(), non_blocking=True)
+        torch.cuda.current_stream(tensor.device).synchronize()
+        if flag is not None and not bool(flag):
+            self._drop_non_finite(*finite)
+        return host
 
     def _count(self, sequences: int, tokens: int) -> None:
         self.sequences_since_step += sequences
