@@ -29,8 +29,8 @@ from noloco_node.model.split import stage_layer_ranges
 def causal_mask(seq_len: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     """Additive [1, 1, T, T] mask: 0 on and below the diagonal, dtype-min above.
 
-    Passed explicitly to every layer, so causality never depends on an attention kernel's
-    default (eager attention with no mask is silently bidirectional).
+    Passed explicitly to every layer (eager attention with no mask is silently bidirectional),
+    except to SDPA on a GPU, which is causal by itself without one (LlamaStage._mask).
     """
     blocked = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).triu(1)
     mask = torch.zeros(seq_len, seq_len, dtype=dtype, device=device)
