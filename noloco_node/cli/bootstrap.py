@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from noloco_node.cli.common import add_config_flags, check_listen, resolve_config, stop_on_signals
+from noloco_node.runtime.every import TOUCH_PERIOD_S
 from noloco_node.runtime.files import atomic_write_text
 
 
@@ -52,7 +53,7 @@ async def _serve(config, args: argparse.Namespace) -> int:
     for maddr in maddrs:
         print(f"  noloco-node join --initial-peers {maddr}", flush=True)
     sys.stdout.flush()
-    touch = asyncio.create_task(_keep_in_touch(directory, config.timeouts.heartbeat_s))
+    touch = asyncio.create_task(_keep_in_touch(directory, max(config.timeouts.heartbeat_s, TOUCH_PERIOD_S)))
     try:
         await stop.wait()
     finally:

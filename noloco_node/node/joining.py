@@ -160,17 +160,17 @@ class Reprobe:
         return False
 
 
-async def wait_for_replicas(directory: PeerDirectory, num_stages: int, count: int,
+async def wait_for_replicas(directory: PeerDirectory, stages: range, count: int,
                             waiting: Callable[[str | None], None], poll_s: float = 0.5) -> None:
-    """Block until every stage shows at least `count` live replicas, however long that takes (in a
-    volunteer swarm someone is always first); meanwhile `waiting(what)` says which stage is short,
+    """Block until each of `stages` shows at least `count` live replicas, however long that takes (in
+    a volunteer swarm someone is always first); meanwhile `waiting(what)` says which stage is short,
     and `waiting(None)` once none is."""
     import asyncio
 
     fresh = False  # first from the lookup cache: stage 0 asks before every batch
     while True:
-        sizes = [len(await directory.replicas(s, fresh=fresh)) for s in range(num_stages)]
-        short = [s for s, n in enumerate(sizes) if n < count]
+        sizes = {s: len(await directory.replicas(s, fresh=fresh)) for s in stages}
+        short = [s for s, n in sizes.items() if n < count]
         if not short:
             waiting(None)
             return

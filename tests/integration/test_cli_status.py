@@ -15,7 +15,7 @@ def test_status_json_lists_every_node(tmp_path, make_swarm):
     overrides = tiny_overrides(tmp_path, **{"run.run_id": "status-test"})
     prepare_tokenizer(overrides)
     swarm = make_swarm(overrides)
-    nodes = [swarm.start_node(1, 0), swarm.start_node(1, 1), swarm.start_node(0, 0)]
+    nodes = [swarm.start_node(1, 0), swarm.start_node(1, 1), swarm.start_node(0, 0, "--steps", "0")]  # listed, not training
     swarm.wait_ready(nodes)
     sets = [a for o in overrides for a in ("--set", o)]
     result = subprocess.run([sys.executable, "-m", "noloco_node", "status", "--initial-peers", swarm.maddr, "--json", *sets],
