@@ -20,7 +20,7 @@ def train_whole_model(config, corpus, tokenizer, steps):
     """(per-microbatch losses, state dict) after `steps` inner steps of the whole model."""
     m, inner = config.model, config.inner
     llama, ranges = run_model(config, len(tokenizer))  # the nodes' split (by cost)
-    model = build_full_model(llama, config.run.seed)
+    model = build_full_model(llama, config.run.seed, subspace_rank=config.model.residual_subspace)
     schedule = InnerSchedule(lr_max=inner.lr, warmup_steps=inner.warmup_steps, total_steps=inner.total_steps,
                              min_lr_ratio=inner.min_lr_ratio)
     num_stages = config.pipeline.num_stages

@@ -78,7 +78,14 @@ def run_export(args: argparse.Namespace) -> int:
             kind = "phi of " + ", ".join(f"stage {s}: {' + '.join(p[-8:] for p, _, _ in got)}" for s, got in sorted(found.items()))
         else:
             weights, kind = weights_from_checkpoints(list(args.from_checkpoint), config, manifest_hash, average=args.average)
-        out = write_model_dir(args.out, resolve_llama_config(config.model, len(tokenizer)), weights, tokenizer)
+        llama = resolve_llama_config(config.model, len(tokenizer))
+        if config.model.residual_subspace:  # a plain Llama: the subspace's weights written out dense
+            from noloco_node.model.stage import residual_subspace
+            from noloco_node.model.subspace import dense_weights
+
+            subspace = residual_subspace(llama, config.run.seed, config.model.residual_subspace)
+            weights = dense_weights(weights, subspace, llama.num_hidden_layers)
+        out = write_model_dir(args.out, llama, weights, tokenizer)
     except ExportError as exc:
         print(f"noloco-node export: {exc}", file=sys.stderr)
         return 1

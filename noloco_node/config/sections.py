@@ -70,6 +70,10 @@ class ModelConfig:
     """Tokens per training sequence."""
     attn_implementation: str = "sdpa"
     """'sdpa' or 'eager'; the causal mask is always passed explicitly."""
+    residual_subspace: int = 0
+    """k > 0: everything written into the residual stream lives in a fixed k-dimensional subspace,
+    and a pipeline hop carries k numbers per token instead of hidden_size (model/subspace.py,
+    docs/architecture.md: Residual-subspace hops); 0: the dense model."""
 
     def __post_init__(self) -> None:
         _require(self.preset in MODEL_PRESETS, "preset", f"unknown preset {self.preset!r}",
@@ -88,6 +92,15 @@ class ModelConfig:
             _require(shape["hidden_size"] % shape["num_heads"] == 0, "num_heads",
                      f"hidden_size {shape['hidden_size']} is not divisible by num_heads {shape['num_heads']}",
                      "choose num_heads that divides hidden_size")
+        _require(self.residual_subspace >= 0, "residual_subspace", f"must be >= 0, got {self.residual_subspace}",
+                 "use 0 (dense) or a rank such as hidden_size / 32")
+        _require(not (self.residual_subspace and self.init_from), "residual_subspace",
+                 "is set with model.init_from: a dense checkpoint's layers write outside any subspace",
+                 "set model.residual_subspace = 0 to continue from a checkpoint")
+        if self.residual_subspace and not (self.config or self.init_from):
+            hidden = self.shape()["hidden_size"]
+            _require(self.residual_subspace <= hidden, "residual_subspace",
+                     f"{self.residual_subspace} is more than hidden_size {hidden}", f"use a rank below {hidden}, e.g. {max(1, hidden // 32)}")
         _require(self.attn_implementation in ("sdpa", "eager"), "attn_implementation",
                  f"unknown value {self.attn_implementation!r}", "use 'sdpa' or 'eager'")
 
@@ -567,6 +580,8 @@ class NodeConfig:
         d = self.to_dict()
         # Paths differ between machines: the files' contents enter through `extra` (manifest.py).
         model = {k: v for k, v in d["model"].items() if k not in ("config", "init_from")}
+        if not model.get("residual_subspace"):  # the dense model's hash is the one it had before the option
+            model.pop("residual_subspace", None)
         manifest = {"run": d["run"], "model": model, "num_stages": d["pipeline"]["num_stages"],
                     "layers_per_stage": d["pipeline"]["layers_per_stage"],
                     "inner": d["inner"], "outer": d["outer"], "vocab_size": d["data"]["vocab_size"], "extra": list(extra)}

@@ -107,7 +107,7 @@ def column_losses(stages: list[LlamaStage], columns: list[list[dict[str, torch.T
                     param.copy_(tensors[name])
             hidden = inputs
             for stage in stages:
-                hidden = stage(hidden)
+                hidden = stage(hidden, inputs)
             losses.append(float(LlamaStage.loss(hidden, labels)))
     return losses
 

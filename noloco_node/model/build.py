@@ -132,7 +132,8 @@ def build_run_stage(cfg, config: LlamaConfig, ranges: list[range], stage_index: 
     if cfg.model.init_from:
         weight_files(cfg.model.init_from)  # the error names the config field
     stage = build_stage(config, seed=cfg.run.seed, stage_index=stage_index, num_stages=cfg.pipeline.num_stages,
-                        layer_range=ranges[stage_index], init_from=cfg.model.init_from, device=device)
+                        layer_range=ranges[stage_index], init_from=cfg.model.init_from, device=device,
+                        subspace_rank=cfg.model.residual_subspace)
     stage.activation_checkpointing = cfg.pipeline.activation_checkpointing
     return stage
 

@@ -73,7 +73,7 @@ class PipelineCosts:
 
     stage_flops: tuple[float, ...]  # per microbatch, forward + backward (+ recompute)
     stage_params: tuple[int, ...]
-    hop_elements: int  # b T h
+    hop_elements: int  # b T h (b T k with a residual subspace of rank k)
     microbatches_per_batch: int
     max_in_flight: int
     schedule: str = "exact"
@@ -83,6 +83,7 @@ class PipelineCosts:
     inner_steps_per_outer: int = 50
     outer_overlap: bool = False
     call_overhead_bytes: float = CALL_OVERHEAD_BYTES
+    forward_extra_bytes: float = 0.0  # per forward call: the token ids a residual-subspace hop carries
 
 
 @dataclass(frozen=True)
@@ -114,8 +115,9 @@ def pipeline_costs(config, ranges: list[range], *, microbatch: int, seq_len: int
                    max_in_flight: int, schedule: str = "exact", checkpointing: bool = False,
                    activation_codec: str = "bf16", gradient_codec: str | None = None,
                    outer_payload: tuple[str, ...] = ("bf16",), inner_steps_per_outer: int = 50,
-                   outer_overlap: bool = False) -> PipelineCosts:
-    """The costs of the model `config` split into `ranges`, run with these settings."""
+                   outer_overlap: bool = False, subspace: int = 0) -> PipelineCosts:
+    """The costs of the model `config` split into `ranges`, run with these settings; `subspace` is
+    model.residual_subspace (hops of k values per token, plus the token ids as varints)."""
     from noloco_node.model.build import model_costs
     from noloco_node.model.memory import stage_params
 
@@ -126,8 +128,11 @@ def pipeline_costs(config, ranges: list[range], *, microbatch: int, seq_len: int
         macs = len(r) * layer + (embed if s == 0 else 0) + (head if s == last else 0)
         passes = (4 if 0 < s < last else 3) + (1 if checkpointing else 0)
         flops.append(passes * 2 * macs * tokens)
-        params.append(stage_params(config, r, first=s == 0, last=s == last))
-    return PipelineCosts(stage_flops=tuple(flops), stage_params=tuple(params), hop_elements=tokens * config.hidden_size,
+        params.append(stage_params(config, r, first=s == 0, last=s == last, subspace=subspace))
+    id_bytes = (max(1, config.vocab_size - 1).bit_length() + 6) // 7  # protobuf varint of the largest id
+    return PipelineCosts(stage_flops=tuple(flops), stage_params=tuple(params),
+                         hop_elements=tokens * (subspace or config.hidden_size),
+                         forward_extra_bytes=tokens * id_bytes if subspace else 0.0,
                          microbatches_per_batch=microbatches_per_batch, max_in_flight=max_in_flight, schedule=schedule,
                          activation_bytes=codec_bytes_per_element(activation_codec),
                          gradient_bytes=codec_bytes_per_element(gradient_codec or activation_codec),
@@ -139,7 +144,7 @@ def inner_step_seconds(costs: PipelineCosts, compute: tuple[float, ...], link: L
     """(seconds per inner step, uplink per node, what limits it), given each stage's compute
     seconds per microbatch."""
     p = len(costs.stage_flops)
-    fwd = link.seconds(costs.hop_elements * costs.activation_bytes + costs.call_overhead_bytes)
+    fwd = link.seconds(costs.hop_elements * costs.activation_bytes + costs.call_overhead_bytes + costs.forward_extra_bytes)
     bwd = link.seconds(costs.hop_elements * costs.gradient_bytes + costs.call_overhead_bytes)
     join = (lambda a, b: a + b) if link.shared else max
     uplink = tuple(join(fwd if s < p - 1 else 0.0, bwd if s > 0 else 0.0) for s in range(p))

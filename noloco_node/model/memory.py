@@ -90,6 +90,7 @@ class Workload:
     outer_overlap: bool = False
     outer_payload: tuple[str, ...] = ("bf16",)  # codec of each tensor sent per parameter (theta; or phi, delta)
     host_heap: bool = True  # the stage computes on the host (its RSS is the measure): glibc's retention counts
+    subspace: int = 0  # model.residual_subspace: k-wide output projections and hops, and the frozen tables
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,7 @@ class StageMemory:
     retained: int = 0  # host heap that glibc keeps after the first outer step (module docstring)
     runtime: int = 0  # on CPU: library code paged in and the compute thread's allocator arena
     boundary_activations: int = 0  # graphs alive at a blocking exchange (stage 0, overlap schedule)
+    subspace_tables: int = 0  # a residual subspace's frozen embedding (V x d float32) and basis U, on every stage
     parts: dict[str, int] = field(default_factory=dict, compare=False)
 
     @property
@@ -127,7 +129,7 @@ class StageMemory:
 
     @property
     def total(self) -> int:
-        fixed = self.state_bytes + self.stash + self.saved_inputs + self.retained + self.runtime
+        fixed = self.state_bytes + self.stash + self.saved_inputs + self.retained + self.runtime + self.subspace_tables
         computing = max(self.weight_casts + self.activations, self.step_temporaries)
         if self.exchange_adds:
             return fixed + computing + self.exchange
@@ -139,7 +141,7 @@ class StageMemory:
                 "weight_stash": self.stash, "weight_casts": self.weight_casts, "saved_inputs": self.saved_inputs,
                 "activations": self.activations, "step_temporaries": self.step_temporaries,
                 "outer_exchange": self.exchange, "heap_retained": self.retained, "runtime": self.runtime,
-                "total": self.total}
+                "subspace_tables": self.subspace_tables, "total": self.total}
 
 
 def layer_params(config) -> tuple[int, int]:
@@ -149,10 +151,18 @@ def layer_params(config) -> tuple[int, int]:
     return 2 * h * h + 2 * h * kv + 3 * h * i, 2 * h
 
 
-def stage_params(config, layer_range: range, *, first: bool, last: bool) -> int:
+def stage_params(config, layer_range: range, *, first: bool, last: bool, subspace: int = 0) -> int:
+    """Parameters of a stage; with a residual subspace of rank `subspace`, the output projections of
+    its constrained layers and the embedding hold k-wide coordinates (model/subspace.py)."""
     matmul, norms = layer_params(config)
-    h, v = config.hidden_size, config.vocab_size
-    return len(layer_range) * (matmul + norms) + (v * h if first else 0) + ((v * h + h) if last else 0)
+    h, v, i = config.hidden_size, config.vocab_size, config.intermediate_size
+    dense = len(layer_range) * (matmul + norms) + (v * h if first else 0) + ((v * h + h) if last else 0)
+    if not subspace:
+        return dense
+    from noloco_node.model.subspace import constrained_layers
+
+    constrained = len(set(layer_range) & set(constrained_layers(config.num_hidden_layers)))
+    return dense - constrained * (h - subspace) * (h + i) - (v * (h - subspace) if first else 0)
 
 
 def _matmul_params(config, layers: int, last: bool) -> int:
@@ -192,7 +202,7 @@ def _graph_bytes(config, layers: int, tokens: int, w: Workload, *, last: bool) -
 
 def estimate_stage(config, layer_range: range, *, first: bool, last: bool, work: Workload) -> StageMemory:
     """The peak memory of one stage run as `work` says, part by part (module docstring)."""
-    params = stage_params(config, layer_range, first=first, last=last)
+    params = stage_params(config, layer_range, first=first, last=last, subspace=work.subspace)
     outer = work.method in ("noloco", "diloco")
     overlap = work.schedule == "overlap" and not last  # weight stashing (the node turns it on)
     tokens = work.microbatch * work.seq_len
@@ -204,7 +214,7 @@ def estimate_stage(config, layer_range: range, *, first: bool, last: bool, work:
         saved = 0
     else:
         graphs = 1
-        saved = 0 if first else work.max_in_flight * tokens * 4 * config.hidden_size
+        saved = 0 if first else work.max_in_flight * tokens * 4 * (work.subspace or config.hidden_size)
     h = config.hidden_size
     largest = max(h * config.intermediate_size, config.vocab_size * h if first or last else 0)
     exchange_device, exchange_host = _exchange_bytes(params, largest, work)
@@ -219,7 +229,8 @@ def estimate_stage(config, layer_range: range, *, first: bool, last: bool, work:
         exchange_host=exchange_host if work.autocast else 0,
         exchange_adds=not blocking, step_temporaries=4 * params,
         retained=(8 * params if outer and work.host_heap else 0), runtime=CPU_RUNTIME_BYTES if work.host_heap else 0,
-        boundary_activations=(work.microbatches_per_batch * (graph + casts_per_graph) if overlap and first else 0))
+        boundary_activations=(work.microbatches_per_batch * (graph + casts_per_graph) if overlap and first else 0),
+        subspace_tables=(4 * config.vocab_size * h + 8 * h * work.subspace if work.subspace else 0))
 
 
 def _exchange_bytes(params: int, largest: int, work: Workload) -> tuple[int, int]:
@@ -258,7 +269,8 @@ def workload_for(cfg, device_type: str) -> Workload:
                     microbatches_per_batch=p.batch_size // p.microbatch_size, max_in_flight=p.max_in_flight,
                     schedule=p.schedule, checkpointing=p.activation_checkpointing,
                     autocast=device_type == "cuda" and p.bf16_autocast, attention=cfg.model.attn_implementation,
-                    host_heap=device_type == "cpu", method=o.method, outer_overlap=bool(getattr(o, "overlap", False)), outer_payload=payload)
+                    host_heap=device_type == "cpu", method=o.method, outer_overlap=bool(getattr(o, "overlap", False)),
+                    outer_payload=payload, subspace=cfg.model.residual_subspace)
 
 
 def estimate_for_run(cfg, config, ranges: list[range], stage_index: int, device_type: str) -> StageMemory:

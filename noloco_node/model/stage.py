@@ -24,6 +24,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMS
 
 from noloco_node.model.init import CheckpointReads, materialise_from_checkpoint, materialise_from_seed
 from noloco_node.model.split import stage_layer_ranges
+from noloco_node.model.subspace import ResidualSubspace, constrain
 
 
 def causal_mask(seq_len: int, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -40,11 +41,14 @@ def causal_mask(seq_len: int, dtype: torch.dtype, device: torch.device) -> Tenso
 class LlamaStage(nn.Module):
     """One contiguous slice of a Llama. `forward` maps token ids (stage 0) or hidden states
     [batch, seq, hidden] to hidden states, or to logits [batch, seq, vocab] on the last stage.
+    With a residual `subspace` (model/subspace.py) what crosses a boundary is the stream's
+    coordinates [batch, seq, k] instead, and stages after 0 also take the token ids.
 
     The constructor makes the parameters on the meta device (no storage); `build_stage` gives
     them their values."""
 
-    def __init__(self, config: LlamaConfig, stage_index: int, num_stages: int, layer_range: range | None = None) -> None:
+    def __init__(self, config: LlamaConfig, stage_index: int, num_stages: int, layer_range: range | None = None,
+                 subspace: ResidualSubspace | None = None) -> None:
         super().__init__()
         self.config = config
         self.stage_index, self.num_stages = stage_index, num_stages
@@ -60,6 +64,9 @@ class LlamaStage(nn.Module):
                 self.model.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
                 self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary_emb = LlamaRotaryEmbedding(config=config)  # computed from the config: real storage
+        self.subspace = subspace
+        if subspace is not None:
+            constrain(self, subspace, config.num_hidden_layers)
         self.checkpoint_reads: CheckpointReads | None = None  # what build_stage read from a checkpoint
         self.activation_checkpointing = False
         self._mask_cache: tuple[tuple, Tensor] | None = None
@@ -74,8 +81,21 @@ class LlamaStage(nn.Module):
             self._mask_cache = (key, causal_mask(*key))
         return self._mask_cache[1]
 
-    def forward(self, inputs: Tensor) -> Tensor:
-        hidden = self.model.embed_tokens(inputs) if self.is_first else inputs
+    @property
+    def boundary_width(self) -> int:
+        """Values per token of what crosses a stage boundary: the hidden size, or the subspace rank."""
+        return self.config.hidden_size if self.subspace is None else self.subspace.rank
+
+    def forward(self, inputs: Tensor, token_ids: Tensor | None = None) -> Tensor:
+        if self.is_first:
+            token_ids = inputs
+            hidden = self.model.embed_tokens(inputs)
+        elif self.subspace is not None:
+            if token_ids is None:
+                raise ValueError("a stage of a residual-subspace model needs the token ids with its coordinates")
+            hidden = self.subspace.from_coordinates(inputs, token_ids)
+        else:
+            hidden = inputs
         seq_len = hidden.shape[1]
         position_ids = torch.arange(seq_len, device=hidden.device)[None]
         position_embeddings = self.rotary_emb(hidden, position_ids)
@@ -92,7 +112,7 @@ class LlamaStage(nn.Module):
             hidden = hidden[0] if isinstance(hidden, tuple) else hidden
         if self.is_last:
             return self.lm_head(self.model.norm(hidden))
-        return hidden
+        return hidden if self.subspace is None else self.subspace.to_coordinates(hidden, token_ids)
 
     @staticmethod
     def loss(logits: Tensor, labels: Tensor) -> Tensor:
@@ -105,21 +125,34 @@ def _refuse_tied(config: LlamaConfig) -> None:
         raise ValueError("tie_word_embeddings must be False: the embedding and the LM head live on different stages")
 
 
-def build_full_model(config: LlamaConfig, seed: int, device: torch.device | str = "cpu") -> LlamaForCausalLM:
+def residual_subspace(config: LlamaConfig, seed: int, rank: int, device: torch.device | str = "cpu") -> ResidualSubspace | None:
+    """The run's residual subspace of `rank` (None when 0: the dense model)."""
+    if not rank:
+        return None
+    return ResidualSubspace(seed=seed, vocab_size=config.vocab_size, hidden_size=config.hidden_size, rank=rank,
+                            initializer_range=config.initializer_range or 0.02, device=device)
+
+
+def build_full_model(config: LlamaConfig, seed: int, device: torch.device | str = "cpu", *,
+                     subspace_rank: int = 0) -> LlamaForCausalLM:
     """The whole model in one process with the stages' phi_0 (model/init.py: each parameter from
     `seed` and its name), so it equals the stages of any split put together, bit for bit. The
-    global RNG is not touched."""
+    global RNG is not touched. With `subspace_rank` its residual stream lives in the subspace
+    (model/subspace.py); `model.subspace` holds U and the fixed embedding."""
     _refuse_tied(config)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     model.model.rotary_emb = LlamaRotaryEmbedding(config=config)  # a buffer computed, not drawn
+    model.subspace = residual_subspace(config, seed, subspace_rank, device)
+    if model.subspace is not None:
+        constrain(model, model.subspace, config.num_hidden_layers)
     materialise_from_seed(model, seed=seed, initializer_range=config.initializer_range, device=device)
     return model.to(device)
 
 
 def build_stage(config: LlamaConfig, *, seed: int, stage_index: int, num_stages: int,
                 layer_range: range | None = None, init_from: str | Path | None = None,
-                device: torch.device | str = "cpu") -> LlamaStage:
+                device: torch.device | str = "cpu", subspace_rank: int = 0) -> LlamaStage:
     """Exactly stage `stage_index` of `num_stages` (decoder layers `layer_range`; even split if
     None), its parameters materialised on `device` and nothing else: from `seed`, identical on
     every replica and for every split, or from the Hugging Face checkpoint directory `init_from`
@@ -127,7 +160,7 @@ def build_stage(config: LlamaConfig, *, seed: int, stage_index: int, num_stages:
     if not 0 <= stage_index < num_stages:
         raise ValueError(f"stage_index {stage_index} is outside 0..{num_stages - 1}")
     _refuse_tied(config)
-    stage = LlamaStage(config, stage_index, num_stages, layer_range)
+    stage = LlamaStage(config, stage_index, num_stages, layer_range, residual_subspace(config, seed, subspace_rank, device))
     if init_from:
         stage.checkpoint_reads = materialise_from_checkpoint(stage, init_from, device=device)
     else:

@@ -85,8 +85,9 @@ def build_compute(config: NodeConfig, llama, ranges: list[range], stage_index: i
                                                 for codec in (pipe.activation_codec, pipe.gradient_codec)))
     worker = StageWorker(stage, optimizer, settings, faults=faults, emit=events.emit,
                          slow_weights=None if outer_state is None else (lambda: outer_state.phi))
-    shape = StageShape(stage=stage_index, num_stages=pipe.num_stages, hidden_size=llama.hidden_size,
-                       seq_len=config.model.seq_len, microbatch_size=pipe.microbatch_size, vocab_size=vocab_size)
+    shape = StageShape(stage=stage_index, num_stages=pipe.num_stages, boundary_width=stage.boundary_width,
+                       seq_len=config.model.seq_len, microbatch_size=pipe.microbatch_size, vocab_size=vocab_size,
+                       carries_token_ids=stage.subspace is not None)
     return ComputeParts(stage, device, worker, ComputeThread(), outer_state, shape,
                         memory_estimate_bytes=int(estimate.total), memory_baseline_bytes=baseline)
 

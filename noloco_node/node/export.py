@@ -105,10 +105,14 @@ def write_model_dir(out: Path, llama_config, weights: dict[str, torch.Tensor], t
     return out
 
 
-def expected_state(llama_config, layer_range: range, stage: int, num_stages: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def expected_state(llama_config, layer_range: range, stage: int, num_stages: int,
+                   subspace_rank: int = 0) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """The tensors a donor's FetchState may send for one stage (phi, m, Adam moments), from the
-    model's config alone (on the meta device: nothing is allocated)."""
+    model's config alone (on the meta device: nothing is allocated), in subspace coordinates
+    where the model has a residual subspace of `subspace_rank`."""
     from transformers import LlamaForCausalLM
+
+    from noloco_node.model.subspace import subspace_shape
 
     with torch.device("meta"):
         full = LlamaForCausalLM(llama_config)
@@ -119,8 +123,9 @@ def expected_state(llama_config, layer_range: range, stage: int, num_stages: int
                (name.startswith(("model.norm", "lm_head")) and stage == num_stages - 1) or \
                (parts[:2] == ["model", "layers"] and int(parts[2]) in layer_range)
         if mine:
+            shape = subspace_shape(name, tuple(param.shape), subspace_rank, llama_config.num_hidden_layers)
             for kind in ("phi", "momentum", "adam_exp_avg", "adam_exp_avg_sq"):
-                out[f"{kind}/{name}"] = (tuple(param.shape), torch.float32)
+                out[f"{kind}/{name}"] = (shape, torch.float32)
     return out
 
 
@@ -150,13 +155,14 @@ async def fetch_replicas(config: NodeConfig, manifest_hash: str, llama_config, r
                   lookup=contact_lookup(directory), options=GRPC_OPTIONS)
     await links.dial_over(directory.p2p)  # NATed replicas too
     # The largest stage's state in bytes (float32): the bound on what a donor may send us.
-    max_bytes = 4 * max(sum(_numel(shape) for shape, _ in expected_state(llama_config, r, i, p.num_stages).values())
+    rank = config.model.residual_subspace
+    max_bytes = 4 * max(sum(_numel(shape) for shape, _ in expected_state(llama_config, r, i, p.num_stages, rank).values())
                         for i, r in enumerate(ranges))
     client = OuterClient(run_id=config.run.run_id, manifest_hash=manifest_hash, max_bytes=max_bytes, dialer=links.dialer)
     found: dict[int, list[tuple[str, dict[str, torch.Tensor], dict]]] = {}
     try:
         for stage in range(p.num_stages):
-            expected = expected_state(llama_config, ranges[stage], stage, p.num_stages)
+            expected = expected_state(llama_config, ranges[stage], stage, p.num_stages, rank)
             replicas = [r.peer_id for r in await directory.replicas(stage, fresh=True)]
             if not replicas:
                 raise ExportError(f"no live replica of stage {stage} in run {config.run.run_id!r} with this model "

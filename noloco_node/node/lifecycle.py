@@ -136,7 +136,7 @@ class Node:
         port = self.server.bind()
         self.address = announced_address(cfg.network.host, port, cfg.network.announce_addr,
                                          await self.directory.visible_maddrs())
-        self._wire(llama.hidden_size, all_reduce)
+        self._wire(all_reduce)
         await self._serve()
         await self._join_state()
         self.status = "serving"
@@ -152,7 +152,7 @@ class Node:
         log.info("stage %d serving at %s (peer %s, manifest %s)", self.stage_index, self.address, self.peer_id,
                  self.manifest_hash)
 
-    def _wire(self, hidden_size: int, all_reduce) -> None:
+    def _wire(self, all_reduce) -> None:
         """Clients, the outer-sync method, the boundary, the pipeline and the services, in the order
         each needs the one before."""
         cfg, parts = self.config, self.parts
@@ -187,7 +187,7 @@ class Node:
             cfg, parts, transport=GrpcStageTransport(self.client), directory=DhtReplicas(self.directory),
             me=Hop(self.peer_id, self.address, self.stage_index), sync=self.sync, on_inner_step=self.boundary,
             faults=self.faults)
-        max_bytes = cfg.pipeline.microbatch_size * cfg.model.seq_len * hidden_size * 4
+        max_bytes = cfg.pipeline.microbatch_size * cfg.model.seq_len * parts.shape.boundary_width * 4
         self.servicer = StageServicer(self.runtime, run_id=cfg.run.run_id, manifest_hash=self.manifest_hash,
                                       max_payload_bytes=max_bytes, receive_s=cfg.timeouts.receive_s,
                                       min_bytes_per_s=cfg.security.min_receive_bytes_per_s,

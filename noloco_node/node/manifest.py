@@ -22,8 +22,10 @@ def load_run_inputs(config: NodeConfig):
     data = config.data
     corpus = resolve_corpus(data.path, cache_dir=data.cache_path, text_field=data.text_field)
     tokenizer = load_tokenizer(data.tokenizer, corpus, vocab_size=data.vocab_size, cache_dir=data.cache_path)
-    from noloco_node.model import init
+    from noloco_node.model import init, subspace
     from noloco_node.model.build import files_fingerprint
 
+    # How U and the fixed embedding are drawn enters only a subspace run's hash (a dense run's stays as it was).
+    schemes = [f"init:{init.INIT_SCHEME}"] + ([f"subspace:{subspace.SUBSPACE_SCHEME}"] if config.model.residual_subspace else [])
     return corpus, tokenizer, config.manifest_hash(f"tokenizer:{tokenizer_fingerprint(tokenizer)}",
-                                                   files_fingerprint(config.model), f"init:{init.INIT_SCHEME}")
+                                                   files_fingerprint(config.model), *schemes)

@@ -196,7 +196,7 @@ class Stage0Driver:
                 output = await self.runtime.compute.run(self.runtime.worker.forward, key, inputs, keep_graph=True)
                 route = [Hop(me.peer_id, me.address, 0)]
                 self.runtime.in_flight[key] = Ticket(key=key, route=route)  # admits the gradient's Backward
-                sent = await self.runtime.send_forward(key, route, output, labels, avoid=frozenset(lost_on))
+                sent = await self.runtime.send_forward(key, route, output, labels, inputs, avoid=frozenset(lost_on))
                 if sent is not None:
                     lost_on.add(sent)
                     loss = await asyncio.wait_for(asyncio.shield(future), timeout=self.timeout_s)

@@ -90,7 +90,7 @@ class LocalSimulation:
             if s > 0:
                 x = x.detach().requires_grad_()
             boundary.append(x)
-            x = self.replicas[s][d].stage(x)
+            x = self.replicas[s][d].stage(x, inputs)  # the token ids: a residual-subspace stage rebuilds from them
             outputs.append(x)
         loss = LlamaStage.loss(x, labels)
         (loss * scale).backward()
@@ -173,7 +173,7 @@ class LocalSimulation:
             for inputs, labels in batches:
                 x = inputs
                 for s in range(self.num_stages):
-                    x = self.replicas[s][d].stage(x)
+                    x = self.replicas[s][d].stage(x, inputs)
                 losses.append(float(LlamaStage.loss(x, labels)))
         return sum(losses) / len(losses)
 

@@ -92,10 +92,11 @@ class MemoryStageTransport:
         self.bytes_sent = 0
 
     async def forward(self, peer: Peer, *, key: MicrobatchKey, route: list[Hop], target_stage: int,
-                      activations: Tensor, labels: Tensor) -> None:
+                      activations: Tensor, labels: Tensor, token_ids: Tensor | None = None) -> None:
         handler = self.network.handler_of(peer.peer_id)
         spec, tensor, size = through_wire(activations, self.network.codec)
-        call = ForwardCall(key=key, target_stage=target_stage, route=tuple(route), labels=labels.reshape(-1).tolist())
+        call = ForwardCall(key=key, target_stage=target_stage, route=tuple(route), labels=labels.reshape(-1).tolist(),
+                           token_ids=() if token_ids is None else token_ids.reshape(-1).tolist())
         ticket = handler.admit_forward(call, spec)
         self.bytes_sent += size
         await handler.accept_forward(ticket, tensor)

@@ -38,8 +38,9 @@ class Hop:
 
 class StageTransport(Protocol):
     async def forward(self, peer: Peer, *, key: MicrobatchKey, route: list[Hop], target_stage: int,
-                      activations: Tensor, labels: Tensor) -> None:
-        """Deliver activations; raises PeerBusy, PeerUnavailable, InvalidPayload or ProtocolMismatch."""
+                      activations: Tensor, labels: Tensor, token_ids: Tensor | None = None) -> None:
+        """Deliver activations (with the input token ids when the model has a residual subspace);
+        raises PeerBusy, PeerUnavailable, InvalidPayload or ProtocolMismatch."""
 
     async def backward(self, peer_id: str, *, key: MicrobatchKey, target_stage: int, grad: Tensor,
                        loss: float, num_tokens: int) -> None:
@@ -59,6 +60,8 @@ class ForwardCall:
     target_stage: int
     route: tuple[Hop, ...]
     labels: Sequence[int]
+    token_ids: Sequence[int] = ()
+    """The input token ids, with a residual subspace (model/subspace.py); empty otherwise."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,10 +36,13 @@ BACKWARD_LOOKUP_RETRIES_S = (0.5, 1.0, 2.0)
 class StageShape:
     stage: int
     num_stages: int
-    hidden_size: int
+    boundary_width: int
+    """Values per token crossing a stage boundary: the hidden size, or the residual subspace's rank."""
     seq_len: int
     microbatch_size: int
     vocab_size: int
+    carries_token_ids: bool = False
+    """A residual-subspace model: the token ids travel with every forward (model/subspace.py)."""
 
     @property
     def is_first(self) -> bool:
@@ -55,6 +58,7 @@ class Ticket:
     key: MicrobatchKey
     route: list[Hop]
     labels: Tensor | None = None
+    token_ids: Tensor | None = None
     loss: float = 0.0
     num_tokens: int = 0
     downstream: str = ""  # the replica that accepted our forward: the only one whose gradient we take
@@ -136,15 +140,16 @@ class StageRuntime:
         if call.target_stage != s.stage or s.is_first:
             raise ProtocolMismatch(f"this node serves stage {s.stage}, not stage {call.target_stage}")
         if spec.dtype != "float32" or len(spec.shape) != 3:
-            raise InvalidPayload(f"activations must be float32 [batch, seq, hidden], got {spec.dtype}{list(spec.shape)}")
+            raise InvalidPayload(f"activations must be float32 [batch, seq, width], got {spec.dtype}{list(spec.shape)}")
         b, t, h = spec.shape
-        if not (1 <= b <= s.microbatch_size and 1 <= t <= s.seq_len and h == s.hidden_size):
+        if not (1 <= b <= s.microbatch_size and 1 <= t <= s.seq_len and h == s.boundary_width):
             raise InvalidPayload(f"activations shape {list(spec.shape)} does not fit [<= {s.microbatch_size}, "
-                                 f"<= {s.seq_len}, {s.hidden_size}]")
-        if len(call.labels) != b * t:
-            raise InvalidPayload(f"{len(call.labels)} labels for {b * t} positions")
-        if any(not 0 <= label < s.vocab_size for label in call.labels):
-            raise InvalidPayload(f"labels outside the vocabulary 0..{s.vocab_size - 1}")
+                                 f"<= {s.seq_len}, {s.boundary_width}]")
+        _check_token_list("labels", call.labels, b * t, s.vocab_size)
+        if s.carries_token_ids:
+            _check_token_list("token ids", call.token_ids, b * t, s.vocab_size)
+        elif call.token_ids:
+            raise InvalidPayload("token ids sent, but this run's model has no residual subspace")
         if not call.route or call.route[-1].stage != s.stage - 1 or not call.route[-1].address:
             raise InvalidPayload("route must end with a hop of the previous stage and its address")
         key = call.key
@@ -155,7 +160,8 @@ class StageRuntime:
             raise PeerBusy(f"{len(self.in_flight)}/{self.max_in_flight} microbatches in flight")
         import torch
 
-        ticket = Ticket(key=key, route=list(call.route), labels=torch.tensor(list(call.labels), dtype=torch.int64).view(b, t))
+        ticket = Ticket(key=key, route=list(call.route), labels=torch.tensor(list(call.labels), dtype=torch.int64).view(b, t),
+                        token_ids=torch.tensor(list(call.token_ids), dtype=torch.int64).view(b, t) if s.carries_token_ids else None)
         self.in_flight[key] = ticket
         return ticket
 
@@ -203,12 +209,13 @@ class StageRuntime:
             await self.faults.hit("before_forward")
             if self.shape.is_last:
                 before = self.worker.inner_steps
-                grad, loss, tokens = await self.compute.run(self.worker.forward_backward_last, activations, ticket.labels)
+                grad, loss, tokens = await self.compute.run(self.worker.forward_backward_last, activations, ticket.labels,
+                                                            token_ids=ticket.token_ids)
                 self._release(key)
                 await self._step_and_send_backward(before, ticket.route[-1], key, grad, loss, tokens)
                 return
-            output = await self.compute.run(self.worker.forward, key, activations)
-            if await self.send_forward(key, ticket.route + [self.me], output, ticket.labels) is None:
+            output = await self.compute.run(self.worker.forward, key, activations, token_ids=ticket.token_ids)
+            if await self.send_forward(key, ticket.route + [self.me], output, ticket.labels, ticket.token_ids) is None:
                 await self.compute.run(self.worker.drop, key)
                 self._release(key)
                 self.stats.dropped_here += 1
@@ -272,11 +279,12 @@ class StageRuntime:
             self._spawn(self.hooks.on_inner_step(step))
 
     async def send_forward(self, key: MicrobatchKey, route: list[Hop], output: Tensor, labels: Tensor,
-                           avoid: frozenset[str] = frozenset()) -> str | None:
+                           token_ids: Tensor | None = None, avoid: frozenset[str] = frozenset()) -> str | None:
         """Push to a live replica of the next stage (picked by the routing), retrying others until
         the deadline (in lockstep: the same one). Replicas in `avoid` (those that already lost this
-        microbatch) are skipped while any other is available. Returns the peer id that accepted it,
-        or None."""
+        microbatch) are skipped while any other is available. `token_ids` go along only when the
+        model has a residual subspace. Returns the peer id that accepted it, or None."""
+        token_ids = token_ids if self.shape.carries_token_ids else None
         deadline = time.monotonic() + self.send_deadline_s
         tried: set[str] = set(avoid)
         delay = 0.05
@@ -293,7 +301,7 @@ class StageRuntime:
                 continue
             try:
                 await self.transport.forward(peer, key=key, route=route, target_stage=self.shape.stage + 1,
-                                             activations=output, labels=labels)
+                                             activations=output, labels=labels, token_ids=token_ids)
                 ticket = self.in_flight.get(key)
                 if ticket is not None:
                     ticket.downstream = peer.peer_id
@@ -378,3 +386,10 @@ class StageRuntime:
             await asyncio.sleep(0.05)
         for task in list(self._tasks):
             task.cancel()
+
+
+def _check_token_list(what: str, values, count: int, vocab_size: int) -> None:
+    if len(values) != count:
+        raise InvalidPayload(f"{len(values)} {what} for {count} positions")
+    if any(not 0 <= value < vocab_size for value in values):
+        raise InvalidPayload(f"{what} outside the vocabulary 0..{vocab_size - 1}")

@@ -40,6 +40,7 @@ class NonFiniteValues(NodeError):
 class Saved:
     inputs: Tensor
     created: float
+    token_ids: Tensor | None = None  # a residual-subspace stage after 0 rebuilds its input from them
     output: Tensor | None = None  # the autograd graph, when kept instead of recomputed
     stash: dict[str, Tensor] | None = None  # the weight copy the graph was built on (stash_weights)
 
@@ -108,7 +109,7 @@ class StageWorker:
         self._stash: tuple[int, dict[str, Tensor]] | None = None
         self._stashes_with_gradients: list[dict[str, Tensor]] = []
 
-    def forward(self, key: Hashable, inputs: Tensor, *, keep_graph: bool = False) -> Tensor:
+    def forward(self, key: Hashable, inputs: Tensor, *, token_ids: Tensor | None = None, keep_graph: bool = False) -> Tensor:
         """Forward without a graph, keeping `inputs` for the backward's recompute; or, with
         `keep_graph`, keep the autograd graph instead: safe when no inner step can happen before
         this microbatch's backward (stage 0 in exact mode, whose driver steps between batches), or
@@ -116,24 +117,25 @@ class StageWorker:
         self.step_if_due()
         self._slow_down()
         inputs = self._to_device(inputs)
-        saved = Saved(inputs, self.clock())
+        saved = Saved(inputs, self.clock(), None if token_ids is None else self._to_device(token_ids))
         self.saved[key] = saved
         saved.stash = self._current_stash() if self.stash_weights else None
         if keep_graph:
             with self._autocast():
-                saved.output = self._run_stage(inputs, saved.stash)
+                saved.output = self._run_stage(inputs, saved.stash, saved.token_ids)
             return self._to_host(saved.output.detach(), self.host_dtypes[0])
         with torch.no_grad(), self._autocast():
-            return self._to_host(self._run_stage(inputs, saved.stash), self.host_dtypes[0], finite=(key, "output"))
+            return self._to_host(self._run_stage(inputs, saved.stash, saved.token_ids), self.host_dtypes[0], finite=(key, "output"))
 
-    def forward_backward_last(self, inputs: Tensor, labels: Tensor) -> tuple[Tensor, float, int]:
+    def forward_backward_last(self, inputs: Tensor, labels: Tensor, token_ids: Tensor | None = None) -> tuple[Tensor, float, int]:
         """Last stage: loss (token mean, scaled by b/B for accumulation), backward; returns
         (grad w.r.t. inputs, unscaled loss, tokens)."""
         self.step_if_due()
         self._slow_down(2)
         x = self._to_device(inputs).detach().requires_grad_()
         with self._autocast():
-            loss = LlamaStage.loss(self.stage(x), self._to_device(labels))
+            loss = LlamaStage.loss(self.stage(x, None if token_ids is None else self._to_device(token_ids)),
+                                   self._to_device(labels))
         self._finite(loss.detach(), "last stage", "loss")  # before backward: the accumulated gradients stay clean
         (loss * (inputs.shape[0] / self.batch_size)).backward()
         self._count(inputs.shape[0], labels.numel())
@@ -164,7 +166,7 @@ class StageWorker:
         else:
             x = inputs if self.stage.is_first else inputs.detach().requires_grad_()
             with self._autocast():
-                output = self._run_stage(x, saved.stash)
+                output = self._run_stage(x, saved.stash, saved.token_ids)
             output.backward(grad_output.to(output.dtype))
             grad_input = None if self.stage.is_first else x.grad
         if saved.stash is not None and not any(saved.stash is s for s in self._stashes_with_gradients):
@@ -174,8 +176,10 @@ class StageWorker:
             return None
         return self._to_host(grad_input, self.host_dtypes[1], finite=(key, "input gradient"))
 
-    def _run_stage(self, inputs: Tensor, stash: dict[str, Tensor] | None) -> Tensor:
-        return self.stage(inputs) if stash is None else torch.func.functional_call(self.stage, stash, (inputs,))
+    def _run_stage(self, inputs: Tensor, stash: dict[str, Tensor] | None, token_ids: Tensor | None = None) -> Tensor:
+        if stash is None:
+            return self.stage(inputs, token_ids)
+        return torch.func.functional_call(self.stage, stash, (inputs, token_ids))
 
     def _current_stash(self) -> dict[str, Tensor]:
         # Parameter version counters move with every in-place change (inner and outer steps,
@@ -334,7 +338,7 @@ class StageWorker:
         saved = self.saved.get(key)
         if saved is None:
             return None
-        return tuple(saved.inputs.shape[:2]) + (self.stage.config.hidden_size,)
+        return tuple(saved.inputs.shape[:2]) + (self.stage.boundary_width,)
 
     def drop(self, key: Hashable) -> bool:
         return self.saved.pop(key, None) is not None

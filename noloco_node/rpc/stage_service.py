@@ -52,7 +52,8 @@ def forward_call(header: stage_pb2.ForwardHeader) -> ForwardCall:
     """The pipeline's view of a Forward header (pipeline/ports.py): plain values, no protobuf."""
     m = header.microbatch
     return ForwardCall(key=MicrobatchKey(m.origin_peer, m.sequence, m.attempt), target_stage=header.target_stage,
-                       route=tuple(Hop(h.peer_id, h.address, h.stage) for h in header.route), labels=header.labels)
+                       route=tuple(Hop(h.peer_id, h.address, h.stage) for h in header.route), labels=header.labels,
+                       token_ids=header.token_ids)
 
 
 def backward_call(header: stage_pb2.BackwardHeader) -> BackwardCall:
@@ -246,14 +247,16 @@ class StageClient:
         return known[1], path
 
     async def forward(self, peer_id: str, *, microbatch: stage_pb2.MicrobatchId, route: list[stage_pb2.Hop],
-                      target_stage: int, activations: Tensor, labels: Tensor) -> None:
+                      target_stage: int, activations: Tensor, labels: Tensor, token_ids: Tensor | None = None) -> None:
         # Activations and gradients are float32 on the wire's spec, whatever precision the stage handed over.
         tensor_header, payload = encode_tensor(activations, self.codec, dtype="float32")
         header = stage_pb2.ForwardHeader(run=self.run, microbatch=microbatch, route=route, activations=tensor_header,
-                                         labels=labels.reshape(-1).tolist(), target_stage=target_stage)
+                                         labels=labels.reshape(-1).tolist(), target_stage=target_stage,
+                                         token_ids=[] if token_ids is None else token_ids.reshape(-1).tolist())
         messages = [stage_pb2.ForwardMessage(header=header)]
         messages += [stage_pb2.ForwardMessage(chunk=c) for c in iter_chunks(payload)]
-        await self._call(peer_id, "Forward", messages, len(payload))
+        # Counted with the header: labels and token ids cross the link too.
+        await self._call(peer_id, "Forward", messages, len(payload) + header.ByteSize())
 
     async def backward(self, peer_id: str, *, microbatch: stage_pb2.MicrobatchId, target_stage: int, grad: Tensor,
                        loss: float, num_tokens: int) -> None:

@@ -23,7 +23,7 @@ FORWARD, BACKWARD = "/noloco.wire.v1.Stage/Forward", "/noloco.wire.v1.Stage/Back
 
 
 def forward_messages(run, me: str, *, shape=(1, SEQ, HIDDEN), values=None, codec="none", labels=None, truncate=0,
-                     reorder=False, sequence=0, payload_bytes=None, last_hop=None):
+                     reorder=False, sequence=0, payload_bytes=None, last_hop=None, token_ids=()):
     """A Forward whose route ends with the caller `me` (the node checks it against the signature),
     or with `last_hop` when given."""
     tensor = values if values is not None else torch.randn(*shape) * 0.1
@@ -34,7 +34,7 @@ def forward_messages(run, me: str, *, shape=(1, SEQ, HIDDEN), values=None, codec
     fwd = stage_pb2.ForwardHeader(
         run=run, microbatch=stage_pb2.MicrobatchId(origin_peer="tester", sequence=sequence), target_stage=1,
         route=[stage_pb2.Hop(peer_id=last_hop or me, address="127.0.0.1:9", stage=0)], activations=header,
-        labels=labels if labels is not None else [1] * (b * t))
+        labels=labels if labels is not None else [1] * (b * t), token_ids=token_ids)
     chunks = list(iter_chunks(payload[: len(payload) - truncate], chunk_bytes=512))
     if reorder and len(chunks) > 1:
         chunks[0], chunks[1] = chunks[1], chunks[0]
@@ -79,6 +79,7 @@ def test_malformed_forwards_are_rejected_and_node_keeps_serving(tmp_path, make_s
                 "nan payload": await call_forward(stub, fwd(run, values=torch.full((1, SEQ, HIDDEN), math.nan)), sig()),
                 "labels outside vocab": await call_forward(stub, fwd(run, labels=[10**6] * SEQ), sig()),
                 "wrong label count": await call_forward(stub, fwd(run, labels=[1] * 3), sig()),
+                "token ids to a dense model": await call_forward(stub, fwd(run, token_ids=[1] * SEQ), sig()),
                 "oversize header": await call_forward(stub, fwd(run, labels=[1] * (9 << 20)), sig()),
                 "header missing": await call_forward(stub, fwd(run)[1:], sig()),
                 # A route whose last hop is not the peer that signed the call (an impersonation).
@@ -140,7 +141,7 @@ def test_malformed_forwards_are_rejected_and_node_keeps_serving(tmp_path, make_s
     assert results == {
         "other run": grpc.StatusCode.FAILED_PRECONDITION, "wrong hidden size": invalid, "too many sequences": invalid,
         "truncated stream": invalid, "chunks reordered": invalid, "declared size wrong": invalid, "nan payload": invalid,
-        "labels outside vocab": invalid, "wrong label count": invalid,
+        "labels outside vocab": invalid, "wrong label count": invalid, "token ids to a dense model": invalid,
         "oversize header": grpc.StatusCode.RESOURCE_EXHAUSTED, "header missing": invalid, "garbage bytes": invalid,
         "backward unknown microbatch": grpc.StatusCode.FAILED_PRECONDITION, "valid": grpc.StatusCode.OK,
         "valid again": grpc.StatusCode.OK, "route names another peer": invalid,
@@ -156,3 +157,45 @@ def test_malformed_forwards_are_rejected_and_node_keeps_serving(tmp_path, make_s
     # Keyed by the route's last hop, which the node now requires to be the proven caller.
     assert stats["forwards_received"] == {me.peer_id: 2}
     assert stats["admission"]["refused"] == {"UNAUTHENTICATED": 1}  # the unsigned call, before any servicer code
+
+
+def test_hostile_coordinate_payloads_are_refused_by_a_subspace_stage(tmp_path, make_swarm):
+    """A residual-subspace stage takes [batch, seq, k] coordinates and the token ids; anything else
+    is INVALID_ARGUMENT, and a well-formed coordinate payload is accepted."""
+    rank = 4
+    overrides = tiny_overrides(tmp_path, **{"pipeline.num_stages": 2, "model.residual_subspace": rank,
+                                            "security.ban_after_invalid": 1000, "security.ban_after_poisoned": 1000})
+    prepare_tokenizer(overrides)
+    swarm = make_swarm(overrides)
+    node = swarm.start_node(1, 0)
+    swarm.wait_ready([node])
+    run = tensor_pb2.RunIdentity(run_id=node.info["run_id"], manifest_hash=node.info["manifest_hash"])
+    me, info = NodeIdentity.generate(), node.info
+    ids = [3] * SEQ
+
+    async def scenario():
+        async with aio_secure_channel(info) as channel:
+            stub = stage_pb2_grpc.StageStub(channel)
+            fwd = lambda *a, **k: forward_messages(*a, me.peer_id, **k)  # noqa: E731
+            sig = lambda: signed(me, FORWARD, info)  # noqa: E731
+            return {
+                "hidden-wide activations": await call_forward(stub, fwd(run, token_ids=ids), sig()),
+                "wrong k": await call_forward(stub, fwd(run, shape=(1, SEQ, rank + 1), token_ids=ids), sig()),
+                "no token ids": await call_forward(stub, fwd(run, shape=(1, SEQ, rank)), sig()),
+                "token ids outside vocab": await call_forward(stub, fwd(run, shape=(1, SEQ, rank), token_ids=[10**6] * SEQ), sig()),
+                "wrong token id count": await call_forward(stub, fwd(run, shape=(1, SEQ, rank), token_ids=[1] * 3), sig()),
+                "nan coordinates": await call_forward(stub, fwd(run, shape=(1, SEQ, rank), token_ids=ids,
+                                                               values=torch.full((1, SEQ, rank), math.nan)), sig()),
+                "oversized": await call_forward(stub, fwd(run, shape=(3, SEQ, rank), token_ids=ids * 3), sig()),
+                "valid": await call_forward(stub, fwd(run, shape=(1, SEQ, rank), token_ids=ids, codec="int8", sequence=1), sig()),
+            }
+
+    results = asyncio.run(scenario())
+    invalid = grpc.StatusCode.INVALID_ARGUMENT
+    assert results == {"hidden-wide activations": invalid, "wrong k": invalid, "no token ids": invalid,
+                       "token ids outside vocab": invalid, "wrong token id count": invalid, "nan coordinates": invalid,
+                       "oversized": invalid, "valid": grpc.StatusCode.OK}
+    assert node.proc.poll() is None, "the node must survive every hostile payload"
+    swarm.stop()
+    [stats] = swarm.node_stats().values()
+    assert stats["rejected"]["INVALID_ARGUMENT"] >= 7 and stats["forwards_received"] == {me.peer_id: 1}

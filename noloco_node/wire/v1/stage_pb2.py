@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from noloco_node.wire.v1 import tensor_pb2 as noloco__node_dot_wire_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fnoloco_node/wire/v1/stage.proto\x12\x0enoloco.wire.v1\x1a noloco_node/wire/v1/tensor.proto\"6\n\x03Hop\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\r\"F\n\x0cMicrobatchId\x12\x13\n\x0borigin_peer\x18\x01 \x01(\t\x12\x10\n\x08sequence\x18\x02 \x01(\x04\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\r\"\xec\x01\n\rForwardHeader\x12(\n\x03run\x18\x01 \x01(\x0b\x32\x1b.noloco.wire.v1.RunIdentity\x12\x30\n\nmicrobatch\x18\x02 \x01(\x0b\x32\x1c.noloco.wire.v1.MicrobatchId\x12\"\n\x05route\x18\x03 \x03(\x0b\x32\x13.noloco.wire.v1.Hop\x12\x31\n\x0b\x61\x63tivations\x18\x04 \x01(\x0b\x32\x1c.noloco.wire.v1.TensorHeader\x12\x12\n\x06labels\x18\x05 \x03(\x03\x42\x02\x10\x01\x12\x14\n\x0ctarget_stage\x18\x06 \x01(\r\"w\n\x0e\x46orwardMessage\x12/\n\x06header\x18\x01 \x01(\x0b\x32\x1d.noloco.wire.v1.ForwardHeaderH\x00\x12,\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1b.noloco.wire.v1.TensorChunkH\x00\x42\x06\n\x04kind\"\xd0\x01\n\x0e\x42\x61\x63kwardHeader\x12(\n\x03run\x18\x01 \x01(\x0b\x32\x1b.noloco.wire.v1.RunIdentity\x12\x30\n\nmicrobatch\x18\x02 \x01(\x0b\x32\x1c.noloco.wire.v1.MicrobatchId\x12*\n\x04grad\x18\x03 \x01(\x0b\x32\x1c.noloco.wire.v1.TensorHeader\x12\x0c\n\x04loss\x18\x04 \x01(\x01\x12\x12\n\nnum_tokens\x18\x05 \x01(\x04\x12\x14\n\x0ctarget_stage\x18\x06 \x01(\r\"y\n\x0f\x42\x61\x63kwardMessage\x12\x30\n\x06header\x18\x01 \x01(\x0b\x32\x1e.noloco.wire.v1.BackwardHeaderH\x00\x12,\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1b.noloco.wire.v1.TensorChunkH\x00\x42\x06\n\x04kind\"\"\n\x08StageAck\x12\x16\n\x0e\x62ytes_received\x18\x01 \x01(\x04\x32\x97\x01\n\x05Stage\x12\x45\n\x07\x46orward\x12\x1e.noloco.wire.v1.ForwardMessage\x1a\x18.noloco.wire.v1.StageAck(\x01\x12G\n\x08\x42\x61\x63kward\x12\x1f.noloco.wire.v1.BackwardMessage\x1a\x18.noloco.wire.v1.StageAck(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fnoloco_node/wire/v1/stage.proto\x12\x0enoloco.wire.v1\x1a noloco_node/wire/v1/tensor.proto\"6\n\x03Hop\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\r\"F\n\x0cMicrobatchId\x12\x13\n\x0borigin_peer\x18\x01 \x01(\t\x12\x10\n\x08sequence\x18\x02 \x01(\x04\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\r\"\x83\x02\n\rForwardHeader\x12(\n\x03run\x18\x01 \x01(\x0b\x32\x1b.noloco.wire.v1.RunIdentity\x12\x30\n\nmicrobatch\x18\x02 \x01(\x0b\x32\x1c.noloco.wire.v1.MicrobatchId\x12\"\n\x05route\x18\x03 \x03(\x0b\x32\x13.noloco.wire.v1.Hop\x12\x31\n\x0b\x61\x63tivations\x18\x04 \x01(\x0b\x32\x1c.noloco.wire.v1.TensorHeader\x12\x12\n\x06labels\x18\x05 \x03(\x03\x42\x02\x10\x01\x12\x14\n\x0ctarget_stage\x18\x06 \x01(\r\x12\x15\n\ttoken_ids\x18\x07 \x03(\x03\x42\x02\x10\x01\"w\n\x0e\x46orwardMessage\x12/\n\x06header\x18\x01 \x01(\x0b\x32\x1d.noloco.wire.v1.ForwardHeaderH\x00\x12,\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1b.noloco.wire.v1.TensorChunkH\x00\x42\x06\n\x04kind\"\xd0\x01\n\x0e\x42\x61\x63kwardHeader\x12(\n\x03run\x18\x01 \x01(\x0b\x32\x1b.noloco.wire.v1.RunIdentity\x12\x30\n\nmicrobatch\x18\x02 \x01(\x0b\x32\x1c.noloco.wire.v1.MicrobatchId\x12*\n\x04grad\x18\x03 \x01(\x0b\x32\x1c.noloco.wire.v1.TensorHeader\x12\x0c\n\x04loss\x18\x04 \x01(\x01\x12\x12\n\nnum_tokens\x18\x05 \x01(\x04\x12\x14\n\x0ctarget_stage\x18\x06 \x01(\r\"y\n\x0f\x42\x61\x63kwardMessage\x12\x30\n\x06header\x18\x01 \x01(\x0b\x32\x1e.noloco.wire.v1.BackwardHeaderH\x00\x12,\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1b.noloco.wire.v1.TensorChunkH\x00\x42\x06\n\x04kind\"\"\n\x08StageAck\x12\x16\n\x0e\x62ytes_received\x18\x01 \x01(\x04\x32\x97\x01\n\x05Stage\x12\x45\n\x07\x46orward\x12\x1e.noloco.wire.v1.ForwardMessage\x1a\x18.noloco.wire.v1.StageAck(\x01\x12G\n\x08\x42\x61\x63kward\x12\x1f.noloco.wire.v1.BackwardMessage\x1a\x18.noloco.wire.v1.StageAck(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,20 +34,22 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_FORWARDHEADER'].fields_by_name['labels']._loaded_options = None
   _globals['_FORWARDHEADER'].fields_by_name['labels']._serialized_options = b'\020\001'
+  _globals['_FORWARDHEADER'].fields_by_name['token_ids']._loaded_options = None
+  _globals['_FORWARDHEADER'].fields_by_name['token_ids']._serialized_options = b'\020\001'
   _globals['_HOP']._serialized_start=85
   _globals['_HOP']._serialized_end=139
   _globals['_MICROBATCHID']._serialized_start=141
   _globals['_MICROBATCHID']._serialized_end=211
   _globals['_FORWARDHEADER']._serialized_start=214
-  _globals['_FORWARDHEADER']._serialized_end=450
-  _globals['_FORWARDMESSAGE']._serialized_start=452
-  _globals['_FORWARDMESSAGE']._serialized_end=571
-  _globals['_BACKWARDHEADER']._serialized_start=574
-  _globals['_BACKWARDHEADER']._serialized_end=782
-  _globals['_BACKWARDMESSAGE']._serialized_start=784
-  _globals['_BACKWARDMESSAGE']._serialized_end=905
-  _globals['_STAGEACK']._serialized_start=907
-  _globals['_STAGEACK']._serialized_end=941
-  _globals['_STAGE']._serialized_start=944
-  _globals['_STAGE']._serialized_end=1095
+  _globals['_FORWARDHEADER']._serialized_end=473
+  _globals['_FORWARDMESSAGE']._serialized_start=475
+  _globals['_FORWARDMESSAGE']._serialized_end=594
+  _globals['_BACKWARDHEADER']._serialized_start=597
+  _globals['_BACKWARDHEADER']._serialized_end=805
+  _globals['_BACKWARDMESSAGE']._serialized_start=807
+  _globals['_BACKWARDMESSAGE']._serialized_end=928
+  _globals['_STAGEACK']._serialized_start=930
+  _globals['_STAGEACK']._serialized_end=964
+  _globals['_STAGE']._serialized_start=967
+  _globals['_STAGE']._serialized_end=1118
 # @@protoc_insertion_point(module_scope)

@@ -28,20 +28,22 @@ class MicrobatchId(_message.Message):
     def __init__(self, origin_peer: _Optional[str] = ..., sequence: _Optional[int] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class ForwardHeader(_message.Message):
-    __slots__ = ("run", "microbatch", "route", "activations", "labels", "target_stage")
+    __slots__ = ("run", "microbatch", "route", "activations", "labels", "target_stage", "token_ids")
     RUN_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_FIELD_NUMBER: _ClassVar[int]
     ROUTE_FIELD_NUMBER: _ClassVar[int]
     ACTIVATIONS_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
     TARGET_STAGE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     run: _tensor_pb2.RunIdentity
     microbatch: MicrobatchId
     route: _containers.RepeatedCompositeFieldContainer[Hop]
     activations: _tensor_pb2.TensorHeader
     labels: _containers.RepeatedScalarFieldContainer[int]
     target_stage: int
-    def __init__(self, run: _Optional[_Union[_tensor_pb2.RunIdentity, _Mapping]] = ..., microbatch: _Optional[_Union[MicrobatchId, _Mapping]] = ..., route: _Optional[_Iterable[_Union[Hop, _Mapping]]] = ..., activations: _Optional[_Union[_tensor_pb2.TensorHeader, _Mapping]] = ..., labels: _Optional[_Iterable[int]] = ..., target_stage: _Optional[int] = ...) -> None: ...
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, run: _Optional[_Union[_tensor_pb2.RunIdentity, _Mapping]] = ..., microbatch: _Optional[_Union[MicrobatchId, _Mapping]] = ..., route: _Optional[_Iterable[_Union[Hop, _Mapping]]] = ..., activations: _Optional[_Union[_tensor_pb2.TensorHeader, _Mapping]] = ..., labels: _Optional[_Iterable[int]] = ..., target_stage: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ForwardMessage(_message.Message):
     __slots__ = ("header", "chunk")

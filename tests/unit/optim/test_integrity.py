@@ -83,16 +83,15 @@ def test_repair_restores_theta_from_phi_and_drops_bad_adam_state():
 
 
 class _Stage(torch.nn.Module):
-    """The worker's view of a stage: first/last flags and a config with hidden_size."""
+    """The worker's view of a stage: first/last flags, its boundary width, and forward(inputs, token_ids)."""
 
-    is_first, is_last = False, True
+    is_first, is_last, boundary_width = False, True, 8
 
     def __init__(self):
         super().__init__()
         self.proj = torch.nn.Linear(8, 5)
-        self.config = type("C", (), {"hidden_size": 8})()
 
-    def forward(self, x):
+    def forward(self, x, token_ids=None):
         return self.proj(x)
 
 
