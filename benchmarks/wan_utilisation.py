@@ -18,6 +18,8 @@ Link profiles, set by the ratio that matters (measured on the unlimited run firs
   fibre: one hop's transfer at bf16 = 0.4 x one microbatch's compute; one outer round's transfer
          at the default codecs = ~0.25 x H inner steps' compute; RTT 10 ms
   home:  4 x and ~2.5 x; RTT 30 ms
+  home20: a hop's transfer at int4 = 15 x one microbatch's compute (what `medium` on a 24 GB card
+         over a 20 Mbit/s uplink is, by the link model: issue 32), i.e. 53 x at bf16; RTT 40 ms
 The model's shape and H fix the second ratio given the first (stage parameters / hop elements =
 0.625 H M for both profiles); the bandwidth is set from the measured compute so the first holds.
 
@@ -25,8 +27,9 @@ Variants (model/costs.py): default (issue 26's reference, the defaults before th
 activations and gradients, blocking outer step, bf16 snapshots; the profiles are set from it);
 defaults-now (today's defaults: int8 hops both ways, outer.overlap, bf16 snapshots); int8 (and int8
 snapshots); int4-int8 (int4 activations, int8 gradients, outer.overlap, int8 snapshots); int4 (int4
-both ways, the same outer); int4-overlap-schedule (and pipeline.schedule = overlap). Each variant also runs unlimited: its
-ratio is against its own unlimited run. Before the runs, the link model's prediction for every
+both ways, the same outer); int4-overlap-schedule (and pipeline.schedule = overlap); int4-subspace
+(int4, with model.residual_subspace = hidden / 32: hops of 4 coordinates per token and the token
+ids, model/subspace.py). Each variant also runs unlimited: its ratio is against its own unlimited run. Before the runs, the link model's prediction for every
 option on each profile is printed (against the same settings unlimited, and against the defaults).
 
 The emulated runs set timeouts.assumed_mbit_s to the link's rate, as docs/volunteer.md tells a
@@ -34,6 +37,7 @@ volunteer below 5 Mbit/s to: the hops here (32.8 kB) are too small for a node to
 from (--no-assume-link shows what happens without). Results: OUT/results.json.
 
     .venv/bin/python benchmarks/wan_utilisation.py [--rounds 4] [--hold-s 0.05] [--out runs/bench-wan]
+    .venv/bin/python benchmarks/wan_utilisation.py --runs home20:int4,home20:int4-subspace   # issue 32
     .venv/bin/python benchmarks/wan_utilisation.py --table     # the volunteer table (link model only)
     .venv/bin/python benchmarks/wan_utilisation.py --reprint runs/bench-wan/results.json  # against today's model
 """
@@ -69,15 +73,21 @@ class Profile:
     rtt_ms: float
 
 
-PROFILES = {"fibre": Profile("fibre", 0.4, 0.25, 10.0), "home": Profile("home", 4.0, 2.5, 30.0)}
+HIDDEN = 128
+INT4_BYTES, BF16_BYTES = 0.5 + 4 / 64, 2.0  # per value on the wire, the blockwise scales included
+PROFILES = {"fibre": Profile("fibre", 0.4, 0.25, 10.0), "home": Profile("home", 4.0, 2.5, 30.0),
+            "home20": Profile("home20", 15.0 * BF16_BYTES / INT4_BYTES, 0.625 * 15.0 * BF16_BYTES / INT4_BYTES, 40.0)}
 # model/costs.py's reference and OPTIONS (the volunteer table's choices: today's defaults, then fewer bytes).
 # "default" keeps its name (and its meaning in saved results.json files): issue 26's reference.
-VARIANTS = {"default": "reference", "defaults-now": 0, "int8": 1, "int4-int8": 2, "int4": 3, "int4-overlap-schedule": 4}
+VARIANTS = {"default": "reference", "defaults-now": 0, "int8": 1, "int4-int8": 2, "int4": 3, "int4-overlap-schedule": 4,
+            "int4-subspace": 3}
+SUBSPACE = {"int4-subspace": HIDDEN // 32}  # model.residual_subspace of a variant (0: dense)
 RUNS = ("fibre:default", "home:default", "fibre:int4-int8", "home:int4", "home:int4-overlap-schedule")
 
 
 def variant_settings(variant: str) -> dict[str, str]:
-    return {k: str(v).lower() for k, v in variant_option(variant).settings().items()}
+    rank = {"model.residual_subspace": SUBSPACE[variant]} if variant in SUBSPACE else {}
+    return {k: str(v).lower() for k, v in {**variant_option(variant).settings(), **rank}.items()}
 
 
 def variant_option(variant: str):
@@ -92,7 +102,7 @@ def overrides(data: Path, hold_s: float, variant: str, extra: dict) -> list[str]
 
     data.mkdir(parents=True, exist_ok=True)
     sets = tiny_overrides(data, **{
-        "model.hidden_size": 128, "model.intermediate_size": 352, "model.num_layers": 2, "model.num_heads": 4,
+        "model.hidden_size": HIDDEN, "model.intermediate_size": 352, "model.num_layers": 2, "model.num_heads": 4,
         "model.seq_len": SEQ, "pipeline.layers_per_stage": "1,1", "pipeline.batch_size": M,
         "pipeline.microbatch_size": 1, "pipeline.routing": "fixed", "outer.method": "noloco",
         "outer.inner_steps_per_outer": H, "inner.total_steps": 100000, "faults.compute_delay_s": hold_s,
@@ -224,7 +234,8 @@ def run_costs(sets: list[str], option=None):
                           microbatches_per_batch=p.batch_size // p.microbatch_size, max_in_flight=p.max_in_flight,
                           schedule=p.schedule, activation_codec=p.activation_codec, gradient_codec=p.gradient_codec,
                           outer_payload=workload_for(cfg, "cpu").outer_payload,
-                          inner_steps_per_outer=cfg.outer.inner_steps_per_outer, outer_overlap=cfg.outer.overlap)
+                          inner_steps_per_outer=cfg.outer.inner_steps_per_outer, outer_overlap=cfg.outer.overlap,
+                          subspace=cfg.model.residual_subspace)
 
 
 def model_link(link: dict):
@@ -255,7 +266,7 @@ def print_options(name: str, link: LinkProfile, base: dict) -> None:
 
     pick, rows = choose(lambda option: run_costs(base["sets"], option), link=model_link(link.to_dict()),
                         stage_seconds=tuple(base["compute_s"]), round_overhead_s=round_overhead_s(base))
-    names = {index: variant for variant, index in VARIANTS.items() if index != "reference"}
+    names = {index: variant for variant, index in VARIANTS.items() if index != "reference" and variant not in SUBSPACE}
     for i, (option, pred, relative) in enumerate(rows):
         label = names.get(i, ", ".join(f"{k}={str(v).lower()}" for k, v in option.settings().items()))
         print(f"    model, {name}, {label}: {pred.ratio:.2f} of the same settings unlimited, {relative:.2f} of the "

@@ -3,6 +3,13 @@ settings, and what each stage needs; with --link, the tokens/s a link leaves of 
 
     noloco-node plan --preset large --memory-gib 24          # will `large` fit on 24 GB cards, how many of us?
     noloco-node plan --preset medium --memory-gib 80 --link 100 --rtt 30 --gpu h100
+    noloco-node plan --preset medium --memory-gib 24 --uplink 20 --downlink 100 --rtt 40 --device-tflops 165
+
+With a link it also says what a residual subspace (model.residual_subspace = hidden / 8 ... / 64:
+hops of k values per token, model/subspace.py) would give on it: bytes per hop, the frozen
+embedding every stage holds, the tokens/s ratio, and, from the measured loss price (the tokens a
+rank needs to reach dense bf16's loss: docs/research.md, Time to loss), the rank that reaches a
+given loss soonest over this link, or that dense does.
 
 The memory estimate is model/memory.py's (the one `join` refuses a stage with); the link model is
 model/costs.py's. Settings are tried cheapest first for each number of stages: as configured,
@@ -32,6 +39,10 @@ def register(subparsers) -> None:
     p.add_argument("--headroom", type=float, default=0.9, help="share of the memory a stage may use (default 0.9, "
                    "as join's check)")
     p.add_argument("--link", type=float, metavar="MBIT", help="each node's link bandwidth in Mbit/s (each direction)")
+    p.add_argument("--uplink", type=float, metavar="MBIT", help="an asymmetric line: what a node sends through, "
+                   "in Mbit/s (a home uplink); instead of --link")
+    p.add_argument("--downlink", type=float, metavar="MBIT", help="with --uplink: what a node receives through "
+                   "(default: the uplink's speed)")
     p.add_argument("--rtt", type=float, default=0.0, metavar="MS", help="round-trip time between nodes in ms")
     p.add_argument("--gpu", help=f"device name for its TFLOP/s: {', '.join(_tflops_table())}")
     p.add_argument("--device-tflops", type=float, help="the device's dense bf16 peak TFLOP/s")
@@ -135,7 +146,9 @@ def run(args: argparse.Namespace) -> int:
     device_type = args.device or ("cuda" if args.memory_gib is not None or _has_gpu() else "cpu")
     memory, memory_text = _memory(args, device_type)
     plan = find_plan(cfg, llama, args.headroom * memory, device_type)
-    link = _link_prediction(args, cfg, llama, plan) if plan is not None and args.link is not None else None
+    _check_link_flags(args)
+    has_link = args.link is not None or args.uplink is not None
+    link = _link_prediction(args, cfg, llama, plan) if plan is not None and has_link else None
     report = _report(cfg, llama, plan, device_type, memory, args.headroom, link)
     if args.json:
         print(json.dumps(report, indent=2))
@@ -165,10 +178,13 @@ def _link_prediction(args, cfg, llama, plan) -> dict:
                   checkpointing=p.activation_checkpointing, activation_codec=p.activation_codec,
                   gradient_codec=getattr(p, "gradient_codec", None),
                   outer_payload=workload_for(run_cfg, "cuda").outer_payload,
-                  inner_steps_per_outer=o.inner_steps_per_outer)
+                  inner_steps_per_outer=o.inner_steps_per_outer, subspace=cfg.model.residual_subspace)
     mfu = args.mfu or DEFAULT_MFU
-    link = Link(args.link, args.rtt)
-    out = {"link_mbit": args.link, "rtt_ms": args.rtt, "device_tflops": tflops, "mfu": mfu}
+    up = args.link if args.link is not None else args.uplink
+    link = Link(up, args.rtt, downlink_mbit=args.downlink)
+    out = {"link_mbit": up, "downlink_mbit": args.downlink or up, "rtt_ms": args.rtt, "device_tflops": tflops, "mfu": mfu}
+    out["subspace"] = subspace_options(llama, plan, common, link, tflops=tflops, mfu=mfu,
+                                       schedule=plan["settings"].schedule)
     for schedule in ("exact", "overlap"):
         for overlap in (False, True):
             costs = pipeline_costs(llama, plan["ranges"], schedule=schedule, outer_overlap=overlap, **common)
@@ -179,6 +195,48 @@ def _link_prediction(args, cfg, llama, plan) -> dict:
                 "compute_s_per_microbatch": list(pred.compute_s), "uplink_s_per_microbatch": list(pred.uplink_s),
                 "tokens_per_s_per_pipeline": p.batch_size * cfg.model.seq_len * o.inner_steps_per_outer / pred.round_s}
     return out
+
+
+def _check_link_flags(args) -> None:
+    from noloco_node.config import ConfigError
+
+    if args.link is not None and args.uplink is not None:
+        raise ConfigError("--uplink", "is given with --link", "use --link for a symmetric line, or --uplink and --downlink")
+    if args.downlink is not None and args.uplink is None:
+        raise ConfigError("--downlink", "is given without --uplink", "add --uplink MBIT (what a node sends through)")
+    for flag in ("link", "uplink", "downlink"):
+        value = getattr(args, flag)
+        if value is not None and not value > 0:
+            raise ConfigError(f"--{flag}", f"must be > 0 Mbit/s, got {value}", "give the line's speed in Mbit/s")
+
+
+def subspace_options(llama, plan, common: dict, link, *, tflops: float, mfu: float, schedule: str) -> dict:
+    """Dense and each residual-subspace rank on this link, with the outer exchange overlapped: the
+    ratio to the same model unlimited, bytes per forward hop, the frozen table per stage, and the
+    time to reach dense bf16's loss relative to dense (tokens needed / tokens per second) where the
+    loss price was measured; `recommended` is the rank (0: dense) that gets there soonest."""
+    from noloco_node.model.costs import SUBSPACE_TOKEN_PRICE, pipeline_costs, predict
+
+    h = llama.hidden_size
+    rows, dense_rate = [], None
+    for divisor in (0, 8, 16, 32, 64):
+        rank = h // divisor if divisor else 0
+        if divisor and rank < 1:
+            continue
+        costs = pipeline_costs(llama, plan["ranges"], schedule=schedule, outer_overlap=True, **{**common, "subspace": rank})
+        pred = predict(costs, tflops=tflops, mfu=mfu, link=link)
+        rate = 1.0 / pred.round_s  # rounds per second: the same tokens per round for every rank
+        dense_rate = dense_rate or rate
+        price = 1.0 if not divisor else SUBSPACE_TOKEN_PRICE.get(divisor)
+        rows.append({"rank": rank, "divisor": divisor, "ratio": round(pred.ratio, 4), "limited_by": pred.limited_by,
+                     "tokens_per_s_vs_dense": round(rate / dense_rate, 4),
+                     "hop_bytes": int(costs.hop_elements * costs.activation_bytes + costs.forward_extra_bytes),
+                     "frozen_table_bytes": 4 * llama.vocab_size * h + 8 * h * rank if rank else 0,
+                     "tokens_to_dense_loss": price,
+                     "time_to_dense_loss_vs_dense": round(price * dense_rate / rate, 4) if price else None})
+    timed = [r for r in rows if r["time_to_dense_loss_vs_dense"] is not None]
+    best = min(timed, key=lambda r: r["time_to_dense_loss_vs_dense"])["rank"] if len(timed) > 1 else None
+    return {"options": rows, "recommended": best}
 
 
 def _report(cfg, llama, plan, device_type: str, memory: float, headroom: float, link: dict | None) -> dict:
@@ -243,12 +301,32 @@ def _print(report: dict, memory_text: str) -> None:
 
 
 def _print_link(link: dict, schedule: str) -> None:
-    print(f"link {link['link_mbit']:g} Mbit/s, RTT {link['rtt_ms']:g} ms, device {link['device_tflops']:g} TFLOP/s "
-          f"x MFU {link['mfu']:g}:")
+    speeds = (f"{link['link_mbit']:g} Mbit/s" if link["downlink_mbit"] == link["link_mbit"]
+              else f"{link['link_mbit']:g} Mbit/s up, {link['downlink_mbit']:g} Mbit/s down")
+    print(f"link {speeds}, RTT {link['rtt_ms']:g} ms, device {link['device_tflops']:g} TFLOP/s x MFU {link['mfu']:g}:")
     for key, p in link.items():
-        if not isinstance(p, dict):
+        if not isinstance(p, dict) or key == "subspace":
             continue
         mark = "  <- the plan's schedule" if key.startswith(schedule + "/") else ""
         print(f"  {key:<24} {p['ratio']:>6.1%} of an unlimited link's tokens/s; step {p['step_s']:.3g} s (unlimited "
               f"{p['step_unlimited_s']:.3g} s), outer exchange {p['outer_exchange_s']:.3g} s; "
               f"{p['tokens_per_s_per_pipeline']:,.0f} tok/s per pipeline; limited by {p['limited_by']}{mark}")
+    _print_subspace(link["subspace"])
+
+
+def _print_subspace(subspace: dict) -> None:
+    print("residual subspace (model.residual_subspace; outer exchange overlapped):")
+    for r in subspace["options"]:
+        name = f"k = d/{r['divisor']} = {r['rank']}" if r["rank"] else "dense"
+        when = (f"reaches dense bf16's loss in {r['time_to_dense_loss_vs_dense']:.2f}x dense's time "
+                f"({r['tokens_to_dense_loss']:.2f}x its tokens)" if r["time_to_dense_loss_vs_dense"] is not None
+                else "loss price not measured at this rank")
+        table = f", frozen table {r['frozen_table_bytes'] / GIB:.2f} GiB per stage" if r["rank"] else ""
+        print(f"  {name:<16} {r['ratio']:>6.1%} of unlimited, {r['tokens_per_s_vs_dense']:.2f}x dense's tokens/s, "
+              f"{r['hop_bytes'] / 1e6:.3g} MB per hop{table}; {when}; limited by {r['limited_by']}")
+    best = subspace["recommended"]
+    if best is None:
+        print("  no rank recommended: no loss price is measured for this model's ranks")
+        return
+    print(f"  recommended: {'k = ' + str(best) if best else 'dense (no subspace reaches the loss sooner here)'}"
+          " (time to dense bf16's loss, from the loss price in docs/research.md: Time to loss)")

@@ -5,7 +5,7 @@ device's speed, the codecs, H and the link (bandwidth, RTT); no torch, no networ
 Notation: P stages, stage s holds `layers_s` decoder layers; a microbatch is b sequences of T
 tokens (n = b T h activation elements); M = batch / b microbatches per inner step; W =
 pipeline.max_in_flight; F = device TFLOP/s x MFU; B = link bandwidth (bytes/s, each direction, every
-node on its own access link); r = RTT; c_a, c_g = bytes per element of the activation and gradient
+node on its own access link; with an asymmetric line, B is the uplink and B_d the downlink); r = RTT; c_a, c_g = bytes per element of the activation and gradient
 codecs (codec/tensors.py: none 4, bf16 2, int8 and fp8 1 + 4/64, int4 0.5 + 4/64); w = outer
 payload bytes per parameter (theta, or phi and delta); O = seconds a round costs whatever the
 link (pairing through the DHT, freezing and applying the snapshot; 0 unless measured).
@@ -22,13 +22,14 @@ values, nothing at real sizes). On links that are per
 connection (`Link.shared = False`: the netem relay limits each TCP connection and direction on its
 own) a middle node's two sends do not share: x_s = max of the two, and the outer exchange does not
 share with the pipeline either.
-A microbatch's round trip: L = sum_s c_s + (P - 1) (n c_a / B + n c_g / B + r).
-Bottleneck interval: tau = max(max_s c_s, max_s x_s); the window of microbatches in flight
+Received per microbatch on node s's downlink: y_s, the same with B_d and the directions turned.
+A microbatch's round trip: L = sum_s c_s + (P - 1) (n c_a / B' + n c_g / B' + r), B' = min(B, B_d).
+Bottleneck interval: tau = max(max_s c_s, max_s x_s, max_s y_s); the window of microbatches in flight
 (Little's law) adds its own bound: tau' = max(tau, L / min(W', M')), W' = W past stage 0
 (unbounded for P = 1), M' = M (exact) or 2M (overlap).
 Inner step (GPipe's fill and drain): exact t = L + (M - 1) tau'; overlap (the next batch fills
 while this one drains, two batches in flight) t = max(M tau', (L + (M - 1) tau') / 2).
-Outer round (every H inner steps; the slowest stage's exchange): X = N_s w / B + 2 r (proposal,
+Outer round (every H inner steps; the slowest stage's exchange): X = N_s w / B' + 2 r (proposal,
 then the snapshots both ways at once). Blocking: R = H t + X + O. Overlapped with the next H
 steps (outer.overlap): R = max(H t, X + O, H M x_s + N_s w / B) (on a shared link the exchange
 shares the uplink with the pipeline's own traffic; the last term is dropped on per-connection links).
@@ -43,6 +44,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+# The loss price of a residual subspace (model/subspace.py): tokens a rank k = hidden / divisor needs
+# to reach the held-out loss dense bf16 reaches, over dense bf16's tokens (benchmarks/time_to_loss.py;
+# docs/research.md, Time to loss). A rank missing here was not measured (plan says so).
+SUBSPACE_TOKEN_PRICE: dict[int, float] = {}
 # Dense bf16 peak TFLOP/s from the vendors' datasheets (no sparsity); pass --device-tflops for others.
 DEVICE_TFLOPS = {"h100": 989.0, "h200": 989.0, "a100": 312.0}
 DEFAULT_MFU = 0.3  # the plain Hugging Face loop measured 0.31 on an H200 at `medium` (issue 27)
@@ -53,18 +58,29 @@ CALL_OVERHEAD_BYTES = 1400.0
 
 @dataclass(frozen=True)
 class Link:
-    mbit: float = math.inf  # each direction, per node
+    mbit: float = math.inf  # each direction, per node (the uplink when `downlink_mbit` is set)
     rtt_ms: float = 0.0
     shared: bool = True
     """True: a node's sends share one access link (a home uplink). False: every connection has its
     own `mbit` each way (how the netem relay emulates links: benchmarks/wan_utilisation.py)."""
+    downlink_mbit: float | None = None
+    """A home line is asymmetric: what a node receives through (None: `mbit`, a symmetric link)."""
 
     @property
     def bytes_per_s(self) -> float:
         return self.mbit * 1e6 / 8
 
     def seconds(self, nbytes: float) -> float:
+        """Sending `nbytes` through the uplink."""
         return 0.0 if math.isinf(self.mbit) else nbytes / self.bytes_per_s
+
+    def receive_seconds(self, nbytes: float) -> float:
+        down = self.mbit if self.downlink_mbit is None else self.downlink_mbit
+        return 0.0 if math.isinf(down) else nbytes * 8 / (down * 1e6)
+
+    def transfer_seconds(self, nbytes: float) -> float:
+        """One transfer between two nodes of this link: out of one's uplink, into the other's downlink."""
+        return max(self.seconds(nbytes), self.receive_seconds(nbytes))
 
 
 @dataclass(frozen=True)
@@ -144,20 +160,23 @@ def inner_step_seconds(costs: PipelineCosts, compute: tuple[float, ...], link: L
     """(seconds per inner step, uplink per node, what limits it), given each stage's compute
     seconds per microbatch."""
     p = len(costs.stage_flops)
-    fwd = link.seconds(costs.hop_elements * costs.activation_bytes + costs.call_overhead_bytes + costs.forward_extra_bytes)
-    bwd = link.seconds(costs.hop_elements * costs.gradient_bytes + costs.call_overhead_bytes)
+    fwd_bytes = costs.hop_elements * costs.activation_bytes + costs.call_overhead_bytes + costs.forward_extra_bytes
+    bwd_bytes = costs.hop_elements * costs.gradient_bytes + costs.call_overhead_bytes
+    fwd, bwd = link.seconds(fwd_bytes), link.seconds(bwd_bytes)
     join = (lambda a, b: a + b) if link.shared else max
     uplink = tuple(join(fwd if s < p - 1 else 0.0, bwd if s > 0 else 0.0) for s in range(p))
+    downlink = tuple(join(link.receive_seconds(fwd_bytes) if s > 0 else 0.0,
+                          link.receive_seconds(bwd_bytes) if s < p - 1 else 0.0) for s in range(p))
     rtt = link.rtt_ms / 1e3
-    round_trip = sum(compute) + (p - 1) * (fwd + bwd + rtt)
+    round_trip = sum(compute) + (p - 1) * (link.transfer_seconds(fwd_bytes) + link.transfer_seconds(bwd_bytes) + rtt)
     m = costs.microbatches_per_batch
     issued = m * (2 if costs.schedule == "overlap" else 1)
     window = issued if p == 1 else min(costs.max_in_flight, issued)
-    tau = max(max(compute), max(uplink))
+    tau = max(max(compute), max(uplink), max(downlink))
     interval = max(tau, round_trip / window)
     if interval > tau * (1 + 1e-9):
         limit = "the in-flight window (pipeline.max_in_flight) against the round trip"
-    elif max(uplink) > max(compute):
+    elif max(uplink) > max(compute) or max(downlink) > max(compute):
         limit = "the link (activations and gradients per microbatch)"
     else:
         limit = "compute"
@@ -171,7 +190,7 @@ def inner_step_seconds(costs: PipelineCosts, compute: tuple[float, ...], link: L
 def round_seconds(costs: PipelineCosts, step: float, uplink: tuple, link: Link, overhead_s: float) -> tuple[float, float]:
     """(one exchange's transfer, the whole round: H inner steps and the exchange)."""
     h = costs.inner_steps_per_outer
-    outer = link.seconds(max(costs.stage_params) * costs.outer_bytes_per_param) + 2 * link.rtt_ms / 1e3
+    outer = link.transfer_seconds(max(costs.stage_params) * costs.outer_bytes_per_param) + 2 * link.rtt_ms / 1e3
     if not costs.outer_overlap:
         return outer, h * step + outer + overhead_s
     shared = max((h * costs.microbatches_per_batch * x + link.seconds(n * costs.outer_bytes_per_param)

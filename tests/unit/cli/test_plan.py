@@ -196,3 +196,30 @@ def test_config_show_prints_the_model_the_run_trains_and_its_split(capsys):
     assert [s["stage"] for s in stages] == [0, 1, 2] and sum(s["num_layers"] for s in stages) == 12
     assert stages[0]["layers"][0] == 0 and stages[-1]["layers"][1] == 11
     assert sum(s["parameters"] for s in stages) == shown["model_resolved"]["parameters"]
+
+
+def test_an_asymmetric_line_is_limited_by_its_slower_side():
+    costs = _costs(activation_codec="int4", gradient_codec="int4", outer_overlap=True)
+    speed = dict(tflops=165, mfu=0.3)
+    up20 = predict(costs, link=Link(20, 40), **speed).ratio
+    # a faster downlink does not help a node whose sends are the bottleneck; a slower one hurts
+    assert predict(costs, link=Link(20, 40, downlink_mbit=100), **speed).ratio == pytest.approx(up20)
+    assert predict(costs, link=Link(100, 40, downlink_mbit=20), **speed).ratio < predict(costs, link=Link(100, 40), **speed).ratio
+
+
+def test_plan_prices_a_residual_subspace_on_an_asymmetric_line(capsys):
+    sets = ["model.seq_len=1024", "pipeline.batch_size=16", "pipeline.microbatch_size=2", "outer.inner_steps_per_outer=100",
+            "pipeline.activation_codec=int4", "pipeline.gradient_codec=int4", "outer.codec_delta=int8"]
+    args = [a for s in sets for a in ("--set", s)]
+    code, report = _plan(capsys, "--preset", "medium", "--memory-gib", "24", "--uplink", "20", "--downlink", "100",
+                         "--rtt", "40", "--device-tflops", "165", *args)
+    assert code == 0 and report["link"]["downlink_mbit"] == 100
+    rows = report["link"]["subspace"]["options"]
+    assert [r["rank"] for r in rows] == [0, 256, 128, 64, 32]
+    hops = [r["hop_bytes"] for r in rows]
+    assert hops == sorted(hops, reverse=True) and hops[3] < hops[0] / 16  # k = d/32: under a sixteenth of dense
+    assert all(b["ratio"] >= a["ratio"] for a, b in zip(rows, rows[1:]))  # fewer bytes never predict less
+    assert all(r["frozen_table_bytes"] == 4 * 4096 * 2048 + 8 * 2048 * r["rank"] for r in rows[1:])
+    for bad in (["--link", "100", "--uplink", "20"], ["--downlink", "100"], ["--uplink", "0"]):
+        assert main(["plan", "--preset", "tiny", "--memory-gib", "8", "--gpu", "h100", *bad]) == 2
+        assert "--" in capsys.readouterr().err
