@@ -142,3 +142,25 @@ def test_the_memory_estimate_counts_the_subspace_parameters(num_stages):
         stage = build_stage(config, seed=SEED, stage_index=s, num_stages=num_stages, subspace_rank=RANK)
         built = sum(p.numel() for p in stage.parameters())
         assert built == stage_params(config, layers, first=s == 0, last=s == num_stages - 1, subspace=RANK)
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+def test_a_lossy_hop_moves_the_rebuilt_stream_only_by_the_codec_s_error(codec):
+    """U is an isometry: the rebuilt stream is off by exactly the coordinates' codec error (in norm),
+    and that error is within the blockwise codec's bound (half a step of each block's absmax)."""
+    from noloco_node.pipeline.memory import through_wire
+
+    config = tiny_config(hidden=64)
+    stage = build_stage(config, seed=SEED, stage_index=0, num_stages=2, subspace_rank=16)
+    inputs, _ = batch()
+    with torch.no_grad():
+        coordinates = stage(inputs)
+        _, received, _ = through_wire(coordinates, codec)
+        exact = stage.subspace.from_coordinates(coordinates.double(), inputs)
+        rebuilt = stage.subspace.from_coordinates(received.double(), inputs)
+    error = (received.double() - coordinates.double()).reshape(-1)
+    torch.testing.assert_close((rebuilt - exact).norm(), error.norm(), rtol=1e-9, atol=1e-12)
+    levels = 127 if codec == "int8" else 7
+    blocks = coordinates.double().reshape(-1, 64)
+    bound = (blocks.abs().amax(dim=1, keepdim=True) / levels / 2).expand_as(blocks).reshape(-1)
+    assert bool((error.abs() <= bound * (1 + 1e-6) + 1e-12).all())
