@@ -45,9 +45,12 @@ import math
 from dataclasses import dataclass, field
 
 # The loss price of a residual subspace (model/subspace.py): tokens a rank k = hidden / divisor needs
-# to reach the held-out loss dense bf16 reaches, over dense bf16's tokens (benchmarks/time_to_loss.py;
-# docs/research.md, Time to loss). A rank missing here was not measured (plan says so).
-SUBSPACE_TOKEN_PRICE: dict[int, float] = {}
+# to reach the held-out loss dense bf16 reaches at the end of its run, over dense bf16's tokens
+# (benchmarks/time_to_loss.py on an H200: hidden 1024, 8 layers, 200 dense steps, 3 seeds; 2 of 3
+# seeds reached it at d/8 and d/16: 0.569 and 0.570 M tokens against 0.410 M; docs/research.md, Time
+# to loss). d/32 and d/64 did not reach it within 1.5x the tokens: not measured, so `plan` never
+# recommends them. On `tiny` (hidden 128) no rank reached it within 1.5x; d/8 did at 1.78x.
+SUBSPACE_TOKEN_PRICE: dict[int, float] = {8: 0.569 / 0.410, 16: 0.570 / 0.410}
 # Dense bf16 peak TFLOP/s from the vendors' datasheets (no sparsity); pass --device-tflops for others.
 DEVICE_TFLOPS = {"h100": 989.0, "h200": 989.0, "a100": 312.0}
 DEFAULT_MFU = 0.3  # the plain Hugging Face loop measured 0.31 on an H200 at `medium` (issue 27)
@@ -99,7 +102,7 @@ class PipelineCosts:
     inner_steps_per_outer: int = 50
     outer_overlap: bool = False
     call_overhead_bytes: float = CALL_OVERHEAD_BYTES
-    forward_extra_bytes: float = 0.0  # per forward call: the token ids a residual-subspace hop carries
+    forward_extra_bytes: float = 0.0  # per forward call: the labels, and the token ids of a residual-subspace hop
 
 
 @dataclass(frozen=True)
@@ -148,7 +151,7 @@ def pipeline_costs(config, ranges: list[range], *, microbatch: int, seq_len: int
     id_bytes = (max(1, config.vocab_size - 1).bit_length() + 6) // 7  # protobuf varint of the largest id
     return PipelineCosts(stage_flops=tuple(flops), stage_params=tuple(params),
                          hop_elements=tokens * (subspace or config.hidden_size),
-                         forward_extra_bytes=tokens * id_bytes if subspace else 0.0,
+                         forward_extra_bytes=tokens * id_bytes * (2 if subspace else 1),  # labels (+ token ids)
                          microbatches_per_batch=microbatches_per_batch, max_in_flight=max_in_flight, schedule=schedule,
                          activation_bytes=codec_bytes_per_element(activation_codec),
                          gradient_bytes=codec_bytes_per_element(gradient_codec or activation_codec),

@@ -65,23 +65,35 @@ class ResidualSubspace(nn.Module):
         fixed = torch.empty(vocab_size, hidden_size, dtype=torch.float32, device=device)
         normal_(fixed, initializer_range, parameter_seed(seed, FIXED_EMBEDDING_NAME))
         self.register_buffer("fixed", fixed, persistent=False)
+        self._cast: dict[tuple, Tensor] = {}
+
+    def basis_as(self, dtype: torch.dtype) -> Tensor:
+        """U in `dtype`, cast once (not on every output projection of every microbatch)."""
+        key = (dtype, self.basis.device, self.basis.data_ptr())
+        cast = self._cast.get(key)
+        if cast is None:
+            self._cast.clear()  # moved or re-cast: the old copies are stale
+            cast = self._cast[key] = self.basis.to(dtype)
+        return cast
 
     def lift(self, coordinates: Tensor) -> Tensor:
-        """c U^T: coordinates [..., k] as a vector of the residual stream [..., d]."""
-        return coordinates @ self.basis.to(coordinates.dtype).T
+        """c U^T: coordinates [..., k] as a vector of the residual stream [..., d]. Under bf16
+        autocast U is rounded to bf16 here, so a sublayer's write leaves span(U) by bf16 rounding
+        and the boundary's projection drops that part: exact to bf16, as a dense bf16 hop is."""
+        return coordinates @ self.basis_as(coordinates.dtype).T
 
     def to_coordinates(self, hidden: Tensor, token_ids: Tensor) -> Tensor:
         """c = (h - fixed[ids]) U, in at least float32 (under autocast too): the hop's payload."""
         dtype = torch.promote_types(hidden.dtype, torch.float32)
         with torch.autocast(hidden.device.type, enabled=False):
             anchored = hidden.to(dtype) - self.fixed[token_ids].to(dtype)
-            return anchored @ self.basis.to(dtype)
+            return anchored @ self.basis_as(dtype)
 
     def from_coordinates(self, coordinates: Tensor, token_ids: Tensor) -> Tensor:
         """h = fixed[ids] + c U^T: the residual stream rebuilt from a hop's payload."""
         dtype = torch.promote_types(coordinates.dtype, torch.float32)
         with torch.autocast(coordinates.device.type, enabled=False):
-            return self.fixed[token_ids].to(dtype) + coordinates.to(dtype) @ self.basis.to(dtype).T
+            return self.fixed[token_ids].to(dtype) + coordinates.to(dtype) @ self.basis_as(dtype).T
 
     def dense(self, name: str, weight: Tensor) -> Tensor:
         """A constrained parameter as the dense Llama weight it stands for (Hugging Face export)."""

@@ -119,7 +119,8 @@ def test_fewer_bytes_per_hop_predict_more_and_the_figures_add_up():
     assert int4.ratio > bf16.ratio
     # medium, microbatch 4 x 1024 tokens: 8.4 M activation values, 16.8 MB in bf16 (issue 26's figure)
     assert bf16.extra["hop_bytes"] == 4 * 1024 * 2048 * 2
-    assert bf16.uplink_s[0] == pytest.approx((4 * 1024 * 2048 * 2 + CALL_OVERHEAD_BYTES) * 8 / 100e6)
+    labels = 4 * 1024 * 2  # every forward carries the next-token labels: 2-byte varints at vocabulary 4096
+    assert bf16.uplink_s[0] == pytest.approx((4 * 1024 * 2048 * 2 + CALL_OVERHEAD_BYTES + labels) * 8 / 100e6)
     assert bf16.outer_s == pytest.approx(bf16.extra["outer_bytes_per_stage"] * 8 / 100e6 + 0.06)
 
 
@@ -133,10 +134,13 @@ def test_measured_compute_and_the_fill_and_drain_arithmetic():
     costs = _costs(microbatches_per_batch=4, inner_steps_per_outer=6)
     c, link = 0.1, _hop_link(costs, 0.1, 4.0, rtt_ms=30)
     pred = predict(costs, stage_seconds=(c, c), link=link)
-    x = 4 * c * (1 + CALL_OVERHEAD_BYTES / (costs.hop_elements * 2.0))  # the bf16 payload and the call's own bytes
-    assert pred.compute_s == (c, c) and pred.uplink_s == pytest.approx((x, x))
+    # the bf16 payload and the call's own bytes; a forward also carries its labels
+    x_fwd = 4 * c * (1 + (CALL_OVERHEAD_BYTES + costs.forward_extra_bytes) / (costs.hop_elements * 2.0))
+    x_bwd = 4 * c * (1 + CALL_OVERHEAD_BYTES / (costs.hop_elements * 2.0))
+    assert costs.forward_extra_bytes == costs.hop_elements / 2048 * 2
+    assert pred.compute_s == (c, c) and pred.uplink_s == pytest.approx((x_fwd, x_bwd))
     assert pred.step_unlimited_s == pytest.approx(2 * c + 3 * c)  # L + (M - 1) tau, nothing on the wire
-    assert pred.step_s == pytest.approx(2 * c + 2 * x + 0.03 + 3 * x)  # the link is the interval
+    assert pred.step_s == pytest.approx(2 * c + x_fwd + x_bwd + 0.03 + 3 * x_fwd)  # the link is the interval
     with pytest.raises(ValueError, match="one compute time"):
         predict(costs, stage_seconds=(c,), link=link)
 
