@@ -183,18 +183,14 @@ class NoLoCoSync(OuterSync):
         await self._propose_to_drawn_mate(inner_step, round_index, deadline, tried)
         if self.rng.random() < 0.5:  # passive for a short random while, so proposals do not all cross
             await _wait(self.done, min(self.rng.uniform(0, 0.1 * self.match_s), deadline - time.monotonic()))
-        while not self.done.is_set() and time.monotonic() < deadline:
-            if self.partner is not None:  # an accepted incoming session is running
-                await _wait(self.done, deadline - time.monotonic())
-                continue
-            candidates = [p for p in await self.directory.matching(self.stage, round_index)
-                          if p.peer_id != self.peer_id and p.peer_id not in tried and not self.bans.is_banned(p.peer_id)]
-            if not candidates:
-                await _wait(self.done, min(0.1, deadline - time.monotonic()))
-                continue
-            # Prefer a partner we reach without a relay; a relayed one only when nobody else matches.
-            unrelayed = [p for p in candidates if p.reach != "relayed"]
-            await self._propose(self.rng.choice(unrelayed or candidates), inner_step, deadline, tried)
+        for window in range(2):
+            await self._match(inner_step, round_index, deadline, tried)
+            if window or self.done.is_set() or self.partner is not None or not await self._replica_on_its_way(inner_step):
+                break
+            # Once per round, one more window: with no barrier, a replica that fell a window behind
+            # would otherwise stay there, and every round of both would go solo (seen: two stage-0
+            # replicas 3 s apart with match_s = 3, 0 of 6 rounds paired).
+            deadline = time.monotonic() + self.match_s
         if self.partner is not None and not self.done.is_set():
             # A session we accepted is still streaming: its server side ends it within a deadline
             # derived from the partner's link and finishes the round; this wait only backs that up.
@@ -213,6 +209,34 @@ class NoLoCoSync(OuterSync):
                                       "frozen_at_step": frozen_at, "applied_at_step": self._applied_at, **self._frozen.stats})
         await self._announce("serving", round_index + 1)
         return outcome
+
+    async def _match(self, inner_step: int, round_index: int, deadline: float, tried: set[str]) -> None:
+        """Propose to replicas matching this round, one at a time, until the round is done or `deadline`."""
+        while not self.done.is_set() and time.monotonic() < deadline:
+            if self.partner is not None:  # an accepted incoming session is running
+                await _wait(self.done, deadline - time.monotonic())
+                continue
+            candidates = [p for p in await self.directory.matching(self.stage, round_index)
+                          if p.peer_id != self.peer_id and p.peer_id not in tried and not self.bans.is_banned(p.peer_id)]
+            if not candidates:
+                await _wait(self.done, min(0.1, deadline - time.monotonic()))
+                continue
+            # Prefer a partner we reach without a relay; a relayed one only when nobody else matches.
+            unrelayed = [p for p in candidates if p.reach != "relayed"]
+            await self._propose(self.rng.choice(unrelayed or candidates), inner_step, deadline, tried)
+
+    async def _replica_on_its_way(self, inner_step: int) -> bool:
+        """Whether another replica of our stage is less than a round short of this boundary (so it
+        will be matching this round soon), by the inner steps the replicas announce."""
+        steps = getattr(self.directory, "inner_steps", None)
+        if steps is None:
+            return False
+        try:
+            progress = await steps(self.stage, timeout_s=min(2.0, self.match_s))
+        except Exception:  # noqa: BLE001 - unknown: this round ends as it would have
+            return False
+        return any(inner_step - self.every <= step < inner_step for peer, step in progress.items()
+                   if peer != self.peer_id and not self.bans.is_banned(peer))
 
     async def _propose_to_drawn_mate(self, inner_step: int, round_index: int, deadline: float, tried: set[str]) -> None:
         """The round's random pairing, drawn the same way on every replica: after a short gather
