@@ -317,7 +317,10 @@ class Node:
         neighbours, and DHT lookups on every 1 s heartbeat cost a busy machine ~15% of its
         throughput (and an idle swarm of three processes 60% more CPU)."""
         busy = self.progress.since_progress_s() < 2 * self.config.timeouts.heartbeat_s
-        if not self._look.due(LOOK_BUSY_S if busy else LOOK_IDLE_S):
+        # A view of our stage as lone is looked at again soon: it may be from before a fellow
+        # replica announced itself, and it turns every solo round into a "no second replica" warning.
+        lone = (self.stage_replicas or 0) < 2
+        if not self._look.due(LOOK_BUSY_S if busy and not lone else LOOK_IDLE_S):
             return
         self.stage_replicas, missing = await look_around(self.directory, self.stage_index,
                                                          self.config.pipeline.num_stages)
