@@ -215,7 +215,7 @@ def subspace_options(llama, plan, common: dict, link, *, tflops: float, mfu: flo
     ratio to the same model unlimited, bytes per forward hop, the frozen table per stage, and the
     time to reach dense bf16's loss relative to dense (tokens needed / tokens per second) where the
     loss price was measured; `recommended` is the rank (0: dense) that gets there soonest."""
-    from noloco_node.model.costs import SUBSPACE_TOKEN_PRICE, pipeline_costs, predict
+    from noloco_node.model.costs import SUBSPACE_PRICE_MIN_HIDDEN, SUBSPACE_TOKEN_PRICE, pipeline_costs, predict
 
     h = llama.hidden_size
     rows, dense_rate = [], None
@@ -227,7 +227,8 @@ def subspace_options(llama, plan, common: dict, link, *, tflops: float, mfu: flo
         pred = predict(costs, tflops=tflops, mfu=mfu, link=link)
         rate = 1.0 / pred.round_s  # rounds per second: the same tokens per round for every rank
         dense_rate = dense_rate or rate
-        price = 1.0 if not divisor else SUBSPACE_TOKEN_PRICE.get(divisor)
+        priced = llama.hidden_size >= SUBSPACE_PRICE_MIN_HIDDEN  # `tiny` (hidden 128) paid 1.78x at d/8
+        price = 1.0 if not divisor else (SUBSPACE_TOKEN_PRICE.get(divisor) if priced else None)
         rows.append({"rank": rank, "divisor": divisor, "ratio": round(pred.ratio, 4), "limited_by": pred.limited_by,
                      "tokens_per_s_vs_dense": round(rate / dense_rate, 4),
                      "hop_bytes": int(costs.hop_elements * costs.activation_bytes + costs.forward_extra_bytes),
@@ -326,7 +327,7 @@ def _print_subspace(subspace: dict) -> None:
               f"{r['hop_bytes'] / 1e6:.3g} MB per hop{table}; {when}; limited by {r['limited_by']}")
     best = subspace["recommended"]
     if best is None:
-        print("  no rank recommended: no loss price is measured for this model's ranks")
+        print("  no rank recommended: no loss price is measured for this model's ranks (measured at hidden >= 1024)")
         return
     print(f"  recommended: {'k = ' + str(best) if best else 'dense (no subspace reaches the loss sooner here)'}"
           " (time to dense bf16's loss, from the loss price in docs/research.md: Time to loss)")

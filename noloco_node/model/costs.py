@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 # to loss). d/32 and d/64 did not reach it within 1.5x the tokens: not measured, so `plan` never
 # recommends them. On `tiny` (hidden 128) no rank reached it within 1.5x; d/8 did at 1.78x.
 SUBSPACE_TOKEN_PRICE: dict[int, float] = {8: 0.569 / 0.410, 16: 0.570 / 0.410}
+SUBSPACE_PRICE_MIN_HIDDEN = 1024  # the price above holds from this width up; narrower models paid more
 # Dense bf16 peak TFLOP/s from the vendors' datasheets (no sparsity); pass --device-tflops for others.
 DEVICE_TFLOPS = {"h100": 989.0, "h200": 989.0, "a100": 312.0}
 DEFAULT_MFU = 0.3  # the plain Hugging Face loop measured 0.31 on an H200 at `medium` (issue 27)

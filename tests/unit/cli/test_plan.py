@@ -227,3 +227,9 @@ def test_plan_prices_a_residual_subspace_on_an_asymmetric_line(capsys):
     for bad in (["--link", "100", "--uplink", "20"], ["--downlink", "100"], ["--uplink", "0"]):
         assert main(["plan", "--preset", "tiny", "--memory-gib", "8", "--gpu", "h100", *bad]) == 2
         assert "--" in capsys.readouterr().err
+
+
+def test_plan_recommends_no_rank_for_a_model_narrower_than_the_price_was_measured_at(capsys):
+    code, report = _plan(capsys, "--preset", "tiny", "--memory-gib", "8", "--uplink", "20", "--gpu", "h100")
+    assert code == 0 and report["link"]["subspace"]["recommended"] is None
+    assert all(r["time_to_dense_loss_vs_dense"] is None for r in report["link"]["subspace"]["options"][1:])
