@@ -78,10 +78,12 @@ def test_three_plus_one_rebalances_to_two_plus_two(tmp_path, make_swarm):
     assert m["forwards_received"] and m["inner_steps"] > m["fetched_state"]["inner_step"]
     assert m["outer"]["rounds"] >= 1  # it takes outer steps as a stage-1 replica (pairing depends on timing)
 
-    # The move was planned within a few rebalancing periods of the capacities being measured.
+    # The move was planned early in the run, while most of it was left to gain from the move: counted in
+    # the mover's own inner steps, not in seconds (alone here: after 10 s and 32 of 120 steps; a clean-clone
+    # CI run, loaded two tests deep, took 18 s, where a bound in seconds failed).
     timeline = read_events(events[(0, mover.replica)])
     kinds = [e["event"] for e in timeline]
     assert kinds.count("move_planned") == 1 and kinds.count("moved") == 1
-    first_step = next(e["ts"] for e in timeline if e["event"] == "inner_step")
     planned = next(e["ts"] for e in timeline if e["event"] == "move_planned")
-    assert planned - first_step < 8 * PERIOD_S, (planned - first_step)
+    steps_before = sum(1 for e in timeline if e["event"] == "inner_step" and e["ts"] < planned)
+    assert 0 < steps_before < STEPS // 2, steps_before
