@@ -36,9 +36,11 @@ def oracle(phis, thetas, moms, a, b, g):
 
 
 def wire(x, codec):
-    """x as a receiver decodes it; codec may be topk:F."""
-    name, _, fraction = codec.partition(":")
-    spec, payload = encode(x, name, fraction=float(fraction or 1))
+    """x as a receiver decodes it; codec may be topk:F or topk:F+int2/int4."""
+    from noloco_node.codec.names import parse_outer_codec
+
+    name, fraction = parse_outer_codec(codec)
+    spec, payload = encode(x, name, fraction=fraction)
     return decode(spec, payload)
 
 
@@ -116,6 +118,50 @@ def test_lossy_codecs_give_both_sides_the_math_on_wire_values(peers, codec_phi, 
         assert torch.equal(r["phi"], phi) and torch.equal(r["momentum"], m)
         error = r["history"][0]["delta_rel_error"]
         assert (error == 0.0) if codec_delta == "none" else (0 < error < 1)
+
+
+def sliced(mine, partner, round_index, parts, name="w"):
+    """The partner's phi as a sliced exchange gives it to `mine`: its values on the round's slice,
+    ours elsewhere (codec/sparse.py, sync/snapshot.py)."""
+    from noloco_node.codec.sparse import slice_indices
+    from noloco_node.sync.snapshot import slice_key
+
+    seed, parts, part = slice_key(0, 0, round_index, name, parts)
+    out = mine.clone()
+    on = slice_indices(mine.numel(), parts, part, seed)
+    out[on] = partner[on]
+    return out, on
+
+
+@pytest.mark.parametrize("codec_phi,codec_delta", [("slice:0.5", "topk:0.1+int2"), ("slice:0.25", "topk:0.1+int4")])
+def test_compressed_exchange_gives_both_sides_the_math_on_wire_values(peers, codec_phi, codec_delta):
+    """A sliced phi and a quantized top-k Delta: each side applies the paper's update to what it
+    decoded, with the partner's phi taken as its own off the slice (no consensus pull there)."""
+    alpha, beta, gamma = 0.5, 0.7, 0.4
+    parts = round(1 / float(codec_phi.partition(":")[2]))
+    states = {"a": random_state(7, n=1000), "b": random_state(8, n=1000)}
+    for name, state in states.items():
+        peers.start(name, lists(state), "--codec", codec_phi, "--codec-delta", codec_delta, "--gamma", str(gamma))
+    results = peers.run_round()
+    round_index = results["a"]["history"][0]["round"]
+    deltas = {n: wire(s["theta"] - s["phi"], codec_delta) for n, s in states.items()}
+    for me, other in (("a", "b"), ("b", "a")):
+        r = results[me]
+        assert r["outcome"] == "paired" and r["history"][0]["payload"] == "phi+delta"
+        partner_phi, on = sliced(states[me]["phi"], states[other]["phi"], round_index, parts)
+        assert 0 < on.numel() < 1000
+        phi, m = noloco_step_sent(states[me]["phi"], states[me]["momentum"], (states[me]["phi"], deltas[me]),
+                                  [(partner_phi, deltas[other])], alpha=alpha, beta=beta, gamma=gamma)
+        assert torch.equal(r["phi"], phi) and torch.equal(r["momentum"], m)
+        # Off the slice the consensus term is 0: the step there is the one without the partner's phi.
+        no_pull, _ = noloco_step_sent(states[me]["phi"], states[me]["momentum"], (states[me]["phi"], deltas[me]),
+                                      [(states[me]["phi"], deltas[other])], alpha=alpha, beta=beta, gamma=gamma)
+        off = torch.ones(1000, dtype=torch.bool)
+        off[on] = False
+        assert torch.equal(r["phi"][off], no_pull[off]) and not torch.equal(r["phi"][~off], no_pull[~off])
+        sizes = r["history"][0]["bytes"]
+        assert sizes["phi"] == on.numel() * 8  # float64 values on the slice, no index
+        assert r["history"][0]["fp32_fraction"] == (sizes["phi"] + sizes["delta"]) / (8 * 1000)
 
 
 def test_topk_residual_travels_in_the_next_round(peers):

@@ -185,6 +185,8 @@ def _link_prediction(args, cfg, llama, plan) -> dict:
     out = {"link_mbit": up, "downlink_mbit": args.downlink or up, "rtt_ms": args.rtt, "device_tflops": tflops, "mfu": mfu}
     out["subspace"] = subspace_options(llama, plan, common, link, tflops=tflops, mfu=mfu,
                                        schedule=plan["settings"].schedule)
+    out["outer_round"] = outer_round_options(llama, plan, common, link, tflops=tflops, mfu=mfu,
+                                             schedule=plan["settings"].schedule, run_cfg=run_cfg)
     for schedule in ("exact", "overlap"):
         for overlap in (False, True):
             costs = pipeline_costs(llama, plan["ranges"], schedule=schedule, outer_overlap=overlap, **common)
@@ -195,6 +197,33 @@ def _link_prediction(args, cfg, llama, plan) -> dict:
                 "compute_s_per_microbatch": list(pred.compute_s), "uplink_s_per_microbatch": list(pred.uplink_s),
                 "tokens_per_s_per_pipeline": p.batch_size * cfg.model.seq_len * o.inner_steps_per_outer / pred.round_s}
     return out
+
+
+# The outer exchange as it is configured, and the compressed settings to compare it with
+# (codec/names.py; their loss price: docs/experiments/outer_compression).
+COMPRESSED_ROUNDS = (("slice:0.03125", "topk:0.02+int4"), ("slice:0.01", "topk:0.02+int2"))
+
+
+def outer_round_options(llama, plan, common: dict, link, *, tflops: float, mfu: float, schedule: str, run_cfg) -> dict:
+    """One outer round's bytes and time per node on this link, for the configured codecs and the
+    compressed ones, with the overlapped exchange: whether it hides behind H inner steps."""
+    from noloco_node.model.costs import codec_bytes_per_element, pipeline_costs, predict
+
+    o = run_cfg.outer
+    configured = tuple(common["outer_payload"])
+    rows = []
+    for payload in dict.fromkeys([configured, *COMPRESSED_ROUNDS]):
+        costs = pipeline_costs(llama, plan["ranges"], schedule=schedule, outer_overlap=True,
+                               **{**common, "outer_payload": payload})
+        pred = predict(costs, tflops=tflops, mfu=mfu, link=link)
+        params = max(costs.stage_params)
+        compute_s = o.inner_steps_per_outer * pred.step_s
+        rows.append({"codecs": list(payload), "configured": payload == configured,
+                     "bytes_each_way": params * sum(codec_bytes_per_element(c) for c in payload),
+                     "fp32_fraction": sum(codec_bytes_per_element(c) for c in payload) / 8,
+                     "exchange_s": pred.outer_s, "h_steps_s": compute_s, "hidden": pred.outer_s <= compute_s,
+                     "ratio": round(pred.ratio, 4)})
+    return {"inner_steps_per_outer": o.inner_steps_per_outer, "options": rows}
 
 
 def _check_link_flags(args) -> None:
@@ -306,13 +335,24 @@ def _print_link(link: dict, schedule: str) -> None:
               else f"{link['link_mbit']:g} Mbit/s up, {link['downlink_mbit']:g} Mbit/s down")
     print(f"link {speeds}, RTT {link['rtt_ms']:g} ms, device {link['device_tflops']:g} TFLOP/s x MFU {link['mfu']:g}:")
     for key, p in link.items():
-        if not isinstance(p, dict) or key == "subspace":
+        if not isinstance(p, dict) or key in ("subspace", "outer_round"):
             continue
         mark = "  <- the plan's schedule" if key.startswith(schedule + "/") else ""
         print(f"  {key:<24} {p['ratio']:>6.1%} of an unlimited link's tokens/s; step {p['step_s']:.3g} s (unlimited "
               f"{p['step_unlimited_s']:.3g} s), outer exchange {p['outer_exchange_s']:.3g} s; "
               f"{p['tokens_per_s_per_pipeline']:,.0f} tok/s per pipeline; limited by {p['limited_by']}{mark}")
     _print_subspace(link["subspace"])
+    _print_outer_round(link["outer_round"])
+
+
+def _print_outer_round(outer: dict) -> None:
+    h = outer["inner_steps_per_outer"]
+    print(f"outer round (one node, each way, overlapped with H = {h} inner steps):")
+    for r in outer["options"]:
+        codecs = " + ".join(r["codecs"]) + ("  <- configured" if r["configured"] else "")
+        print(f"  {codecs:<40} {r['bytes_each_way'] / 1e6:>9.1f} MB ({r['fp32_fraction']:.2%} of fp32 phi + Delta), "
+              f"{r['exchange_s']:.3g} s against {r['h_steps_s']:.3g} s of H steps: "
+              f"{'hidden' if r['hidden'] else 'NOT hidden'}; {r['ratio']:.1%} of unlimited")
 
 
 def _print_subspace(subspace: dict) -> None:

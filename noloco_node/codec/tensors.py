@@ -43,6 +43,9 @@ payload exactly.
 All bounds hold up to float32 rounding of the quotient x / s and of the product code * s (each
 within 2^-24 of itself).
 
+topk_int2, topk_int4 (top-k per chunk, quantized values) and slice (a seeded slice of exact values):
+codec/sparse.py.
+
 topk layout (sparse; for outer deltas): `nnz` little-endian int32 indices into the flattened
 tensor, strictly increasing, then `nnz` values in the declared dtype. Every other element decodes
 to 0. The sender chooses nnz (the largest-|x| fraction, see `topk_count`); the spec declares it.
@@ -57,7 +60,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-CODECS = ("none", "bf16", "int8", "fp8", "int4", "topk")
+from noloco_node.codec import sparse
+
+CODECS = ("none", "bf16", "int8", "fp8", "int4", "topk", "topk_int2", "topk_int4", "slice")
 BLOCKWISE = ("int8", "fp8", "int4")
 DEFAULT_BLOCK = 64
 DEFAULT_INT8_BLOCK = DEFAULT_BLOCK
@@ -92,7 +97,12 @@ class TensorSpec:
     block_size: int = 0
     payload_bytes: int = 0
     nnz: int = 0
-    """topk: number of (index, value) pairs; 0 for the dense codecs."""
+    """topk: number of (index, value) pairs; topk_int2/4: values kept per chunk; slice: values on
+    the slice; 0 for the dense codecs."""
+    slice_seed: int = 0
+    slice_parts: int = 0
+    slice_part: int = 0
+    """slice: which slice of the coordinates travels (codec/sparse.py); 0 for the other codecs."""
 
     @property
     def numel(self) -> int:
@@ -118,6 +128,16 @@ def expected_payload_bytes(spec: TensorSpec) -> int:
         if not 0 <= spec.nnz <= n or n >= 2**31:
             raise CodecError(f"topk codec declares {spec.nnz} entries for a tensor of {n}")
         return spec.nnz * (4 + DTYPES[spec.dtype].itemsize)
+    if spec.codec in sparse.TOPK_LEVELS:
+        try:
+            return sparse.chunked_payload_bytes(spec.codec, n, spec.nnz, spec.block_size)
+        except sparse.SparseCodecError as exc:
+            raise CodecError(str(exc)) from None
+    if spec.codec == "slice":
+        if not 0 <= spec.nnz <= n or spec.slice_parts < 1 or spec.slice_part >= spec.slice_parts:
+            raise CodecError(f"slice declares {spec.nnz} values, part {spec.slice_part} of {spec.slice_parts}, "
+                             f"for a tensor of {n}")
+        return spec.nnz * DTYPES[spec.dtype].itemsize
     if spec.block_size < 1:
         raise CodecError(f"{spec.codec} codec needs block_size >= 1, got {spec.block_size}")
     scales = 4 * math.ceil(n / spec.block_size)
@@ -125,7 +145,8 @@ def expected_payload_bytes(spec: TensorSpec) -> int:
 
 
 def encode(tensor: Tensor, codec: str, *, block_size: int = DEFAULT_BLOCK, fraction: float = 0.01,
-           stochastic: torch.Generator | None = None, dtype: str | None = None) -> tuple[TensorSpec, bytes]:
+           stochastic: torch.Generator | None = None, dtype: str | None = None,
+           slice_key: tuple[int, int, int] | None = None) -> tuple[TensorSpec, bytes]:
     """Encode `tensor` (any device) with `codec`; returns its spec and the payload bytes.
     `fraction` is topk's share of elements sent (the largest magnitudes). `stochastic`: int4
     rounds stochastically (unbiased) with draws from this CPU generator; None = to nearest. The
@@ -133,16 +154,18 @@ def encode(tensor: Tensor, codec: str, *, block_size: int = DEFAULT_BLOCK, fract
     `dtype` declares the tensor's logical dtype when it differs from the one handed in: a GPU stage
     hands a bfloat16 copy of float32 activations for the lossy codecs (half the device-to-host
     bytes, and no float32 round trip), which they encode exactly as they would the float32 tensor
-    (bf16 rounds to the same bits); `none` and `topk` carry values as they are, so there it must match."""
+    (bf16 rounds to the same bits); `none` and `topk` carry values as they are, so there it must match.
+    `slice_key` = (seed, parts, part): which slice the slice codec sends (codec/sparse.py)."""
     actual = DTYPE_NAMES.get(tensor.dtype)
     if actual is None:
         raise CodecError(f"cannot encode dtype {tensor.dtype}")
     dtype = dtype or actual
-    if dtype != actual and (codec in ("none", "topk") or dtype not in FLOAT_DTYPES or actual not in FLOAT_DTYPES):
+    if dtype != actual and (codec in ("none", "topk", "slice") or dtype not in FLOAT_DTYPES or actual not in FLOAT_DTYPES):
         raise CodecError(f"codec {codec!r} cannot send a {actual} tensor as {dtype}")
     flat = tensor.detach().reshape(-1).cpu()
     nnz = 0
     spec_block = block_size if codec in BLOCKWISE else 0
+    seed = parts = part = 0
     if codec == "none":
         payload = _to_bytes(flat.contiguous())
     elif codec == "bf16":
@@ -152,10 +175,21 @@ def encode(tensor: Tensor, codec: str, *, block_size: int = DEFAULT_BLOCK, fract
     elif codec == "topk":
         nnz = topk_count(flat.numel(), fraction)
         payload = _encode_topk(flat, nnz)
+    elif codec in sparse.TOPK_LEVELS:
+        nnz, spec_block = sparse.per_chunk_count(fraction), sparse.CHUNK
+        values = flat if flat.dtype == torch.float32 else flat.float()
+        payload = _sparse(lambda: sparse.encode_chunked_topk(values, codec, nnz, MAX_ABSMAX, MIN_SCALE))
+    elif codec == "slice":
+        if slice_key is None:
+            raise CodecError("the slice codec needs a slice_key (seed, parts, part)")
+        seed, parts, part = slice_key
+        coordinates = _sparse(lambda: sparse.slice_indices(flat.numel(), parts, part, seed))
+        nnz = coordinates.numel()
+        payload = _to_bytes(flat[coordinates].contiguous())
     else:
         raise CodecError(f"unknown codec {codec!r}; expected one of {', '.join(CODECS)}")
     spec = TensorSpec(dtype=dtype, shape=tuple(tensor.shape), codec=codec, block_size=spec_block,
-                      payload_bytes=len(payload), nnz=nnz)
+                      payload_bytes=len(payload), nnz=nnz, slice_seed=seed, slice_parts=parts, slice_part=part)
     expected_payload_bytes(spec)  # rejects e.g. bf16 of int64
     return spec, payload
 
@@ -174,6 +208,11 @@ def decode_into(spec: TensorSpec, payload: bytes | bytearray | memoryview, out: 
         target.copy_(_from_bytes(payload, torch.int16).view(torch.bfloat16))
     elif spec.codec == "topk":
         _decode_topk(payload, spec, target)
+    elif spec.codec in sparse.TOPK_LEVELS:
+        max_scale = float(torch.tensor(_max_abs(spec.dtype), dtype=torch.float32) / sparse.TOPK_LEVELS[spec.codec])
+        _sparse(lambda: sparse.decode_chunked_topk(memoryview(payload), spec.codec, spec.numel, spec.nnz, max_scale, target))
+    elif spec.codec == "slice":
+        _decode_slice(payload, spec, target)
     else:
         _decode_blockwise(payload, spec, target)
     return out
@@ -294,6 +333,22 @@ def _scale_blocks(codes: Tensor, scales: Tensor, block: int, target: Tensor) -> 
         torch.mul(codes[:full].view(-1, block), scales[: n // block, None], out=target[:full].view(-1, block))
     if full != n:
         target[full:].copy_(codes[full:].float() * scales[-1])
+
+
+def _sparse(run):
+    try:
+        return run()
+    except sparse.SparseCodecError as exc:
+        raise CodecError(str(exc)) from None
+
+
+def _decode_slice(payload: bytes | bytearray | memoryview, spec: TensorSpec, target: Tensor) -> None:
+    coordinates = _sparse(lambda: sparse.slice_indices(spec.numel, spec.slice_parts, spec.slice_part, spec.slice_seed))
+    if coordinates.numel() != spec.nnz:
+        raise CodecError(f"slice part {spec.slice_part} of {spec.slice_parts} holds {coordinates.numel()} values, "
+                         f"the header declares {spec.nnz}")
+    target.zero_()
+    target[coordinates] = _from_bytes(payload, DTYPES[spec.dtype]).to(target.dtype)
 
 
 def topk_count(numel: int, fraction: float) -> int:

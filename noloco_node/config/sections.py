@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from noloco_node.codec.names import check_delta_codec, check_phi_codec
+
 METHODS = ("noloco", "diloco", "dp", "none")
 CODECS = ("none", "bf16", "int8")
 # Codecs of the pipeline's activations and gradients (codec/tensors.py: fp8 and int4 are blockwise).
@@ -268,11 +270,14 @@ class OuterConfig:
     """Wire codec of outer snapshots (none, bf16 or int8): the default of codec_phi and codec_delta."""
     codec_phi: str | None = None
     """Wire codec of the slow weights phi, and of the fast weights when only they travel (gamma ==
-    beta and codec_phi == codec_delta): none, bf16 or int8; None = codec."""
+    beta and codec_phi == codec_delta): none, bf16, int8, or slice:F (exact values on a slice of
+    the coordinates both sides derive from the run's seed and the round, one of round(1 / F)
+    parts, a different one each round); None = codec."""
     codec_delta: str | None = None
-    """Wire codec of the outer delta theta - phi: none, bf16, int8, or topk:F (the largest-|x|
-    fraction F, e.g. topk:0.05, with the rest kept on the node and sent in later rounds);
-    None = codec."""
+    """Wire codec of the outer delta theta - phi: none, bf16, int8, topk:F (the largest-|x|
+    fraction F, e.g. topk:0.05, with the rest kept on the node and sent in later rounds), or
+    topk:F+int2 / topk:F+int4 (per 4096-element chunk, 12-bit indices, 2- or 4-bit values, the
+    rounding error kept like the rest); None = codec."""
     max_distance_ratio: float = 10.0
     """Reject a partner's snapshot farther from our slow weights than this many times our own drift."""
     overlap: bool = True
@@ -302,23 +307,15 @@ class OuterConfig:
         for name in ("codec_phi", "codec_delta"):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, self.codec)
-        _require(self.codec_phi in CODECS, "codec_phi", f"unknown codec {self.codec_phi!r}",
-                 f"use one of {', '.join(CODECS)} (top-k is for codec_delta only: phi is dense)")
-        fraction = self._topk_fraction(self.codec_delta)
-        _require(self.codec_delta in CODECS or (fraction is not None and 0 < fraction <= 1), "codec_delta",
-                 f"unknown codec {self.codec_delta!r}", f"use one of {', '.join(CODECS)}, or topk:F with a fraction 0 < F <= 1 (e.g. topk:0.05)")
+        for name, check, example in (("codec_phi", check_phi_codec, "slice:0.03125"),
+                                     ("codec_delta", check_delta_codec, "topk:0.02+int2")):
+            try:
+                check(getattr(self, name))
+            except ValueError as exc:
+                _require(False, name, str(exc), f"e.g. {name} = \"{example}\"")
         _require(self.max_distance_ratio > 0, "max_distance_ratio", f"must be > 0, got {self.max_distance_ratio}", "use 10")
         _require(self.allreduce_group_size >= 0, "allreduce_group_size", f"must be >= 0, got {self.allreduce_group_size}",
                  "use the number of replicas per stage, or 0")
-
-    @staticmethod
-    def _topk_fraction(codec: str) -> float | None:
-        """'topk:0.05' -> 0.05; None for anything else."""
-        kind, _, text = codec.partition(":")
-        try:
-            return float(text) if kind == "topk" else None
-        except ValueError:
-            return None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -523,7 +520,8 @@ class FaultsConfig:
     lowers the node's measured capacity, unlike delay_before_forward_s)."""
     inject: tuple[str, ...] = ()
     """Faults at named points, each "POINT:ACTION[=SECONDS][@N|%P]": points before_forward,
-    mid_backward, during_exchange, during_state_transfer; actions crash (exit 17), stall/delay
+    mid_backward, during_exchange, during_state_transfer, donate_parameter (a state donor, before
+    each parameter it sends); actions crash (exit 17), stall/delay
     (sleep SECONDS), error (fail that operation); and send_snapshot:poison[=X] (send NaN, or our
     fast weights times X, as a lying peer would), inner_step:poison (the step's gradients are NaN),
     weights:poison[=X] (theta times X, or NaN, after the step); @N = only the Nth time the point is reached,

@@ -68,7 +68,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ready-file", required=True)
     p.add_argument("--go-file", required=True)
     p.add_argument("--initial-peers", nargs="*", default=[])
-    p.add_argument("--codec", default="none", help="phi (or theta) codec")
+    p.add_argument("--codec", default="none", help="phi (or theta) codec, e.g. bf16 or slice:0.03125")
     p.add_argument("--codec-delta", help="outer delta codec (default: --codec), e.g. topk:0.05")
     p.add_argument("--payload", choices=["theta", "phi+delta"], help="force the snapshot form (default: the node picks)")
     p.add_argument("--gamma", type=float, help="default: beta")
@@ -97,8 +97,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def outer_config(args: argparse.Namespace) -> OuterConfig:
-    return OuterConfig(method=args.method, alpha=args.alpha, beta=args.beta, gamma=args.gamma, codec=args.codec,
-                       codec_delta=args.codec_delta, inner_steps_per_outer=50)
+    # --codec is phi's (and theta's); OuterConfig.codec, the default of both, takes dense codecs only.
+    dense = args.codec if args.codec in ("none", "bf16", "int8") else "none"
+    return OuterConfig(method=args.method, alpha=args.alpha, beta=args.beta, gamma=args.gamma, codec=dense,
+                       codec_phi=args.codec, codec_delta=args.codec_delta or args.codec, inner_steps_per_outer=50)
 
 
 def initial_state(args: argparse.Namespace) -> tuple[nn.Module, OuterState, dict]:

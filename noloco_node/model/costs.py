@@ -121,12 +121,18 @@ class Prediction:
 
 def codec_bytes_per_element(codec: str) -> float:
     """Wire bytes per element of a tensor codec (codec/tensors.py), blockwise scales included."""
+    from noloco_node.codec import sparse
+    from noloco_node.codec.names import parse_outer_codec
     from noloco_node.codec.tensors import BLOCKWISE, DEFAULT_BLOCK, TensorSpec, expected_payload_bytes
 
-    n = 1 << 16
-    name = codec.split(":")[0]
+    n = 1 << 20
+    name, fraction = parse_outer_codec(codec) if ":" in codec else (codec, 1.0)
     if name == "topk":
-        return 8 * float(codec.split(":")[1])  # int32 index + fp32 value per element sent
+        return 8 * fraction  # int32 index + fp32 value per element sent
+    if name == "slice":
+        return 4 * fraction  # exact fp32 values on the slice, no index
+    if name in sparse.TOPK_LEVELS:
+        return sparse.chunked_payload_bytes(name, n, sparse.per_chunk_count(fraction), sparse.CHUNK) / n
     spec = TensorSpec(dtype="float32", shape=(n,), codec=name, block_size=DEFAULT_BLOCK if name in BLOCKWISE else 0)
     return expected_payload_bytes(spec) / n
 

@@ -261,9 +261,11 @@ def estimate(config, layer_range: range, *, first: bool, last: bool, outer: bool
 
 def workload_for(cfg, device_type: str) -> Workload:
     """The Workload of a run's NodeConfig on a device of `device_type` ('cpu' or 'cuda')."""
+    from noloco_node.codec.names import parse_outer_codec
+
     p, o = cfg.pipeline, cfg.outer
     # theta alone travels when gamma == beta with one dense codec (sync/snapshot.py choose_payload)
-    same_dense = o.codec_phi == o.codec_delta and not str(o.codec_delta).startswith("topk")
+    same_dense = o.codec_phi == o.codec_delta and parse_outer_codec(o.codec_delta).dense
     payload = (o.codec_phi,) if o.gamma == o.beta and same_dense else (o.codec_phi, o.codec_delta)
     return Workload(microbatch=p.microbatch_size, seq_len=cfg.model.seq_len,
                     microbatches_per_batch=p.batch_size // p.microbatch_size, max_in_flight=p.max_in_flight,

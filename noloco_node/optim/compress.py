@@ -1,12 +1,14 @@
 """Encoding one outer-snapshot tensor for the wire, with error feedback for top-k. Pure torch.
 
-Outer codecs are written `none`, `bf16`, `int8` or `topk:F` (send the largest-|x| fraction F of
-the elements, 0 < F <= 1). Top-k drops most of a tensor; error feedback keeps what it dropped
-on the node and adds it to the next round's input before selection:
+Outer codecs are written as codec/names.py says: `none`, `bf16`, `int8`, `topk:F` (send the
+largest-|x| fraction F of the elements, 0 < F <= 1), `topk:F+int2` / `topk:F+int4` (per chunk,
+quantized values) or `slice:F` (phi only). Top-k drops most of a tensor (and rounds what it sends,
+with +int2/+int4); error feedback keeps what it dropped on the node and adds it to the next round's
+input before selection:
 
     x_r      = Delta_r + residual_{r-1}
-    sent_r   = topk(x_r)                    (exact copies of the selected elements)
-    residual = x_r - sent_r                 (exactly x_r where not selected, 0 where selected)
+    sent_r   = topk(x_r)                    (the selected elements, as the partner decodes them)
+    residual = x_r - sent_r                 (exactly x_r where not selected; the rounding error where selected)
 
 so over rounds nothing is lost, only delayed: sum(sent) + residual == sum(Delta). The residual is
 only committed when the round applies the pair step with what was sent (`ErrorFeedback.commit`);
@@ -21,30 +23,23 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
+from noloco_node.codec.names import OuterCodec, parse_outer_codec
 from noloco_node.codec.tensors import TensorSpec, decode, encode
 
-DENSE_CODECS = ("none", "bf16", "int8")
 
-
-def parse_codec(text: str) -> tuple[str, float]:
-    """'topk:0.05' -> ('topk', 0.05); a dense codec -> (name, 1.0). Raises ValueError with the fix."""
-    name, _, arg = text.partition(":")
-    if name == "topk":
-        try:
-            fraction = float(arg)
-        except ValueError:
-            raise ValueError(f"codec {text!r}: write topk:F with a fraction F, e.g. topk:0.05") from None
-        if not 0.0 < fraction <= 1.0 or math.isnan(fraction):
-            raise ValueError(f"codec {text!r}: the top-k fraction must be in (0, 1], e.g. topk:0.05")
-        return name, fraction
-    if name not in DENSE_CODECS or arg:
-        raise ValueError(f"unknown codec {text!r}; use one of {', '.join(DENSE_CODECS)} or topk:F (e.g. topk:0.05)")
-    return name, 1.0
+def parse_codec(text: str) -> OuterCodec:
+    """'topk:0.05' -> ('topk', 0.05); 'topk:0.02+int2' -> ('topk_int2', 0.02); a dense codec ->
+    (name, 1.0); 'slice:F' -> ('slice', 1 / round(1 / F)). Raises ValueError with the fix."""
+    return parse_outer_codec(text)
 
 
 def wire_name(text: str) -> str:
     """The codec as a tensor header names it ('topk:0.05' -> 'topk')."""
-    return parse_codec(text)[0]
+    return parse_codec(text).wire
+
+
+def is_topk(text: str) -> bool:
+    return parse_codec(text).wire.startswith("topk")
 
 
 @dataclass(frozen=True)
@@ -59,13 +54,17 @@ class Encoded:
     """||decoded - input|| / ||input|| (0 for a zero input), input including the carried residual."""
 
 
-def encode_tensor(x: Tensor, codec: str, residual: Tensor | None = None) -> Encoded:
-    """Encode `x` (plus `residual`, for topk) with `codec` as written in the config."""
+def encode_tensor(x: Tensor, codec: str, residual: Tensor | None = None,
+                  slice_key: tuple[int, int, int] | None = None) -> Encoded:
+    """Encode `x` (plus `residual`, for topk) with `codec` as written in the config; `slice_key`
+    (seed, parts, part) says which slice the slice codec sends. A slice's `decoded` is 0 off the slice."""
     name, fraction = parse_codec(codec)
-    target = x + residual if name == "topk" and residual is not None else x
-    spec, payload = encode(target, name, fraction=fraction)
+    topk = name.startswith("topk")
+    target = x + residual if topk and residual is not None else x
+    spec, payload = encode(target, name, fraction=fraction, slice_key=slice_key)
     decoded = decode(spec, payload).to(device=target.device, dtype=target.dtype)
-    new_residual = target - decoded if name == "topk" else None
+    # Quantized top-k values round too: that error joins the residual, and goes in a later round.
+    new_residual = target - decoded if topk else None
     norm = float(target.double().norm())
     error = float((decoded.double() - target.double()).norm())
     return Encoded(spec, payload, decoded, new_residual, error / norm if norm > 0 else 0.0)

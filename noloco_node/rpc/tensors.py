@@ -15,7 +15,8 @@ from noloco_node.wire.v1 import tensor_pb2
 CHUNK_BYTES = 1 << 20  # 1 MiB: best for grpc streams on this machine (transport.md)
 _CODEC_TO_PB = {"none": tensor_pb2.CODEC_NONE, "bf16": tensor_pb2.CODEC_BF16, "int8": tensor_pb2.CODEC_INT8_BLOCKWISE,
                 "topk": tensor_pb2.CODEC_TOPK, "fp8": tensor_pb2.CODEC_FP8_E4M3_BLOCKWISE,
-                "int4": tensor_pb2.CODEC_INT4_BLOCKWISE}
+                "int4": tensor_pb2.CODEC_INT4_BLOCKWISE, "topk_int2": tensor_pb2.CODEC_TOPK_INT2,
+                "topk_int4": tensor_pb2.CODEC_TOPK_INT4, "slice": tensor_pb2.CODEC_SLICE}
 _CODEC_FROM_PB = {v: k for k, v in _CODEC_TO_PB.items()}
 _DTYPE_TO_PB = {"float32": tensor_pb2.DTYPE_FLOAT32, "float64": tensor_pb2.DTYPE_FLOAT64,
                 "bfloat16": tensor_pb2.DTYPE_BFLOAT16, "float16": tensor_pb2.DTYPE_FLOAT16, "int64": tensor_pb2.DTYPE_INT64}
@@ -25,7 +26,8 @@ _DTYPE_FROM_PB = {v: k for k, v in _DTYPE_TO_PB.items()}
 def spec_to_header(spec: TensorSpec, name: str = "") -> tensor_pb2.TensorHeader:
     return tensor_pb2.TensorHeader(name=name, dtype=_DTYPE_TO_PB[spec.dtype], shape=list(spec.shape),
                                    codec=_CODEC_TO_PB[spec.codec], block_size=spec.block_size,
-                                   payload_bytes=spec.payload_bytes, nnz=spec.nnz)
+                                   payload_bytes=spec.payload_bytes, nnz=spec.nnz, slice_seed=spec.slice_seed,
+                                   slice_parts=spec.slice_parts, slice_part=spec.slice_part)
 
 
 def header_to_spec(header: tensor_pb2.TensorHeader) -> TensorSpec:
@@ -38,7 +40,8 @@ def header_to_spec(header: tensor_pb2.TensorHeader) -> TensorSpec:
         raise InvalidPayload(f"tensor rank {len(header.shape)} is too large")
     spec = TensorSpec(dtype=_DTYPE_FROM_PB[header.dtype], shape=tuple(int(d) for d in header.shape),
                       codec=_CODEC_FROM_PB[header.codec], block_size=int(header.block_size),
-                      payload_bytes=int(header.payload_bytes), nnz=int(header.nnz))
+                      payload_bytes=int(header.payload_bytes), nnz=int(header.nnz), slice_seed=int(header.slice_seed),
+                      slice_parts=int(header.slice_parts), slice_part=int(header.slice_part))
     try:
         expected = expected_payload_bytes(spec)
     except CodecError as exc:

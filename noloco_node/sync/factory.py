@@ -36,7 +36,7 @@ def build_outer_sync(config: NodeConfig, parts: SyncParts, ports: SyncPorts, *, 
         from noloco_node.sync.noloco import NoLoCoSync
 
         return NoLoCoSync(state, outer, parts, transport=ports.pairing, directory=ports.matching,
-                          match_s=timeouts.match_s)
+                          match_s=timeouts.match_s, run_seed=config.run.seed)
     if outer.method == "diloco":
         from noloco_node.sync.diloco import DiLoCoSync
 

@@ -36,7 +36,8 @@ from noloco_node.pipeline.ports import Peer
 from noloco_node.pipeline.router import Bans
 from noloco_node.sync.ports import (Decision, MatchingDirectory, OuterSync, PairAnswer, PairingTransport, PairProposal,
                                     SyncParts)
-from noloco_node.sync.snapshot import PHI_DELTA, THETA, Frozen, check_snapshot, choose_payload, freeze, unpack
+from noloco_node.sync.snapshot import (PHI_DELTA, THETA, Frozen, SliceRound, check_snapshot, choose_payload, fill_slices,
+                                       freeze, unpack)
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +66,11 @@ class NoLoCoSync(OuterSync):
 
     def __init__(self, state: OuterState, config: OuterConfig, parts: SyncParts, *, transport: PairingTransport,
                  directory: MatchingDirectory, match_s: float, bans: Bans | None = None,
-                 rng: random.Random | None = None, payload: str | None = None) -> None:
+                 rng: random.Random | None = None, payload: str | None = None, run_seed: int = 0) -> None:
         """`config.codec_phi` encodes phi (or theta), `config.codec_delta` the outer delta.
         `payload` forces the snapshot form ("theta" or "phi+delta"; tests, benchmarks); None
-        lets the node choose (theta wherever it loses nothing)."""
+        lets the node choose (theta wherever it loses nothing). `run_seed` (run.seed, the same on
+        every replica of a run) draws the slices of a sliced phi."""
         super().__init__()
         self.state, self.parts, self.transport, self.directory = state, parts, transport, directory
         self.compute, self.faults, self.set_status = parts.compute, parts.faults, parts.set_status
@@ -79,6 +81,7 @@ class NoLoCoSync(OuterSync):
         if self.payload == THETA and choose_payload(state, self.codec_phi, self.codec_delta) != THETA:
             raise ValueError("theta alone carries the pair update only with gamma == beta and one dense codec for phi and delta")
         self.feedback = ErrorFeedback()
+        self.run_seed = run_seed
         self.match_s, self.max_distance_ratio = match_s, config.max_distance_ratio
         self.bans = bans or Bans()
         self.rng = rng or random.Random(self.peer_id + "outer")
@@ -175,7 +178,8 @@ class NoLoCoSync(OuterSync):
         poison = self.faults.poison() if self.faults is not None else None
         frozen_at = self.parts.inner_steps()  # past inner_step when the boundaries before it queued up
         self._frozen = await self.compute.run(functools.partial(
-            freeze, self.state, self.payload, self.codec_phi, self.codec_delta, dict(self.feedback.residual), poison))
+            freeze, self.state, self.payload, self.codec_phi, self.codec_delta, dict(self.feedback.residual), poison,
+            SliceRound(self.run_seed, self.stage, round_index)))
         self.matching = True
         await self._announce("matching", round_index)
         deadline = start + self.match_s
@@ -309,7 +313,8 @@ class NoLoCoSync(OuterSync):
             return
         self.claimed = True  # first completion wins; claimed before awaiting so no second one runs
         frozen = self._frozen
-        peer = None if received is None else unpack(received, frozen.payload, list(self.state.params))
+        peer = None if received is None else fill_slices(self.state, unpack(received, frozen.payload, list(self.state.params)),
+                                                         frozen.slices)
         if peer is not None:
             problem = check_snapshot(self.state, peer, max_distance_ratio=self.max_distance_ratio)
             if problem is not None:

@@ -58,6 +58,25 @@ class ExpectedTensor:
     dtype: str
     codec: str = ""
     """Wire codec this tensor must use; empty = the exchange's codec (phi and Delta may differ)."""
+    nnz: int | None = None
+    """Sparse codecs: the exact count the receiver's own config implies (top-k's kept values, per
+    chunk for topk_int2/4); a larger one is an oversized payload. None = not checked."""
+    slice_key: tuple[int, int, int] | None = None
+    """slice: the (seed, parts, part) this round's slice must have."""
+
+    def problem(self, name: str, spec, codec: str) -> str | None:
+        """Why the tensor a partner declares (`name`, its TensorSpec) is not this one, or None;
+        `codec` is the exchange's when this tensor names none of its own."""
+        want_codec = self.codec or codec
+        if name != self.name or spec.shape != self.shape or spec.dtype != self.dtype or spec.codec != want_codec:
+            return (f"tensor {name!r} {spec.dtype}{list(spec.shape)}/{spec.codec} does not match "
+                    f"{self.name!r} {self.dtype}{list(self.shape)}/{want_codec}")
+        if self.nnz is not None and spec.nnz != self.nnz:
+            return f"tensor {name!r} declares {spec.nnz} sparse values where this run's codec sends {self.nnz}"
+        if self.slice_key is not None and (spec.slice_seed, spec.slice_parts, spec.slice_part) != self.slice_key:
+            return (f"tensor {name!r} is slice {spec.slice_part}/{spec.slice_parts} of seed {spec.slice_seed}; "
+                    f"this round's is {self.slice_key[2]}/{self.slice_key[1]} of seed {self.slice_key[0]}")
+        return None
 
 
 @dataclass(frozen=True)

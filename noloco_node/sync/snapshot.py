@@ -8,10 +8,18 @@ Two forms travel (both sides must use the same; PairRequest.send_slow_weights sa
 - "phi+delta": slow weights and outer delta Delta = theta - phi, tensors "phi/<name>" and
   "delta/<name>", each with its own codec: what the paper and the reference exchange; any gamma.
   Delta compresses much better than phi (it is small and, for top-k, sparse-friendly).
+
+phi may travel as a slice (codec_phi = slice:F): exact values on one of P = round(1 / F) parts of
+each tensor's coordinates, the part drawn from (run seed, stage, round // P, tensor) and rotated
+with round % P, so both sides of every pair agree on it without sending an index, and every
+coordinate is covered once in P rounds. Off the slice the receiver takes the partner's phi to
+be its own (`fill_slices`): there the consensus term gamma * (mean(phi) - phi_self) is exactly 0,
+and on the slice it is the paper's. docs/architecture.md gives the math.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -19,6 +27,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from noloco_node.codec.sparse import per_chunk_count, slice_indices
+from noloco_node.codec.tensors import topk_count
 from noloco_node.optim.compress import encode_tensor, parse_codec, wire_name
 from noloco_node.optim.state import OuterState
 from noloco_node.sync.ports import EncodedSnapshot, ExpectedTensor
@@ -28,8 +38,33 @@ THETA, PHI_DELTA = "theta", "phi+delta"
 
 def choose_payload(state: OuterState, codec_phi: str, codec_delta: str) -> str:
     """The snapshot form this node sends: theta only where it loses nothing against phi+delta."""
-    same_dense = codec_phi == codec_delta and parse_codec(codec_delta)[0] != "topk"
+    same_dense = codec_phi == codec_delta and parse_codec(codec_delta).dense
     return THETA if state.gamma == state.beta and same_dense else PHI_DELTA
+
+
+def slice_key(run_seed: int, stage: int, round_index: int, name: str, parts: int) -> tuple[int, int, int]:
+    """(seed, parts, part) of one tensor's phi slice in a round: the permutation changes every
+    `parts` rounds and the part rotates through it, so each coordinate is sent once per `parts` rounds."""
+    digest = hashlib.sha256(f"phi-slice:{run_seed}:{stage}:{round_index // parts}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1), parts, round_index % parts
+
+
+def _expected_nnz(codec: str, numel: int) -> int | None:
+    wire, fraction = parse_codec(codec)
+    if wire == "topk":
+        return topk_count(numel, fraction)
+    if wire.startswith("topk_"):
+        return per_chunk_count(fraction)
+    return None
+
+
+@dataclass(frozen=True)
+class SliceRound:
+    """Which round's slices a snapshot uses: the run's seed, the stage and the round."""
+
+    run_seed: int
+    stage: int
+    round_index: int
 
 
 @dataclass
@@ -47,6 +82,8 @@ class Frozen:
     """topk residuals to keep if the pair step is applied with what was sent."""
     stats: dict[str, object] = field(default_factory=dict)
     """For the round's history: payload form, bytes per kind, relative errors."""
+    slices: dict[str, Tensor] = field(default_factory=dict)
+    """codec_phi = slice:F: each tensor's coordinates on this round's slice (what the partner sent of its phi)."""
 
 
 def _poisoned(theta: Tensor, poison: float | None) -> Tensor:
@@ -60,12 +97,17 @@ def _ratio(num2: float, den2: float) -> float:
 
 
 def freeze(state: OuterState, payload: str, codec_phi: str, codec_delta: str,
-           residuals: Mapping[str, Tensor] | None = None, poison: float | None = None) -> Frozen:
+           residuals: Mapping[str, Tensor] | None = None, poison: float | None = None,
+           round_of: SliceRound | None = None) -> Frozen:
     """Encode this replica's snapshot in `payload` form. `residuals` are the topk residuals
     carried from earlier rounds. `poison` (fault injection only) corrupts what is sent: NaN, or
-    theta times that factor, as a lying peer would; our own side always uses honest values."""
+    theta times that factor, as a lying peer would; our own side always uses honest values.
+    `round_of` says whose slices a slice:F phi sends (required then)."""
     residuals = residuals or {}
-    tensors, expected, own, frozen, new_residual = [], [], {}, {}, {}
+    tensors, expected, own, frozen, new_residual, slices = [], [], {}, {}, {}, {}
+    phi_codec = parse_codec(codec_phi)
+    if phi_codec.wire == "slice" and round_of is None:
+        raise ValueError("a sliced phi needs the round it is frozen for")
     sizes = {THETA: 0} if payload == THETA else {"phi": 0, "delta": 0}
     err2, ref2, phi_err2, phi2 = 0.0, 0.0, 0.0, 0.0
     with torch.no_grad():
@@ -86,14 +128,22 @@ def freeze(state: OuterState, payload: str, codec_phi: str, codec_delta: str,
                 ref2 += float((theta.double() - phi.double()).pow(2).sum())
                 continue
             delta = theta - phi
-            enc_phi = encode_tensor(phi, codec_phi)
+            key = None if phi_codec.wire != "slice" else \
+                slice_key(round_of.run_seed, round_of.stage, round_of.round_index, name, phi_codec.parts)
+            enc_phi = encode_tensor(phi, codec_phi, slice_key=key)
             enc_delta = encode_tensor(delta, codec_delta, residuals.get(name))
             sent_delta = enc_delta if poison is None else encode_tensor(_poisoned(theta, poison) - phi, codec_delta)
             tensors += [(f"phi/{name}", enc_phi.spec, enc_phi.payload),
                         (f"delta/{name}", sent_delta.spec, sent_delta.payload)]
-            expected += [ExpectedTensor(f"phi/{name}", tuple(phi.shape), dtype, wire_name(codec_phi)),
-                         ExpectedTensor(f"delta/{name}", tuple(phi.shape), dtype, wire_name(codec_delta))]
-            own[name] = (enc_phi.decoded, enc_delta.decoded)
+            expected += [ExpectedTensor(f"phi/{name}", tuple(phi.shape), dtype, wire_name(codec_phi), slice_key=key),
+                         ExpectedTensor(f"delta/{name}", tuple(phi.shape), dtype, wire_name(codec_delta),
+                                        nnz=_expected_nnz(codec_delta, phi.numel()))]
+            if key is not None:  # exact values on the slice; off it each side reads its own phi
+                seed, parts, part = key
+                slices[name] = slice_indices(phi.numel(), parts, part, seed)
+                own[name] = (phi, enc_delta.decoded)
+            else:
+                own[name] = (enc_phi.decoded, enc_delta.decoded)
             if enc_delta.residual is not None:
                 new_residual[name] = enc_delta.residual
             sizes["phi"] += len(enc_phi.payload)
@@ -101,7 +151,7 @@ def freeze(state: OuterState, payload: str, codec_phi: str, codec_delta: str,
             target = delta if residuals.get(name) is None or enc_delta.residual is None else delta + residuals[name]
             err2 += float((enc_delta.decoded.double() - target.double()).pow(2).sum())
             ref2 += float(target.double().pow(2).sum())
-            phi_err2 += float((enc_phi.decoded.double() - phi.double()).pow(2).sum())
+            phi_err2 += float((own[name][0].double() - phi.double()).pow(2).sum())
             phi2 += float(phi.double().pow(2).sum())
     stats: dict[str, object] = {"payload": payload, "bytes": sizes, "delta_rel_error": _ratio(err2, ref2)}
     if payload == PHI_DELTA:
@@ -109,7 +159,26 @@ def freeze(state: OuterState, payload: str, codec_phi: str, codec_delta: str,
         stats["codecs"] = {"phi": codec_phi, "delta": codec_delta}
     else:
         stats["codecs"] = {"theta": codec_phi}
-    return Frozen(EncodedSnapshot(tensors), expected, own, frozen, payload, new_residual, stats)
+    # Against the dense fp32 form of the same round (phi and Delta, 4 bytes per element each).
+    numel = sum(p.numel() for p in state.params.values())
+    stats["fp32_fraction"] = sum(sizes.values()) / (8 * numel) if numel else 0.0
+    return Frozen(EncodedSnapshot(tensors), expected, own, frozen, payload, new_residual, stats, slices)
+
+
+def fill_slices(state: OuterState, peer: dict[str, tuple[Tensor | None, Tensor]],
+                slices: Mapping[str, Tensor]) -> dict[str, tuple[Tensor | None, Tensor]]:
+    """A sliced phi made whole: the partner's values on the slice, our own phi off it (so the
+    consensus term is 0 there). Tensors without a slice pass through."""
+    out = {}
+    for name, (peer_phi, values) in peer.items():
+        coordinates = slices.get(name)
+        if coordinates is None or peer_phi is None:
+            out[name] = (peer_phi, values)
+            continue
+        whole = state.phi[name].detach().to("cpu", copy=True).view(-1)
+        whole[coordinates] = peer_phi.reshape(-1)[coordinates].to(whole.dtype)
+        out[name] = (whole.view(peer_phi.shape), values)
+    return out
 
 
 def unpack(received: Mapping[str, Tensor], payload: str, names: list[str]) -> dict[str, tuple[Tensor | None, Tensor]]:

@@ -24,21 +24,21 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n noloco_node/wire/v1/tensor.proto\x12\x0enoloco.wire.v1\"\xaf\x01\n\x0cTensorHeader\x12\x0c\n\x04name\x18\x01 \x01(\t\x12$\n\x05\x64type\x18\x02 \x01(\x0e\x32\x15.noloco.wire.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12$\n\x05\x63odec\x18\x04 \x01(\x0e\x32\x15.noloco.wire.v1.Codec\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x15\n\rpayload_bytes\x18\x06 \x01(\x04\x12\x0b\n\x03nnz\x18\x07 \x01(\x04\"*\n\x0bTensorChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"4\n\x0bRunIdentity\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x15\n\rmanifest_hash\x18\x02 \x01(\t*\xa0\x01\n\x05\x43odec\x12\x15\n\x11\x43ODEC_UNSPECIFIED\x10\x00\x12\x0e\n\nCODEC_NONE\x10\x01\x12\x0e\n\nCODEC_BF16\x10\x02\x12\x18\n\x14\x43ODEC_INT8_BLOCKWISE\x10\x03\x12\x0e\n\nCODEC_TOPK\x10\x04\x12\x1c\n\x18\x43ODEC_FP8_E4M3_BLOCKWISE\x10\x05\x12\x18\n\x14\x43ODEC_INT4_BLOCKWISE\x10\x06*|\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT64\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x12\x11\n\rDTYPE_FLOAT16\x10\x04\x12\x0f\n\x0b\x44TYPE_INT64\x10\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n noloco_node/wire/v1/tensor.proto\x12\x0enoloco.wire.v1\"\xec\x01\n\x0cTensorHeader\x12\x0c\n\x04name\x18\x01 \x01(\t\x12$\n\x05\x64type\x18\x02 \x01(\x0e\x32\x15.noloco.wire.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12$\n\x05\x63odec\x18\x04 \x01(\x0e\x32\x15.noloco.wire.v1.Codec\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x15\n\rpayload_bytes\x18\x06 \x01(\x04\x12\x0b\n\x03nnz\x18\x07 \x01(\x04\x12\x12\n\nslice_seed\x18\x08 \x01(\x04\x12\x13\n\x0bslice_parts\x18\t \x01(\r\x12\x12\n\nslice_part\x18\n \x01(\r\"*\n\x0bTensorChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"4\n\x0bRunIdentity\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x15\n\rmanifest_hash\x18\x02 \x01(\t*\xdb\x01\n\x05\x43odec\x12\x15\n\x11\x43ODEC_UNSPECIFIED\x10\x00\x12\x0e\n\nCODEC_NONE\x10\x01\x12\x0e\n\nCODEC_BF16\x10\x02\x12\x18\n\x14\x43ODEC_INT8_BLOCKWISE\x10\x03\x12\x0e\n\nCODEC_TOPK\x10\x04\x12\x1c\n\x18\x43ODEC_FP8_E4M3_BLOCKWISE\x10\x05\x12\x18\n\x14\x43ODEC_INT4_BLOCKWISE\x10\x06\x12\x13\n\x0f\x43ODEC_TOPK_INT2\x10\x07\x12\x13\n\x0f\x43ODEC_TOPK_INT4\x10\x08\x12\x0f\n\x0b\x43ODEC_SLICE\x10\t*|\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT64\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x12\x11\n\rDTYPE_FLOAT16\x10\x04\x12\x0f\n\x0b\x44TYPE_INT64\x10\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'noloco_node.wire.v1.tensor_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CODEC']._serialized_start=329
-  _globals['_CODEC']._serialized_end=489
-  _globals['_DTYPE']._serialized_start=491
-  _globals['_DTYPE']._serialized_end=615
+  _globals['_CODEC']._serialized_start=390
+  _globals['_CODEC']._serialized_end=609
+  _globals['_DTYPE']._serialized_start=611
+  _globals['_DTYPE']._serialized_end=735
   _globals['_TENSORHEADER']._serialized_start=53
-  _globals['_TENSORHEADER']._serialized_end=228
-  _globals['_TENSORCHUNK']._serialized_start=230
-  _globals['_TENSORCHUNK']._serialized_end=272
-  _globals['_RUNIDENTITY']._serialized_start=274
-  _globals['_RUNIDENTITY']._serialized_end=326
+  _globals['_TENSORHEADER']._serialized_end=289
+  _globals['_TENSORCHUNK']._serialized_start=291
+  _globals['_TENSORCHUNK']._serialized_end=333
+  _globals['_RUNIDENTITY']._serialized_start=335
+  _globals['_RUNIDENTITY']._serialized_end=387
 # @@protoc_insertion_point(module_scope)

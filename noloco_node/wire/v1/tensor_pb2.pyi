@@ -16,6 +16,9 @@ class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CODEC_TOPK: _ClassVar[Codec]
     CODEC_FP8_E4M3_BLOCKWISE: _ClassVar[Codec]
     CODEC_INT4_BLOCKWISE: _ClassVar[Codec]
+    CODEC_TOPK_INT2: _ClassVar[Codec]
+    CODEC_TOPK_INT4: _ClassVar[Codec]
+    CODEC_SLICE: _ClassVar[Codec]
 
 class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -32,6 +35,9 @@ CODEC_INT8_BLOCKWISE: Codec
 CODEC_TOPK: Codec
 CODEC_FP8_E4M3_BLOCKWISE: Codec
 CODEC_INT4_BLOCKWISE: Codec
+CODEC_TOPK_INT2: Codec
+CODEC_TOPK_INT4: Codec
+CODEC_SLICE: Codec
 DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT32: DType
 DTYPE_FLOAT64: DType
@@ -40,7 +46,7 @@ DTYPE_FLOAT16: DType
 DTYPE_INT64: DType
 
 class TensorHeader(_message.Message):
-    __slots__ = ("name", "dtype", "shape", "codec", "block_size", "payload_bytes", "nnz")
+    __slots__ = ("name", "dtype", "shape", "codec", "block_size", "payload_bytes", "nnz", "slice_seed", "slice_parts", "slice_part")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +54,9 @@ class TensorHeader(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     NNZ_FIELD_NUMBER: _ClassVar[int]
+    SLICE_SEED_FIELD_NUMBER: _ClassVar[int]
+    SLICE_PARTS_FIELD_NUMBER: _ClassVar[int]
+    SLICE_PART_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: DType
     shape: _containers.RepeatedScalarFieldContainer[int]
@@ -55,7 +64,10 @@ class TensorHeader(_message.Message):
     block_size: int
     payload_bytes: int
     nnz: int
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., codec: _Optional[_Union[Codec, str]] = ..., block_size: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., nnz: _Optional[int] = ...) -> None: ...
+    slice_seed: int
+    slice_parts: int
+    slice_part: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., codec: _Optional[_Union[Codec, str]] = ..., block_size: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., nnz: _Optional[int] = ..., slice_seed: _Optional[int] = ..., slice_parts: _Optional[int] = ..., slice_part: _Optional[int] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
     __slots__ = ("index", "data")

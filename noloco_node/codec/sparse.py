@@ -1,0 +1,199 @@
+"""Sparse codecs of the outer exchange: top-k per chunk with 2- or 4-bit values (outer deltas) and
+a seeded slice of exact values (slow weights). Pure torch, no grpc; codec/tensors.py dispatches here.
+
+topk_int2 / topk_int4 (spec.block_size = CHUNK = 4096 elements per chunk, spec.nnz = k values kept
+per chunk; a chunk shorter than k keeps all of its elements). Layout, for n elements in
+c = ceil(n / CHUNK) chunks and K kept values in all:
+    c float32 scales, one per chunk: s = max(absmax of the kept values / L, 2^-126)
+    K indices within their chunk, 12 bits each, two per 3 bytes (i0 | i1 << 12, little-endian;
+      an odd K pads the last with 0), strictly increasing within each chunk
+    K codes: int2 four per byte (element 4j in the lowest two bits), q in 0..3 decoding to
+      (2q - 3) * s (L = 3; no zero: a kept value is one of the chunk's largest); int4 two per byte
+      as the int4 codec's nibbles q + 8, q in -7..7 decoding to q * s (L = 7). Padding codes are 0
+      (int2) or 8 (int4); anything else is refused.
+Per kept value that is 12 + 2 (or 4) bits, plus 32 / k bits of scale: at 2% of 4096 (k = 82),
+14.4 bits, against 64 for the plain topk codec's int32 index and float32 value. Values round to
+nearest (|error| <= s for int2, s / 2 for int4); the caller keeps the error in its error-feedback
+residual, so it is sent in a later round, not lost.
+
+slice (spec.nnz values, spec.slice_seed / slice_parts / slice_part): the flattened tensor is cut
+into blocks of SLICE_BLOCK elements (the last may be shorter), the blocks are permuted by a torch
+generator seeded with slice_seed, and part p of P takes the blocks at permuted positions p, p + P,
+p + 2P, ...; the payload is the values at those coordinates in increasing order, exact in the
+declared dtype. The coordinates are derived on both sides from the three numbers; none travels.
+Every other element decodes to 0.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+CHUNK = 4096
+INDEX_BITS = 12  # log2(CHUNK)
+SLICE_BLOCK = 64
+TOPK_LEVELS = {"topk_int2": 3.0, "topk_int4": 7.0}
+TOPK_BITS = {"topk_int2": 2, "topk_int4": 4}
+
+
+class SparseCodecError(ValueError):
+    """A sparse payload or spec that cannot be decoded (codec/tensors.py re-raises it as CodecError)."""
+
+
+# ---- sizes ----------------------------------------------------------------------------------------
+def kept_count(numel: int, per_chunk: int) -> int:
+    """Values a chunked top-k keeps of `numel` elements with `per_chunk` per chunk."""
+    full, rest = divmod(numel, CHUNK)
+    return full * per_chunk + min(per_chunk, rest)
+
+
+def chunked_payload_bytes(codec: str, numel: int, per_chunk: int, block_size: int) -> int:
+    if block_size != CHUNK:
+        raise SparseCodecError(f"{codec} chunks are {CHUNK} elements, not {block_size}")
+    if not 1 <= per_chunk <= CHUNK:
+        raise SparseCodecError(f"{codec} keeps 1 to {CHUNK} values per chunk, not {per_chunk}")
+    kept = kept_count(numel, per_chunk)
+    return 4 * math.ceil(numel / CHUNK) + 3 * math.ceil(kept / 2) + math.ceil(kept * TOPK_BITS[codec] / 8)
+
+
+def per_chunk_count(fraction: float) -> int:
+    """Values kept per chunk for a top-k fraction: ceil(fraction * CHUNK), at least 1."""
+    return max(1, min(CHUNK, math.ceil(fraction * CHUNK)))
+
+
+# ---- chunked top-k with quantized values -------------------------------------------------------------
+def encode_chunked_topk(flat: Tensor, codec: str, per_chunk: int, max_abs: float, min_scale: float) -> bytes:
+    """`flat` float32 on the CPU; returns the payload (layout in the module docstring)."""
+    if not torch.isfinite(flat).all():
+        raise SparseCodecError(f"{codec} codec cannot encode non-finite values")
+    n = flat.numel()
+    chunks = math.ceil(n / CHUNK)
+    padded = torch.nn.functional.pad(flat, (0, chunks * CHUNK - n)).view(chunks, CHUNK) if n else flat.view(0, CHUNK)
+    magnitude = padded.abs()
+    if chunks and n % CHUNK:
+        magnitude[-1, n % CHUNK:] = -1.0  # padding is never chosen over a real element
+    k = min(per_chunk, CHUNK)
+    indices = torch.topk(magnitude, k, dim=1, sorted=False).indices.sort(dim=1).values if chunks else \
+        torch.empty(0, k, dtype=torch.long)
+    values = padded.gather(1, indices)
+    last = n - (chunks - 1) * CHUNK if chunks else 0
+    keep = torch.ones_like(indices, dtype=torch.bool)
+    if chunks and last < k:  # a short last chunk keeps all of its elements, no padding
+        keep[-1] = indices[-1] < last
+    absmax = values.abs().amax(dim=1) if chunks else torch.empty(0)
+    if (absmax > max_abs).any():
+        raise SparseCodecError(f"{codec} codec cannot encode values beyond 2^127: {float(absmax.max()):.3g}")
+    levels = TOPK_LEVELS[codec]
+    scales = (absmax / levels).clamp_(min=min_scale)
+    scaled = values / scales[:, None]
+    flat_indices, flat_scaled = indices[keep], scaled[keep]
+    if codec == "topk_int2":
+        codes = ((flat_scaled + 3.0) / 2.0).round_().clamp_(0, 3).to(torch.uint8)
+        packed_codes = _pack_bits(codes, 2, pad=0)
+    else:
+        codes = flat_scaled.round_().clamp_(-7, 7).to(torch.int8).to(torch.uint8).add_(8) & 0x0F
+        packed_codes = _pack_bits(codes, 4, pad=8)
+    return (scales.float().numpy().tobytes() + _pack_indices(flat_indices).numpy().tobytes()
+            + packed_codes.numpy().tobytes())
+
+
+def decode_chunked_topk(payload: memoryview, codec: str, numel: int, per_chunk: int, max_scale: float,
+                        target: Tensor) -> None:
+    """Validate and decode into `target` (flat, numel elements)."""
+    chunks = math.ceil(numel / CHUNK)
+    kept = kept_count(numel, per_chunk)
+    index_bytes = 3 * math.ceil(kept / 2)
+    scales = _frombuffer(payload[: 4 * chunks], torch.float32)
+    if not torch.isfinite(scales).all() or (scales < 0).any() or (scales > max_scale).any():
+        raise SparseCodecError(f"{codec} payload has a non-finite, negative or out-of-range scale")
+    indices = _unpack_indices(_frombuffer(payload[4 * chunks: 4 * chunks + index_bytes], torch.uint8), kept)
+    counts = torch.full((chunks,), per_chunk, dtype=torch.long)
+    if chunks:
+        counts[-1] = min(per_chunk, numel - (chunks - 1) * CHUNK)
+    chunk_of = torch.repeat_interleave(torch.arange(chunks), counts)
+    lengths = torch.full((chunks,), CHUNK, dtype=torch.long)
+    if chunks:
+        lengths[-1] = numel - (chunks - 1) * CHUNK
+    if kept and (indices >= lengths[chunk_of]).any():
+        raise SparseCodecError(f"{codec} index outside its chunk")
+    same_chunk = chunk_of[1:] == chunk_of[:-1]
+    if kept > 1 and not bool((indices[1:] > indices[:-1])[same_chunk].all()):
+        raise SparseCodecError(f"{codec} indices must be strictly increasing within a chunk (a duplicate or out of order)")
+    raw = _frombuffer(payload[4 * chunks + index_bytes:], torch.uint8)
+    bits = TOPK_BITS[codec]
+    codes = _unpack_bits(raw, bits, kept, pad=0 if bits == 2 else 8, codec=codec)
+    if bits == 2:
+        levels = codes.float().mul_(2.0).sub_(3.0)
+    else:
+        if (codes == 0).any():
+            raise SparseCodecError(f"{codec} payload holds nibble 0 (-8), outside -7..7")
+        levels = codes.float().sub_(8.0)
+    target.zero_()
+    positions = chunk_of * CHUNK + indices
+    target[positions] = (levels * scales[chunk_of]).to(target.dtype)
+
+
+def _pack_indices(indices: Tensor) -> Tensor:
+    """12-bit values, two per 3 bytes."""
+    values = indices.to(torch.int32)
+    if values.numel() % 2:
+        values = torch.cat([values, torch.zeros(1, dtype=torch.int32)])
+    pairs = values.view(-1, 2)
+    word = pairs[:, 0] | (pairs[:, 1] << INDEX_BITS)
+    return torch.stack([word & 0xFF, (word >> 8) & 0xFF, (word >> 16) & 0xFF], dim=1).to(torch.uint8).view(-1)
+
+
+def _unpack_indices(raw: Tensor, count: int) -> Tensor:
+    triples = raw.view(-1, 3).to(torch.int32)
+    word = triples[:, 0] | (triples[:, 1] << 8) | (triples[:, 2] << 16)
+    values = torch.stack([word & 0xFFF, word >> INDEX_BITS], dim=1).view(-1)
+    if values.numel() > count and int(values[count]) != 0:
+        raise SparseCodecError("padding index must be 0")
+    return values[:count].long()
+
+
+def _pack_bits(codes: Tensor, bits: int, pad: int) -> Tensor:
+    per_byte = 8 // bits
+    extra = (-codes.numel()) % per_byte
+    if extra:
+        codes = torch.cat([codes, torch.full((extra,), pad, dtype=torch.uint8)])
+    groups = codes.view(-1, per_byte)
+    packed = torch.zeros(groups.shape[0], dtype=torch.uint8)
+    for j in range(per_byte):
+        packed |= groups[:, j] << (bits * j)
+    return packed
+
+
+def _unpack_bits(raw: Tensor, bits: int, count: int, pad: int, codec: str) -> Tensor:
+    per_byte, mask = 8 // bits, (1 << bits) - 1
+    codes = torch.stack([(raw >> (bits * j)) & mask for j in range(per_byte)], dim=1).view(-1)
+    if (codes[count:] != pad).any():
+        raise SparseCodecError(f"{codec} padding codes must be {pad}")
+    return codes[:count]
+
+
+# ---- seeded slice ----------------------------------------------------------------------------------
+def slice_indices(numel: int, parts: int, part: int, seed: int) -> Tensor:
+    """The coordinates of part `part` of `parts` of a tensor of `numel` elements, increasing."""
+    if parts < 1 or not 0 <= part < parts:
+        raise SparseCodecError(f"slice part {part} of {parts} does not exist")
+    if seed < 0 or seed >= 2**63:
+        raise SparseCodecError(f"slice seed {seed} is outside [0, 2^63)")
+    blocks = math.ceil(numel / SLICE_BLOCK)
+    if parts == 1:
+        return torch.arange(numel)
+    generator = torch.Generator().manual_seed(seed)
+    chosen = torch.randperm(blocks, generator=generator)[part::parts].sort().values
+    coordinates = (chosen[:, None] * SLICE_BLOCK + torch.arange(SLICE_BLOCK)[None, :]).view(-1)
+    return coordinates[coordinates < numel]
+
+
+def _frombuffer(view: memoryview, dtype: torch.dtype) -> Tensor:
+    import warnings
+    if len(view) == 0:
+        return torch.empty(0, dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only buffers: only read
+        return torch.frombuffer(view, dtype=dtype)

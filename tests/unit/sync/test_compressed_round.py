@@ -1,0 +1,102 @@
+"""The compressed pair update (a sliced phi, a quantized top-k Delta) against an oracle written
+from the math in docs/architecture.md (numpy, float64), both sides of a pair; and slice:1.0 with a
+dense Delta is today's exchange bit for bit."""
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from noloco_node.codec.sparse import slice_indices
+from noloco_node.optim.state import OuterState
+from noloco_node.sync.snapshot import PHI_DELTA, SliceRound, fill_slices, freeze, slice_key, unpack
+from noloco_node.sync.memory import decode_snapshot
+
+ALPHA, BETA, GAMMA = 0.5, 0.7, 0.4
+N = 300
+
+
+def replica(seed: int, dtype=torch.float64) -> OuterState:
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(N, generator=torch.Generator().manual_seed(0), dtype=dtype)
+    model = nn.Module()
+    model.w = nn.Parameter(base + 0.02 * torch.randn(N, generator=g, dtype=dtype))
+    state = OuterState(model.named_parameters(), alpha=ALPHA, beta=BETA, gamma=GAMMA)
+    state.momentum["w"] = 0.01 * torch.randn(N, generator=g, dtype=dtype)
+    with torch.no_grad():
+        model.w.add_(0.05 * torch.randn(N, generator=g, dtype=dtype))  # theta = phi + Delta
+    return state
+
+
+def pair_round(codec_phi: str, codec_delta: str, round_index: int = 5, dtype=torch.float64):
+    """Both sides of one pair round as NoLoCoSync runs it, minus the network: freeze, decode what
+    the partner sent, fill the slice, apply."""
+    states = {"a": replica(1, dtype), "b": replica(2, dtype)}
+    before = {n: {"phi": s.phi["w"].clone(), "theta": s.params["w"].detach().clone(), "m": s.momentum["w"].clone()}
+              for n, s in states.items()}
+    frozen = {n: freeze(s, PHI_DELTA, codec_phi, codec_delta, round_of=SliceRound(3, 1, round_index))
+              for n, s in states.items()}
+    for me, other in (("a", "b"), ("b", "a")):
+        received = decode_snapshot(frozen[other].snapshot, frozen[me].expected, codec_phi)
+        peer = fill_slices(states[me], unpack(received, PHI_DELTA, ["w"]), frozen[me].slices)
+        states[me].apply_noloco_sent([peer], frozen[me].own, frozen[me].theta)
+    return states, before, frozen
+
+
+@pytest.mark.parametrize("codec_phi,codec_delta", [("slice:0.25", "topk:0.05+int2"), ("slice:0.5", "topk:0.05+int4"),
+                                                   ("slice:0.125", "none")])
+def test_both_sides_reach_the_oracle(codec_phi, codec_delta):
+    states, before, frozen = pair_round(codec_phi, codec_delta)
+    parts = round(1 / float(codec_phi.partition(":")[2]))
+    seed, _, part = slice_key(3, 1, 5, "w", parts)
+    mask = np.zeros(N)
+    mask[slice_indices(N, parts, part, seed).numpy()] = 1.0
+    sent = {n: f.own["w"][1].numpy() for n, f in frozen.items()}  # Delta as the partner decodes it
+    for me, other in (("a", "b"), ("b", "a")):
+        phi, phi_peer, m = (before[me]["phi"].numpy(), before[other]["phi"].numpy(), before[me]["m"].numpy())
+        # m' = alpha m + beta mean(Delta-hat) + gamma * S (phi_peer - phi) / 2;  phi' = phi + m'
+        m_new = ALPHA * m + BETA * (sent[me] + sent[other]) / 2 + GAMMA * mask * (phi_peer - phi) / 2
+        np.testing.assert_allclose(states[me].momentum["w"].numpy(), m_new, atol=1e-9, rtol=0)
+        np.testing.assert_allclose(states[me].phi["w"].numpy(), phi + m_new, atol=1e-9, rtol=0)
+        np.testing.assert_allclose(states[me].params["w"].detach().numpy(), phi + m_new, atol=1e-9, rtol=0)
+    if codec_delta != "none":
+        assert 0 < frozen["a"].stats["delta_rel_error"] < 1
+
+
+def test_the_symmetric_part_is_bit_identical_on_both_sides():
+    """With gamma = 0 and equal momenta, both sides' update is beta * mean(Delta-hat): the same bits."""
+    global GAMMA
+    saved, GAMMA = GAMMA, 0.0
+    try:
+        states = {"a": replica(1), "b": replica(2)}
+        states["b"].momentum["w"] = states["a"].momentum["w"].clone()
+        frozen = {n: freeze(s, PHI_DELTA, "slice:0.25", "topk:0.05+int2", round_of=SliceRound(3, 1, 5))
+                  for n, s in states.items()}
+        for me, other in (("a", "b"), ("b", "a")):
+            received = decode_snapshot(frozen[other].snapshot, frozen[me].expected, "slice:0.25")
+            peer = fill_slices(states[me], unpack(received, PHI_DELTA, ["w"]), frozen[me].slices)
+            states[me].apply_noloco_sent([peer], frozen[me].own, frozen[me].theta)
+        assert torch.equal(states["a"].momentum["w"], states["b"].momentum["w"])
+    finally:
+        GAMMA = saved
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_slice_one_with_a_dense_delta_is_todays_exchange_exactly(dtype):
+    today, before, frozen_today = pair_round("none", "none", dtype=dtype)
+    sliced, _, frozen_sliced = pair_round("slice:1.0", "none", dtype=dtype)
+    for n in ("a", "b"):
+        assert torch.equal(today[n].phi["w"], sliced[n].phi["w"])
+        assert torch.equal(today[n].momentum["w"], sliced[n].momentum["w"])
+    assert frozen_today["a"].stats["bytes"] == frozen_sliced["a"].stats["bytes"]
+
+
+def test_the_default_sized_round_is_two_percent_of_fp32():
+    """slice:0.01 and topk:0.02+int2 on a stage-sized tensor: the bytes that travel against fp32 phi + Delta."""
+    model = nn.Module()
+    model.w = nn.Parameter(torch.randn(1 << 20))
+    state = OuterState(model.named_parameters(), alpha=ALPHA, beta=BETA, gamma=GAMMA)
+    with torch.no_grad():
+        model.w.add_(0.01 * torch.randn(1 << 20))
+    frozen = freeze(state, PHI_DELTA, "slice:0.01", "topk:0.02+int2", round_of=SliceRound(0, 0, 1))
+    assert frozen.stats["fp32_fraction"] < 0.02
