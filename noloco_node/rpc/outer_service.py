@@ -12,23 +12,24 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import logging
-import math
 import time
+from collections.abc import Sequence
 
 import grpc
 import torch
 from torch import Tensor
 
-from noloco_node.codec.tensors import DTYPES, CodecError, decode_into, encode
+from noloco_node.codec.state_layout import ReceivedState
+from noloco_node.codec.tensors import DTYPES, CodecError, decode_into
 from noloco_node.errors import InvalidPayload, NodeError, PeerBusy, PeerUnavailable, ProtocolMismatch
 from noloco_node.rpc.admission import CALLER
 from noloco_node.rpc.deadlines import ExchangeLimits, Progress, TransferTimedOut, exchange_limits, watch_exchange, within
+from noloco_node.rpc.state_service import StateDonorServicer, StateFetcher
 from noloco_node.rpc.status import status_of
 from noloco_node.rpc.tensors import PayloadReceiver, header_to_spec, iter_chunks, spec_to_header
 from noloco_node.runtime.faults import FaultInjector
-from noloco_node.runtime.link_estimates import RECEIVED, SENT, LinkDeadlines
+from noloco_node.runtime.link_estimates import LinkDeadlines
 from noloco_node.sync.ports import (Decision, EncodedSnapshot, ExpectedTensor, PairingResponder, PairProposal,
                                     StateDonor)
 from noloco_node.wire.v1 import outer_pb2, outer_pb2_grpc, tensor_pb2
@@ -176,6 +177,8 @@ class OuterServicer(outer_pb2_grpc.OuterServicer):
         self.donor = donor
         self.run_id, self.manifest_hash, self.stage = run_id, manifest_hash, stage
         self.max_bytes, self.deadlines = max_bytes, deadlines
+        self.state_donor = StateDonorServicer(run_id=run_id, manifest_hash=manifest_hash, stage=stage,
+                                              deadlines=deadlines, donor=donor, faults=faults)
         self.timeout_s = deadlines.floor_s
 
     async def Exchange(self, request_iterator, context):
@@ -222,53 +225,9 @@ class OuterServicer(outer_pb2_grpc.OuterServicer):
             return
         await self.handler.finish(request.peer_id, received, "paired")
 
-
     async def FetchState(self, request, context):
-        if request is None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "undecodable FetchStateRequest")
-        if request.run.run_id != self.run_id or request.run.manifest_hash != self.manifest_hash or request.stage != self.stage:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"this node serves run {self.run_id}/{self.manifest_hash} stage {self.stage}")
-        caller = CALLER.get()
-        if caller and request.peer_id != caller:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"FetchStateRequest names peer {request.peer_id[-8:]!r}, but the call is signed by {caller[-8:]}")
-        if self.donor is None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this node does not donate state")
-        tensors, counters = await self.donor.export_state()
-        encoded = [(name, *encode(tensor, "none")) for name, tensor in tensors.items()]
-        payload_bytes = sum(len(p) for _, _, p in encoded)
-        counters_dict = json.loads(counters)
-        manifest = outer_pb2.StateMessage(manifest=outer_pb2.StateManifest(
-            inner_step=int(counters_dict["inner_step"]), outer_round=int(counters_dict["outer_round"]),
-            num_tensors=len(encoded), payload_bytes=payload_bytes, counters_json=counters))
-        try:
-            await self._send_state(context, request.peer_id, manifest, encoded, payload_bytes)
-        except TransferTimedOut as exc:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"state transfer cut: {exc}")
-
-    async def _send_state(self, context, requester: str, manifest, encoded: list, payload_bytes: int) -> None:
-        """Written, not yielded, so that each write has the progress deadline (a requester that
-        stops reading is cut) and the whole the deadline derived from its measured bandwidth."""
-        progress = Progress(self.deadlines.stall_s(requester, SENT))
-        progress.set_total(self.deadlines.total_s(requester, payload_bytes, SENT))
-
-        async def put(message) -> None:
-            await within(context.write(message), progress.check(reads_only=False), f"sending state to {requester[-8:]}")
-            progress.stamp_wrote()
-
-        await put(manifest)
-        if self.faults is not None:
-            await self.faults.hit("during_state_transfer")
-        for name, spec, payload in encoded:
-            await put(outer_pb2.StateMessage(tensor=spec_to_header(spec, name)))
-            for chunk in iter_chunks(payload):
-                await put(outer_pb2.StateMessage(chunk=chunk))
-        # No bandwidth sample here: a server stream's writes return once the bytes are buffered
-        # (socket buffers and HTTP/2 windows hold megabytes), long before they arrive, so bytes
-        # over write time measured thousands of Mbit/s on a 0.6 Mbit/s link, and every later
-        # exchange with this requester got the floor as its deadline (benchmarks/wan_utilisation.py).
-        # The requester times the arrival (RECEIVED), which is the link.
+        """Outer.FetchState: rpc/state_service.py."""
+        return await self.state_donor.FetchState(request, context)
 
 
 def _reason(exc: BaseException) -> str:
@@ -293,6 +252,7 @@ class OuterClient:
         self.deadlines = deadlines or LinkDeadlines()
         self.max_bytes = max_bytes
         self.traffic = traffic or Traffic()
+        self.state = StateFetcher(run=self.run, max_bytes=max_bytes, deadlines=self.deadlines, faults=faults)
         self._stubs: dict[str, tuple[grpc.aio.Channel, outer_pb2_grpc.OuterStub]] = {}
 
     def exchange_deadline_s(self, peer_id: str, payload_bytes: int) -> float:
@@ -353,61 +313,11 @@ class OuterClient:
             raise
 
     async def fetch_state(self, to: str, *, stage: int, requester: str, timeout_s: float,
-                          expected: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> tuple[dict[str, Tensor], dict]:
-        """Download a donor's state; every tensor is checked against `expected` before allocation.
-        The deadline is `timeout_s` (timeouts.rpc_s) or the expected state's size at the donor's
-        measured bandwidth times the slack, whichever is longer; once the manifest is in, a donor
-        that sends nothing for the progress deadline is cut (TransferTimedOut)."""
-        request = outer_pb2.FetchStateRequest(run=self.run, stage=stage, peer_id=requester)
-        state_bytes = sum(math.prod(shape) * dtype.itemsize for shape, dtype in expected.values())
-        total_s = self.deadlines.floored(timeout_s).total_s(to, state_bytes, RECEIVED)
-        stall_s = self.deadlines.stall_s(to, RECEIVED)
-        call = (await self._stub(to)).FetchState(request, timeout=total_s)
-        try:
-            first = await call.read()  # the donor copies its state first: only the total deadline here
-            began = time.monotonic()
-            if first is grpc.aio.EOF or first.WhichOneof("kind") != "manifest":
-                raise InvalidPayload(f"{to} did not start FetchState with a manifest")
-            manifest = first.manifest
-            if self.faults is not None:
-                await self.faults.hit("during_state_transfer")
-            if manifest.num_tensors > len(expected) or manifest.payload_bytes > self.max_bytes * 4:
-                raise InvalidPayload(f"{to} declares {manifest.num_tensors} tensors / {manifest.payload_bytes} bytes")
-            tensors = await self._state_tensors(lambda: within(call.read(), stall_s, f"receiving state from {to[-8:]}"),
-                                                manifest.num_tensors, expected)
-            self.deadlines.estimates.observe(to, manifest.payload_bytes, time.monotonic() - began, RECEIVED)
-            return tensors, json.loads(manifest.counters_json)
-        except grpc.aio.AioRpcError as exc:
-            raise PeerUnavailable(f"{to}: {exc.code().name} {exc.details() or ''}".strip()) from None
-        except (CodecError, ValueError) as exc:
-            call.cancel()
-            raise InvalidPayload(f"{to}: {exc}") from None
-        except BaseException:
-            call.cancel()  # we gave up early (a stalled donor, a bad tensor): free the stream
-            raise
-
-    async def _state_tensors(self, read, count: int, expected: dict) -> dict[str, Tensor]:
-        tensors: dict[str, Tensor] = {}
-        for _ in range(count):
-            message = await read()
-            if message is grpc.aio.EOF or message.WhichOneof("kind") != "tensor":
-                raise InvalidPayload("expected a tensor header")
-            header, spec = message.tensor, header_to_spec(message.tensor)
-            want = expected.get(header.name)
-            if want is None or spec.shape != want[0] or DTYPES[spec.dtype] != want[1] or spec.codec != "none":
-                raise InvalidPayload(f"unexpected state tensor {header.name!r} {spec.dtype}{list(spec.shape)}")
-            receiver = PayloadReceiver(spec, max_bytes=self.max_bytes)
-            while not receiver.complete:
-                chunk = await read()
-                if chunk is grpc.aio.EOF or chunk.WhichOneof("kind") != "chunk":
-                    raise InvalidPayload("state stream ended inside a tensor")
-                receiver.add(chunk.chunk)
-            tensor = torch.empty(spec.shape, dtype=DTYPES[spec.dtype])
-            decode_into(spec, receiver.finish(), tensor)
-            if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-                raise InvalidPayload(f"state tensor {header.name!r} is not finite")
-            tensors[header.name] = tensor
-        return tensors
+                          expected: dict[str, tuple[tuple[int, ...], torch.dtype]], names: Sequence[str] = (),
+                          compact: bool = False, into: ReceivedState | None = None) -> tuple[dict[str, Tensor], dict]:
+        """A donor's state of `names` (all when empty), dense or compact: rpc/state_service.py."""
+        return await self.state.fetch(await self._stub(to), to, stage=stage, requester=requester, timeout_s=timeout_s,
+                                      expected=expected, names=names, compact=compact, into=into)
 
     async def close(self) -> None:
         self._stubs.clear()

@@ -28,8 +28,10 @@ from noloco_node.errors import NodeError
 
 log = logging.getLogger(__name__)
 
-POINTS = ("before_forward", "mid_backward", "during_exchange", "exchange_write", "during_state_transfer", "send_snapshot",
-          "inner_step", "weights")
+# donate_parameter: a state donor, before each parameter it sends (during_state_transfer: once,
+# after the manifest, on both sides), so "donate_parameter:crash@3" dies after two parameters.
+POINTS = ("before_forward", "mid_backward", "during_exchange", "exchange_write", "during_state_transfer",
+          "donate_parameter", "send_snapshot", "inner_step", "weights")
 POISON_POINTS = ("send_snapshot", "inner_step", "weights")
 ACTIONS = ("crash", "stall", "delay", "error", "poison")
 CRASH_EXIT_CODE = 17

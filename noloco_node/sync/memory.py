@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -14,7 +15,8 @@ from noloco_node.errors import InvalidPayload, PeerBusy, PeerUnavailable, Protoc
 from noloco_node.runtime.faults import FaultInjector
 from noloco_node.sync.ports import (Decision, EncodedSnapshot, ExpectedTensor, PairingResponder, PairProposal,
                                     StateDonor)
-from noloco_node.codec.tensors import DTYPES, CodecError, decode_into
+from noloco_node.codec.state_layout import STATE_BLOCK, ReceivedState, select_state, state_codec
+from noloco_node.codec.tensors import DTYPES, CodecError, decode, decode_into, encode
 
 
 def decode_snapshot(snapshot: EncodedSnapshot, expected: list[ExpectedTensor], codec: str) -> dict[str, Tensor]:
@@ -43,6 +45,8 @@ class MemoryPairingHub:
         self.responders: dict[str, PairingResponder] = {}
         self.donors: dict[str, StateDonor] = {}
         self.down: set[str] = set()
+        self.state_cut: dict[str, int] = {}
+        """Tests: donor -> parameters of a state transfer it sends before it leaves mid-transfer."""
         self.transports: dict[str, MemoryPairing] = {}
 
     def register(self, peer_id: str, responder: PairingResponder | None, donor: StateDonor | None = None) -> None:
@@ -95,16 +99,32 @@ class MemoryPairing:
         return received
 
     async def fetch_state(self, peer_id: str, *, stage: int, requester: str, timeout_s: float,
-                          expected: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> tuple[dict[str, Tensor], dict]:
+                          expected: dict[str, tuple[tuple[int, ...], torch.dtype]], names: Sequence[str] = (),
+                          compact: bool = False, into: ReceivedState | None = None) -> tuple[dict[str, Tensor], dict]:
+        """As rpc/state_service.py: the parameters `names` (all when empty), grouped by parameter,
+        each tensor through the codec the encoding gives its kind and checked against `expected`.
+        A donor in `hub.state_cut` leaves after sending that many parameters (PeerUnavailable)."""
+        into = into if into is not None else ReceivedState()
         donor = self.hub.donors.get(peer_id)
         if donor is None or peer_id in self.hub.down:
             raise PeerUnavailable(f"{peer_id} does not donate state")
         tensors, counters = await asyncio.wait_for(donor.export_state(), timeout_s)
-        for name, tensor in tensors.items():
-            want = expected.get(name)
-            if want is None or tuple(tensor.shape) != want[0] or tensor.dtype != want[1]:
-                raise InvalidPayload(f"unexpected state tensor {name!r} {tensor.dtype}{list(tensor.shape)}")
-        return {n: t.clone() for n, t in tensors.items()}, json.loads(counters)
+        try:
+            selected = select_state(tensors, list(names))
+        except ValueError as exc:  # the gRPC donor answers INVALID_ARGUMENT
+            raise InvalidPayload(f"{peer_id} refused: {exc}") from None
+        into.counters = json.loads(counters)
+        for sent, parameter in enumerate(selected):
+            if sent == self.hub.state_cut.get(peer_id):
+                self.hub.leave(peer_id)
+                raise PeerUnavailable(f"{peer_id} left after {sent} parameters")
+            for name in selected[parameter]:
+                tensor, want = tensors[name], expected.get(name)
+                if want is None or tuple(tensor.shape) != want[0] or tensor.dtype != want[1] or name in into.tensors:
+                    raise InvalidPayload(f"unexpected state tensor {name!r} {tensor.dtype}{list(tensor.shape)}")
+                into.tensors[name] = decode(*encode(tensor, state_codec(name, tensor.dtype, compact), block_size=STATE_BLOCK))
+            await asyncio.sleep(0)  # other donors' transfers interleave, as over the network
+        return into.tensors, into.counters
 
     async def close(self) -> None:
         return None

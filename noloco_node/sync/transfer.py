@@ -1,6 +1,8 @@
 """State transfer for a joining replica: export a donor's slow weights, outer momentum, Adam
 moments and counters as named tensors, and import them on the joiner (which then sets theta = phi).
-Runs on the compute thread on both sides, so the exported state is consistent."""
+Runs on the compute thread on both sides, so the exported state is consistent. What travels
+exactly and what compactly, and in which order: codec/state_layout.py; fetching from several
+donors: sync/state_fetch.py."""
 
 from __future__ import annotations
 

@@ -25,13 +25,15 @@ _sym_db = _symbol_database.Default()
 from noloco_node.wire.v1 import tensor_pb2 as noloco__node_dot_wire_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fnoloco_node/wire/v1/outer.proto\x12\x0enoloco.wire.v1\x1a noloco_node/wire/v1/tensor.proto\"\xca\x01\n\x0bPairRequest\x12(\n\x03run\x18\x01 \x01(\x0b\x32\x1b.noloco.wire.v1.RunIdentity\x12\r\n\x05stage\x18\x02 \x01(\r\x12\r\n\x05round\x18\x03 \x01(\x04\x12\x12\n\ninner_step\x18\x04 \x01(\x04\x12\x0f\n\x07peer_id\x18\x05 \x01(\t\x12\r\n\x05nonce\x18\x06 \x01(\x0c\x12\x19\n\x11send_slow_weights\x18\x07 \x01(\x08\x12$\n\x05\x63odec\x18\x08 \x01(\x0e\x32\x15.noloco.wire.v1.Codec\"\xc6\x01\n\tPairReply\x12\x34\n\x08\x64\x65\x63ision\x18\x01 \x01(\x0e\x32\".noloco.wire.v1.PairReply.Decision\x12\x0e\n\x06wait_s\x18\x02 \x01(\x01\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0f\n\x07peer_id\x18\x04 \x01(\t\"R\n\x08\x44\x65\x63ision\x12\x18\n\x14\x44\x45\x43ISION_UNSPECIFIED\x10\x00\x12\n\n\x06\x41\x43\x43\x45PT\x10\x01\x12\x08\n\x04\x42USY\x10\x02\x12\x08\n\x04WAIT\x10\x03\x12\x0c\n\x08MISMATCH\x10\x04\">\n\x10SnapshotManifest\x12\x13\n\x0bnum_tensors\x18\x01 \x01(\r\x12\x15\n\rpayload_bytes\x18\x02 \x01(\x04\"\x19\n\x07Receipt\x12\x0e\n\x06sha256\x18\x01 \x01(\x0c\"\x17\n\x05\x41\x62ort\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xdd\x02\n\x0f\x45xchangeMessage\x12.\n\x07request\x18\x01 \x01(\x0b\x32\x1b.noloco.wire.v1.PairRequestH\x00\x12*\n\x05reply\x18\x02 \x01(\x0b\x32\x19.noloco.wire.v1.PairReplyH\x00\x12\x34\n\x08manifest\x18\x03 \x01(\x0b\x32 .noloco.wire.v1.SnapshotManifestH\x00\x12.\n\x06tensor\x18\x04 \x01(\x0b\x32\x1c.noloco.wire.v1.TensorHeaderH\x00\x12,\n\x05\x63hunk\x18\x05 \x01(\x0b\x32\x1b.noloco.wire.v1.TensorChunkH\x00\x12*\n\x07receipt\x18\x06 \x01(\x0b\x32\x17.noloco.wire.v1.ReceiptH\x00\x12&\n\x05\x61\x62ort\x18\x07 \x01(\x0b\x32\x15.noloco.wire.v1.AbortH\x00\x42\x06\n\x04kind\"]\n\x11\x46\x65tchStateRequest\x12(\n\x03run\x18\x01 \x01(\x0b\x32\x1b.noloco.wire.v1.RunIdentity\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x0f\n\x07peer_id\x18\x03 \x01(\t\"{\n\rStateManifest\x12\x12\n\ninner_step\x18\x01 \x01(\x04\x12\x13\n\x0bouter_round\x18\x02 \x01(\x04\x12\x13\n\x0bnum_tensors\x18\x03 \x01(\r\x12\x15\n\rpayload_bytes\x18\x04 \x01(\x04\x12\x15\n\rcounters_json\x18\x05 \x01(\t\"\xa7\x01\n\x0cStateMessage\x12\x31\n\x08manifest\x18\x01 \x01(\x0b\x32\x1d.noloco.wire.v1.StateManifestH\x00\x12.\n\x06tensor\x18\x02 \x01(\x0b\x32\x1c.noloco.wire.v1.TensorHeaderH\x00\x12,\n\x05\x63hunk\x18\x03 \x01(\x0b\x32\x1b.noloco.wire.v1.TensorChunkH\x00\x42\x06\n\x04kind2\xaa\x01\n\x05Outer\x12P\n\x08\x45xchange\x12\x1f.noloco.wire.v1.ExchangeMessage\x1a\x1f.noloco.wire.v1.ExchangeMessage(\x01\x30\x01\x12O\n\nFetchState\x12!.noloco.wire.v1.FetchStateRequest\x1a\x1c.noloco.wire.v1.StateMessage0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fnoloco_node/wire/v1/outer.proto\x12\x0enoloco.wire.v1\x1a noloco_node/wire/v1/tensor.proto\"\xca\x01\n\x0bPairRequest\x12(\n\x03run\x18\x01 \x01(\x0b\x32\x1b.noloco.wire.v1.RunIdentity\x12\r\n\x05stage\x18\x02 \x01(\r\x12\r\n\x05round\x18\x03 \x01(\x04\x12\x12\n\ninner_step\x18\x04 \x01(\x04\x12\x0f\n\x07peer_id\x18\x05 \x01(\t\x12\r\n\x05nonce\x18\x06 \x01(\x0c\x12\x19\n\x11send_slow_weights\x18\x07 \x01(\x08\x12$\n\x05\x63odec\x18\x08 \x01(\x0e\x32\x15.noloco.wire.v1.Codec\"\xc6\x01\n\tPairReply\x12\x34\n\x08\x64\x65\x63ision\x18\x01 \x01(\x0e\x32\".noloco.wire.v1.PairReply.Decision\x12\x0e\n\x06wait_s\x18\x02 \x01(\x01\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0f\n\x07peer_id\x18\x04 \x01(\t\"R\n\x08\x44\x65\x63ision\x12\x18\n\x14\x44\x45\x43ISION_UNSPECIFIED\x10\x00\x12\n\n\x06\x41\x43\x43\x45PT\x10\x01\x12\x08\n\x04\x42USY\x10\x02\x12\x08\n\x04WAIT\x10\x03\x12\x0c\n\x08MISMATCH\x10\x04\">\n\x10SnapshotManifest\x12\x13\n\x0bnum_tensors\x18\x01 \x01(\r\x12\x15\n\rpayload_bytes\x18\x02 \x01(\x04\"\x19\n\x07Receipt\x12\x0e\n\x06sha256\x18\x01 \x01(\x0c\"\x17\n\x05\x41\x62ort\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xdd\x02\n\x0f\x45xchangeMessage\x12.\n\x07request\x18\x01 \x01(\x0b\x32\x1b.noloco.wire.v1.PairRequestH\x00\x12*\n\x05reply\x18\x02 \x01(\x0b\x32\x19.noloco.wire.v1.PairReplyH\x00\x12\x34\n\x08manifest\x18\x03 \x01(\x0b\x32 .noloco.wire.v1.SnapshotManifestH\x00\x12.\n\x06tensor\x18\x04 \x01(\x0b\x32\x1c.noloco.wire.v1.TensorHeaderH\x00\x12,\n\x05\x63hunk\x18\x05 \x01(\x0b\x32\x1b.noloco.wire.v1.TensorChunkH\x00\x12*\n\x07receipt\x18\x06 \x01(\x0b\x32\x17.noloco.wire.v1.ReceiptH\x00\x12&\n\x05\x61\x62ort\x18\x07 \x01(\x0b\x32\x15.noloco.wire.v1.AbortH\x00\x42\x06\n\x04kind\"\x9d\x01\n\x11\x46\x65tchStateRequest\x12(\n\x03run\x18\x01 \x01(\x0b\x32\x1b.noloco.wire.v1.RunIdentity\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x0f\n\x07peer_id\x18\x03 \x01(\t\x12\r\n\x05names\x18\x04 \x03(\t\x12/\n\x08\x65ncoding\x18\x05 \x01(\x0e\x32\x1d.noloco.wire.v1.StateEncoding\"{\n\rStateManifest\x12\x12\n\ninner_step\x18\x01 \x01(\x04\x12\x13\n\x0bouter_round\x18\x02 \x01(\x04\x12\x13\n\x0bnum_tensors\x18\x03 \x01(\r\x12\x15\n\rpayload_bytes\x18\x04 \x01(\x04\x12\x15\n\rcounters_json\x18\x05 \x01(\t\"\xa7\x01\n\x0cStateMessage\x12\x31\n\x08manifest\x18\x01 \x01(\x0b\x32\x1d.noloco.wire.v1.StateManifestH\x00\x12.\n\x06tensor\x18\x02 \x01(\x0b\x32\x1c.noloco.wire.v1.TensorHeaderH\x00\x12,\n\x05\x63hunk\x18\x03 \x01(\x0b\x32\x1b.noloco.wire.v1.TensorChunkH\x00\x42\x06\n\x04kind*E\n\rStateEncoding\x12\x18\n\x14STATE_ENCODING_DENSE\x10\x00\x12\x1a\n\x16STATE_ENCODING_COMPACT\x10\x01\x32\xaa\x01\n\x05Outer\x12P\n\x08\x45xchange\x12\x1f.noloco.wire.v1.ExchangeMessage\x1a\x1f.noloco.wire.v1.ExchangeMessage(\x01\x30\x01\x12O\n\nFetchState\x12!.noloco.wire.v1.FetchStateRequest\x1a\x1c.noloco.wire.v1.StateMessage0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'noloco_node.wire.v1.outer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_STATEENCODING']._serialized_start=1414
+  _globals['_STATEENCODING']._serialized_end=1483
   _globals['_PAIRREQUEST']._serialized_start=86
   _globals['_PAIRREQUEST']._serialized_end=288
   _globals['_PAIRREPLY']._serialized_start=291
@@ -46,12 +48,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ABORT']._serialized_end=605
   _globals['_EXCHANGEMESSAGE']._serialized_start=608
   _globals['_EXCHANGEMESSAGE']._serialized_end=957
-  _globals['_FETCHSTATEREQUEST']._serialized_start=959
-  _globals['_FETCHSTATEREQUEST']._serialized_end=1052
-  _globals['_STATEMANIFEST']._serialized_start=1054
-  _globals['_STATEMANIFEST']._serialized_end=1177
-  _globals['_STATEMESSAGE']._serialized_start=1180
-  _globals['_STATEMESSAGE']._serialized_end=1347
-  _globals['_OUTER']._serialized_start=1350
-  _globals['_OUTER']._serialized_end=1520
+  _globals['_FETCHSTATEREQUEST']._serialized_start=960
+  _globals['_FETCHSTATEREQUEST']._serialized_end=1117
+  _globals['_STATEMANIFEST']._serialized_start=1119
+  _globals['_STATEMANIFEST']._serialized_end=1242
+  _globals['_STATEMESSAGE']._serialized_start=1245
+  _globals['_STATEMESSAGE']._serialized_end=1412
+  _globals['_OUTER']._serialized_start=1486
+  _globals['_OUTER']._serialized_end=1656
 # @@protoc_insertion_point(module_scope)

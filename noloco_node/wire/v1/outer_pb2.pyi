@@ -1,11 +1,19 @@
 from noloco_node.wire.v1 import tensor_pb2 as _tensor_pb2
+from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class StateEncoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STATE_ENCODING_DENSE: _ClassVar[StateEncoding]
+    STATE_ENCODING_COMPACT: _ClassVar[StateEncoding]
+STATE_ENCODING_DENSE: StateEncoding
+STATE_ENCODING_COMPACT: StateEncoding
 
 class PairRequest(_message.Message):
     __slots__ = ("run", "stage", "round", "inner_step", "peer_id", "nonce", "send_slow_weights", "codec")
@@ -90,14 +98,18 @@ class ExchangeMessage(_message.Message):
     def __init__(self, request: _Optional[_Union[PairRequest, _Mapping]] = ..., reply: _Optional[_Union[PairReply, _Mapping]] = ..., manifest: _Optional[_Union[SnapshotManifest, _Mapping]] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorHeader, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ..., receipt: _Optional[_Union[Receipt, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ...) -> None: ...
 
 class FetchStateRequest(_message.Message):
-    __slots__ = ("run", "stage", "peer_id")
+    __slots__ = ("run", "stage", "peer_id", "names", "encoding")
     RUN_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
     run: _tensor_pb2.RunIdentity
     stage: int
     peer_id: str
-    def __init__(self, run: _Optional[_Union[_tensor_pb2.RunIdentity, _Mapping]] = ..., stage: _Optional[int] = ..., peer_id: _Optional[str] = ...) -> None: ...
+    names: _containers.RepeatedScalarFieldContainer[str]
+    encoding: StateEncoding
+    def __init__(self, run: _Optional[_Union[_tensor_pb2.RunIdentity, _Mapping]] = ..., stage: _Optional[int] = ..., peer_id: _Optional[str] = ..., names: _Optional[_Iterable[str]] = ..., encoding: _Optional[_Union[StateEncoding, str]] = ...) -> None: ...
 
 class StateManifest(_message.Message):
     __slots__ = ("inner_step", "outer_round", "num_tensors", "payload_bytes", "counters_json")

@@ -63,7 +63,9 @@ class OuterServicer:
 
     def FetchState(self, request, context):
         """Server stream for a joining replica: a StateManifest, then per tensor a TensorHeader and
-        its chunks (slow weights, outer momentum, Adam moments), all in CODEC_NONE.
+        its chunks (slow weights, outer momentum, Adam moments), grouped by parameter: all of a
+        parameter's tensors, then the next parameter's. Only the parameters named in the request
+        (all when it names none), in the encoding it asks for (StateEncoding).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

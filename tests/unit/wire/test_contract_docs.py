@@ -26,6 +26,8 @@ SERVICE_MODULES = (stage_pb2, outer_pb2, diag_pb2)
 SERVICERS = {"Stage": ("rpc/stage_service.py", "StageServicer"),
              "Outer": ("rpc/outer_service.py", "OuterServicer"),
              "Diagnostics": ("rpc/diagnostics.py", "DiagnosticsServicer")}
+# Methods whose servicer hands the call to a class of its own module.
+METHOD_SERVICERS = {("Outer", "FetchState"): ("rpc/state_service.py", "StateDonorServicer")}
 # What gRPC itself may answer whatever a servicer does: an unreachable or stopping node, a passed
 # deadline, a cancelled call, a service the node does not register, its message and call limits.
 GRPC_OWN = {"CANCELLED", "DEADLINE_EXCEEDED", "UNAVAILABLE", "UNIMPLEMENTED", "INTERNAL", "RESOURCE_EXHAUSTED", "UNKNOWN"}
@@ -102,7 +104,7 @@ def _admission_codes() -> set[str]:
 
 
 def _returnable(service: str, method: str) -> set[str]:
-    module, cls = SERVICERS[service]
+    module, cls = METHOD_SERVICERS.get((service, method), SERVICERS[service])
     return {"OK"} | _aborted_codes(_reachable(_class(PACKAGE / module, cls), method)) | _admission_codes()
 
 

@@ -1,0 +1,193 @@
+"""Outer.FetchState, both sides: a donor streams the state of the parameters a joiner asks for, in
+the encoding it asks for (codec/state_layout.py says what travels exactly and what compactly); the
+joiner checks every tensor against what it asked for before allocating it.
+
+Order on the stream: a StateManifest (the donor's counters), then per parameter asked for its
+tensors (phi, momentum, Adam's two moments), each a TensorHeader and its chunks. Grouping by
+parameter lets a joiner whose donor dies mid-stream keep the parameters it received whole
+(`ReceivedState`) and ask another donor for the rest (sync/state_fetch.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Sequence
+
+import grpc
+import torch
+from torch import Tensor
+
+from noloco_node.codec.state_layout import (MAX_REQUESTED_NAMES, STATE_BLOCK, ReceivedState, select_state, state_codec,
+                                            state_spec)
+from noloco_node.codec.tensors import DTYPES, CodecError, TensorSpec, decode_into, encode
+from noloco_node.errors import InvalidPayload, PeerUnavailable
+from noloco_node.rpc.admission import CALLER
+from noloco_node.rpc.deadlines import Progress, TransferTimedOut, within
+from noloco_node.rpc.tensors import PayloadReceiver, header_to_spec, iter_chunks, spec_to_header
+from noloco_node.runtime.faults import FaultInjector
+from noloco_node.runtime.link_estimates import RECEIVED, SENT, LinkDeadlines
+from noloco_node.sync.ports import StateDonor
+from noloco_node.wire.v1 import outer_pb2, outer_pb2_grpc, tensor_pb2
+
+COMPACT = outer_pb2.STATE_ENCODING_COMPACT
+DENSE = outer_pb2.STATE_ENCODING_DENSE
+
+
+class StateDonorServicer:
+    """The donor side of Outer.FetchState (OuterServicer hands its calls here)."""
+
+    def __init__(self, *, run_id: str, manifest_hash: str, stage: int, deadlines: LinkDeadlines,
+                 donor: StateDonor | None, faults: FaultInjector | None = None) -> None:
+        self.run_id, self.manifest_hash, self.stage = run_id, manifest_hash, stage
+        self.deadlines, self.donor, self.faults = deadlines, donor, faults
+
+    async def FetchState(self, request, context):
+        if request is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "undecodable FetchStateRequest")
+        if request.run.run_id != self.run_id or request.run.manifest_hash != self.manifest_hash or request.stage != self.stage:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"this node serves run {self.run_id}/{self.manifest_hash} stage {self.stage}")
+        caller = CALLER.get()
+        if caller and request.peer_id != caller:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"FetchStateRequest names peer {request.peer_id[-8:]!r}, but the call is signed by {caller[-8:]}")
+        if request.encoding not in (DENSE, COMPACT):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"unknown state encoding {request.encoding}; use STATE_ENCODING_DENSE or _COMPACT")
+        if len(request.names) > MAX_REQUESTED_NAMES:  # before copying anything
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"{len(request.names)} parameters asked for; at most {MAX_REQUESTED_NAMES} per request")
+        if self.donor is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this node does not donate state")
+        tensors, counters = await self.donor.export_state()
+        try:
+            selected = select_state(tensors, list(request.names))
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"FetchStateRequest: {exc}")
+        compact = request.encoding == COMPACT
+        order = [name for names in selected.values() for name in names]
+        specs = {n: state_spec(n, tuple(tensors[n].shape), tensors[n].dtype, compact) for n in order}
+        payload_bytes = sum(spec.payload_bytes for spec in specs.values())
+        counters_dict = json.loads(counters)
+        manifest = outer_pb2.StateMessage(manifest=outer_pb2.StateManifest(
+            inner_step=int(counters_dict["inner_step"]), outer_round=int(counters_dict["outer_round"]),
+            num_tensors=len(order), payload_bytes=payload_bytes, counters_json=counters))
+        try:
+            await self._send_state(context, request.peer_id, manifest, selected, tensors, compact, payload_bytes)
+        except TransferTimedOut as exc:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"state transfer cut: {exc}")
+
+    async def _send_state(self, context, requester: str, manifest, selected: dict[str, list[str]],
+                          tensors: dict[str, Tensor], compact: bool, payload_bytes: int) -> None:
+        """Written, not yielded, so that each write has the progress deadline (a requester that
+        stops reading is cut) and the whole the deadline derived from its measured bandwidth.
+        Each tensor is encoded just before it is sent, off the event loop (an int8 pass over a
+        large matrix would otherwise hold up this node's pipeline traffic)."""
+        progress = Progress(self.deadlines.stall_s(requester, SENT))
+        progress.set_total(self.deadlines.total_s(requester, payload_bytes, SENT))
+
+        async def put(message) -> None:
+            await within(context.write(message), progress.check(reads_only=False), f"sending state to {requester[-8:]}")
+            progress.stamp_wrote()
+
+        await put(manifest)
+        if self.faults is not None:
+            await self.faults.hit("during_state_transfer")
+        for names in selected.values():
+            if self.faults is not None:
+                await self.faults.hit("donate_parameter")  # tests: a donor that dies between parameters
+            for name in names:
+                tensor = tensors[name]
+                codec = state_codec(name, tensor.dtype, compact)
+                spec, payload = await asyncio.to_thread(encode, tensor, codec, block_size=STATE_BLOCK)
+                progress.stamp_wrote()  # encoding is not the requester stalling
+                await put(outer_pb2.StateMessage(tensor=spec_to_header(spec, name)))
+                for chunk in iter_chunks(payload):
+                    await put(outer_pb2.StateMessage(chunk=chunk))
+        # No bandwidth sample here: a server stream's writes return once the bytes are buffered
+        # (socket buffers and HTTP/2 windows hold megabytes), long before they arrive, so bytes
+        # over write time measured thousands of Mbit/s on a 0.6 Mbit/s link, and every later
+        # exchange with this requester got the floor as its deadline (benchmarks/wan_utilisation.py).
+        # The requester times the arrival (RECEIVED), which is the link.
+
+
+class StateFetcher:
+    """The joiner side of Outer.FetchState (OuterClient.fetch_state hands its calls here)."""
+
+    def __init__(self, *, run: tensor_pb2.RunIdentity, max_bytes: int, deadlines: LinkDeadlines,
+                 faults: FaultInjector | None = None) -> None:
+        self.run, self.max_bytes, self.deadlines, self.faults = run, max_bytes, deadlines, faults
+
+    async def fetch(self, stub: outer_pb2_grpc.OuterStub, to: str, *, stage: int, requester: str, timeout_s: float,
+                    expected: dict[str, tuple[tuple[int, ...], torch.dtype]], names: Sequence[str] = (),
+                    compact: bool = False, into: ReceivedState | None = None) -> tuple[dict[str, Tensor], dict]:
+        """Download the state of `names` (every parameter when empty) from donor `to`. Every
+        tensor is checked against `expected` (name, shape, dtype) and the codec the encoding gives
+        its kind before it is allocated; `expected` should hold exactly what was asked for. The
+        deadline is `timeout_s` (timeouts.rpc_s) or the asked state's size at the donor's measured
+        bandwidth times the slack, whichever is longer; once the manifest is in, a donor that
+        sends nothing for the progress deadline is cut (TransferTimedOut). `into`, when given,
+        receives the counters and each tensor as it arrives, so a caller keeps what came before a
+        failure."""
+        into = into if into is not None else ReceivedState()
+        request = outer_pb2.FetchStateRequest(run=self.run, stage=stage, peer_id=requester, names=list(names),
+                                              encoding=COMPACT if compact else DENSE)
+        state_bytes = sum(state_spec(n, shape, dtype, compact).payload_bytes for n, (shape, dtype) in expected.items())
+        total_s = self.deadlines.floored(timeout_s).total_s(to, state_bytes, RECEIVED)
+        stall_s = self.deadlines.stall_s(to, RECEIVED)
+        call = stub.FetchState(request, timeout=total_s)
+        try:
+            first = await call.read()  # the donor copies its state first: only the total deadline here
+            began = time.monotonic()
+            if first is grpc.aio.EOF or first.WhichOneof("kind") != "manifest":
+                raise InvalidPayload(f"{to} did not start FetchState with a manifest")
+            manifest = first.manifest
+            if self.faults is not None:
+                await self.faults.hit("during_state_transfer")
+            if manifest.num_tensors > len(expected) or manifest.payload_bytes > state_bytes:
+                raise InvalidPayload(f"{to} declares {manifest.num_tensors} tensors / {manifest.payload_bytes} bytes")
+            into.counters = json.loads(manifest.counters_json)
+            await self._state_tensors(lambda: within(call.read(), stall_s, f"receiving state from {to[-8:]}"),
+                                      manifest.num_tensors, expected, compact, into.tensors)
+            self.deadlines.estimates.observe(to, manifest.payload_bytes, time.monotonic() - began, RECEIVED)
+            return into.tensors, into.counters
+        except grpc.aio.AioRpcError as exc:
+            raise PeerUnavailable(f"{to}: {exc.code().name} {exc.details() or ''}".strip()) from None
+        except (CodecError, ValueError) as exc:
+            call.cancel()
+            raise InvalidPayload(f"{to}: {exc}") from None
+        except BaseException:
+            call.cancel()  # we gave up early (a stalled donor, a bad tensor): free the stream
+            raise
+
+    async def _state_tensors(self, read, count: int, expected: dict, compact: bool, out: dict[str, Tensor]) -> None:
+        for _ in range(count):
+            message = await read()
+            if message is grpc.aio.EOF or message.WhichOneof("kind") != "tensor":
+                raise InvalidPayload("expected a tensor header")
+            header, spec = message.tensor, header_to_spec(message.tensor)
+            _check_header(header.name, spec, expected.get(header.name), compact, out)
+            receiver = PayloadReceiver(spec, max_bytes=self.max_bytes)
+            while not receiver.complete:
+                chunk = await read()
+                if chunk is grpc.aio.EOF or chunk.WhichOneof("kind") != "chunk":
+                    raise InvalidPayload("state stream ended inside a tensor")
+                receiver.add(chunk.chunk)
+            tensor = torch.empty(spec.shape, dtype=DTYPES[spec.dtype])
+            decode_into(spec, receiver.finish(), tensor)
+            if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+                raise InvalidPayload(f"state tensor {header.name!r} is not finite")
+            out[header.name] = tensor
+
+
+def _check_header(name: str, spec: TensorSpec, want: tuple[tuple[int, ...], torch.dtype] | None, compact: bool,
+                  received: dict) -> None:
+    """A tensor the joiner did not ask for, sent twice, of another shape or dtype, or in another
+    codec than the encoding gives its kind (phi is always exact) is refused before allocation."""
+    if want is None or name in received:
+        raise InvalidPayload(f"unexpected state tensor {name!r}" + (" (sent twice)" if want is not None else ""))
+    codec = state_codec(name, want[1], compact)
+    if spec.shape != want[0] or DTYPES.get(spec.dtype) != want[1] or spec.codec != codec:
+        raise InvalidPayload(f"state tensor {name!r} {spec.dtype}{list(spec.shape)}/{spec.codec} does not match "
+                             f"{want[1]}{list(want[0])}/{codec}")

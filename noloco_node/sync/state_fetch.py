@@ -1,0 +1,167 @@
+"""A joiner's state, fetched from several donors at once and resumed past a donor that fails.
+
+The stage's parameters are split into one part per donor (up to `max_donors`), balanced by their
+payload bytes in the chosen encoding; a parameter is never split, so its phi, m and both Adam
+moments come from one donor and agree with each other. The parts are fetched concurrently, so the
+donors' uplinks add up. A donor that fails mid-transfer costs only the parameters it had not sent
+whole: they go to another live donor (one not used yet, else one that finished its part), at most
+`max_retries` times in all (each failed donor is dropped), each fetch under the transport's own deadlines.
+
+Counters: inner_step and outer_round come from the donor furthest along (the largest inner step)
+among those whose parameters we keep: the joiner then starts at the newest round any of its state
+reached, never behind a donor it copied from (a round behind, its first exchange would be refused
+as stale). Each parameter's Adam step count comes from the donor that sent that parameter, so it
+matches the moments it came with."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from noloco_node.codec.state_layout import ADAM_KINDS, ReceivedState, parameter_bytes, split_name, tensors_by_parameter
+from noloco_node.errors import NodeError
+
+log = logging.getLogger(__name__)
+
+Expected = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+class StateSource(Protocol):
+    """Fetches one donor's state of some parameters (rpc/state_service.py over gRPC,
+    sync/memory.py in one process)."""
+
+    async def fetch_state(self, peer_id: str, *, stage: int, requester: str, timeout_s: float, expected: Expected,
+                          names: Sequence[str] = (), compact: bool = False,
+                          into: ReceivedState | None = None) -> tuple[dict[str, Tensor], dict]: ...
+
+
+class StateUnavailable(NodeError):
+    """No live donor was left for some parameters (or the retries ran out)."""
+
+
+@dataclass
+class FetchedState:
+    tensors: dict[str, Tensor]
+    counters: dict
+    """inner_step and outer_round of the donor furthest along; adam_steps per parameter from the
+    donor that sent it."""
+    parameters_from: dict[str, int]
+    """Donor -> parameters taken from it."""
+    reasked: int = 0
+    """Parameters asked for again after their first donor failed."""
+    failed: list[str] = field(default_factory=list)
+    """Donors that failed mid-transfer (or refused)."""
+
+    @property
+    def donor(self) -> str:
+        """The donor furthest along (whose counters we took)."""
+        return self.counters["donor"]
+
+
+def split_parameters(sizes: dict[str, int], parts: int) -> list[list[str]]:
+    """`sizes` (parameter -> bytes) cut into `parts` lists of whole parameters with nearly equal
+    byte totals: largest first, each to the lightest part (its total is at most the mean plus the
+    largest parameter). Each part keeps the parameters in `sizes`' order; empty parts are dropped."""
+    if parts < 1:
+        raise ValueError(f"parts must be >= 1, got {parts}")
+    totals, members = [0] * parts, [set() for _ in range(parts)]
+    for name in sorted(sizes, key=lambda n: -sizes[n]):
+        lightest = min(range(parts), key=lambda i: (totals[i], i))
+        totals[lightest] += sizes[name]
+        members[lightest].add(name)
+    return [[n for n in sizes if n in chosen] for chosen in members if chosen]
+
+
+def whole_parameters(received: ReceivedState, expected: Expected, names: Sequence[str]) -> list[str]:
+    """Of `names`, those whose every tensor arrived: phi and m, and both Adam moments when the
+    donor's counters list an Adam step for the parameter (it sends them then)."""
+    if received.counters is None:
+        return []
+    with_adam = received.counters.get("adam_steps", {})
+    grouped = tensors_by_parameter(expected)
+    return [p for p in names
+            if all(t in received.tensors for t in grouped.get(p, ()) if split_name(t)[0] not in ADAM_KINDS or p in with_adam)]
+
+
+async def fetch_from_donors(source: StateSource, donors: Sequence[str], *, stage: int, requester: str, timeout_s: float,
+                            expected: Expected, compact: bool = True, max_donors: int = 4,
+                            max_retries: int = 3) -> FetchedState:
+    """The whole state in `expected` from `donors` (in order of preference; the first
+    `max_donors` start at once, the rest stand by). Raises StateUnavailable when some parameters
+    could not be had from anyone."""
+    if not donors or not expected:
+        raise StateUnavailable("no donor to fetch from" if not donors else "nothing to fetch")
+    grouped = tensors_by_parameter(expected)
+    sizes = parameter_bytes(expected, compact)
+    standby = list(donors)
+    first = [standby.pop(0) for _ in range(min(max_donors, len(standby)))]
+    running: dict[asyncio.Task, tuple[str, list[str], ReceivedState]] = {}
+    kept: dict[str, Tensor] = {}
+    owner: dict[str, str] = {}
+    counters_of: dict[str, dict] = {}
+    waiting: list[list[str]] = []
+    result = FetchedState({}, {}, {})
+    retries = 0
+
+    def start(donor: str, names: list[str]) -> None:
+        into = ReceivedState()
+        asked = {t: expected[t] for p in names for t in grouped[p]}
+        task = asyncio.create_task(source.fetch_state(donor, stage=stage, requester=requester, timeout_s=timeout_s,
+                                                      expected=asked, names=names, compact=compact, into=into))
+        running[task] = (donor, names, into)
+
+    for donor, names in zip(first, split_parameters(sizes, len(first))):
+        start(donor, names)
+    try:
+        while running:
+            done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                donor, names, into = running.pop(task)
+                error = task.exception()
+                if error is not None and not isinstance(error, (NodeError, asyncio.TimeoutError)):
+                    raise error
+                whole = whole_parameters(into, expected, names)
+                for p in whole:
+                    kept.update({t: into.tensors[t] for t in grouped[p] if t in into.tensors})
+                    owner[p] = donor
+                if whole:
+                    counters_of[donor] = into.counters
+                missing = [p for p in names if p not in owner]
+                if error is None and not missing:
+                    standby.append(donor)  # finished: it may take over a failed donor's part
+                    continue
+                reason = error or f"the stream ended without {len(missing)} parameters"
+                log.warning("state transfer from %s failed after %d of %d parameters: %s", donor[-8:], len(whole),
+                            len(names), reason)
+                result.failed.append(donor)
+                waiting.append(missing)
+            while waiting and standby and retries < max_retries:
+                retries += 1
+                names = waiting.pop(0)
+                donor = standby.pop(0)
+                result.reasked += len(names)
+                log.info("asking %s for the %d parameters %s did not finish", donor[-8:], len(names), result.failed[-1][-8:])
+                start(donor, names)
+            if waiting and not running:
+                raise StateUnavailable(f"{sum(map(len, waiting))} of {len(sizes)} parameters could not be fetched: "
+                                       f"donors {', '.join(d[-8:] for d in result.failed)} failed, and no other donor "
+                                       f"is left or the {max_retries} retries are spent")
+    finally:
+        for task in running:
+            task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+    furthest = max(counters_of, key=lambda d: (int(counters_of[d]["inner_step"]), int(counters_of[d]["outer_round"])))
+    result.tensors = kept
+    result.counters = {"inner_step": int(counters_of[furthest]["inner_step"]),
+                       "outer_round": int(counters_of[furthest]["outer_round"]), "donor": furthest,
+                       "adam_steps": {p: counters_of[owner[p]]["adam_steps"][p] for p in owner
+                                      if p in counters_of[owner[p]].get("adam_steps", {})}}
+    for donor in owner.values():
+        result.parameters_from[donor] = result.parameters_from.get(donor, 0) + 1
+    return result
