@@ -14,3 +14,53 @@ def pytest_xdist_auto_num_workers(config) -> int:
     """`-n auto` (pyproject's addopts): one worker per core, at most 4. Integration tests start up
     to 9 node processes each; more workers than that on a big machine only add contention."""
     return max(1, min(4, len(os.sched_getaffinity(0))))
+
+
+# ---- where the suite's CPU goes --------------------------------------------------------------------
+# CI runs on 2 cores, so the suite's length is its CPU time over two: each test's CPU seconds, its own
+# and its reaped child processes' (the nodes it started), are recorded and the largest printed at the
+# end, under xdist too (they travel in the report's user_properties).
+import resource  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+def _cpu_seconds() -> float:
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    start = _cpu_seconds()
+    item.user_properties.append(("cpu_start", start))
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if call.when == "teardown":
+        start = dict(item.user_properties).get("cpu_start")
+        if start is not None:
+            report.user_properties.append(("cpu_s", _cpu_seconds() - start))
+
+
+_CPU: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "teardown":
+        cpu = dict(report.user_properties).get("cpu_s")
+        if cpu is not None:
+            _CPU[report.nodeid] = cpu
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _CPU:
+        return
+    total = sum(_CPU.values())
+    terminalreporter.write_sep("=", f"CPU seconds per test (own + node processes): {total:.0f} s in all")
+    for nodeid, cpu in sorted(_CPU.items(), key=lambda kv: -kv[1])[:20]:
+        terminalreporter.write_line(f"{cpu:8.1f}s  {nodeid}")

@@ -113,7 +113,9 @@ def test_lossy_codecs_give_both_sides_the_math_on_wire_values(peers, codec_phi, 
     for me, other in (("a", "b"), ("b", "a")):
         r = results[me]
         assert r["outcome"] == "paired" and r["history"][0]["payload"] == "phi+delta"
-        phi, m = noloco_step_sent(states[me]["phi"], states[me]["momentum"], on_wire[me], [on_wire[other]],
+        # Our own Delta counts exact under top-k (sync/snapshot.py), as sent under a dense codec.
+        own = (on_wire[me][0], states[me]["theta"] - states[me]["phi"]) if codec_delta.startswith("topk") else on_wire[me]
+        phi, m = noloco_step_sent(states[me]["phi"], states[me]["momentum"], own, [on_wire[other]],
                                   alpha=alpha, beta=beta, gamma=gamma)
         assert torch.equal(r["phi"], phi) and torch.equal(r["momentum"], m)
         error = r["history"][0]["delta_rel_error"]
@@ -150,11 +152,12 @@ def test_compressed_exchange_gives_both_sides_the_math_on_wire_values(peers, cod
         assert r["outcome"] == "paired" and r["history"][0]["payload"] == "phi+delta"
         partner_phi, on = sliced(states[me]["phi"], states[other]["phi"], round_index, parts)
         assert 0 < on.numel() < 1000
-        phi, m = noloco_step_sent(states[me]["phi"], states[me]["momentum"], (states[me]["phi"], deltas[me]),
+        exact = states[me]["theta"] - states[me]["phi"]  # our own Delta counts exact under top-k
+        phi, m = noloco_step_sent(states[me]["phi"], states[me]["momentum"], (states[me]["phi"], exact),
                                   [(partner_phi, deltas[other])], alpha=alpha, beta=beta, gamma=gamma)
         assert torch.equal(r["phi"], phi) and torch.equal(r["momentum"], m)
         # Off the slice the consensus term is 0: the step there is the one without the partner's phi.
-        no_pull, _ = noloco_step_sent(states[me]["phi"], states[me]["momentum"], (states[me]["phi"], deltas[me]),
+        no_pull, _ = noloco_step_sent(states[me]["phi"], states[me]["momentum"], (states[me]["phi"], exact),
                                       [(states[me]["phi"], deltas[other])], alpha=alpha, beta=beta, gamma=gamma)
         off = torch.ones(1000, dtype=torch.bool)
         off[on] = False
@@ -178,8 +181,9 @@ def test_topk_residual_travels_in_the_next_round(peers):
         delta = s["theta"] - s["phi"]
         sent[n] = wire(delta, codec)
         residual[n] = delta - sent[n]
+    exact = {n: s["theta"] - s["phi"] for n, s in states.items()}  # our own Delta counts exact under top-k
     for me, other in (("a", "b"), ("b", "a")):
-        phi[me], mom[me] = noloco_step_sent(states[me]["phi"], states[me]["momentum"], (states[me]["phi"], sent[me]),
+        phi[me], mom[me] = noloco_step_sent(states[me]["phi"], states[me]["momentum"], (states[me]["phi"], exact[me]),
                                             [(states[other]["phi"], sent[other])], alpha=alpha, beta=beta, gamma=gamma)
         assert torch.equal(results[me]["phi@1"], phi[me])
     # Round 2 starts from theta = new phi + the same Delta; the node recomputes Delta = theta - phi.
@@ -189,9 +193,10 @@ def test_topk_residual_travels_in_the_next_round(peers):
     for me, other in (("a", "b"), ("b", "a")):
         r = results[me]
         assert [e["outcome"] for e in r["history"]] == ["paired"] * 2
-        want, want_m = noloco_step_sent(phi[me], mom[me], round2[me], [round2[other]], alpha=alpha, beta=beta, gamma=gamma)
+        want, want_m = noloco_step_sent(phi[me], mom[me], (phi[me], delta2[me]), [round2[other]],
+                                        alpha=alpha, beta=beta, gamma=gamma)
         assert torch.equal(r["phi@2"], want) and torch.equal(r["momentum@2"], want_m)
-        stale, _ = noloco_step_sent(phi[me], mom[me], without_feedback[me], [without_feedback[other]],
+        stale, _ = noloco_step_sent(phi[me], mom[me], (phi[me], delta2[me]), [without_feedback[other]],
                                     alpha=alpha, beta=beta, gamma=gamma)
         assert not torch.allclose(r["phi@2"], stale, atol=1e-6, rtol=0)
         carried = (sent[me] == 0) & (round2[me][1] != 0)  # dropped in round 1, sent in round 2

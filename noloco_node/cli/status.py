@@ -38,19 +38,25 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"run {config.run.run_id}: {len(rows)} replicas over {config.pipeline.num_stages} stages")
     header = (f"{'stage':>5}  {'peer':<10} {'address':<22} {'reach':<12} {'inner':>6} {'round':>5} {'status':<9} "
-              f"{'tok/s':>8} {'cap seq/s':>9} {'busy':>5} {'hop ms':>6} {'link Mb/s':>9} {'mem GiB est/peak':>16} "
+              f"{'tok/s':>8} {'cap seq/s':>9} {'busy':>5} {'hop ms':>6} {'link Mb/s':>9} {'round MB':>8} {'mem GiB est/peak':>16} "
               f"{'version':<8} {'seen':>6}")
     print(header)
     for r in rows:
         print(f"{r['stage']:>5}  {r['peer_id'][-8:]:<10} {r['address']:<22} {r['reach']:<12} {r['inner_step']:>6} {r['outer_round']:>5} "
               f"{r['status']:<9} {r['tokens_per_s']:>8.0f} {r['capacity']:>9.1f} {r['busy']:>5.2f} {r['hop_s'] * 1e3:>6.0f} "
-              f"{_mbit(r.get('link_mbit_s', 0.0)):>9} {_memory(r):>16} {r['version']:<8} {r['seen_s_ago']:>5.0f}s")
+              f"{_mbit(r.get('link_mbit_s', 0.0)):>9} {_megabytes(r.get('outer_round_bytes', 0)):>8} {_memory(r):>16} "
+              f"{r['version']:<8} {r['seen_s_ago']:>5.0f}s")
     for s in stages:
         mark = "  <- limits the swarm" if s == limit else ""
         print(f"stage {s}: {len(capacity[s])} replicas, capacity {sum(capacity[s]):.1f} sequences/s{mark}")
     for note in notes:
         print(f"! {note}")
     return 0
+
+
+def _megabytes(value: int) -> str:
+    """An outer round's bytes in MB; '-' before the node's first round."""
+    return f"{value / 1e6:.3g}" if value else "-"
 
 
 def _memory(row: dict) -> str:

@@ -2,8 +2,9 @@
 a seeded slice of exact values (slow weights). Pure torch, no grpc; codec/tensors.py dispatches here.
 
 topk_int2 / topk_int4 (spec.block_size = CHUNK = 4096 elements per chunk, spec.nnz = k values kept
-per chunk; a chunk shorter than k keeps all of its elements). Layout, for n elements in
-c = ceil(n / CHUNK) chunks and K kept values in all:
+per chunk; the last chunk, of L < CHUNK elements, keeps ceil(k L / CHUNK), so a small tensor keeps the
+same share as a large one). Layout, for n elements in c = ceil(n / CHUNK) chunks and K kept values
+in all:
     c float32 scales, one per chunk: s = max(absmax of the kept values / L, 2^-126)
     K indices within their chunk, 12 bits each, two per 3 bytes (i0 | i1 << 12, little-endian;
       an odd K pads the last with 0), strictly increasing within each chunk
@@ -43,10 +44,17 @@ class SparseCodecError(ValueError):
 
 
 # ---- sizes ----------------------------------------------------------------------------------------
+def kept_in_last(numel: int, per_chunk: int) -> int:
+    """Values the last chunk keeps: per_chunk when it is whole, its share of them when shorter."""
+    rest = numel % CHUNK
+    return per_chunk if rest == 0 else math.ceil(per_chunk * rest / CHUNK)
+
+
 def kept_count(numel: int, per_chunk: int) -> int:
     """Values a chunked top-k keeps of `numel` elements with `per_chunk` per chunk."""
-    full, rest = divmod(numel, CHUNK)
-    return full * per_chunk + min(per_chunk, rest)
+    if numel == 0:
+        return 0
+    return (math.ceil(numel / CHUNK) - 1) * per_chunk + kept_in_last(numel, per_chunk)
 
 
 def chunked_payload_bytes(codec: str, numel: int, per_chunk: int, block_size: int) -> int:
@@ -70,25 +78,25 @@ def encode_chunked_topk(flat: Tensor, codec: str, per_chunk: int, max_abs: float
         raise SparseCodecError(f"{codec} codec cannot encode non-finite values")
     n = flat.numel()
     chunks = math.ceil(n / CHUNK)
-    padded = torch.nn.functional.pad(flat, (0, chunks * CHUNK - n)).view(chunks, CHUNK) if n else flat.view(0, CHUNK)
-    magnitude = padded.abs()
-    if chunks and n % CHUNK:
-        magnitude[-1, n % CHUNK:] = -1.0  # padding is never chosen over a real element
-    k = min(per_chunk, CHUNK)
-    indices = torch.topk(magnitude, k, dim=1, sorted=False).indices.sort(dim=1).values if chunks else \
-        torch.empty(0, k, dtype=torch.long)
-    values = padded.gather(1, indices)
-    last = n - (chunks - 1) * CHUNK if chunks else 0
-    keep = torch.ones_like(indices, dtype=torch.bool)
-    if chunks and last < k:  # a short last chunk keeps all of its elements, no padding
-        keep[-1] = indices[-1] < last
-    absmax = values.abs().amax(dim=1) if chunks else torch.empty(0)
+    full = n // CHUNK
+    blocks = flat[: full * CHUNK].view(full, CHUNK)
+    pieces = [(blocks, per_chunk)] if full else []
+    if n % CHUNK:
+        pieces.append((flat[full * CHUNK:].view(1, -1), kept_in_last(n, per_chunk)))
+    indices, values = [], []
+    for piece, k in pieces:
+        chosen = torch.topk(piece.abs(), k, dim=1, sorted=False).indices.sort(dim=1).values
+        indices.append(chosen.reshape(-1))
+        values.append(piece.gather(1, chosen))
+    absmax = torch.cat([v.abs().amax(dim=1) for v in values]) if chunks else torch.empty(0)
     if (absmax > max_abs).any():
         raise SparseCodecError(f"{codec} codec cannot encode values beyond 2^127: {float(absmax.max()):.3g}")
     levels = TOPK_LEVELS[codec]
     scales = (absmax / levels).clamp_(min=min_scale)
-    scaled = values / scales[:, None]
-    flat_indices, flat_scaled = indices[keep], scaled[keep]
+    flat_indices = torch.cat(indices) if indices else torch.empty(0, dtype=torch.long)
+    # values come in chunk order (the whole chunks, then the short one), one row per chunk
+    flat_scaled = torch.cat([(v / scales[first: first + v.shape[0], None]).reshape(-1)
+                             for first, v in zip((0, full) if full else (0,), values)]) if values else torch.empty(0)
     if codec == "topk_int2":
         codes = ((flat_scaled + 3.0) / 2.0).round_().clamp_(0, 3).to(torch.uint8)
         packed_codes = _pack_bits(codes, 2, pad=0)
@@ -111,7 +119,7 @@ def decode_chunked_topk(payload: memoryview, codec: str, numel: int, per_chunk: 
     indices = _unpack_indices(_frombuffer(payload[4 * chunks: 4 * chunks + index_bytes], torch.uint8), kept)
     counts = torch.full((chunks,), per_chunk, dtype=torch.long)
     if chunks:
-        counts[-1] = min(per_chunk, numel - (chunks - 1) * CHUNK)
+        counts[-1] = kept_in_last(numel, per_chunk)
     chunk_of = torch.repeat_interleave(torch.arange(chunks), counts)
     lengths = torch.full((chunks,), CHUNK, dtype=torch.long)
     if chunks:

@@ -56,6 +56,9 @@ class StageRecord(pydantic.BaseModel):
     memory_peak_bytes: pydantic.conint(strict=True, ge=0, le=1 << 50) = 0
     """The most the stage has used so far, measured the same way: the process's peak RSS on CPU,
     torch.cuda.max_memory_allocated on a GPU, less what the process held before building it."""
+    outer_round_bytes: pydantic.conint(strict=True, ge=0, le=1 << 50) = 0
+    """Payload bytes this node sent in its last outer round (its snapshot, one way; what
+    outer.codec_phi and outer.codec_delta make of the stage); 0 = no round yet."""
     movable: pydantic.StrictBool = False
     """Whether the node may move to another stage when rebalancing (pipeline/rebalance.py)."""
     moved_at: pydantic.confloat(strict=True, ge=0.0) = 0.0

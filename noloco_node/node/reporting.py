@@ -32,6 +32,7 @@ class Snapshot:
     dropped: int = 0  # stage 0: microbatches given up; other stages: forwards dropped here
     issued: int | None = None  # stage 0: distinct microbatches issued
     attention: tuple[str, ...] = ()  # what needs attention (node/attention.py)
+    round_bytes: dict | None = None  # an outer snapshot's bytes: {"last", "mean", "fp32_fraction"} (node/stats.py)
 
 
 def format_bytes(n: float) -> str:
@@ -89,6 +90,9 @@ def summary_line(snap: Snapshot, *, total: int | None, wall_s: float) -> str:
         o = snap.outer
         parts.append(f"outer {o.get('rounds', 0)} rounds: {o.get('paired', 0)} paired, {o.get('solo', 0)} solo, "
                      f"{o.get('rejected', 0)} rejected")
+        if snap.round_bytes and snap.round_bytes.get("mean"):
+            parts.append(f"{format_bytes(snap.round_bytes['mean'])} per round "
+                         f"({snap.round_bytes['fp32_fraction']:.2%} of fp32 phi + Delta)")
     parts.append(_bytes(snap))
     parts.append(f"dropped {snap.dropped} of {snap.issued} microbatches" if snap.issued is not None
                  else f"dropped {snap.dropped} microbatches")

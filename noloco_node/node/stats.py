@@ -57,6 +57,7 @@ def node_stats(node: Node) -> dict:
         out["outer"] = {k: v for k, v in vars(counters).items() if k != "history"}
         out["outer_history"] = counters.history
         out["bytes_sent_outer"] = node.sync.bytes_sent
+        out["outer_bytes_per_round"] = round_bytes(counters.history)
     if node.config.outer.method in ("noloco", "diloco"):
         out["outer_round"] = node.outer_round
         out["fetched_state"] = node.fetched_state
@@ -92,7 +93,8 @@ def training_snapshot(stats: dict) -> Snapshot:
         served=sum(stats["forwards_received"].values()), outer=outer, last_round=history[-1] if history else None,
         bytes_sent=stats["bytes_sent"] + stats.get("bytes_sent_outer", 0), bytes_received=stats["bytes_received"],
         dropped=microbatches["dropped"] if microbatches else stats["dropped_here"],
-        issued=microbatches["issued"] if microbatches else None, attention=tuple(stats.get("attention") or ()))
+        issued=microbatches["issued"] if microbatches else None, attention=tuple(stats.get("attention") or ()),
+        round_bytes=stats.get("outer_bytes_per_round"))
 
 
 def ready_fields(node: Node) -> dict:
@@ -119,7 +121,17 @@ def stage_record(node: Node) -> StageRecord:
                        moved_at=float(moves[-1]["at"]) if moves else 0.0,
                        memory_estimate_bytes=parts.memory_estimate_bytes,
                        memory_peak_bytes=max(0, peak_memory_bytes(parts.device) - parts.memory_baseline_bytes),
+                       outer_round_bytes=round_bytes(node.sync.counters.history if node.config.outer.method != "none" else [])["last"],
                        attention=node_attention(node), **node.meter.record_fields())
+
+
+def round_bytes(history: list[dict]) -> dict[str, float]:
+    """A snapshot's payload bytes (one way) in the node's outer rounds: the last and the mean, and
+    the mean share of fp32 phi + Delta they were."""
+    sizes = [sum(h["bytes"].values()) for h in history if isinstance(h.get("bytes"), dict)]
+    fractions = [h["fp32_fraction"] for h in history if "fp32_fraction" in h]
+    return {"last": int(sizes[-1]) if sizes else 0, "mean": sum(sizes) / len(sizes) if sizes else 0.0,
+            "fp32_fraction": sum(fractions) / len(fractions) if fractions else 0.0}
 
 
 def node_attention(node: Node) -> list[str]:

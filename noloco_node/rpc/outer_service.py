@@ -39,7 +39,8 @@ ACCEPT = outer_pb2.PairReply.ACCEPT
 
 
 class Traffic:
-    """Payload bytes this node wrote on Outer streams, as initiator and as responder."""
+    """Bytes this node wrote on Outer exchange streams, as initiator and as responder: each message
+    serialized, with gRPC's 5-byte length prefix (what the snapshot costs on the wire, headers included)."""
 
     def __init__(self) -> None:
         self.bytes_sent = 0
@@ -77,6 +78,8 @@ async def exchange_snapshots(read, write, mine: EncodedSnapshot, expected: list[
             await faults.hit("exchange_write")  # tests: a partner that dies (or stalls) mid-stream
         await write(message)
         progress.stamp_wrote()
+        if traffic is not None:  # on the wire: the message and gRPC's 5-byte length prefix
+            traffic.bytes_sent += message.ByteSize() + 5
 
     async def send() -> None:
         await put(outer_pb2.ExchangeMessage(manifest=outer_pb2.SnapshotManifest(
@@ -85,12 +88,13 @@ async def exchange_snapshots(read, write, mine: EncodedSnapshot, expected: list[
             await put(outer_pb2.ExchangeMessage(tensor=spec_to_header(spec, name)))
             for chunk in iter_chunks(payload):
                 await put(outer_pb2.ExchangeMessage(chunk=chunk))
-                if traffic is not None:
-                    traffic.bytes_sent += len(chunk.data)
         if faults is not None:
             await faults.hit("during_exchange")
         await received_all.wait()
-        await write(outer_pb2.ExchangeMessage(receipt=outer_pb2.Receipt(sha256=received_hash[0])))
+        receipt = outer_pb2.ExchangeMessage(receipt=outer_pb2.Receipt(sha256=received_hash[0]))
+        await write(receipt)
+        if traffic is not None:
+            traffic.bytes_sent += receipt.ByteSize() + 5
 
     async def next_message(kind: str):
         message = await read()
@@ -143,10 +147,9 @@ async def _receive_tensors(next_message, expected: list[ExpectedTensor], codec: 
     for want in expected:
         header = await next_message("tensor")
         spec = header_to_spec(header)
-        want_codec = want.codec or codec
-        if header.name != want.name or spec.shape != want.shape or spec.dtype != want.dtype or spec.codec != want_codec:
-            raise InvalidPayload(f"tensor {header.name!r} {spec.dtype}{list(spec.shape)}/{spec.codec} does not match "
-                                 f"{want.name!r} {want.dtype}{list(want.shape)}/{want_codec}")
+        problem = want.problem(header.name, spec, codec)
+        if problem is not None:
+            raise InvalidPayload(problem)
         receiver = PayloadReceiver(spec, max_bytes=budget)
         while not receiver.complete:
             receiver.add(await next_message("chunk"))
@@ -177,9 +180,9 @@ class OuterServicer(outer_pb2_grpc.OuterServicer):
         self.donor = donor
         self.run_id, self.manifest_hash, self.stage = run_id, manifest_hash, stage
         self.max_bytes, self.deadlines = max_bytes, deadlines
+        self.timeout_s = deadlines.floor_s
         self.state_donor = StateDonorServicer(run_id=run_id, manifest_hash=manifest_hash, stage=stage,
                                               deadlines=deadlines, donor=donor, faults=faults)
-        self.timeout_s = deadlines.floor_s
 
     async def Exchange(self, request_iterator, context):
         try:  # a server-side deadline on the first message, whatever the client set

@@ -25,10 +25,9 @@ def decode_snapshot(snapshot: EncodedSnapshot, expected: list[ExpectedTensor], c
         raise InvalidPayload(f"snapshot has {len(snapshot.tensors)} tensors, expected {len(expected)}")
     out = {}
     for (name, spec, payload), want in zip(snapshot.tensors, expected):
-        want_codec = want.codec or codec
-        if name != want.name or spec.shape != want.shape or spec.dtype != want.dtype or spec.codec != want_codec:
-            raise InvalidPayload(f"tensor {name!r} {spec.dtype}{list(spec.shape)}/{spec.codec} does not match "
-                                 f"{want.name!r} {want.dtype}{list(want.shape)}/{want_codec}")
+        problem = want.problem(name, spec, codec)
+        if problem is not None:
+            raise InvalidPayload(problem)
         tensor = torch.empty(spec.shape, dtype=DTYPES[spec.dtype])
         try:
             decode_into(spec, payload, tensor)
@@ -45,9 +44,9 @@ class MemoryPairingHub:
         self.responders: dict[str, PairingResponder] = {}
         self.donors: dict[str, StateDonor] = {}
         self.down: set[str] = set()
+        self.transports: dict[str, MemoryPairing] = {}
         self.state_cut: dict[str, int] = {}
         """Tests: donor -> parameters of a state transfer it sends before it leaves mid-transfer."""
-        self.transports: dict[str, MemoryPairing] = {}
 
     def register(self, peer_id: str, responder: PairingResponder | None, donor: StateDonor | None = None) -> None:
         if responder is not None:

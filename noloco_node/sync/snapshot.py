@@ -74,7 +74,9 @@ class Frozen:
     snapshot: EncodedSnapshot
     expected: list[ExpectedTensor]
     own: dict[str, tuple[Tensor | None, Tensor]]
-    """name -> our values as the partner decodes them: (None, theta) or (phi, Delta)."""
+    """name -> our values as our own update reads them: (None, theta) or (phi, Delta), as the partner
+    decodes them (so a dense lossy codec gives both sides the same means), except that a top-k
+    Delta counts exact here (the wire keeps a few percent of it) and a sliced phi is our own."""
     theta: dict[str, Tensor]
     """The exact frozen theta (to carry over inner progress made while the exchange runs)."""
     payload: str
@@ -106,6 +108,7 @@ def freeze(state: OuterState, payload: str, codec_phi: str, codec_delta: str,
     residuals = residuals or {}
     tensors, expected, own, frozen, new_residual, slices = [], [], {}, {}, {}, {}
     phi_codec = parse_codec(codec_phi)
+    sparse_delta = parse_codec(codec_delta).wire.startswith("topk")
     if phi_codec.wire == "slice" and round_of is None:
         raise ValueError("a sliced phi needs the round it is frozen for")
     sizes = {THETA: 0} if payload == THETA else {"phi": 0, "delta": 0}
@@ -138,12 +141,16 @@ def freeze(state: OuterState, payload: str, codec_phi: str, codec_delta: str,
             expected += [ExpectedTensor(f"phi/{name}", tuple(phi.shape), dtype, wire_name(codec_phi), slice_key=key),
                          ExpectedTensor(f"delta/{name}", tuple(phi.shape), dtype, wire_name(codec_delta),
                                         nnz=_expected_nnz(codec_delta, phi.numel()))]
+            # Our own Delta counts exact under top-k: the wire's Delta keeps a few percent of it, and
+            # our own step on that alone would throttle this replica's progress to what it can send
+            # (the partner still gets its share; the rest travels later through error feedback).
+            own_delta = delta if sparse_delta else enc_delta.decoded
             if key is not None:  # exact values on the slice; off it each side reads its own phi
                 seed, parts, part = key
                 slices[name] = slice_indices(phi.numel(), parts, part, seed)
-                own[name] = (phi, enc_delta.decoded)
+                own[name] = (phi, own_delta)
             else:
-                own[name] = (enc_phi.decoded, enc_delta.decoded)
+                own[name] = (enc_phi.decoded, own_delta)
             if enc_delta.residual is not None:
                 new_residual[name] = enc_delta.residual
             sizes["phi"] += len(enc_phi.payload)
