@@ -98,3 +98,39 @@ def test_the_default_sized_round_is_two_percent_of_fp32():
         model.w.add_(0.01 * torch.randn(1 << 20))
     frozen = freeze(state, PHI_DELTA, "slice:0.01", "topk:0.02+int2", round_of=SliceRound(0, 0, 1))
     assert frozen.stats["fp32_fraction"] < 0.02
+
+
+@pytest.mark.parametrize("change", ["slice_seed", "slice_part", "nnz", "index"])
+def test_a_hostile_compressed_snapshot_is_refused_as_invalid(change):
+    """What a receiver (gRPC's or the in-memory one) does with a partner's compressed snapshot that
+    is not the one this run's config and this round imply: InvalidPayload, which bans the partner
+    and ends the round solo (sync/noloco.py)."""
+    import dataclasses
+
+    from noloco_node.codec.tensors import encode
+    from noloco_node.errors import InvalidPayload
+    from noloco_node.sync.ports import EncodedSnapshot
+
+    states = {"a": replica(1), "b": replica(2)}
+    frozen = {n: freeze(s, PHI_DELTA, "slice:0.25", "topk:0.05+int2", round_of=SliceRound(3, 1, 5))
+              for n, s in states.items()}
+    tensors = list(frozen["b"].snapshot.tensors)
+    (phi_name, phi_spec, phi_payload), (delta_name, delta_spec, delta_payload) = tensors
+    if change == "slice_seed":  # another round's slice, honestly encoded
+        seed, parts, part = slice_key(3, 1, 9, "w", 4)
+        phi_spec, phi_payload = encode(states["b"].phi["w"], "slice", slice_key=(seed, parts, part))
+    elif change == "slice_part":
+        phi_spec = dataclasses.replace(phi_spec, slice_part=(phi_spec.slice_part + 1) % 4)
+    elif change == "nnz":  # keeps 3x the run's share: an oversized payload
+        delta_spec, delta_payload = encode(states["b"].params["w"].detach() - states["b"].phi["w"], "topk_int2",
+                                           fraction=0.15)
+    else:  # a duplicate index: one chunk, so its scale is bytes 0..3 and indices 0 and 1 bytes 4..6
+        raw = bytearray(delta_payload)
+        word = int.from_bytes(raw[4:7], "little")
+        first = word & 0xFFF
+        raw[4:7] = (first | (first << 12)).to_bytes(3, "little")
+        delta_payload = bytes(raw)
+    hostile = EncodedSnapshot([(phi_name, phi_spec, phi_payload), (delta_name, delta_spec, delta_payload)])
+    with pytest.raises(InvalidPayload):
+        decode_snapshot(hostile, frozen["a"].expected, "slice:0.25")
+    decode_snapshot(frozen["b"].snapshot, frozen["a"].expected, "slice:0.25")  # the honest one passes
