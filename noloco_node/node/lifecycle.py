@@ -198,7 +198,6 @@ class Node:
             self.server.add_outer(OuterServicer(self.sync.responder, peer_id=self.peer_id, run_id=cfg.run.run_id,
                                                 manifest_hash=self.manifest_hash, stage=self.stage_index,
                                                 max_bytes=state_bytes, deadlines=deadlines.floored(cfg.timeouts.match_s),
-                                                state_deadlines=deadlines.floored(cfg.timeouts.rpc_s),
                                                 traffic=self.outer_traffic, faults=self.faults, donor=self))
         from noloco_node.rpc.diagnostics import DiagnosticsServicer
 

@@ -169,13 +169,12 @@ async def _receive_tensors(next_message, expected: list[ExpectedTensor], codec: 
 class OuterServicer(outer_pb2_grpc.OuterServicer):
     def __init__(self, handler: PairingResponder | None, *, peer_id: str, run_id: str, manifest_hash: str, stage: int,
                  max_bytes: int, deadlines: LinkDeadlines, traffic: Traffic | None = None,
-                 donor: StateDonor | None = None, faults: FaultInjector | None = None,
-                 state_deadlines: LinkDeadlines | None = None) -> None:
+                 donor: StateDonor | None = None, faults: FaultInjector | None = None) -> None:
         """`handler` answers pairing proposals (None: this node does not pair, e.g. a dp replica);
         `peer_id` is this node's, named in every reply. `deadlines` (runtime/link_estimates.py)
         derives each exchange's deadline from the caller's measured bandwidth; its floor
-        (timeouts.match_s) also bounds the wait for a PairRequest. `state_deadlines` do the same
-        for a state transfer, floored as the joiner's own (timeouts.rpc_s); default `deadlines`."""
+        (timeouts.match_s) also bounds the wait for a PairRequest; a state transfer's is also never
+        shorter than the joiner's own call deadline (rpc/state_service.py)."""
         self.handler, self.peer_id = handler, peer_id
         self.faults = faults
         self.traffic = traffic
@@ -184,7 +183,7 @@ class OuterServicer(outer_pb2_grpc.OuterServicer):
         self.max_bytes, self.deadlines = max_bytes, deadlines
         self.timeout_s = deadlines.floor_s
         self.state_donor = StateDonorServicer(run_id=run_id, manifest_hash=manifest_hash, stage=stage,
-                                              deadlines=state_deadlines or deadlines, donor=donor, faults=faults)
+                                              deadlines=deadlines, donor=donor, faults=faults)
 
     async def Exchange(self, request_iterator, context):
         try:  # a server-side deadline on the first message, whatever the client set

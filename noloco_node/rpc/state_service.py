@@ -85,7 +85,14 @@ class StateDonorServicer:
         Each tensor is encoded just before it is sent, off the event loop (an int8 pass over a
         large matrix would otherwise hold up this node's pipeline traffic)."""
         progress = Progress(self.deadlines.stall_s(requester, SENT))
-        progress.set_total(self.deadlines.total_s(requester, payload_bytes, SENT))
+        total_s = self.deadlines.total_s(requester, payload_bytes, SENT)
+        # Never shorter than the joiner's own call deadline (its floor is timeouts.rpc_s; ours is the
+        # outer exchange's match_s, which cut a compact transfer on a loaded machine at 1 s), and
+        # never past the policy's ceiling, whatever deadline a caller asks for.
+        remaining = context.time_remaining()
+        if remaining:
+            total_s = max(total_s, min(remaining, self.deadlines.policy.ceiling_s))
+        progress.set_total(total_s)
 
         async def put(message) -> None:
             await within(context.write(message), progress.check(reads_only=False), f"sending state to {requester[-8:]}")

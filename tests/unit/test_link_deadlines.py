@@ -286,6 +286,9 @@ def test_a_state_donor_takes_no_bandwidth_sample_from_its_own_buffered_writes():
         async def write(self, message) -> None:
             self.written += 1
 
+        def time_remaining(self) -> float | None:
+            return None  # the caller set no deadline
+
         async def abort(self, code, details):
             raise AssertionError(f"aborted: {code} {details}")
 

@@ -15,7 +15,8 @@ from noloco_node.codec.tensors import CODECS, decode, encode
 from noloco_node.wire.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
 
 # Numbers on the wire are a contract between versions: appended, never renumbered.
-WIRE_NUMBERS = {"none": 1, "bf16": 2, "int8": 3, "topk": 4, "fp8": 5, "int4": 6}
+WIRE_NUMBERS = {"none": 1, "bf16": 2, "int8": 3, "topk": 4, "fp8": 5, "int4": 6, "topk_int2": 7, "topk_int4": 8,
+                "slice": 9}
 
 
 def test_every_codec_has_its_stable_wire_number_and_maps_both_ways():
@@ -23,7 +24,7 @@ def test_every_codec_has_its_stable_wire_number_and_maps_both_ways():
     assert tensor_pb2.Codec.Name(5) == "CODEC_FP8_E4M3_BLOCKWISE" and tensor_pb2.Codec.Name(6) == "CODEC_INT4_BLOCKWISE"
     x = torch.randn(3, 70)
     for codec in CODECS:
-        spec, _ = encode(x, codec)
+        spec, _ = encode(x, codec, slice_key=(12345, 4, 3) if codec == "slice" else None)
         header = spec_to_header(spec)
         assert header.codec == WIRE_NUMBERS[codec]
         assert header_to_spec(tensor_pb2.TensorHeader.FromString(header.SerializeToString())) == spec
@@ -32,7 +33,7 @@ def test_every_codec_has_its_stable_wire_number_and_maps_both_ways():
 def test_unknown_codec_number_and_inconsistent_size_refused():
     spec, _ = encode(torch.randn(100), "int4")
     header = spec_to_header(spec)
-    header.codec = 7
+    header.codec = 10
     with pytest.raises(InvalidPayload, match="unknown codec"):
         header_to_spec(header)
     header = spec_to_header(spec)
