@@ -20,10 +20,12 @@ pair step used what was sent.
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import logging
 import os
 import random
+import statistics
 import time
 
 from torch import Tensor
@@ -82,6 +84,8 @@ class NoLoCoSync(OuterSync):
             raise ValueError("theta alone carries the pair update only with gamma == beta and one dense codec for phi and delta")
         self.feedback = ErrorFeedback()
         self.run_seed = run_seed
+        # How far the last honest partners were (check_snapshot's bound follows their median).
+        self._accepted_distances: collections.deque[float] = collections.deque(maxlen=8)
         self.match_s, self.max_distance_ratio = match_s, config.max_distance_ratio
         self.bans = bans or Bans()
         self.rng = rng or random.Random(self.peer_id + "outer")
@@ -160,6 +164,11 @@ class NoLoCoSync(OuterSync):
         # being applied: the round's one update must still finish (and set `done`), or outer_step
         # would wait for it forever (seen under CI load in test_partner_dies_mid_exchange).
         await asyncio.shield(self._complete(peer_id, received, reason))
+
+    def _typical_distance(self) -> float:
+        """The median distance of the last accepted partners (0 before any): one liar among them
+        cannot move it, and an honest swarm's spread keeps passing once our own drift shrinks."""
+        return statistics.median(self._accepted_distances) if self._accepted_distances else 0.0
 
     async def _announce(self, status: str, round_index: int) -> None:
         self._announced_round = round_index
@@ -316,7 +325,11 @@ class NoLoCoSync(OuterSync):
         peer = None if received is None else fill_slices(self.state, unpack(received, frozen.payload, list(self.state.params)),
                                                          frozen.slices)
         if peer is not None:
-            problem = check_snapshot(self.state, peer, max_distance_ratio=self.max_distance_ratio)
+            measured: dict[str, float] = {}
+            problem = check_snapshot(self.state, peer, max_distance_ratio=self.max_distance_ratio,
+                                     typical_distance=self._typical_distance(), distances=measured)
+            if problem is None:
+                self._accepted_distances.append(measured["fast"])
             if problem is not None:
                 log.warning("round %d: snapshot from %s rejected: %s", self.round, (peer_id or "?")[-8:], problem)
                 peer, reason = None, "rejected"

@@ -197,13 +197,18 @@ def unpack(received: Mapping[str, Tensor], payload: str, names: list[str]) -> di
 
 
 def check_snapshot(state: OuterState, received: Mapping[str, tuple[Tensor | None, Tensor]], *,
-                   max_distance_ratio: float, floor: float = 1e-3) -> str | None:
+                   max_distance_ratio: float, floor: float = 1e-3, typical_distance: float = 0.0,
+                   distances: dict[str, float] | None = None) -> str | None:
     """Why `received` (as from `unpack`) must not be used, or None if it passes.
 
     Finite everywhere, and the partner's fast weights (theta, or phi + Delta) and, when sent,
-    its slow weights within ratio * max(||theta - phi||, floor * ||phi||) of our slow weights:
-    an honest partner's weights drift from ours about as far as our own fast weights do. The
-    slow weights are bounded too, since the gamma term reads them on their own.
+    its slow weights within ratio * max(||theta - phi||, floor * ||phi||, typical_distance) of our
+    slow weights: an honest partner's weights drift from ours about as far as our own fast weights
+    do, or as far as honest partners were found before (`typical_distance`, the median of the
+    last accepted ones: once the learning rate has decayed our own drift over H steps shrinks ~10x
+    while the replicas' spread does not, and every honest partner was refused). The slow weights
+    are bounded too, since the gamma term reads them on their own. `distances`, when given,
+    receives the measured {"fast", "slow"} distances.
     """
     theta2, phi_peer2, delta2, phi2 = 0.0, 0.0, 0.0, 0.0
     for name, param in state.params.items():
@@ -224,7 +229,9 @@ def check_snapshot(state: OuterState, received: Mapping[str, tuple[Tensor | None
         theta2 += float((peer_theta.to(phi.device) - phi).pow(2).sum())
         delta2 += float((param.detach().to(phi.dtype) - phi).pow(2).sum())
         phi2 += float(phi.pow(2).sum())
-    bound = max_distance_ratio * max(math.sqrt(delta2), floor * math.sqrt(phi2))
+    bound = max_distance_ratio * max(math.sqrt(delta2), floor * math.sqrt(phi2), typical_distance)
+    if distances is not None:
+        distances.update(fast=math.sqrt(theta2), slow=math.sqrt(phi_peer2))
     for what, dist in (("fast", math.sqrt(theta2)), ("slow", math.sqrt(phi_peer2))):
         if dist > bound:
             return f"distance of the partner's {what} weights to our slow weights {dist:.3g} exceeds the bound {bound:.3g}"

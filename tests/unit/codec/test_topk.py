@@ -169,3 +169,20 @@ def test_partners_must_share_the_snapshot_form():
     node.matching, node.round = True, 1
     assert node.decide(proposal(False)).decision == Decision.MISMATCH
     assert node.decide(proposal(True)).decision == Decision.ACCEPT
+
+
+def test_an_honest_partner_passes_after_the_learning_rate_decayed_and_a_liar_still_does_not():
+    """Our drift over H steps shrinks with the learning rate while the replicas' spread does not:
+    the bound also follows the distance of the partners accepted before (found by the loss-price
+    benchmark: at the default ratio 10, every round from 15 of 20 on refused its honest partner)."""
+    phi = vector(1000, seed=2)
+    spread = 0.05 * vector(1000, seed=3)  # the partner's phi and theta are this far from ours
+    early = outer_state(phi, phi + 0.02 * vector(1000, seed=4))  # early: our own drift is large
+    honest = {"w": (phi + spread, 0.02 * vector(1000, seed=5))}
+    measured = {}
+    assert check_snapshot(early, honest, max_distance_ratio=10.0, distances=measured) is None
+    late = outer_state(phi, phi + 1e-4 * vector(1000, seed=4))  # the learning rate has decayed 200x
+    assert "exceeds the bound" in check_snapshot(late, honest, max_distance_ratio=10.0)
+    assert check_snapshot(late, honest, max_distance_ratio=10.0, typical_distance=measured["fast"]) is None
+    liar = {"w": (phi + spread, 1e6 * phi)}
+    assert "exceeds the bound" in check_snapshot(late, liar, max_distance_ratio=10.0, typical_distance=measured["fast"])
