@@ -233,3 +233,22 @@ def test_plan_recommends_no_rank_for_a_model_narrower_than_the_price_was_measure
     code, report = _plan(capsys, "--preset", "tiny", "--memory-gib", "8", "--uplink", "20", "--gpu", "h100")
     assert code == 0 and report["link"]["subspace"]["recommended"] is None
     assert all(r["time_to_dense_loss_vs_dense"] is None for r in report["link"]["subspace"]["options"][1:])
+
+
+def test_plan_gives_the_outer_rounds_bytes_and_whether_it_hides_for_each_codec(capsys):
+    """medium on a 24 GB card at 20 Mbit/s up, H = 100: the dense round (a quarter of fp32 phi +
+    Delta) does not hide behind H steps, the compressed one (slice:0.01 + topk:0.02+int2) does,
+    and its bytes are the codecs' share of the stage's fp32 phi + Delta."""
+    sets = ["model.seq_len=1024", "pipeline.batch_size=16", "pipeline.microbatch_size=2",
+            "outer.inner_steps_per_outer=100", "pipeline.activation_codec=int4", "model.residual_subspace=128"]
+    args = [a for s in sets for a in ("--set", s)]
+    code, report = _plan(capsys, "--preset", "medium", "--memory-gib", "24", "--uplink", "20", "--downlink", "100",
+                         "--rtt", "40", "--device-tflops", "165", *args)
+    assert code == 0
+    rows = {tuple(r["codecs"]): r for r in report["link"]["outer_round"]["options"]}
+    dense, small = rows[("bf16",)], rows[("slice:0.01", "topk:0.02+int2")]
+    assert dense["configured"] and not small["configured"]
+    assert dense["fp32_fraction"] == 0.25 and 0.009 < small["fp32_fraction"] < 0.011
+    assert dense["bytes_each_way"] / small["bytes_each_way"] == pytest.approx(dense["fp32_fraction"] / small["fp32_fraction"])
+    assert not dense["hidden"] and small["hidden"] and small["exchange_s"] < dense["exchange_s"] / 20
+    assert small["ratio"] > dense["ratio"]
