@@ -69,3 +69,15 @@ def test_codec_none_is_the_lossless_codec_not_unset():
     assert config.outer.codec_delta == "none" and config.outer.codec_phi == "none"
     unset = load_config(overrides=["outer.codec=bf16", "outer.codec_delta=null"])
     assert unset.outer.codec_delta == "bf16"  # null still means "use outer.codec"
+
+
+@pytest.mark.parametrize("field,value,says", [("codec_phi", "topk:0.02", "is for Delta"),
+                                              ("codec_delta", "slice:0.1", "is for phi"),
+                                              ("codec_delta", "topk:0.02+int3", "+int2 or +int4"),
+                                              ("codec_phi", "slice:0", "fraction must be in (0, 1]")])
+def test_an_outer_codec_in_the_wrong_place_names_the_field_and_the_fix(field, value, says):
+    with pytest.raises(ConfigError, match=f"outer.{field}") as info:
+        load_config(overrides=[f"outer.{field}={value}"])
+    assert says in str(info.value) and "e.g." in str(info.value)
+    config = load_config(overrides=["outer.codec_phi=slice:0.01", "outer.codec_delta=topk:0.02+int2"])
+    assert (config.outer.codec_phi, config.outer.codec_delta) == ("slice:0.01", "topk:0.02+int2")
