@@ -28,6 +28,7 @@ Every other element decodes to 0.
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 from torch import Tensor
@@ -113,10 +114,10 @@ def decode_chunked_topk(payload: memoryview, codec: str, numel: int, per_chunk: 
     chunks = math.ceil(numel / CHUNK)
     kept = kept_count(numel, per_chunk)
     index_bytes = 3 * math.ceil(kept / 2)
-    scales = _frombuffer(payload[: 4 * chunks], torch.float32)
+    scales = frombuffer(payload[: 4 * chunks], torch.float32)
     if not torch.isfinite(scales).all() or (scales < 0).any() or (scales > max_scale).any():
         raise SparseCodecError(f"{codec} payload has a non-finite, negative or out-of-range scale")
-    indices = _unpack_indices(_frombuffer(payload[4 * chunks: 4 * chunks + index_bytes], torch.uint8), kept)
+    indices = _unpack_indices(frombuffer(payload[4 * chunks: 4 * chunks + index_bytes], torch.uint8), kept)
     counts = torch.full((chunks,), per_chunk, dtype=torch.long)
     if chunks:
         counts[-1] = kept_in_last(numel, per_chunk)
@@ -129,7 +130,7 @@ def decode_chunked_topk(payload: memoryview, codec: str, numel: int, per_chunk: 
     same_chunk = chunk_of[1:] == chunk_of[:-1]
     if kept > 1 and not bool((indices[1:] > indices[:-1])[same_chunk].all()):
         raise SparseCodecError(f"{codec} indices must be strictly increasing within a chunk (a duplicate or out of order)")
-    raw = _frombuffer(payload[4 * chunks + index_bytes:], torch.uint8)
+    raw = frombuffer(payload[4 * chunks + index_bytes:], torch.uint8)
     bits = TOPK_BITS[codec]
     codes = _unpack_bits(raw, bits, kept, pad=0 if bits == 2 else 8, codec=codec)
     if bits == 2:
@@ -198,10 +199,11 @@ def slice_indices(numel: int, parts: int, part: int, seed: int) -> Tensor:
     return coordinates[coordinates < numel]
 
 
-def _frombuffer(view: memoryview, dtype: torch.dtype) -> Tensor:
-    import warnings
-    if len(view) == 0:
+def frombuffer(payload: bytes | bytearray | memoryview, dtype: torch.dtype) -> Tensor:
+    """A tensor over a payload's bytes, without a copy (codec/tensors.py uses it too)."""
+    if len(payload) == 0:
         return torch.empty(0, dtype=dtype)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # read-only buffers: only read
-        return torch.frombuffer(view, dtype=dtype)
+        # Read-only buffers are fine: the result is copied into its target before anyone writes.
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(payload, dtype=dtype)

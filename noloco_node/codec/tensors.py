@@ -54,7 +54,6 @@ to 0. The sender chooses nnz (the largest-|x| fraction, see `topk_count`); the s
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -228,13 +227,7 @@ def _to_bytes(tensor: Tensor) -> bytes:
     return tensor.numpy().tobytes() if tensor.numel() else b""
 
 
-def _from_bytes(payload: bytes | bytearray | memoryview, dtype: torch.dtype) -> Tensor:
-    if len(payload) == 0:
-        return torch.empty(0, dtype=dtype)
-    with warnings.catch_warnings():
-        # Read-only buffers are fine: the result is copied into `out` before anyone writes.
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(payload, dtype=dtype)
+_from_bytes = sparse.frombuffer
 
 
 def _encode_blockwise(flat: Tensor, codec: str, block_size: int, generator: torch.Generator | None) -> bytes:

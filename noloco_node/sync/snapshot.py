@@ -98,6 +98,22 @@ def _ratio(num2: float, den2: float) -> float:
     return math.sqrt(num2 / den2) if den2 > 0 else 0.0
 
 
+@dataclass
+class _Parts:
+    """What `freeze` gathers tensor by tensor, and the squared norms its error statistics need."""
+
+    tensors: list = field(default_factory=list)
+    expected: list[ExpectedTensor] = field(default_factory=list)
+    own: dict = field(default_factory=dict)
+    residual: dict[str, Tensor] = field(default_factory=dict)
+    slices: dict[str, Tensor] = field(default_factory=dict)
+    sizes: dict[str, int] = field(default_factory=dict)
+    err2: float = 0.0
+    ref2: float = 0.0
+    phi_err2: float = 0.0
+    phi2: float = 0.0
+
+
 def freeze(state: OuterState, payload: str, codec_phi: str, codec_delta: str,
            residuals: Mapping[str, Tensor] | None = None, poison: float | None = None,
            round_of: SliceRound | None = None) -> Frozen:
@@ -106,70 +122,78 @@ def freeze(state: OuterState, payload: str, codec_phi: str, codec_delta: str,
     theta times that factor, as a lying peer would; our own side always uses honest values.
     `round_of` says whose slices a slice:F phi sends (required then)."""
     residuals = residuals or {}
-    tensors, expected, own, frozen, new_residual, slices = [], [], {}, {}, {}, {}
-    phi_codec = parse_codec(codec_phi)
-    sparse_delta = parse_codec(codec_delta).wire.startswith("topk")
-    if phi_codec.wire == "slice" and round_of is None:
+    if parse_codec(codec_phi).wire == "slice" and round_of is None:
         raise ValueError("a sliced phi needs the round it is frozen for")
-    sizes = {THETA: 0} if payload == THETA else {"phi": 0, "delta": 0}
-    err2, ref2, phi_err2, phi2 = 0.0, 0.0, 0.0, 0.0
+    parts = _Parts(sizes={THETA: 0} if payload == THETA else {"phi": 0, "delta": 0})
+    frozen = {}
     with torch.no_grad():
         for name, param in state.params.items():
             phi = state.phi[name]
-            theta = param.detach().to(phi.dtype, copy=True)
-            frozen[name] = theta
-            dtype = str(theta.dtype).removeprefix("torch.")
+            theta = frozen[name] = param.detach().to(phi.dtype, copy=True)
             if payload == THETA:
-                mine = encode_tensor(theta, codec_phi)
-                sent = mine if poison is None else encode_tensor(_poisoned(theta, poison), codec_phi)
-                tensors.append((name, sent.spec, sent.payload))
-                expected.append(ExpectedTensor(name, tuple(theta.shape), dtype, wire_name(codec_phi)))
-                own[name] = (None, mine.decoded)
-                sizes[THETA] += len(sent.payload)
-                # The error the wire adds to our pull, relative to our drift ||Delta||.
-                err2 += float((mine.decoded.double() - theta.double()).pow(2).sum())
-                ref2 += float((theta.double() - phi.double()).pow(2).sum())
-                continue
-            delta = theta - phi
-            key = None if phi_codec.wire != "slice" else \
-                slice_key(round_of.run_seed, round_of.stage, round_of.round_index, name, phi_codec.parts)
-            enc_phi = encode_tensor(phi, codec_phi, slice_key=key)
-            enc_delta = encode_tensor(delta, codec_delta, residuals.get(name))
-            sent_delta = enc_delta if poison is None else encode_tensor(_poisoned(theta, poison) - phi, codec_delta)
-            tensors += [(f"phi/{name}", enc_phi.spec, enc_phi.payload),
-                        (f"delta/{name}", sent_delta.spec, sent_delta.payload)]
-            expected += [ExpectedTensor(f"phi/{name}", tuple(phi.shape), dtype, wire_name(codec_phi), slice_key=key),
-                         ExpectedTensor(f"delta/{name}", tuple(phi.shape), dtype, wire_name(codec_delta),
-                                        nnz=_expected_nnz(codec_delta, phi.numel()))]
-            # Our own Delta counts exact under top-k: the wire's Delta keeps a few percent of it, and
-            # our own step on that alone would throttle this replica's progress to what it can send
-            # (the partner still gets its share; the rest travels later through error feedback).
-            own_delta = delta if sparse_delta else enc_delta.decoded
-            if key is not None:  # exact values on the slice; off it each side reads its own phi
-                seed, parts, part = key
-                slices[name] = slice_indices(phi.numel(), parts, part, seed)
-                own[name] = (phi, own_delta)
+                _add_theta(parts, name, theta, phi, codec_phi, poison)
             else:
-                own[name] = (enc_phi.decoded, own_delta)
-            if enc_delta.residual is not None:
-                new_residual[name] = enc_delta.residual
-            sizes["phi"] += len(enc_phi.payload)
-            sizes["delta"] += len(sent_delta.payload)
-            target = delta if residuals.get(name) is None or enc_delta.residual is None else delta + residuals[name]
-            err2 += float((enc_delta.decoded.double() - target.double()).pow(2).sum())
-            ref2 += float(target.double().pow(2).sum())
-            phi_err2 += float((own[name][0].double() - phi.double()).pow(2).sum())
-            phi2 += float(phi.double().pow(2).sum())
-    stats: dict[str, object] = {"payload": payload, "bytes": sizes, "delta_rel_error": _ratio(err2, ref2)}
+                _add_phi_delta(parts, name, theta, phi, codec_phi, codec_delta, residuals.get(name), poison, round_of)
+    stats: dict[str, object] = {"payload": payload, "bytes": parts.sizes, "delta_rel_error": _ratio(parts.err2, parts.ref2)}
     if payload == PHI_DELTA:
-        stats["phi_rel_error"] = _ratio(phi_err2, phi2)
+        stats["phi_rel_error"] = _ratio(parts.phi_err2, parts.phi2)
         stats["codecs"] = {"phi": codec_phi, "delta": codec_delta}
     else:
         stats["codecs"] = {"theta": codec_phi}
     # Against the dense fp32 form of the same round (phi and Delta, 4 bytes per element each).
     numel = sum(p.numel() for p in state.params.values())
-    stats["fp32_fraction"] = sum(sizes.values()) / (8 * numel) if numel else 0.0
-    return Frozen(EncodedSnapshot(tensors), expected, own, frozen, payload, new_residual, stats, slices)
+    stats["fp32_fraction"] = sum(parts.sizes.values()) / (8 * numel) if numel else 0.0
+    return Frozen(EncodedSnapshot(parts.tensors), parts.expected, parts.own, frozen, payload, parts.residual, stats,
+                  parts.slices)
+
+
+def _add_theta(parts: _Parts, name: str, theta: Tensor, phi: Tensor, codec: str, poison: float | None) -> None:
+    dtype = str(theta.dtype).removeprefix("torch.")
+    mine = encode_tensor(theta, codec)
+    sent = mine if poison is None else encode_tensor(_poisoned(theta, poison), codec)
+    parts.tensors.append((name, sent.spec, sent.payload))
+    parts.expected.append(ExpectedTensor(name, tuple(theta.shape), dtype, wire_name(codec)))
+    parts.own[name] = (None, mine.decoded)
+    parts.sizes[THETA] += len(sent.payload)
+    # The error the wire adds to our pull, relative to our drift ||Delta||.
+    parts.err2 += float((mine.decoded.double() - theta.double()).pow(2).sum())
+    parts.ref2 += float((theta.double() - phi.double()).pow(2).sum())
+
+
+def _add_phi_delta(parts: _Parts, name: str, theta: Tensor, phi: Tensor, codec_phi: str, codec_delta: str,
+                   residual: Tensor | None, poison: float | None, round_of: SliceRound | None) -> None:
+    dtype = str(theta.dtype).removeprefix("torch.")
+    phi_codec = parse_codec(codec_phi)
+    delta = theta - phi
+    key = None if phi_codec.wire != "slice" else \
+        slice_key(round_of.run_seed, round_of.stage, round_of.round_index, name, phi_codec.parts)
+    enc_phi = encode_tensor(phi, codec_phi, slice_key=key)
+    enc_delta = encode_tensor(delta, codec_delta, residual)
+    sent_delta = enc_delta if poison is None else encode_tensor(_poisoned(theta, poison) - phi, codec_delta)
+    parts.tensors += [(f"phi/{name}", enc_phi.spec, enc_phi.payload),
+                      (f"delta/{name}", sent_delta.spec, sent_delta.payload)]
+    parts.expected += [ExpectedTensor(f"phi/{name}", tuple(phi.shape), dtype, wire_name(codec_phi), slice_key=key),
+                       ExpectedTensor(f"delta/{name}", tuple(phi.shape), dtype, wire_name(codec_delta),
+                                      nnz=_expected_nnz(codec_delta, phi.numel()))]
+    # Our own Delta counts exact under top-k: the wire's Delta keeps a few percent of it, and
+    # our own step on that alone would throttle this replica's progress to what it can send
+    # (the partner still gets its share; the rest travels later through error feedback).
+    own_delta = delta if parse_codec(codec_delta).wire.startswith("topk") else enc_delta.decoded
+    if key is not None:  # exact values on the slice; off it each side reads its own phi
+        seed, count, part = key
+        parts.slices[name] = slice_indices(phi.numel(), count, part, seed)
+        parts.own[name] = (phi, own_delta)
+    else:
+        parts.own[name] = (enc_phi.decoded, own_delta)
+    if enc_delta.residual is not None:
+        parts.residual[name] = enc_delta.residual
+    parts.sizes["phi"] += len(enc_phi.payload)
+    parts.sizes["delta"] += len(sent_delta.payload)
+    target = delta if residual is None or enc_delta.residual is None else delta + residual
+    parts.err2 += float((enc_delta.decoded.double() - target.double()).pow(2).sum())
+    parts.ref2 += float(target.double().pow(2).sum())
+    parts.phi_err2 += float((parts.own[name][0].double() - phi.double()).pow(2).sum())
+    parts.phi2 += float(phi.double().pow(2).sum())
 
 
 def fill_slices(state: OuterState, peer: dict[str, tuple[Tensor | None, Tensor]],
