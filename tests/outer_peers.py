@@ -18,6 +18,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 ROOT = Path(__file__).resolve().parents[1]
+MATCH_S = 15.0
+"""How long a process peer looks for a partner unless a test says: a pair forms in well under a second
+when idle, and a round that goes solo on purpose passes its own --match-s."""
 
 
 def t(values):
@@ -32,6 +35,8 @@ class ProcessPeers:
         save_file({k: t(v) for k, v in state.items()}, str(self.dir / f"{name}.state"))
         ready = self.dir / f"{name}.ready"
         initial = ["--initial-peers", self.first_maddr] if self.procs else []
+        if "--match-s" not in extra:  # the peer's own 5 s is short for a loaded machine to pair in
+            extra = (*extra, "--match-s", str(MATCH_S))
         log = open(self.dir / f"{name}.log", "w")
         proc = subprocess.Popen([sys.executable, "-m", "noloco_node.experiments.outer_peer", "--state", str(self.dir / f"{name}.state"),
                                  "--out", str(self.dir / f"{name}.out"), "--ready-file", str(ready), "--go-file", str(self.go),

@@ -166,6 +166,8 @@ class MemoryAllReduceHub:
         try:
             await asyncio.wait_for(group.done.wait(), min(timeout_s, self.wait_s or timeout_s))
         except asyncio.TimeoutError:
+            if group.done.is_set():  # the group formed as our wait ran out: we are in it
+                return group
             group.members.pop(name, None)
             return None
         return group
