@@ -26,6 +26,12 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! command -v iptables 
   (apt-get install -y -qq iptables >/dev/null 2>&1 || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq iptables >/dev/null 2>&1; }) \
     || echo "note: could not install iptables; the NAT topology test will skip" >&2
 fi
+# The dashboard's browser test drives Debian's chromium (Playwright's own browsers are never
+# downloaded); elsewhere that test says why it skips.
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! command -v chromium >/dev/null; then
+  (apt-get install -y -qq chromium >/dev/null 2>&1 || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq chromium >/dev/null 2>&1; }) \
+    || echo "note: could not install chromium; the dashboard's browser test will skip" >&2
+fi
 if .venv/bin/python -m pip list 2>/dev/null | grep -qi '^nvidia-'; then
   command -v nvidia-smi >/dev/null || echo "warning: CUDA wheels are installed on a machine without nvidia-smi" >&2
 fi

@@ -43,9 +43,11 @@ ALLOWED: dict[str, set[str]] = {
     "pipeline": _PURE,
     "sync": _PURE | {"pipeline"},
     "rpc": _PURE | {"wire", "transport", "pipeline.ports", "sync.ports"},
-    "node": _PURE | {"transport", "netem", "dht", "pipeline", "sync", "rpc"},
+    # The pages read records and stats as plain data; attention's rules are the node's, and pure.
+    "dashboard": _BASE | {"node.attention"},
+    "node": _PURE | {"transport", "netem", "dht", "pipeline", "sync", "rpc", "dashboard"},
     "experiments": _PURE | {"transport", "netem", "dht", "pipeline", "sync", "rpc", "node"},
-    "cli": _PURE | {"transport", "netem", "dht", "pipeline", "sync", "rpc", "node", "experiments"},
+    "cli": _PURE | {"transport", "netem", "dht", "pipeline", "sync", "rpc", "node", "experiments", "dashboard"},
 }
 ALLOWED["__main__"] = {"cli"}
 # protobuf messages are rpc's (and the transports') business; the codec below them is pure torch.

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from noloco_node.cli.common import add_config_flags, check_listen, resolve_config, stop_on_signals
+from noloco_node.config.listen import parse_listen
 from noloco_node.runtime.every import TOUCH_PERIOD_S
 from noloco_node.runtime.files import atomic_write_text
 
@@ -24,12 +25,18 @@ def register(subparsers) -> None:
     p.add_argument("--identity", default="bootstrap.key", help="private key file; created once, keeps the peer id stable")
     p.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR", help="other bootstrap peers to link to")
     p.add_argument("--maddr-file", help="also write the multiaddrs here, one per line")
+    p.add_argument("--dashboard", metavar="[HOST:]PORT", help="serve the swarm's live web page and its JSON "
+                   "(/api/swarm, /api/history) here; a bare PORT binds 127.0.0.1, 0.0.0.0:PORT shows it to everyone "
+                   "(network.dashboard; docs/dashboard.md)")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    config = resolve_config(args)
+    config = resolve_config(args, flags={"network": {"dashboard": args.dashboard}})
     check_listen(args.host, {"--port": args.port}, "--host")
+    if config.network.dashboard is not None:
+        host, port = parse_listen(config.network.dashboard)
+        check_listen(host, {"--dashboard": port}, "--dashboard")
     return asyncio.run(_serve(config, args))
 
 
@@ -53,11 +60,14 @@ async def _serve(config, args: argparse.Namespace) -> int:
     for maddr in maddrs:
         print(f"  noloco-node join --initial-peers {maddr}", flush=True)
     sys.stdout.flush()
+    dashboard = await _serve_dashboard(config, directory) if config.network.dashboard is not None else None
     touch = asyncio.create_task(_keep_in_touch(directory, max(config.timeouts.heartbeat_s, TOUCH_PERIOD_S)))
     try:
         await stop.wait()
     finally:
         touch.cancel()
+        if dashboard is not None:
+            await dashboard.close()
         await links.close()
         await server.stop(1.0)
         await directory.shutdown()
@@ -97,3 +107,28 @@ async def _serve_probes(config, directory, swarm_key: bytes | None):
     await links.attach(directory.p2p, server.bridge_port)
     await links.serve_relay()
     return links, server
+
+
+class _SwarmDashboard:
+    def __init__(self, server, sampling: asyncio.Task) -> None:
+        self.server, self.sampling = server, sampling
+
+    async def close(self) -> None:
+        self.sampling.cancel()
+        await self.server.stop()
+
+
+async def _serve_dashboard(config, directory) -> _SwarmDashboard:
+    """The swarm page (docs/dashboard.md), sampled in the background: its history covers the time
+    nobody watched. Prints the address to open."""
+    from noloco_node.dashboard.http import DashboardServer
+    from noloco_node.dashboard.swarm import SwarmView
+
+    host, port = parse_listen(config.network.dashboard)
+    view = SwarmView(directory.all_records, config, poll_s=config.network.dashboard_poll_s)
+    server = DashboardServer(pages={"/": "swarm.html", "/swarm": "swarm.html"},
+                             api={"/api/swarm": view.swarm, "/api/history": view.history_json})
+    bound = await server.start(host, port)
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    print(f"dashboard at http://{shown}:{bound}/", flush=True)
+    return _SwarmDashboard(server, asyncio.create_task(view.run()))

@@ -27,6 +27,8 @@ def register(subparsers) -> None:
     p.add_argument("--announce-addr", metavar="HOST:PORT", help="the address peers dial (network.announce_addr); "
                    "checked at join by asking live peers to call our health endpoint; behind NAT, leave it out: "
                    "the node is then reached over libp2p (hole punching or a relay)")
+    p.add_argument("--dashboard", metavar="[HOST:]PORT", help="serve this node's web page (and the swarm as it sees "
+                   "it, at /swarm) here (network.dashboard); a bare PORT binds 127.0.0.1: this machine only")
     p.add_argument("--events", metavar="FILE", help="append a JSONL event stream here (log.events_file)")
     p.add_argument("--steps", type=_whole, metavar="N", help="stage 0: train until inner step N, then leave (a node "
                    "that resumed from its checkpoint or fetched a replica's state runs only what is left); 0 = train "
@@ -57,6 +59,13 @@ def _whole(value: str, least: int = 0) -> int:
     return number
 
 
+def _dashboard_listen(value: str) -> tuple[str, dict[str, int]]:
+    from noloco_node.config.listen import parse_listen
+
+    host, port = parse_listen(value)
+    return host, {"network.dashboard": port}
+
+
 def _positive(value: str) -> int:
     return _whole(value, least=1)
 
@@ -70,13 +79,15 @@ def _stage(value: str) -> str:
 def run(args: argparse.Namespace) -> int:
     config = resolve_config(args, flags={
         "network": {"initial_peers": args.initial_peers, "host": args.host, "port": args.port,
-                    "announce_addr": args.announce_addr},
+                    "announce_addr": args.announce_addr, "dashboard": args.dashboard},
         "pipeline": {"stage": args.stage},
         "log": {"events_file": args.events},
     })
     net = config.network
     check_listen(net.host, {"network.port": net.port, "network.dht_port": net.dht_port,
                             "network.metrics_port": net.metrics_port}, "network.host")
+    if net.dashboard is not None:
+        check_listen(*_dashboard_listen(net.dashboard), "network.dashboard")
     require_initial_peers(config)
     if args.threads:
         import torch

@@ -22,20 +22,13 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     config = resolve_config(args, flags={"network": {"initial_peers": args.initial_peers}})
     require_initial_peers(config)
-    rows = asyncio.run(_collect(config))
-    from noloco_node.runtime.throughput import limiting_stage
+    from noloco_node.dashboard.swarm import swarm_json
 
-    stages = range(config.pipeline.num_stages)
-    capacity = {s: [r["capacity"] for r in rows if r["stage"] == s] for s in stages}
-    limit = limiting_stage(capacity)
-    from noloco_node.node.attention import swarm_attention
-
-    notes = swarm_attention(rows, config.pipeline.num_stages, behind_steps=2 * config.outer.inner_steps_per_outer)
+    swarm = swarm_json(asyncio.run(_collect(config)), config)
     if args.json:
-        print(json.dumps({"run_id": config.run.run_id, "stages": config.pipeline.num_stages, "replicas": rows,
-                          "stage_capacity": {str(s): sum(c) for s, c in capacity.items()}, "limiting_stage": limit,
-                          "attention": notes}, indent=2))
+        print(json.dumps(swarm, indent=2))
         return 0
+    rows, limit = swarm["replicas"], swarm["limiting_stage"]
     print(f"run {config.run.run_id}: {len(rows)} replicas over {config.pipeline.num_stages} stages")
     header = (f"{'stage':>5}  {'peer':<10} {'address':<22} {'reach':<12} {'inner':>6} {'round':>5} {'status':<9} "
               f"{'tok/s':>8} {'cap seq/s':>9} {'busy':>5} {'hop ms':>6} {'link Mb/s':>9} {'round MB':>8} {'mem GiB est/peak':>16} "
@@ -46,10 +39,11 @@ def run(args: argparse.Namespace) -> int:
               f"{r['status']:<9} {r['tokens_per_s']:>8.0f} {r['capacity']:>9.1f} {r['busy']:>5.2f} {r['hop_s'] * 1e3:>6.0f} "
               f"{_mbit(r.get('link_mbit_s', 0.0)):>9} {_megabytes(r.get('outer_round_bytes', 0)):>8} {_memory(r):>16} "
               f"{r['version']:<8} {r['seen_s_ago']:>5.0f}s")
-    for s in stages:
-        mark = "  <- limits the swarm" if s == limit else ""
-        print(f"stage {s}: {len(capacity[s])} replicas, capacity {sum(capacity[s]):.1f} sequences/s{mark}")
-    for note in notes:
+    for s, total in swarm["stage_capacity"].items():
+        count = sum(1 for r in rows if r["stage"] == int(s))
+        mark = "  <- limits the swarm" if int(s) == limit else ""
+        print(f"stage {s}: {count} replicas, capacity {total:.1f} sequences/s{mark}")
+    for note in swarm["attention"]:
         print(f"! {note}")
     return 0
 
@@ -68,6 +62,7 @@ def _memory(row: dict) -> str:
 
 async def _collect(config) -> list[dict]:
     from noloco_node import __version__
+    from noloco_node.dashboard.swarm import read_rows
     from noloco_node.dht.directory import DirectoryIdentity, PeerDirectory
     from noloco_node.rpc.security import read_swarm_key
 
@@ -77,14 +72,7 @@ async def _collect(config) -> list[dict]:
         startup_timeout_s=config.timeouts.startup_s, client_mode=True, swarm_key=read_swarm_key(config.security),
         max_skew_s=config.security.max_clock_skew_s)
     try:
-        now, rows = time.time(), []
-        for stage in range(config.pipeline.num_stages):
-            for record in await directory.all_records(stage):
-                row = record.dict(exclude={"tls_cert"})
-                row["tls_fingerprint"] = _fingerprint(record.tls_cert)
-                row["seen_s_ago"] = max(0.0, now - record.updated_at)
-                rows.append(row)
-        return rows
+        return await read_rows(directory.all_records, config.pipeline.num_stages)
     finally:
         await directory.shutdown()
 
@@ -92,14 +80,3 @@ async def _collect(config) -> list[dict]:
 def _mbit(value: float) -> str:
     """A node's measured link (its median to its peers) for the table; "-" before any measurement."""
     return "-" if value <= 0 else f"{value:.3g}"
-
-
-def _fingerprint(cert_b64: str) -> str:
-    """SHA-256 of the node's TLS certificate (what its clients pin), or "" without one."""
-    import base64
-    import hashlib
-
-    try:
-        return hashlib.sha256(base64.b64decode(cert_b64, validate=True)).hexdigest() if cert_b64 else ""
-    except ValueError:
-        return ""

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from noloco_node.codec.names import check_delta_codec, check_phi_codec
+from noloco_node.config.listen import parse_listen
 
 METHODS = ("noloco", "diloco", "dp", "none")
 CODECS = ("none", "bf16", "int8")
@@ -332,6 +333,11 @@ class NetworkConfig:
     dht_port: int = 0
     metrics_port: int | None = None
     """Prometheus /metrics port on `host`; None = off, 0 = any free port."""
+    dashboard: str | None = None
+    """[HOST:]PORT of this node's web page and JSON (docs/dashboard.md); a bare PORT binds 127.0.0.1
+    (this machine only); None = off, port 0 = any free port (the ready file says which)."""
+    dashboard_poll_s: float = 5.0
+    """How often the dashboard samples the node (and reads the swarm's records for its swarm page)."""
     allreduce_port: int = 0
     """diloco/dp: TCP port of the all-reduce's hivemind peer (0 = any)."""
     allreduce_announce: str | None = None
@@ -352,6 +358,13 @@ class NetworkConfig:
     def __post_init__(self) -> None:
         if self.metrics_port is not None:
             _require(0 <= self.metrics_port <= 65535, "metrics_port", f"{self.metrics_port} is not a TCP port", "use 0..65535")
+        if self.dashboard is not None:
+            try:
+                parse_listen(self.dashboard)
+            except ValueError as exc:
+                _require(False, "dashboard", str(exc), 'e.g. dashboard = "8080"')
+        _require(self.dashboard_poll_s > 0, "dashboard_poll_s", f"must be > 0 seconds, got {self.dashboard_poll_s}",
+                 "use e.g. 5")
         for name in ("port", "dht_port", "allreduce_port"):
             _require(0 <= getattr(self, name) <= 65535, name, f"{getattr(self, name)} is not a TCP port", "use 0..65535")
         if self.announce_addr is not None:

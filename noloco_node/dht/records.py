@@ -63,6 +63,9 @@ class StageRecord(pydantic.BaseModel):
     """Whether the node may move to another stage when rebalancing (pipeline/rebalance.py)."""
     moved_at: pydantic.confloat(strict=True, ge=0.0) = 0.0
     """Unix time of the node's last move between stages; 0 = never moved."""
+    loss: Optional[pydantic.confloat(strict=True, ge=0.0, le=1e6)] = None
+    """Stage 0: the training loss of the last microbatch this replica drove through the pipeline
+    (computed at the last stage, returned with its gradients); None elsewhere or before the first."""
     attention: pydantic.conlist(pydantic.constr(strict=True, max_length=200), max_items=4) = []
     """What needs a person's attention at this node, in words with the likely cause (node/attention.py):
     outer rounds going solo, no progress for a long while; [] when all is well."""

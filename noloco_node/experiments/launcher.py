@@ -56,12 +56,12 @@ class LocalSwarm:
         sets = [a for o in self.overrides for a in ("--set", o)]
         return [sys.executable, "-m", "noloco_node", *args[:1], *sets, *args[1:]]
 
-    def start_bootstrap(self) -> str:
+    def start_bootstrap(self, *extra: str) -> str:
         maddr_file = self.out_dir / "bootstrap.maddr"
         with open(self.out_dir / "logs" / "bootstrap.log", "w") as log:
             self.bootstrap = self.group.spawn(
                 self._cmd("bootstrap", "--port", "0", "--identity", str(self.out_dir / "bootstrap.key"),
-                          "--maddr-file", str(maddr_file)),
+                          "--maddr-file", str(maddr_file), *extra),
                 stdout=log, stderr=subprocess.STDOUT, env=self._env())
         deadline = time.monotonic() + self.startup_timeout_s
         while not maddr_file.exists():

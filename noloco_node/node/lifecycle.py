@@ -97,6 +97,7 @@ class Node:
         self.driver: Stage0Driver | None = None
         self.metrics = None
         self.metrics_port = None
+        self.dashboard = None
         self.fetched_state: dict | None = None
         self.resumed_from: dict | None = None
         self._background: set[asyncio.Task] = set()
@@ -217,6 +218,10 @@ class Node:
 
             self.metrics = NodeMetrics(self.stats, peer_id=self.peer_id, stage=self.stage_index)
             self.metrics_port = self.metrics.serve(cfg.network.host, cfg.network.metrics_port)
+        if cfg.network.dashboard is not None:
+            from noloco_node.node.dashboard import NodeDashboard
+
+            self.dashboard = await NodeDashboard.open(self)
 
     async def _join_state(self) -> None:
         """Resume from our own checkpoint, else (NoLoCo) copy a live replica's state."""
@@ -424,7 +429,8 @@ class Node:
         """After a start that failed: close what it had opened (its gRPC server, libp2p links and
         DHT peer; no record to withdraw, nothing to drain), so the process exits quietly with the
         error that stopped it."""
-        closers = {"server": self.server and (lambda: self.server.stop(0)), "links": self.links and self.links.close,
+        closers = {"dashboard": self.dashboard and self.dashboard.close,
+                   "server": self.server and (lambda: self.server.stop(0)), "links": self.links and self.links.close,
                    "dht": self.directory and self.directory.shutdown}
         for name, close in closers.items():
             if not close:
@@ -437,7 +443,8 @@ class Node:
     async def _shut_down(self) -> None:
         timeout_s = self.config.timeouts.connect_s + 5
         await self.sync.close()
-        for name, step in (("server", self.server.stop(1.0)), ("client", self.client.close()),
+        dashboard = self.dashboard.close() if self.dashboard is not None else asyncio.sleep(0)
+        for name, step in (("dashboard", dashboard), ("server", self.server.stop(1.0)), ("client", self.client.close()),
                            ("outer client", self.outer_client.close()), ("links", self.links.close()),
                            ("dht", self.directory.shutdown())):
             try:

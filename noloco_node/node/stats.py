@@ -4,6 +4,7 @@ and summary (node/reporting.py) and its ready file."""
 
 from __future__ import annotations
 
+import math
 import time
 from typing import TYPE_CHECKING
 
@@ -102,7 +103,8 @@ def ready_fields(node: Node) -> dict:
     return {"peer_id": node.peer_id, "address": node.address, "stage": node.stage_index, "reach": node.links.reach,
             "tls_cert": node.links.certificate.b64, "p2p_addrs": node.links.p2p_addrs,
             "inner_step": node.worker.inner_steps, "outer_round": node.outer_round, "status": node.status,
-            "metrics_port": node.metrics_port, "manifest_hash": node.manifest_hash, "run_id": node.config.run.run_id,
+            "metrics_port": node.metrics_port, "dashboard_port": node.dashboard.port if node.dashboard else None,
+            "manifest_hash": node.manifest_hash, "run_id": node.config.run.run_id,
             "in_flight": [[k.origin, k.sequence, k.attempt] for k in list(node.runtime.in_flight)],
             "saved_inputs": len(node.worker.saved), "moves": len(node.moves),
             "served": sum(node.runtime.stats.forwards_received.values()),
@@ -122,7 +124,14 @@ def stage_record(node: Node) -> StageRecord:
                        memory_estimate_bytes=parts.memory_estimate_bytes,
                        memory_peak_bytes=max(0, peak_memory_bytes(parts.device) - parts.memory_baseline_bytes),
                        outer_round_bytes=round_bytes(node.sync.counters.history if node.config.outer.method != "none" else [])["last"],
-                       attention=node_attention(node), **node.meter.record_fields())
+                       loss=last_loss(node), attention=node_attention(node), **node.meter.record_fields())
+
+
+def last_loss(node: Node) -> float | None:
+    """Stage 0's last microbatch loss, when there is one and it is a number a record may carry."""
+    losses = node.driver.log.losses if node.driver is not None else []
+    loss = float(losses[-1]) if losses else None
+    return loss if loss is not None and math.isfinite(loss) and 0.0 <= loss <= 1e6 else None
 
 
 def round_bytes(history: list[dict]) -> dict[str, float]:

@@ -50,10 +50,10 @@ def prepare_tokenizer(overrides: list[str]):
 def make_swarm(tmp_path):
     swarms = []
 
-    def factory(overrides: list[str], name: str = "swarm", threads: int = 1) -> LocalSwarm:
+    def factory(overrides: list[str], name: str = "swarm", threads: int = 1, bootstrap_args: tuple = ()) -> LocalSwarm:
         swarm = LocalSwarm(tmp_path / name, overrides=overrides, threads=threads, startup_timeout_s=60)
         swarms.append(swarm)
-        swarm.start_bootstrap()
+        swarm.start_bootstrap(*bootstrap_args)
         return swarm
 
     yield factory

@@ -100,3 +100,12 @@ def test_dockerfile_entrypoint_ports_healthcheck_and_build_context():
     assert f"/tcp/{bootstrap_port}/p2p/" in text and "/tcp/31337/p2p/" not in text
     ignored = (DEPLOY.parent / ".dockerignore").read_text().split()
     assert {".venv", "runs/", ".git"} <= set(ignored)
+
+
+def test_the_bootstrap_publishes_the_swarm_page_on_the_port_it_exposes():
+    compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())["services"]["bootstrap"]
+    listen = compose["command"][compose["command"].index("--dashboard") + 1]
+    port = listen.rpartition(":")[2]
+    assert listen.startswith("0.0.0.0:") and f"{port}:{port}" in compose["ports"]
+    argv = unit_argv(DEPLOY / "systemd" / "noloco-bootstrap.service")
+    assert argv[argv.index("--dashboard") + 1].startswith("0.0.0.0:")

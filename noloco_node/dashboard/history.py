@@ -1,0 +1,80 @@
+"""Bounded time series for the dashboards' charts, sampled by whoever owns them. Pure."""
+
+from __future__ import annotations
+
+from collections import deque
+
+HISTORY_POINTS = 720
+"""Points kept per series: an hour at the default 5 s poll, and a page's JSON stays small."""
+MAX_SERIES = 256
+"""Replicas tracked per series family: records are bounded by the DHT, this bounds our memory too."""
+
+
+class Series:
+    """Points ([time, *values]) in arrival order, the oldest dropped past `limit`."""
+
+    def __init__(self, limit: int = HISTORY_POINTS) -> None:
+        self.points: deque[list[float]] = deque(maxlen=limit)
+
+    def add(self, at: float, *values: float) -> None:
+        self.points.append([at, *values])
+
+    @property
+    def last(self) -> list[float] | None:
+        return self.points[-1] if self.points else None
+
+    def as_list(self) -> list[list[float]]:
+        return list(self.points)
+
+
+class SwarmHistory:
+    """The swarm page's series: the swarm's tokens/s, and each replica's loss and inner step, a
+    replica's point added only when its record changed (a new `updated_at`)."""
+
+    def __init__(self, limit: int = HISTORY_POINTS) -> None:
+        self.limit = limit
+        self.tokens_per_s = Series(limit)
+        self.loss: dict[str, Series] = {}
+        self.inner_step: dict[str, Series] = {}
+        self._seen: dict[str, float] = {}
+
+    def observe(self, at: float, replicas: list[dict], tokens_per_s: float) -> None:
+        self.tokens_per_s.add(at, tokens_per_s)
+        for row in replicas:
+            peer, updated = row["peer_id"], row.get("updated_at", at)
+            if self._seen.get(peer) == updated:
+                continue
+            if peer not in self._seen and len(self._seen) >= MAX_SERIES:
+                self._forget_oldest()
+            self._seen[peer] = updated
+            self.inner_step.setdefault(peer, Series(self.limit)).add(updated, row["inner_step"])
+            if row.get("loss") is not None:
+                self.loss.setdefault(peer, Series(self.limit)).add(updated, row["inner_step"], row["loss"])
+
+    def _forget_oldest(self) -> None:
+        oldest = min(self._seen, key=self._seen.get)
+        for table in (self._seen, self.loss, self.inner_step):
+            table.pop(oldest, None)
+
+    def as_json(self) -> dict:
+        return {"schema": "noloco-node/history/1", "tokens_per_s": self.tokens_per_s.as_list(),
+                "loss": {peer: s.as_list() for peer, s in self.loss.items()},
+                "inner_step": {peer: s.as_list() for peer, s in self.inner_step.items()}}
+
+
+class NodeHistory:
+    """A node page's series: its tokens/s, and its loss per inner step (stage 0)."""
+
+    def __init__(self, limit: int = HISTORY_POINTS) -> None:
+        self.tokens_per_s = Series(limit)
+        self.loss = Series(limit)
+
+    def observe(self, at: float, *, tokens_per_s: float, inner_step: int, loss: float | None) -> None:
+        self.tokens_per_s.add(at, tokens_per_s)
+        last = self.loss.last
+        if loss is not None and (last is None or last[1] != inner_step or last[2] != loss):
+            self.loss.add(at, inner_step, loss)
+
+    def as_json(self) -> dict:
+        return {"schema": "noloco-node/node-history/1", "tokens_per_s": self.tokens_per_s.as_list(),
+                "loss": self.loss.as_list()}

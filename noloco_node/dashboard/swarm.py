@@ -1,0 +1,149 @@
+"""The swarm as its DHT records tell it: `swarm_json` (the JSON of `status --json` and of the
+swarm page, docs/dashboard.md) and `SwarmView`, which reads the records for a page and keeps
+their history. Nothing here trusts more than the records say: each was signed by the peer it
+describes (dht/directory.py keeps only those), and a TLS certificate is shown by its fingerprint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import logging
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
+
+from noloco_node.config import NodeConfig
+from noloco_node.dashboard.history import HISTORY_POINTS, SwarmHistory
+from noloco_node.node.attention import swarm_attention
+from noloco_node.runtime.throughput import limiting_stage
+
+log = logging.getLogger(__name__)
+SCHEMA = "noloco-node/swarm/1"
+ReadRecords = Callable[[int], Awaitable[Sequence]]
+"""stage -> that stage's proven records (PeerDirectory.all_records)."""
+
+
+def record_row(record, now: float) -> dict:
+    """One replica as the JSON shows it: the record's fields, its certificate as a fingerprint,
+    and how long ago it was written."""
+    row = record.dict(exclude={"tls_cert"})
+    row["tls_fingerprint"] = tls_fingerprint(record.tls_cert)
+    row["seen_s_ago"] = max(0.0, now - record.updated_at)
+    return row
+
+
+def tls_fingerprint(cert_b64: str) -> str:
+    """SHA-256 of the node's TLS certificate (what its clients pin), or "" without one."""
+    try:
+        return hashlib.sha256(base64.b64decode(cert_b64, validate=True)).hexdigest() if cert_b64 else ""
+    except ValueError:
+        return ""
+
+
+async def read_rows(read: ReadRecords, num_stages: int, now: float | None = None) -> list[dict]:
+    now = time.time() if now is None else now
+    rows = []
+    for stage in range(num_stages):
+        rows.extend(record_row(r, now) for r in await read(stage))
+    return rows
+
+
+def swarm_json(rows: list[dict], config: NodeConfig, *, now: float | None = None) -> dict:
+    """The swarm's state from its replicas' rows (`record_row`), for a page or a script."""
+    num_stages = config.pipeline.num_stages
+    stages = range(num_stages)
+    capacity = {s: [r["capacity"] for r in rows if r["stage"] == s] for s in stages}
+    limit = limiting_stage(capacity)
+    manifest = swarm_manifest(rows)
+    notes = swarm_attention(rows, num_stages, behind_steps=2 * config.outer.inner_steps_per_outer)
+    notes.extend(manifest_notes(rows, manifest))
+    m = config.model
+    return {
+        "schema": SCHEMA, "generated_at": time.time() if now is None else now,
+        "run_id": config.run.run_id, "stages": num_stages,
+        "run": {"run_id": config.run.run_id, "manifest_hash": manifest, "stages": num_stages,
+                "method": config.outer.method, "inner_steps_per_outer": config.outer.inner_steps_per_outer,
+                "model": {"hidden_size": m.hidden_size, "intermediate_size": m.intermediate_size,
+                          "num_layers": m.num_layers, "num_heads": m.num_heads, "seq_len": m.seq_len}},
+        "replicas": rows,
+        "stage_capacity": {str(s): sum(c) for s, c in capacity.items()},
+        "limiting_stage": limit, "limiting_reason": limiting_reason(capacity, limit),
+        "tokens_per_s": sum(r["tokens_per_s"] for r in rows if r["stage"] == 0 and r["status"] != "leaving"),
+        "attention": notes,
+    }
+
+
+def swarm_manifest(rows: list[dict]) -> str:
+    """The manifest most replicas announce ("" with none): what the swarm trains."""
+    counts = Counter(r["manifest_hash"] for r in rows if r["manifest_hash"])
+    return min(counts, key=lambda h: (-counts[h], h)) if counts else ""
+
+
+def manifest_notes(rows: list[dict], manifest: str) -> list[str]:
+    return [f"replica {r['peer_id'][-8:]} (stage {r['stage']}) announces manifest {r['manifest_hash'][:12]}, the swarm "
+            f"trains {manifest[:12]}: it runs another config, tokenizer or model and never pairs or trains with the "
+            f"others; restart it with the swarm's config (`noloco-node doctor` compares them)"
+            for r in rows if manifest and r["manifest_hash"] and r["manifest_hash"] != manifest]
+
+
+def limiting_reason(capacity: dict[int, list[float]], limit: int | None) -> str:
+    totals = {s: sum(c) for s, c in capacity.items()}
+    if limit is None:
+        unmeasured = [s for s, t in totals.items() if t <= 0]
+        return (f"not known yet: stage {', '.join(map(str, unmeasured))} has no measured capacity (no replica, or "
+                f"none has computed yet)") if unmeasured else "not known yet"
+    others = sorted((t, s) for s, t in totals.items() if s != limit)
+    count = len(capacity[limit])
+    reason = (f"stage {limit}: {totals[limit]:.1f} sequences/s over {count} replica{'s' if count != 1 else ''}, "
+              f"the least of the stages")
+    return reason + (f" (next: stage {others[0][1]}, {others[0][0]:.1f})" if others else "")
+
+
+class SwarmView:
+    """The swarm page's data: rows read from the DHT at most every `poll_s` (a page polling faster
+    reuses them; the DHT is not read per request), and their history. `run()` also samples in the
+    background, so the history of a bootstrap's page covers the time nobody watched."""
+
+    def __init__(self, read: ReadRecords, config: NodeConfig, *, poll_s: float,
+                 limit: int = HISTORY_POINTS, clock: Callable[[], float] = time.monotonic) -> None:
+        self.read, self.config, self.poll_s, self.clock = read, config, poll_s, clock
+        self.history = SwarmHistory(limit)
+        self._latest: dict | None = None
+        self._read_at = float("-inf")
+        self._lock = asyncio.Lock()
+
+    async def swarm(self) -> dict:
+        async with self._lock:  # concurrent requests share one read
+            if self._latest is None or self.clock() - self._read_at >= self.poll_s:
+                try:
+                    await self._refresh()
+                except Exception:
+                    if self._latest is None:
+                        raise
+                    # The last good read stands (its generated_at shows its age); tried again next time.
+                    log.warning("dashboard: reading the swarm's records failed; showing the last read", exc_info=True)
+                    self._read_at = self.clock()
+            return self._latest
+
+    async def history_json(self) -> dict:
+        if self._latest is None:
+            await self.swarm()
+        return self.history.as_json()
+
+    async def run(self) -> None:
+        """Sample every `poll_s` until cancelled; a failed read is tried again next period."""
+        while True:
+            try:
+                await self.swarm()
+            except Exception as exc:  # noqa: BLE001 - no read yet: tried again next period
+                log.warning("dashboard: reading the swarm's records failed: %s", exc or type(exc).__name__)
+            await asyncio.sleep(self.poll_s)
+
+    async def _refresh(self) -> None:
+        now = time.time()
+        rows = await read_rows(self.read, self.config.pipeline.num_stages, now)
+        latest = swarm_json(rows, self.config, now=now)
+        self.history.observe(now, rows, latest["tokens_per_s"])
+        self._latest, self._read_at = latest, self.clock()

@@ -1,0 +1,56 @@
+"""The dashboard's server: pages and JSON by GET only, 404 elsewhere, 405 for every other method,
+a Content-Security-Policy on everything, and JSON a browser can parse (no NaN)."""
+
+import json
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from noloco_node.dashboard.http import DashboardServer
+
+
+@pytest.fixture
+async def client():
+    calls = []
+
+    async def swarm():
+        calls.append(1)
+        return {"loss": float("nan"), "rows": [{"x": float("inf")}, (1, 2)], "text": "<script>alert(1)</script>"}
+
+    server = DashboardServer(pages={"/": "swarm.html"}, api={"/api/swarm": swarm})
+    async with TestClient(TestServer(server.app())) as c:
+        c.calls = calls
+        yield c
+
+
+async def test_json_is_served_with_non_finite_numbers_as_null(client):
+    response = await client.get("/api/swarm")
+    assert response.status == 200 and response.content_type == "application/json"
+    body = json.loads(await response.text())  # strict JSON: NaN would not parse in a browser
+    assert body == {"loss": None, "rows": [{"x": None}, [1, 2]], "text": "<script>alert(1)</script>"}
+    assert "default-src 'self'" in response.headers["Content-Security-Policy"]
+    assert response.headers["X-Content-Type-Options"] == "nosniff"
+
+
+async def test_pages_and_vendored_chart_library_are_served_from_the_package(client):
+    page = await client.get("/")
+    assert page.status == 200 and page.content_type == "text/html" and "Content-Security-Policy" in page.headers
+    chart = await client.get("/static/vendor/uPlot.iife.min.js")
+    assert chart.status == 200 and chart.content_type == "text/javascript" and "uPlot" in await chart.text()
+    head = await client.head("/api/swarm")
+    assert head.status == 200
+
+
+@pytest.mark.parametrize("path", ["/nope", "/api", "/api/swarm/x", "/static/missing.js", "/static/../http.py",
+                                  "/static/vendor/uPlot.LICENSE", "/static/%2e%2e/http.py"])
+async def test_unknown_paths_are_404(client, path):
+    response = await client.get(path)
+    assert response.status == 404 and "Content-Security-Policy" in response.headers
+
+
+@pytest.mark.parametrize("method", ["POST", "PUT", "DELETE", "PATCH"])
+@pytest.mark.parametrize("path", ["/", "/api/swarm", "/static/vendor/uPlot.min.css"])
+async def test_every_method_but_get_is_refused_and_nothing_runs(client, method, path):
+    response = await client.request(method, path, data=b"{}")
+    assert response.status == 405 and "GET" in response.headers["Allow"]
+    assert client.calls == []  # the JSON source never ran: nothing a request sends reaches the node

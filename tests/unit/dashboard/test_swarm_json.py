@@ -1,0 +1,106 @@
+"""The swarm's JSON (`status --json`, the swarm page) from records: what needs attention, the
+limiting stage, the history the charts draw, and the view's reads of the DHT."""
+
+import asyncio
+import json
+
+import pytest
+
+from noloco_node.config import load_config
+from noloco_node.dashboard.history import MAX_SERIES, SwarmHistory
+from noloco_node.dashboard.swarm import SwarmView, read_rows, swarm_json
+from noloco_node.dht.records import StageRecord
+
+CONFIG = load_config(overrides=["run.run_id=dash", "pipeline.num_stages=3", "outer.inner_steps_per_outer=5"])
+
+
+def record(peer: str, stage: int, **fields) -> StageRecord:
+    values = dict(peer_id=peer, address=f"127.0.0.1:{4000 + stage}", stage=stage, inner_step=10, outer_round=2,
+                  status="serving", tokens_per_s=100.0, version="0.2.0", manifest_hash="m" * 16, run_id="dash",
+                  updated_at=1000.0, capacity=5.0, tls_cert="AAAA")
+    values.update(fields)
+    return StageRecord(**values)
+
+
+def rows(*records: StageRecord, now: float = 1001.0) -> list[dict]:
+    by_stage = {}
+    for r in records:
+        by_stage.setdefault(r.stage, []).append(r)
+
+    async def read(stage):
+        return by_stage.get(stage, [])
+
+    return asyncio.run(read_rows(read, CONFIG.pipeline.num_stages, now))
+
+
+def test_an_empty_stage_a_lone_one_a_relayed_replica_and_another_manifest_need_attention():
+    swarm = swarm_json(rows(record("peerA0000000", 0), record("peerB0000000", 0, reach="relayed"),
+                            record("peerC0000000", 1, manifest_hash="x" * 16)), CONFIG, now=1001.0)
+    notes = swarm["attention"]
+    assert any(n.startswith("stage 2 has no replica") and "--stage auto" in n for n in notes), notes
+    assert any(n.startswith("stage 1 has a single replica") for n in notes), notes
+    relayed = [n for n in notes if "B0000000" in n]
+    assert relayed and "relay" in relayed[0] and "doctor" in relayed[0], notes
+    other = [n for n in notes if "C0000000" in n and "manifest" in n]
+    assert other and "xxxxxxxxxxxx" in other[0] and "mmmmmmmmmmmm" in other[0], notes
+    assert swarm["run"]["manifest_hash"] == "m" * 16  # two of three announce it
+    assert swarm["limiting_stage"] is None and "stage 2" in swarm["limiting_reason"]
+
+
+def test_a_healthy_swarm_names_its_limiting_stage_and_why_and_shows_no_key_material():
+    swarm = swarm_json(rows(record("a", 0, capacity=8.0), record("b", 0, capacity=8.0, tokens_per_s=50.0),
+                            record("c", 1, capacity=3.0), record("d", 1, capacity=3.5),
+                            record("e", 2, capacity=9.0), record("f", 2, capacity=9.0)), CONFIG, now=1001.0)
+    assert swarm["schema"] == "noloco-node/swarm/1" and swarm["attention"] == []
+    assert swarm["limiting_stage"] == 1
+    assert swarm["limiting_reason"] == ("stage 1: 6.5 sequences/s over 2 replicas, the least of the stages "
+                                        "(next: stage 0, 16.0)")
+    assert swarm["tokens_per_s"] == 150.0  # stage 0's replicas: every token enters there once
+    assert swarm["run"]["method"] == CONFIG.outer.method and swarm["run"]["inner_steps_per_outer"] == 5
+    text = json.dumps(swarm)
+    assert "tls_cert" not in text and "AAAA" not in text  # the certificate only as its fingerprint
+    assert all(len(r["tls_fingerprint"]) == 64 and r["seen_s_ago"] == 1.0 for r in swarm["replicas"])
+
+
+def test_history_adds_a_replica_point_only_when_its_record_changed_and_stays_bounded():
+    history = SwarmHistory(limit=3)
+    for t in range(5):
+        replicas = [{"peer_id": "a", "updated_at": float(t // 2), "inner_step": t // 2, "loss": 5.0 - t},
+                    {"peer_id": "b", "updated_at": float(t), "inner_step": t, "loss": None}]
+        history.observe(100.0 + t, replicas, tokens_per_s=10.0 * t)
+    out = history.as_json()
+    assert out["tokens_per_s"] == [[102.0, 20.0], [103.0, 30.0], [104.0, 40.0]]
+    assert out["loss"]["a"] == [[0.0, 0, 5.0], [1.0, 1, 3.0], [2.0, 2, 1.0]]  # records of t = 0, 2, 4
+    assert "b" not in out["loss"] and [p[1] for p in out["inner_step"]["b"]] == [2, 3, 4]
+    many = SwarmHistory()
+    for i in range(MAX_SERIES + 5):
+        many.observe(float(i), [{"peer_id": f"p{i}", "updated_at": float(i), "inner_step": 0, "loss": 1.0}], 0.0)
+    assert len(many.loss) == MAX_SERIES and "p0" not in many.loss and f"p{MAX_SERIES + 4}" in many.loss
+
+
+async def test_the_view_reads_the_dht_at_most_every_poll_and_keeps_its_last_read_when_one_fails():
+    now = [0.0]
+    reads, fail = [], [False]
+    versions = {0: [record("a", 0)], 1: [record("b", 1)], 2: [record("c", 2)]}
+
+    async def read(stage):
+        reads.append(stage)
+        if fail[0]:
+            raise TimeoutError("DHT lookup timed out")
+        return versions[stage]
+
+    view = SwarmView(read, CONFIG, poll_s=5.0, clock=lambda: now[0])
+    first = await view.swarm()
+    assert len(first["replicas"]) == 3 and len(reads) == 3
+    await asyncio.gather(view.swarm(), view.swarm(), view.history_json())
+    assert len(reads) == 3  # within the poll period: the same read
+    now[0] = 6.0
+    versions[0] = [record("a", 0, updated_at=1006.0, inner_step=11, loss=4.5)]
+    second = await view.swarm()
+    assert len(reads) == 6 and second["replicas"][0]["inner_step"] == 11
+    assert (await view.history_json())["loss"]["a"][-1][1:] == [11, 4.5]
+    now[0], fail[0] = 12.0, True
+    assert await view.swarm() is second  # the last good read stands
+    view_without = SwarmView(read, CONFIG, poll_s=5.0, clock=lambda: now[0])
+    with pytest.raises(TimeoutError):
+        await view_without.swarm()  # nothing to show yet: the request fails (500), the page retries
