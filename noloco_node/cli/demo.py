@@ -28,6 +28,8 @@ def register(subparsers) -> None:
     p.add_argument("--out", default="runs/demo", help="output folder (default runs/demo)")
     p.add_argument("--local", action="store_true", help="run all replicas and stages in this process")
     p.add_argument("--timeout", type=float, default=1800, help="give up on the swarm after this many seconds")
+    p.add_argument("--dashboard", default="0", metavar="[HOST:]PORT", help="the swarm's live web page, served by the "
+                   "bootstrap (default: a free port on 127.0.0.1, printed at start; 'off' for none)")
     p.set_defaults(run=run)
 
 
@@ -138,7 +140,9 @@ def _run_swarm(config, args, out: Path) -> dict:
     # D nodes of a stage start at once, each importing torch and building its model on the same cores.
     startup_s = config.timeouts.startup_s + 30 + 10 * replicas
     with LocalSwarm(out, overrides=overrides, threads=threads, startup_timeout_s=startup_s) as swarm:
-        swarm.start_bootstrap()
+        swarm.start_bootstrap(*(("--dashboard", args.dashboard) if args.dashboard != "off" else ()))
+        if args.dashboard != "off":
+            print(f"watch the swarm live: {swarm.dashboard_url()}", flush=True)
         servers = [swarm.start_node(s, r, "--save-weights") for s in range(1, stages) for r in range(replicas)]
         swarm.wait_ready(servers)
         drivers = [swarm.start_node(0, r, "--steps", str(args.steps), "--wait-replicas", str(replicas), "--save-weights")

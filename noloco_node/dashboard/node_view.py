@@ -44,6 +44,7 @@ def node_json(stats: Mapping, record: Mapping, *, online_s: float, flops_per_tok
         "contribution": {
             "tokens": stats["tokens"], "flops": stats["tokens"] * flops_per_token, "hours_online": online_s / 3600,
             "inner_steps": stats["inner_steps"], "microbatches_served": sum(stats["forwards_received"].values()),
+            "microbatches_driven": (stats.get("microbatches") or {}).get("completed", 0),
             "outer_rounds": outer.get("rounds", 0), "outer_paired": outer.get("paired", 0),
             "partners": partners(history),
             "bytes_sent": stats["bytes_sent"] + stats.get("bytes_sent_outer", 0),

@@ -59,6 +59,7 @@ def swarm_json(rows: list[dict], config: NodeConfig, *, now: float | None = None
     manifest = swarm_manifest(rows)
     notes = swarm_attention(rows, num_stages, behind_steps=2 * config.outer.inner_steps_per_outer)
     notes.extend(manifest_notes(rows, manifest))
+    notes.extend(silent_notes(rows, config.timeouts.heartbeat_s, config.timeouts.record_ttl_s))
     m = config.model
     return {
         "schema": SCHEMA, "generated_at": time.time() if now is None else now,
@@ -86,6 +87,15 @@ def manifest_notes(rows: list[dict], manifest: str) -> list[str]:
             f"trains {manifest[:12]}: it runs another config, tokenizer or model and never pairs or trains with the "
             f"others; restart it with the swarm's config (`noloco-node doctor` compares them)"
             for r in rows if manifest and r["manifest_hash"] and r["manifest_hash"] != manifest]
+
+
+def silent_notes(rows: list[dict], heartbeat_s: float, ttl_s: float) -> list[str]:
+    """Replicas whose record was not rewritten for two heartbeats: stopped, stuck or cut off, and
+    about to drop out of the swarm when the record expires."""
+    return [f"replica {r['peer_id'][-8:]} (stage {r['stage']}) has not renewed its record for {r['seen_s_ago']:.0f} s "
+            f"(every {heartbeat_s:.0f} s when well): it stopped, hangs or lost its link; peers stop routing to it when "
+            f"the record expires ({ttl_s:.0f} s)"
+            for r in rows if r["status"] != "leaving" and r["seen_s_ago"] > 2 * heartbeat_s]
 
 
 def limiting_reason(capacity: dict[int, list[float]], limit: int | None) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -70,6 +71,18 @@ class LocalSwarm:
             time.sleep(0.05)
         self.maddr = maddr_file.read_text().split()[0]
         return self.maddr
+
+    def dashboard_url(self, timeout_s: float = 60.0) -> str:
+        """The swarm page's address, as the bootstrap (started with --dashboard) prints it."""
+        log_path = self.out_dir / "logs" / "bootstrap.log"
+        deadline = time.monotonic() + timeout_s
+        while True:
+            found = re.search(r"dashboard at (http://\S+)", log_path.read_text())
+            if found:
+                return found.group(1)
+            if self.bootstrap.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the bootstrap printed no dashboard address; see {log_path}")
+            time.sleep(0.05)
 
     def start_node(self, stage: int, replica: int, *extra: str) -> NodeProcess:
         assert self.maddr is not None, "start_bootstrap() first"

@@ -6,7 +6,6 @@ ones the docs show)."""
 
 import json
 import os
-import re
 import shutil
 import time
 import urllib.error
@@ -39,21 +38,13 @@ def until(check, timeout_s: float, what: str, period_s: float = 0.5):
     raise AssertionError(f"{what} within {timeout_s:.0f} s; last seen: {value!r}"[:3000])
 
 
-def dashboard_url(log: Path, proc) -> str:
-    def read():
-        assert proc.poll() is None, log.read_text()[-2000:]
-        found = re.search(r"dashboard at (http://\S+)", log.read_text())
-        return found and found.group(1)
-    return until(read, 60, "the bootstrap printing its dashboard's address")
-
-
 def test_swarm_and_node_dashboards_of_a_2x2_swarm(tmp_path, make_swarm):
     overrides = tiny_overrides(tmp_path, **{"run.run_id": "dash", "outer.method": "noloco", "inner.total_steps": 5000,
                                             "outer.inner_steps_per_outer": 4, "timeouts.match_s": 2.0,
                                             "network.dashboard_poll_s": 0.5})
     prepare_tokenizer(overrides)
     swarm = make_swarm(overrides, bootstrap_args=("--dashboard", "0"))
-    base = dashboard_url(swarm.out_dir / "logs" / "bootstrap.log", swarm.bootstrap)
+    base = swarm.dashboard_url()
     empty = get(base + "api/swarm")
     assert empty["schema"] == "noloco-node/swarm/1" and empty["replicas"] == [] and empty["run"]["run_id"] == "dash"
     assert {n.split(" has ")[0] for n in empty["attention"]} == {"stage 0", "stage 1"}  # no replica anywhere yet

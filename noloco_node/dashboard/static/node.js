@@ -48,10 +48,12 @@
     c = c && typeof c === "object" ? c : {};
     setField("tokens", D.fmtSI(c.tokens), D.isNum(c.tokens) ? D.fmtInt(c.tokens) + " tokens" : null);
     setField("flops", D.fmtSI(c.flops, "FLOP"), D.isNum(c.flops) ? c.flops.toExponential(3) + " FLOP" : null);
-    setField("hours_online", D.isNum(c.hours_online) ? D.fmtNum(c.hours_online, 2) + " h" : "–",
-             D.isNum(c.hours_online) ? D.fmtDuration(c.hours_online * 3600) : null);
+    setField("hours_online", D.isNum(c.hours_online) ? D.fmtDuration(c.hours_online * 3600) : "–",
+             D.isNum(c.hours_online) ? D.fmtNum(c.hours_online, 3) + " hours" : null);
     setField("inner_steps", D.fmtInt(c.inner_steps));
-    setField("microbatches_served", D.fmtInt(c.microbatches_served));
+    setField("microbatches_served", D.fmtInt(c.microbatches_served), "forward passes this node computed for others");
+    setField("microbatches_driven", D.fmtInt(c.microbatches_driven),
+             "microbatches of this node's data that went through the whole pipeline (stage 0)");
     setField("outer_rounds", D.fmtInt(c.outer_paired) + " / " + D.fmtInt(c.outer_rounds),
              "paired with a partner / all outer rounds");
     setField("bytes_sent", D.fmtBytes(c.bytes_sent), D.isNum(c.bytes_sent) ? D.fmtInt(c.bytes_sent) + " bytes" : null);

@@ -47,6 +47,15 @@ def test_an_empty_stage_a_lone_one_a_relayed_replica_and_another_manifest_need_a
     assert swarm["limiting_stage"] is None and "stage 2" in swarm["limiting_reason"]
 
 
+def test_a_replica_that_stopped_renewing_its_record_needs_attention_before_it_expires():
+    heartbeat = CONFIG.timeouts.heartbeat_s
+    swarm = swarm_json(rows(record("0000quietnow", 0, updated_at=1000.0 - 2 * heartbeat),
+                            record("gone00000000", 1, updated_at=1000.0 - 2 * heartbeat, status="leaving"),
+                            record("fine00000000", 2)), CONFIG, now=1001.0)
+    quiet = [n for n in swarm["attention"] if "has not renewed" in n]
+    assert len(quiet) == 1 and "quietnow" in quiet[0] and f"{2 * heartbeat + 1:.0f} s" in quiet[0], swarm["attention"]
+
+
 def test_a_healthy_swarm_names_its_limiting_stage_and_why_and_shows_no_key_material():
     swarm = swarm_json(rows(record("a", 0, capacity=8.0), record("b", 0, capacity=8.0, tokens_per_s=50.0),
                             record("c", 1, capacity=3.0), record("d", 1, capacity=3.5),
