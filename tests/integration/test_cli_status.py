@@ -22,6 +22,7 @@ def test_status_json_lists_every_node(tmp_path, make_swarm):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     listing = json.loads(result.stdout)
+    assert listing["schema"] == "noloco-node/swarm/1" and listing["run"]["run_id"] == "status-test"  # docs/dashboard.md
     found = {(r["peer_id"], r["stage"], r["address"]) for r in listing["replicas"]}
     assert found == {(n.info["peer_id"], n.stage, n.info["address"]) for n in nodes}
     assert all(r["status"] == "serving" and r["run_id"] == "status-test" for r in listing["replicas"])
