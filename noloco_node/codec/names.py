@@ -1,5 +1,8 @@
-"""How the outer exchange's codecs are written in the config, and what each means on the wire.
-No torch: the config validates with it.
+"""The codecs' names: which the pipeline's hops take, how the outer exchange's are written in the
+config, and what each means on the wire. No torch: the config validates with it.
+
+Pipeline (activations and gradients): none | bf16 | int8 | fp8 | int4 (codec/tensors.py).
+Outer exchange:
 
     none | bf16 | int8      dense: every element (phi, Delta or theta)
     topk:F                  Delta: the largest-|x| fraction F, int32 index + exact value each
@@ -15,7 +18,12 @@ import math
 from typing import NamedTuple
 
 DENSE = ("none", "bf16", "int8")
+"""The dense codecs an outer snapshot may take (outer.codec)."""
+PIPELINE_CODECS = (*DENSE, "fp8", "int4")
+"""The codecs of the pipeline's activations and gradients (fp8 and int4 are blockwise)."""
 TOPK_VALUES = {"": "topk", "int2": "topk_int2", "int4": "topk_int4"}
+WIRE_CODECS = (*PIPELINE_CODECS, *TOPK_VALUES.values(), "slice")
+"""Every codec a tensor header may name."""
 
 
 class OuterCodec(NamedTuple):
@@ -27,6 +35,11 @@ class OuterCodec(NamedTuple):
     @property
     def dense(self) -> bool:
         return self.wire in DENSE
+
+    @property
+    def topk(self) -> bool:
+        """A top-k codec: what it drops stays on the node as a residual (optim/compress.py)."""
+        return self.wire.startswith("topk")
 
     @property
     def parts(self) -> int:

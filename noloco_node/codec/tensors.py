@@ -60,8 +60,7 @@ import torch
 from torch import Tensor
 
 from noloco_node.codec import sparse
-
-CODECS = ("none", "bf16", "int8", "fp8", "int4", "topk", "topk_int2", "topk_int4", "slice")
+from noloco_node.codec.names import WIRE_CODECS as CODECS
 BLOCKWISE = ("int8", "fp8", "int4")
 DEFAULT_BLOCK = 64
 DEFAULT_INT8_BLOCK = DEFAULT_BLOCK

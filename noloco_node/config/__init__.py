@@ -10,7 +10,6 @@ Every error names the field and says how to fix it. Imports the standard library
 
 from noloco_node.config.loading import build_config, load_config, parse_overrides
 from noloco_node.config.sections import (
-    CODECS,
     METHOD_DEFAULTS,
     METHODS,
     SECTIONS,
@@ -30,7 +29,7 @@ from noloco_node.config.sections import (
     TimeoutsConfig,
 )
 
-__all__ = ["CODECS", "METHOD_DEFAULTS", "METHODS", "SECTIONS", "CheckpointConfig", "ConfigError", "DataConfig",
+__all__ = ["METHOD_DEFAULTS", "METHODS", "SECTIONS", "CheckpointConfig", "ConfigError", "DataConfig",
            "FaultsConfig", "InnerConfig", "LogConfig", "ModelConfig", "NetworkConfig", "NodeConfig", "OuterConfig",
            "PipelineConfig", "RunConfig", "SecurityConfig", "TimeoutsConfig", "build_config", "load_config",
            "parse_overrides"]

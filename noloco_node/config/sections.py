@@ -11,13 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from noloco_node.codec.names import check_delta_codec, check_phi_codec
+from noloco_node.codec.names import DENSE, PIPELINE_CODECS, check_delta_codec, check_phi_codec
 from noloco_node.config.listen import parse_listen
 
 METHODS = ("noloco", "diloco", "dp", "none")
-CODECS = ("none", "bf16", "int8")
-# Codecs of the pipeline's activations and gradients (codec/tensors.py: fp8 and int4 are blockwise).
-PIPELINE_CODECS = ("none", "bf16", "int8", "fp8", "int4")
 # Reference hyperparameters per method (the authors' code, as docs/research.md gives them): H, alpha, beta.
 METHOD_DEFAULTS = {"noloco": (50, 0.5, 0.7), "diloco": (100, 0.3, 0.7), "dp": (1, 0.0, 0.0), "none": (1, 0.0, 0.0)}
 
@@ -304,7 +301,7 @@ class OuterConfig:
                  "use e.g. 50")
         _require(0.0 <= self.alpha < 1.0, "alpha", f"must be in [0, 1), got {self.alpha}", "use 0.5 (noloco) or 0.3 (diloco)")
         _require(self.beta >= 0.0, "beta", f"must be >= 0, got {self.beta}", "use 0.7")
-        _require(self.codec in CODECS, "codec", f"unknown codec {self.codec!r}", f"use one of {', '.join(CODECS)}")
+        _require(self.codec in DENSE, "codec", f"unknown codec {self.codec!r}", f"use one of {', '.join(DENSE)}")
         for name in ("codec_phi", "codec_delta"):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, self.codec)

@@ -23,23 +23,8 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from noloco_node.codec.names import OuterCodec, parse_outer_codec
+from noloco_node.codec.names import parse_outer_codec
 from noloco_node.codec.tensors import TensorSpec, decode, encode
-
-
-def parse_codec(text: str) -> OuterCodec:
-    """'topk:0.05' -> ('topk', 0.05); 'topk:0.02+int2' -> ('topk_int2', 0.02); a dense codec ->
-    (name, 1.0); 'slice:F' -> ('slice', 1 / round(1 / F)). Raises ValueError with the fix."""
-    return parse_outer_codec(text)
-
-
-def wire_name(text: str) -> str:
-    """The codec as a tensor header names it ('topk:0.05' -> 'topk')."""
-    return parse_codec(text).wire
-
-
-def is_topk(text: str) -> bool:
-    return parse_codec(text).wire.startswith("topk")
 
 
 @dataclass(frozen=True)
@@ -58,8 +43,8 @@ def encode_tensor(x: Tensor, codec: str, residual: Tensor | None = None,
                   slice_key: tuple[int, int, int] | None = None) -> Encoded:
     """Encode `x` (plus `residual`, for topk) with `codec` as written in the config; `slice_key`
     (seed, parts, part) says which slice the slice codec sends. A slice's `decoded` is 0 off the slice."""
-    name, fraction = parse_codec(codec)
-    topk = name.startswith("topk")
+    parsed = parse_outer_codec(codec)
+    name, fraction, topk = parsed.wire, parsed.fraction, parsed.topk
     target = x + residual if topk and residual is not None else x
     spec, payload = encode(target, name, fraction=fraction, slice_key=slice_key)
     decoded = decode(spec, payload).to(device=target.device, dtype=target.dtype)

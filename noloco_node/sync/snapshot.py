@@ -27,9 +27,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from noloco_node.codec.names import parse_outer_codec
 from noloco_node.codec.sparse import per_chunk_count, slice_indices
 from noloco_node.codec.tensors import topk_count
-from noloco_node.optim.compress import encode_tensor, parse_codec, wire_name
+from noloco_node.optim.compress import encode_tensor
 from noloco_node.optim.state import OuterState
 from noloco_node.sync.ports import EncodedSnapshot, ExpectedTensor
 
@@ -38,7 +39,7 @@ THETA, PHI_DELTA = "theta", "phi+delta"
 
 def choose_payload(state: OuterState, codec_phi: str, codec_delta: str) -> str:
     """The snapshot form this node sends: theta only where it loses nothing against phi+delta."""
-    same_dense = codec_phi == codec_delta and parse_codec(codec_delta).dense
+    same_dense = codec_phi == codec_delta and parse_outer_codec(codec_delta).dense
     return THETA if state.gamma == state.beta and same_dense else PHI_DELTA
 
 
@@ -50,7 +51,7 @@ def slice_key(run_seed: int, stage: int, round_index: int, name: str, parts: int
 
 
 def _expected_nnz(codec: str, numel: int) -> int | None:
-    wire, fraction = parse_codec(codec)
+    wire, fraction = parse_outer_codec(codec)
     if wire == "topk":
         return topk_count(numel, fraction)
     if wire.startswith("topk_"):
@@ -122,7 +123,7 @@ def freeze(state: OuterState, payload: str, codec_phi: str, codec_delta: str,
     theta times that factor, as a lying peer would; our own side always uses honest values.
     `round_of` says whose slices a slice:F phi sends (required then)."""
     residuals = residuals or {}
-    if parse_codec(codec_phi).wire == "slice" and round_of is None:
+    if parse_outer_codec(codec_phi).wire == "slice" and round_of is None:
         raise ValueError("a sliced phi needs the round it is frozen for")
     parts = _Parts(sizes={THETA: 0} if payload == THETA else {"phi": 0, "delta": 0})
     frozen = {}
@@ -152,7 +153,7 @@ def _add_theta(parts: _Parts, name: str, theta: Tensor, phi: Tensor, codec: str,
     mine = encode_tensor(theta, codec)
     sent = mine if poison is None else encode_tensor(_poisoned(theta, poison), codec)
     parts.tensors.append((name, sent.spec, sent.payload))
-    parts.expected.append(ExpectedTensor(name, tuple(theta.shape), dtype, wire_name(codec)))
+    parts.expected.append(ExpectedTensor(name, tuple(theta.shape), dtype, parse_outer_codec(codec).wire))
     parts.own[name] = (None, mine.decoded)
     parts.sizes[THETA] += len(sent.payload)
     # The error the wire adds to our pull, relative to our drift ||Delta||.
@@ -163,7 +164,7 @@ def _add_theta(parts: _Parts, name: str, theta: Tensor, phi: Tensor, codec: str,
 def _add_phi_delta(parts: _Parts, name: str, theta: Tensor, phi: Tensor, codec_phi: str, codec_delta: str,
                    residual: Tensor | None, poison: float | None, round_of: SliceRound | None) -> None:
     dtype = str(theta.dtype).removeprefix("torch.")
-    phi_codec = parse_codec(codec_phi)
+    phi_codec = parse_outer_codec(codec_phi)
     delta = theta - phi
     key = None if phi_codec.wire != "slice" else \
         slice_key(round_of.run_seed, round_of.stage, round_of.round_index, name, phi_codec.parts)
@@ -172,13 +173,13 @@ def _add_phi_delta(parts: _Parts, name: str, theta: Tensor, phi: Tensor, codec_p
     sent_delta = enc_delta if poison is None else encode_tensor(_poisoned(theta, poison) - phi, codec_delta)
     parts.tensors += [(f"phi/{name}", enc_phi.spec, enc_phi.payload),
                       (f"delta/{name}", sent_delta.spec, sent_delta.payload)]
-    parts.expected += [ExpectedTensor(f"phi/{name}", tuple(phi.shape), dtype, wire_name(codec_phi), slice_key=key),
-                       ExpectedTensor(f"delta/{name}", tuple(phi.shape), dtype, wire_name(codec_delta),
+    parts.expected += [ExpectedTensor(f"phi/{name}", tuple(phi.shape), dtype, phi_codec.wire, slice_key=key),
+                       ExpectedTensor(f"delta/{name}", tuple(phi.shape), dtype, parse_outer_codec(codec_delta).wire,
                                       nnz=_expected_nnz(codec_delta, phi.numel()))]
     # Our own Delta counts exact under top-k: the wire's Delta keeps a few percent of it, and
     # our own step on that alone would throttle this replica's progress to what it can send
     # (the partner still gets its share; the rest travels later through error feedback).
-    own_delta = delta if parse_codec(codec_delta).wire.startswith("topk") else enc_delta.decoded
+    own_delta = delta if parse_outer_codec(codec_delta).topk else enc_delta.decoded
     if key is not None:  # exact values on the slice; off it each side reads its own phi
         seed, count, part = key
         parts.slices[name] = slice_indices(phi.numel(), count, part, seed)

@@ -5,8 +5,9 @@ import pytest
 import torch
 from torch import nn
 
+from noloco_node.codec.names import parse_outer_codec
 from noloco_node.codec.tensors import CodecError, TensorSpec, decode, encode, expected_payload_bytes
-from noloco_node.optim.compress import ErrorFeedback, encode_tensor, parse_codec
+from noloco_node.optim.compress import ErrorFeedback, encode_tensor
 from noloco_node.optim.state import OuterState
 from noloco_node.sync.snapshot import PHI_DELTA, THETA, check_snapshot, choose_payload, freeze, unpack
 
@@ -50,11 +51,11 @@ def test_topk_hostile_payloads_rejected():
         decode(spec, payload[:-1])
 
 
-def test_parse_codec():
-    assert parse_codec("topk:0.05") == ("topk", 0.05) and parse_codec("int8") == ("int8", 1.0)
+def test_parse_outer_codec():
+    assert parse_outer_codec("topk:0.05") == ("topk", 0.05) and parse_outer_codec("int8") == ("int8", 1.0)
     for bad in ("topk", "topk:0", "topk:1.5", "zstd", "int8:3"):
         with pytest.raises(ValueError):
-            parse_codec(bad)
+            parse_outer_codec(bad)
 
 
 def test_error_feedback_carries_what_the_first_round_dropped():
