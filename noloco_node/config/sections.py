@@ -486,6 +486,13 @@ class TimeoutsConfig:
                      f"{self.deadline_ceiling_s} is below {name} {getattr(self, name)}",
                      f"use at least {name}; e.g. 3600 for large models on home links")
 
+    @property
+    def outer_round_s(self) -> float:
+        """How long an outer round may take to finish once it started: matchmaking and then the
+        reduce, twice the match window plus 10 s. DiLoCo's and dp's all-reduce get it, and a node
+        that stops waits this long for a running outer step."""
+        return 2 * self.match_s + 10
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CheckpointConfig:

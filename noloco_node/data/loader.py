@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from noloco_node.config import NodeConfig
 from noloco_node.data.corpus import Corpus
 
 
@@ -114,3 +115,14 @@ class PackedSequences:
                 pending_inputs, pending_labels = [], []
         if pending_inputs:
             yield torch.stack(pending_inputs), torch.stack(pending_labels)
+
+
+def training_batches(config: NodeConfig, corpus: Corpus, tokenizer,
+                     shard: ShardSpec) -> Iterator[tuple[Tensor, Tensor]]:
+    """The batches a stage-0 replica trains on: its `shard` of the run's corpus, packed into
+    model.seq_len windows and stacked pipeline.batch_size at a time, shuffled unless
+    pipeline.deterministic."""
+    packed = PackedSequences(corpus, tokenizer, seq_len=config.model.seq_len, shard=shard,
+                             holdout_fraction=config.data.holdout_fraction, seed=config.run.seed,
+                             shuffle_buffer=0 if config.pipeline.deterministic else 1000)
+    return packed.batches(config.pipeline.batch_size)

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from noloco_node.config import NodeConfig
-from noloco_node.data.loader import PackedSequences, ShardSpec
+from noloco_node.data.loader import ShardSpec, training_batches
 from noloco_node.model.build import run_model
 from noloco_node.node.assembly import ComputeParts, PipelineParts, build_compute, build_driver, build_pipeline, build_sync
 from noloco_node.node.boundary import InnerStepBoundary
@@ -109,11 +109,8 @@ class InProcessSwarm:
         return InProcessNode(peer_id, replica, config, parts, sync, pipeline, boundary, events)
 
     def batches(self, node: InProcessNode):
-        cfg = node.config
         shard = ShardSpec(shard_index=node.replica, num_shards=self.replicas)
-        return PackedSequences(self.corpus, self.tokenizer, seq_len=cfg.model.seq_len, shard=shard,
-                               holdout_fraction=cfg.data.holdout_fraction, seed=cfg.run.seed,
-                               shuffle_buffer=0 if cfg.pipeline.deterministic else 1000).batches(cfg.pipeline.batch_size)
+        return training_batches(node.config, self.corpus, self.tokenizer, shard)
 
     async def train(self, steps: int, timeout_s: float = 120.0) -> None:
         """Every stage-0 replica drives `steps` inner steps; all run at once on this event loop."""

@@ -366,15 +366,13 @@ class Node:
     async def train(self, steps: int, on_inner_step=None) -> None:
         """Stage 0 only: run `steps` inner steps over this replica's data shard; `on_inner_step(step)`
         is awaited after each, after the node's own boundary (events, outer sync, checkpoints)."""
-        from noloco_node.data.loader import PackedSequences, ShardSpec
+        from noloco_node.data.loader import ShardSpec, training_batches
 
         cfg = self.config
         replicas = await self.directory.replicas(0, fresh=True)
         ids = sorted(r.peer_id for r in replicas)
         shard = ShardSpec(shard_index=ids.index(self.peer_id) if self.peer_id in ids else 0, num_shards=max(1, len(ids)))
-        batches = PackedSequences(self.corpus, self.tokenizer, seq_len=cfg.model.seq_len, shard=shard,
-                                  holdout_fraction=cfg.data.holdout_fraction, seed=cfg.run.seed,
-                                  shuffle_buffer=0 if cfg.pipeline.deterministic else 1000).batches(cfg.pipeline.batch_size)
+        batches = training_batches(cfg, self.corpus, self.tokenizer, shard)
         self.driver = build_driver(cfg, self.pipeline, self.sync, batches,
                                    restored=(self.resumed_from or {}).get("microbatches"),
                                    # Not our own stage: under load our record can lapse for a moment.
@@ -398,7 +396,7 @@ class Node:
         # Let a running outer step finish first, while our record still says we are here: withdrawn
         # first, a partner's lookup no longer found us and an overlapped round in flight at the end
         # went solo (seen in 8 of 20 overlapped loss_price cells); and the weights we save are post-update.
-        if not await self.sync.settle(2 * cfg.timeouts.match_s + 10):
+        if not await self.sync.settle(cfg.timeouts.outer_round_s):
             log.warning("an outer step was still running at shutdown")
         self.status = "leaving"
         # A mover's leaving record outlives its trip to the new stage (a restart, a state fetch), so

@@ -30,8 +30,7 @@ def needs_outer_state(method: str) -> bool:
 def build_outer_sync(config: NodeConfig, parts: SyncParts, ports: SyncPorts, *, worker: StageWorker,
                      state: OuterState | None) -> OuterSync:
     outer, timeouts = config.outer, config.timeouts
-    # An all-reduce round has matchmaking and the reduce itself to finish: twice the match window.
-    allreduce_s = 2 * timeouts.match_s + 10
+    allreduce_s = timeouts.outer_round_s
     if outer.method == "noloco":
         from noloco_node.sync.noloco import NoLoCoSync
 
