@@ -3,7 +3,8 @@ ratio to raw TCP measured in the same run (the machine is shared and noisy).
 
 The server side is one separate process, as a peer would be; the client side is this process.
   raw TCP          a socket pair in two processes: `sendall` of 1 MiB slices into `recv_into` a
-                   preallocated buffer, an 8-byte ack per message (transport.md section 1)
+                   preallocated buffer, an 8-byte ack per message: the baseline every transport
+                   is a ratio to
   gRPC direct TLS  a real NodeServer with the node's self-signed certificate and the admission
                    interceptor (every call's signature checked), serving the real Stage.Forward
                    (StageServicer, whose handler drops the tensor); the client is what nodes use:

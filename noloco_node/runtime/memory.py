@@ -1,4 +1,4 @@
-"""glibc allocator settings for large tensor traffic (transport.md: page faults dominate).
+"""glibc allocator settings for large tensor traffic, where page faulting fresh buffers dominates.
 
 By default glibc serves big allocations with fresh mmaps and unmaps them on free, so every new
 multi-MiB buffer is page-faulted again; raising the mmap and trim thresholds keeps freed heap
