@@ -198,7 +198,8 @@ def write_report(out: Path, scenario: Scenario, cells: list[dict], groups: list[
                          f"{_fmt(row['diloco_mb'], 2)} |")
     lines += ["", "## Figures", ""] + [f"![{name}]({name})\n" for name in figures]
     lines += ["Files: `scenario.json` (resolved scenario), `link_check.json`, `results.csv` (one row per cell), "
-              "`groups.csv` (mean and std per group), `outer_sync.csv`, `curves.json`, `cells/<cell>/events/*.jsonl` "
-              "(per-node events); node logs, stats and theta snapshots stay under `cells/<cell>/swarm/` and "
-              "`cells/<cell>/snapshots/` and are not committed.", ""]
+              "`groups.csv` (mean and std per group), `outer_sync.csv`, `curves.json`. Per-node events "
+              "(`cells/<cell>/events/*.jsonl`), node logs, stats and theta snapshots (`cells/<cell>/swarm/`, "
+              "`cells/<cell>/snapshots/`) stay in the run's folder and are not committed: the command above "
+              "regenerates them.", ""]
     (out / "report.md").write_text("\n".join(lines))
