@@ -22,6 +22,7 @@ import sys
 from dataclasses import dataclass
 
 from noloco_node.cli.common import add_config_flags, require_initial_peers, resolve_config
+from noloco_node.runtime.node_status import Status
 
 CODES = {"python": 10, "cuda": 11, "port": 12, "dht": 13, "reach": 14, "clock": 15, "compat": 16}
 
@@ -117,7 +118,7 @@ async def _run_checks(config, args) -> list[Check]:
         return checks + [Check(n, "skip", "needs the DHT") for n in ("reach", "clock", "compat")]
     try:
         records = [r for s in range(config.pipeline.num_stages) for r in await directory.all_records(s)
-                   if r.status != "leaving"]
+                   if r.status != Status.LEAVING]
     finally:
         await directory.shutdown()
     checks.append(Check("dht", "ok", f"joined through {len(net.initial_peers)} initial peer(s); "

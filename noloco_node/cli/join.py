@@ -10,6 +10,7 @@ from pathlib import Path
 
 from noloco_node.cli.common import add_config_flags, check_listen, require_initial_peers, resolve_config, stop_on_signals
 from noloco_node.runtime.files import atomic_write_text
+from noloco_node.runtime.node_status import Status
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +182,7 @@ def _progress_text(node) -> str:
     doing = node.progress.waiting_text() or node.status
     if node.done_at_step is not None:
         doing = f"trained all {node.done_at_step} steps; serving until stopped"
-    elif doing == "serving" and node.stage_index > 0 and node.progress.since_progress_s() > 5:
+    elif doing == Status.SERVING and node.stage_index > 0 and node.progress.since_progress_s() > 5:
         doing = f"waiting for microbatches from stage {node.stage_index - 1}; {node.progress.since_progress_s():.0f} s"
     text = (f"stage {node.stage_index} | {doing} | inner step {node.worker.inner_steps} | outer round "
             f"{node.outer_round} | {node.tokens_per_s:.0f} tok/s | "

@@ -22,6 +22,7 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from noloco_node.dht.records import StageRecord, make_validators, stage_key
 from noloco_node.errors import BootstrapError
+from noloco_node.runtime.node_status import Status
 from noloco_node.transport.identity import NodeIdentity, peer_id_of_owner_marker
 
 log = logging.getLogger(__name__)
@@ -152,7 +153,7 @@ class PeerDirectory:
                     # than its leaving one under the old key: keep the newest (its address now).
                     if known is None or known[1].updated_at <= record.updated_at:
                         self._by_peer[record.peer_id] = (now, record)
-                    if record.status not in ("leaving", "joining"):
+                    if record.status not in (Status.LEAVING, Status.JOINING):
                         records.append(record)
         records.sort(key=lambda r: r.peer_id)
         self._cache[stage] = (now, records)
@@ -164,7 +165,7 @@ class PeerDirectory:
 
     async def claims(self) -> list[StageRecord]:
         """Every stage's compatible joining records: joiners that claimed a stage and are settling."""
-        return [r for r in await self.compatible_records() if r.status == "joining"]
+        return [r for r in await self.compatible_records() if r.status == Status.JOINING]
 
     async def compatible_records(self) -> list[StageRecord]:
         """Every stage's compatible records, whatever their status (joining and leaving too); none
@@ -267,7 +268,7 @@ class PeerDirectory:
         answered += sum(peer in connected for peer in targets)
         if answered == 0:
             met = {r.peer_id: r.p2p_addrs for _, r in sorted(self._by_peer.values(), key=lambda v: -v[0])
-                   if r.peer_id != self.peer_id and r.status != "leaving"}
+                   if r.peer_id != self.peer_id and r.status != Status.LEAVING}
             addrs = [a if "/p2p/" in a else f"{a}/p2p/{peer}" for peer, found in list(met.items())[:max_met]
                      for a in found if "p2p-circuit" not in a]
             answered = await self._ping(_targets(addrs, self.peer_id), timeout_s)

@@ -14,7 +14,8 @@ import pydantic.v1 as pydantic
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 
-STATUSES = ("joining", "serving", "matching", "leaving")
+from noloco_node.runtime.node_status import Status
+
 REACHES = ("direct", "holepunched", "relayed")
 
 
@@ -73,9 +74,14 @@ class StageRecord(pydantic.BaseModel):
     class Config:
         extra = pydantic.Extra.forbid
 
+    @pydantic.validator("status", pre=True)
+    def _plain_status(cls, value):
+        # A Status member is stored (and sent) as its plain string: StrictStr refuses Enum members.
+        return value.value if isinstance(value, Status) else value
+
     @pydantic.validator("status")
     def _known_status(cls, value: str) -> str:
-        if value not in STATUSES:
+        if value not in tuple(Status):
             raise ValueError(f"unknown status {value!r}")
         return value
 

@@ -43,6 +43,7 @@ from noloco_node.rpc.server import NodeServer
 from noloco_node.runtime.compute import ComputeThread
 from noloco_node.runtime.faults import FaultInjector
 from noloco_node.runtime.link_estimates import DeadlinePolicy, LinkDeadlines, LinkEstimates
+from noloco_node.runtime.node_status import Status
 from noloco_node.sync.diloco import DiLoCoSync
 from noloco_node.sync.noloco import NoLoCoSync
 from noloco_node.sync.ports import SyncParts
@@ -191,7 +192,7 @@ async def main(args: argparse.Namespace) -> None:
     server = NodeServer("127.0.0.1", args.port, credentials=links.certificate.server_credentials(),
                         admission=AdmissionInterceptor(verifier=links.verifier, swarm_key=None, guard=guard,
                                                        bridged=links.origin))
-    status = {"status": "serving", "round": 0, "address": ""}
+    status = {"status": Status.SERVING, "round": 0, "address": ""}
 
     async def set_status(value: str, round_index: int) -> None:
         status.update(status=value, round=round_index)
@@ -216,7 +217,7 @@ async def main(args: argparse.Namespace) -> None:
                                        donor=_Donor(state)))
     port = await server.start()
     status["address"] = args.announce_addr or f"127.0.0.1:{port}"
-    await set_status("serving", 0)
+    await set_status(Status.SERVING, 0)
     atomic_write_text(args.ready_file, json.dumps({"peer_id": directory.peer_id, "address": status["address"],
                                                    "maddrs": await directory.visible_maddrs()}))
     while not os.path.exists(args.go_file):

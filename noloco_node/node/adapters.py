@@ -9,6 +9,7 @@ import asyncio
 from noloco_node.dht.directory import PeerDirectory
 from noloco_node.pipeline.ports import Peer
 from noloco_node.pipeline.rebalance import Replica
+from noloco_node.runtime.node_status import Status
 
 
 class DhtReplicas:
@@ -29,7 +30,7 @@ class DhtMatching:
 
     async def matching(self, stage: int, round_index: int) -> list[Peer]:
         return [Peer(r.peer_id, r.address, r.reach, r.capacity) for r in await self.directory.replicas(stage, fresh=True)
-                if r.status == "matching" and r.outer_round == round_index]
+                if r.status == Status.MATCHING and r.outer_round == round_index]
 
     async def replica_count(self, stage: int) -> int:
         """Live replicas of `stage`, ours included (a cached lookup is fine)."""

@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from noloco_node.runtime.node_status import Status
+
 SOLO_WINDOW = 4
 """The latest outer rounds looked at: all of them solo is a warning (one solo round is normal)."""
 STALL_S = 120.0
@@ -116,7 +118,7 @@ def swarm_attention(rows: Sequence[dict], num_stages: int, *, behind_steps: int)
     """What needs attention in a whole swarm, from its live records (`noloco-node status`): empty
     or lone stages, replicas far behind their stage or only relayed, and each node's own notes."""
     notes = []
-    live = [r for r in rows if r.get("status") not in ("leaving", "joining")]
+    live = [r for r in rows if r.get("status") not in (Status.LEAVING, Status.JOINING)]
     for s in range(num_stages):
         here = [r for r in live if r["stage"] == s]
         if not here:

@@ -37,6 +37,7 @@ from noloco_node.runtime.every import LOOK_BUSY_S, LOOK_IDLE_S, TOUCH_PERIOD_S, 
 from noloco_node.runtime.faults import FaultInjector
 from noloco_node.runtime.link_estimates import DeadlinePolicy, LinkDeadlines
 from noloco_node.runtime.memory import tune_allocator
+from noloco_node.runtime.node_status import Status
 from noloco_node.runtime.throughput import ThroughputMeter
 from noloco_node.sync.factory import SyncPorts
 from noloco_node.sync.ports import OuterSync
@@ -87,7 +88,7 @@ class Node:
         self.events = EventLog(config.log.events_file)
         self.faults = FaultInjector(config.faults.inject)
         self.started_at = time.monotonic()
-        self.status = "joining"
+        self.status = Status.JOINING
         self.progress = Progress()
         self.stage_replicas: int | None = None  # live replicas of our stage, ours included (heartbeat)
         self.done_at_step: int | None = None  # stage 0 trained all its steps and only serves now
@@ -140,7 +141,7 @@ class Node:
         self._wire(all_reduce)
         await self._serve()
         await self._join_state()
-        self.status = "serving"
+        self.status = Status.SERVING
         await self.announce()
         self._spawn(self._heartbeat())
         if self.movable:
@@ -398,7 +399,7 @@ class Node:
         # went solo (seen in 8 of 20 overlapped loss_price cells); and the weights we save are post-update.
         if not await self.sync.settle(cfg.timeouts.outer_round_s):
             log.warning("an outer step was still running at shutdown")
-        self.status = "leaving"
+        self.status = Status.LEAVING
         # A mover's leaving record outlives its trip to the new stage (a restart, a state fetch), so
         # no other node plans a move while this one is in transit (pipeline/rebalance.py).
         ttl_s = None if final else max(cfg.timeouts.record_ttl_s, 2 * cfg.pipeline.rebalance_period_s)

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from noloco_node.errors import PeerUnavailable, PeerUnknown
 from noloco_node.pipeline.ports import BackwardCall, ForwardCall, Hop, MicrobatchKey, Peer, StageHandler
+from noloco_node.runtime.node_status import Status
 from noloco_node.codec.tensors import DTYPES, decode_into, encode
 
 
@@ -24,7 +25,7 @@ class MemoryRecord:
 
     peer: Peer
     stage: int
-    status: str = "serving"
+    status: str = Status.SERVING
     outer_round: int = 0
 
 
@@ -120,13 +121,13 @@ class MemoryDirectory:
 
     def _live(self, stage: int) -> list[MemoryRecord]:
         return [r for r in self.network.records.values()
-                if r.stage == stage and r.status != "leaving" and r.peer.peer_id not in self.network.hidden]
+                if r.stage == stage and r.status != Status.LEAVING and r.peer.peer_id not in self.network.hidden]
 
     async def replicas(self, stage: int) -> list[Peer]:
         return [r.peer for r in self._live(stage)]
 
     async def matching(self, stage: int, round_index: int) -> list[Peer]:
-        return [r.peer for r in self._live(stage) if r.status == "matching" and r.outer_round == round_index]
+        return [r.peer for r in self._live(stage) if r.status == Status.MATCHING and r.outer_round == round_index]
 
     async def replica_count(self, stage: int) -> int:
         return len(self._live(stage))

@@ -35,6 +35,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
+from noloco_node.runtime.node_status import Status
+
 log = logging.getLogger(__name__)
 
 SATURATED = 0.6
@@ -47,7 +49,7 @@ class Replica:
     stage: int
     capacity: float
     throughput: float = 0.0
-    status: str = "serving"
+    status: str = Status.SERVING
     movable: bool = False
     moved_at: float = 0.0
 
@@ -84,7 +86,7 @@ def plan_move(replicas: Sequence[Replica], num_stages: int, *, margin: float, no
     """The one move the swarm should make now, or None (module docstring)."""
     if num_stages < 2 or not replicas:
         return None
-    if any(r.status not in ("serving", "matching") or now - r.moved_at < settle_s for r in replicas):
+    if any(r.status not in (Status.SERVING, Status.MATCHING) or now - r.moved_at < settle_s for r in replicas):
         return None
     by_stage = [[r for r in replicas if r.stage == s] for s in range(num_stages)]
     if any(not members or all(r.capacity <= 0 for r in members) for members in by_stage):

@@ -27,6 +27,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from noloco_node.runtime.throughput import weakest_stage
+from noloco_node.runtime.node_status import Status
 
 log = logging.getLogger(__name__)
 CLAIM_SETTLE_S = 3.0
@@ -97,7 +98,7 @@ async def claim_stage_in(directory, make_record: Callable[[int, str, float], obj
         return [Claim(r.peer_id, r.stage, r.updated_at) for r in await directory.claims()]
 
     async def announce_claim(stage: int, withdrawn: int | None, claimed_at: float) -> None:
-        for status, where in (("leaving", withdrawn), ("joining", stage)):
+        for status, where in ((Status.LEAVING, withdrawn), (Status.JOINING, stage)):
             if where is not None:
                 await directory.announce(make_record(where, status, claimed_at), ttl_s=ttl_s)
 

@@ -36,6 +36,7 @@ from noloco_node.optim.compress import ErrorFeedback
 from noloco_node.optim.state import OuterState
 from noloco_node.pipeline.ports import Peer
 from noloco_node.pipeline.router import Bans
+from noloco_node.runtime.node_status import Status
 from noloco_node.sync.ports import (Decision, MatchingDirectory, OuterSync, PairAnswer, PairingTransport, PairProposal,
                                     SyncParts)
 from noloco_node.sync.snapshot import (PHI_DELTA, THETA, Frozen, SliceRound, check_snapshot, choose_payload, fill_slices,
@@ -190,7 +191,7 @@ class NoLoCoSync(OuterSync):
             freeze, self.state, self.payload, self.codec_phi, self.codec_delta, dict(self.feedback.residual), poison,
             SliceRound(self.run_seed, self.stage, round_index)))
         self.matching = True
-        await self._announce("matching", round_index)
+        await self._announce(Status.MATCHING, round_index)
         deadline = start + self.match_s
         tried: set[str] = set()
         await self._propose_to_drawn_mate(inner_step, round_index, deadline, tried)
@@ -220,7 +221,7 @@ class NoLoCoSync(OuterSync):
                                       "reason": None if outcome == "paired" else self._reason,
                                       "proposed_to": len(tried), "seconds": time.monotonic() - start, "inner_step": inner_step,
                                       "frozen_at_step": frozen_at, "applied_at_step": self._applied_at, **self._frozen.stats})
-        await self._announce("serving", round_index + 1)
+        await self._announce(Status.SERVING, round_index + 1)
         return outcome
 
     async def _match(self, inner_step: int, round_index: int, deadline: float, tried: set[str]) -> None:
