@@ -13,10 +13,11 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
+from noloco_node.codec.checked import decode_checked
+from noloco_node.codec.tensors import encode
 from noloco_node.errors import PeerUnavailable, PeerUnknown
 from noloco_node.pipeline.ports import BackwardCall, ForwardCall, Hop, MicrobatchKey, Peer, StageHandler
 from noloco_node.runtime.node_status import Status
-from noloco_node.codec.tensors import DTYPES, decode_into, encode
 
 
 @dataclass(frozen=True)
@@ -80,9 +81,7 @@ def through_wire(tensor: Tensor, codec: str) -> tuple[object, Tensor, int]:
     if codec in ("none", "topk"):  # these carry the values as they are: float32 on the wire
         sent = sent.to(torch.float32)
     spec, payload = encode(sent, codec, dtype="float32")
-    out = torch.empty(spec.shape, dtype=DTYPES[spec.dtype])
-    decode_into(spec, payload, out)
-    return spec, out, len(payload)
+    return spec, decode_checked(spec, payload), len(payload)
 
 
 class MemoryStageTransport:

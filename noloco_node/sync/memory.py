@@ -11,29 +11,22 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from noloco_node.codec.checked import decode_checked
+from noloco_node.codec.state_layout import STATE_BLOCK, ReceivedState, select_state, state_codec
+from noloco_node.codec.tensors import decode, encode
 from noloco_node.errors import InvalidPayload, PeerBusy, PeerUnavailable, ProtocolMismatch
 from noloco_node.runtime.faults import FaultInjector
 from noloco_node.sync.ports import (Decision, EncodedSnapshot, ExpectedTensor, PairingResponder, PairProposal,
-                                    StateDonor)
-from noloco_node.codec.state_layout import STATE_BLOCK, ReceivedState, select_state, state_codec
-from noloco_node.codec.tensors import DTYPES, CodecError, decode, decode_into, encode
+                                    StateDonor, check_tensor_count)
 
 
 def decode_snapshot(snapshot: EncodedSnapshot, expected: list[ExpectedTensor], codec: str) -> dict[str, Tensor]:
     """What a receiver decodes of `snapshot`, checked against `expected` as the gRPC receiver does."""
-    if len(snapshot.tensors) != len(expected):
-        raise InvalidPayload(f"snapshot has {len(snapshot.tensors)} tensors, expected {len(expected)}")
+    check_tensor_count(len(snapshot.tensors), expected)
     out = {}
     for (name, spec, payload), want in zip(snapshot.tensors, expected):
-        problem = want.problem(name, spec, codec)
-        if problem is not None:
-            raise InvalidPayload(problem)
-        tensor = torch.empty(spec.shape, dtype=DTYPES[spec.dtype])
-        try:
-            decode_into(spec, payload, tensor)
-        except CodecError as exc:
-            raise InvalidPayload(str(exc)) from None
-        out[name] = tensor
+        want.check(name, spec, codec)
+        out[name] = decode_checked(spec, payload)
     return out
 
 

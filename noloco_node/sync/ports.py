@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from noloco_node.errors import InvalidPayload
 from noloco_node.pipeline.ports import Peer
 from noloco_node.runtime.compute import ComputeThread
 from noloco_node.runtime.faults import FaultInjector
@@ -77,6 +78,19 @@ class ExpectedTensor:
             return (f"tensor {name!r} is slice {spec.slice_part}/{spec.slice_parts} of seed {spec.slice_seed}; "
                     f"this round's is {self.slice_key[2]}/{self.slice_key[1]} of seed {self.slice_key[0]}")
         return None
+
+    def check(self, name: str, spec, codec: str) -> None:
+        """Raises InvalidPayload for the `problem` with a declared tensor: a receiver refuses it
+        before allocating anything for it."""
+        problem = self.problem(name, spec, codec)
+        if problem is not None:
+            raise InvalidPayload(problem)
+
+
+def check_tensor_count(count: int, expected: list[ExpectedTensor]) -> None:
+    """Raises InvalidPayload when a snapshot declares another number of tensors than `expected`."""
+    if count != len(expected):
+        raise InvalidPayload(f"snapshot has {count} tensors, expected {len(expected)}")
 
 
 @dataclass(frozen=True)
