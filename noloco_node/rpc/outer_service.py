@@ -20,18 +20,19 @@ import grpc
 import torch
 from torch import Tensor
 
+from noloco_node.codec.checked import decode_checked
 from noloco_node.codec.state_layout import ReceivedState
-from noloco_node.codec.tensors import DTYPES, CodecError, decode_into
 from noloco_node.errors import InvalidPayload, NodeError, PeerBusy, PeerUnavailable, ProtocolMismatch
-from noloco_node.rpc.admission import CALLER
+from noloco_node.rpc.checks import ServedRun, check_caller
 from noloco_node.rpc.deadlines import ExchangeLimits, Progress, TransferTimedOut, exchange_limits, watch_exchange, within
 from noloco_node.rpc.state_service import StateDonorServicer, StateFetcher
-from noloco_node.rpc.status import status_of
+from noloco_node.rpc.status import abort_with, unavailable_from_rpc
+from noloco_node.rpc.stubs import StubCache
 from noloco_node.rpc.tensors import PayloadReceiver, header_to_spec, iter_chunks, spec_to_header
 from noloco_node.runtime.faults import FaultInjector
 from noloco_node.runtime.link_estimates import LinkDeadlines
 from noloco_node.sync.ports import (Decision, EncodedSnapshot, ExpectedTensor, PairingResponder, PairProposal,
-                                    StateDonor)
+                                    StateDonor, check_tensor_count)
 from noloco_node.wire.v1 import outer_pb2, outer_pb2_grpc, tensor_pb2
 
 log = logging.getLogger(__name__)
@@ -111,8 +112,7 @@ async def exchange_snapshots(read, write, mine: EncodedSnapshot, expected: list[
 
     async def receive() -> dict[str, Tensor]:
         manifest = await next_message("manifest")
-        if manifest.num_tensors != len(expected):
-            raise InvalidPayload(f"snapshot has {manifest.num_tensors} tensors, expected {len(expected)}")
+        check_tensor_count(manifest.num_tensors, expected)
         progress.set_total(limits.total_s(mine.payload_bytes + manifest.payload_bytes))
         began = progress.read
         out, digest = await _receive_tensors(next_message, expected, codec, max_bytes, progress)
@@ -147,21 +147,14 @@ async def _receive_tensors(next_message, expected: list[ExpectedTensor], codec: 
     for want in expected:
         header = await next_message("tensor")
         spec = header_to_spec(header)
-        problem = want.problem(header.name, spec, codec)
-        if problem is not None:
-            raise InvalidPayload(problem)
+        want.check(header.name, spec, codec)
         receiver = PayloadReceiver(spec, max_bytes=budget)
         while not receiver.complete:
             receiver.add(await next_message("chunk"))
         budget -= spec.payload_bytes
         payload = receiver.finish()
         digest.update(payload)
-        tensor = torch.empty(spec.shape, dtype=DTYPES[spec.dtype])
-        try:
-            decode_into(spec, payload, tensor)
-        except CodecError as exc:
-            raise InvalidPayload(str(exc)) from None
-        out[want.name] = tensor
+        out[want.name] = decode_checked(spec, payload)
         progress.stamp_read()  # decoding a large tensor is not the partner stalling
     return out, digest.digest()
 
@@ -179,29 +172,20 @@ class OuterServicer(outer_pb2_grpc.OuterServicer):
         self.faults = faults
         self.traffic = traffic
         self.donor = donor
-        self.run_id, self.manifest_hash, self.stage = run_id, manifest_hash, stage
+        self.run = ServedRun(run_id, manifest_hash, stage)
         self.max_bytes, self.deadlines = max_bytes, deadlines
         self.timeout_s = deadlines.floor_s
-        self.state_donor = StateDonorServicer(run_id=run_id, manifest_hash=manifest_hash, stage=stage,
-                                              deadlines=deadlines, donor=donor, faults=faults)
+        self.state_donor = StateDonorServicer(run=self.run, deadlines=deadlines, donor=donor, faults=faults)
 
     async def Exchange(self, request_iterator, context):
         try:  # a server-side deadline on the first message, whatever the client set
             first = await asyncio.wait_for(context.read(), self.timeout_s)
         except asyncio.TimeoutError:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"no PairRequest within {self.timeout_s:g} s")
-        if first is grpc.aio.EOF or first is None or first.WhichOneof("kind") != "request":
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Exchange must start with a PairRequest")
-        request = first.request
-        caller = CALLER.get()
-        if caller and request.peer_id != caller:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"PairRequest names peer {request.peer_id[-8:]!r}, but the call is signed by {caller[-8:]}")
-        if request.run.run_id != self.run_id or request.run.manifest_hash != self.manifest_hash or request.stage != self.stage:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"this node serves run {self.run_id}/{self.manifest_hash} stage {self.stage}")
-        if self.handler is None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this node does not pair (outer.method is not noloco)")
+        try:
+            request = self._pair_request(first)
+        except NodeError as error:
+            await abort_with(context, error)
         answer = self.handler.decide(pair_proposal(request))
         reply = outer_pb2.PairReply(decision=_DECISIONS[answer.decision], reason=answer.reason, wait_s=answer.wait_s,
                                     peer_id=self.peer_id)
@@ -225,9 +209,21 @@ class OuterServicer(outer_pb2_grpc.OuterServicer):
                 # partner does this when its deadline passes), so not a strike towards a ban.
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"exchange ended early: {exc}")
             if isinstance(exc, NodeError):
-                await context.abort(status_of(exc), str(exc))
+                await abort_with(context, exc)
             return
         await self.handler.finish(request.peer_id, received, "paired")
+
+    def _pair_request(self, first) -> outer_pb2.PairRequest:
+        """The PairRequest an Exchange starts with, from the signed caller, for this run and stage,
+        to a node that pairs; raises the node error to answer otherwise."""
+        if first is grpc.aio.EOF or first is None or first.WhichOneof("kind") != "request":
+            raise InvalidPayload("Exchange must start with a PairRequest")
+        request = first.request
+        check_caller(request.peer_id, "PairRequest")
+        self.run.check(request.run, request.stage)
+        if self.handler is None:
+            raise ProtocolMismatch("this node does not pair (outer.method is not noloco)")
+        return request
 
     async def FetchState(self, request, context):
         """Outer.FetchState: rpc/state_service.py."""
@@ -257,7 +253,7 @@ class OuterClient:
         self.max_bytes = max_bytes
         self.traffic = traffic or Traffic()
         self.state = StateFetcher(run=self.run, max_bytes=max_bytes, deadlines=self.deadlines, faults=faults)
-        self._stubs: dict[str, tuple[grpc.aio.Channel, outer_pb2_grpc.OuterStub]] = {}
+        self._stubs = StubCache(dialer, outer_pb2_grpc.OuterStub)
 
     def exchange_deadline_s(self, peer_id: str, payload_bytes: int) -> float:
         """The longest an exchange moving `payload_bytes` (both ways) with the peer may run."""
@@ -269,11 +265,8 @@ class OuterClient:
         return self.traffic.bytes_sent
 
     async def _stub(self, peer_id: str) -> outer_pb2_grpc.OuterStub:
-        channel, _ = await self.dialer.channel(peer_id)
-        known = self._stubs.get(peer_id)
-        if known is None or known[0] is not channel:  # keyed by peer: a replaced channel gets a new stub
-            known = self._stubs[peer_id] = (channel, outer_pb2_grpc.OuterStub(channel))
-        return known[1]
+        stub, _ = await self._stubs.get(peer_id)
+        return stub
 
     async def exchange(self, to: str, proposal: PairProposal, mine: EncodedSnapshot,
                        expected: list[ExpectedTensor], codec: str, *, timeout_s: float) -> dict[str, Tensor]:
@@ -306,7 +299,7 @@ class OuterClient:
             return received
         except grpc.aio.AioRpcError as exc:
             call.cancel()
-            raise PeerUnavailable(f"{to}: {exc.code().name} {exc.details() or ''}".strip()) from None
+            raise unavailable_from_rpc(exc, to) from None
         except asyncio.InvalidStateError:
             # A write after the partner ended the call (raised by an intercepted call instead of
             # the AioRpcError a plain one gives): the exchange failed, like any dropped partner.

@@ -19,13 +19,16 @@ import grpc
 import torch
 from torch import Tensor
 
-from noloco_node.codec.tensors import DTYPES, CodecError, TensorSpec, decode_into
-from noloco_node.errors import InvalidPayload, NodeError, PoisonedPayload, ProtocolMismatch, TooLarge
+from noloco_node.codec.checked import decode_checked
+from noloco_node.codec.tensors import TensorSpec
+from noloco_node.errors import InvalidPayload, NodeError, PoisonedPayload, TooLarge
 from noloco_node.optim.integrity import RunningBounds
 from noloco_node.pipeline.ports import BackwardCall, ForwardCall, Hop, MicrobatchKey, StageHandler
 from noloco_node.rpc.admission import CALLER, POISONED
+from noloco_node.rpc.checks import ServedRun, check_caller
 from noloco_node.rpc.deadlines import Progress, paced, while_sending
-from noloco_node.rpc.status import error_from_rpc, status_of
+from noloco_node.rpc.status import abort_with, error_from_rpc, status_of
+from noloco_node.rpc.stubs import StubCache
 from noloco_node.rpc.tensors import PayloadReceiver, encode_tensor, header_to_spec, iter_chunks
 from noloco_node.runtime.link_estimates import RECEIVED, SENT, LinkDeadlines
 from noloco_node.wire.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
@@ -76,12 +79,7 @@ async def _receive(messages: AsyncIterator, spec: TensorSpec, max_bytes: int, st
             raise InvalidPayload("a second header arrived inside a stream; expected payload chunks")
         receiver.add(message.chunk)
     payload = receiver.finish()
-    out = torch.empty(spec.shape, dtype=DTYPES[spec.dtype])
-    try:
-        decode_into(spec, payload, out)
-    except CodecError as exc:
-        raise InvalidPayload(str(exc)) from None
-    return out, len(payload)
+    return decode_checked(spec, payload), len(payload)
 
 
 class StageServicer(stage_pb2_grpc.StageServicer):
@@ -95,7 +93,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                  receive_s: float = 10.0, min_bytes_per_s: float = 1e6, rms_factor: float = 1000.0,
                  max_abs: float = 1e6, deadlines: LinkDeadlines | None = None) -> None:
         self.handler = handler
-        self.run_id, self.manifest_hash = run_id, manifest_hash
+        self.run = ServedRun(run_id, manifest_hash)
         self.max_payload_bytes = max_payload_bytes
         self.receive_s, self.min_bytes_per_s = receive_s, min_bytes_per_s
         self.deadlines = deadlines or LinkDeadlines()
@@ -109,11 +107,6 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         why = self.bounds[kind].check(tensor)
         if why is not None:
             raise PoisonedPayload(why)
-
-    def _check_run(self, run: tensor_pb2.RunIdentity) -> None:
-        if run.run_id != self.run_id or run.manifest_hash != self.manifest_hash:
-            raise ProtocolMismatch(f"request for run {run.run_id!r}/{run.manifest_hash!r}; this node serves "
-                                   f"{self.run_id!r}/{self.manifest_hash!r}")
 
     async def _first(self, messages: AsyncIterator, kind: str):
         try:
@@ -136,7 +129,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             POISONED.set(True)
             log.warning("%s refused: %s", method, error)
         log.debug("%s rejected with %s: %s", method, code.name, error)
-        await context.abort(code, str(error))
+        await abort_with(context, error)
 
     def _payload_deadline(self, started: float, spec: TensorSpec, caller: str) -> float:
         link_s = self.deadlines.transfer_s(caller, spec.payload_bytes, RECEIVED)
@@ -165,10 +158,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         try:
             async with asyncio.timeout_at(started + self.receive_s):
                 header = await self._first(request_iterator, "forward")
-            self._check_run(header.run)
-            caller = CALLER.get()
-            if caller and (not header.route or header.route[-1].peer_id != caller):
-                raise InvalidPayload(f"the route's last hop must be the caller {caller[-8:]}, who signed this call")
+            self.run.check(header.run)
+            check_caller(header.route[-1].peer_id if header.route else "", "the route's last hop")
             spec = header_to_spec(header.activations)
             ticket = self.handler.admit_forward(forward_call(header), spec)
             tensor, size = await self._payload(request_iterator, started, spec)
@@ -195,7 +186,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         try:
             async with asyncio.timeout_at(started + self.receive_s):
                 header = await self._first(request_iterator, "backward")
-            self._check_run(header.run)
+            self.run.check(header.run)
             spec = header_to_spec(header.grad)
             ticket = self.handler.admit_backward(backward_call(header), spec, CALLER.get())
             tensor, size = await self._payload(request_iterator, started, spec)
@@ -236,15 +227,8 @@ class StageClient:
         else:
             self.rounding.manual_seed(rounding_seed)
         self.observe = observe  # (method, seconds) after every call, for latency metrics
-        self._stubs: dict[str, tuple[grpc.aio.Channel, stage_pb2_grpc.StageStub]] = {}
+        self._stubs = StubCache(dialer, stage_pb2_grpc.StageStub)
         self.bytes_sent = 0
-
-    async def _stub(self, peer_id: str) -> tuple[stage_pb2_grpc.StageStub, str]:
-        channel, path = await self.dialer.channel(peer_id)
-        known = self._stubs.get(peer_id)
-        if known is None or known[0] is not channel:  # keyed by peer: a replaced channel gets a new stub
-            known = self._stubs[peer_id] = (channel, stage_pb2_grpc.StageStub(channel))
-        return known[1], path
 
     async def forward(self, peer_id: str, *, microbatch: stage_pb2.MicrobatchId, route: list[stage_pb2.Hop],
                       target_stage: int, activations: Tensor, labels: Tensor, token_ids: Tensor | None = None) -> None:
@@ -268,7 +252,7 @@ class StageClient:
         await self._call(peer_id, "Backward", messages, len(payload))
 
     async def _call(self, peer_id: str, method: str, messages: list, payload_bytes: int) -> None:
-        stub, path = await self._stub(peer_id)
+        stub, path = await self._stubs.get(peer_id)
         progress = Progress(self.deadlines.stall_s(peer_id, SENT))
         start = time.monotonic()
         call = getattr(stub, method)(paced(messages, progress),

@@ -20,10 +20,12 @@ from torch import Tensor
 
 from noloco_node.codec.state_layout import (MAX_REQUESTED_NAMES, STATE_BLOCK, ReceivedState, select_state, state_codec,
                                             state_spec)
-from noloco_node.codec.tensors import DTYPES, CodecError, TensorSpec, decode_into, encode
-from noloco_node.errors import InvalidPayload, PeerUnavailable
-from noloco_node.rpc.admission import CALLER
+from noloco_node.codec.checked import decode_checked
+from noloco_node.codec.tensors import DTYPES, TensorSpec, encode
+from noloco_node.errors import InvalidPayload, NodeError, ProtocolMismatch
+from noloco_node.rpc.checks import ServedRun, check_caller
 from noloco_node.rpc.deadlines import Progress, TransferTimedOut, within
+from noloco_node.rpc.status import abort_with, unavailable_from_rpc
 from noloco_node.rpc.tensors import PayloadReceiver, header_to_spec, iter_chunks, spec_to_header
 from noloco_node.runtime.faults import FaultInjector
 from noloco_node.runtime.link_estimates import RECEIVED, SENT, LinkDeadlines
@@ -37,34 +39,34 @@ DENSE = outer_pb2.STATE_ENCODING_DENSE
 class StateDonorServicer:
     """The donor side of Outer.FetchState (OuterServicer hands its calls here)."""
 
-    def __init__(self, *, run_id: str, manifest_hash: str, stage: int, deadlines: LinkDeadlines,
-                 donor: StateDonor | None, faults: FaultInjector | None = None) -> None:
-        self.run_id, self.manifest_hash, self.stage = run_id, manifest_hash, stage
-        self.deadlines, self.donor, self.faults = deadlines, donor, faults
+    def __init__(self, *, run: ServedRun, deadlines: LinkDeadlines, donor: StateDonor | None,
+                 faults: FaultInjector | None = None) -> None:
+        self.run, self.deadlines, self.donor, self.faults = run, deadlines, donor, faults
+
+    def _check(self, request) -> None:
+        """Raises the node error to answer a request this donor does not serve."""
+        if request is None:
+            raise InvalidPayload("undecodable FetchStateRequest")
+        self.run.check(request.run, request.stage)
+        check_caller(request.peer_id, "FetchStateRequest")
+        if request.encoding not in (DENSE, COMPACT):
+            raise InvalidPayload(f"unknown state encoding {request.encoding}; use STATE_ENCODING_DENSE or _COMPACT")
+        if len(request.names) > MAX_REQUESTED_NAMES:  # before copying anything
+            raise InvalidPayload(f"{len(request.names)} parameters asked for; "
+                                 f"at most {MAX_REQUESTED_NAMES} per request")
+        if self.donor is None:
+            raise ProtocolMismatch("this node does not donate state")
 
     async def FetchState(self, request, context):
-        if request is None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "undecodable FetchStateRequest")
-        if request.run.run_id != self.run_id or request.run.manifest_hash != self.manifest_hash or request.stage != self.stage:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"this node serves run {self.run_id}/{self.manifest_hash} stage {self.stage}")
-        caller = CALLER.get()
-        if caller and request.peer_id != caller:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"FetchStateRequest names peer {request.peer_id[-8:]!r}, but the call is signed by {caller[-8:]}")
-        if request.encoding not in (DENSE, COMPACT):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"unknown state encoding {request.encoding}; use STATE_ENCODING_DENSE or _COMPACT")
-        if len(request.names) > MAX_REQUESTED_NAMES:  # before copying anything
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"{len(request.names)} parameters asked for; at most {MAX_REQUESTED_NAMES} per request")
-        if self.donor is None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this node does not donate state")
-        tensors, counters = await self.donor.export_state()
         try:
-            selected = select_state(tensors, list(request.names))
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"FetchStateRequest: {exc}")
+            self._check(request)
+            tensors, counters = await self.donor.export_state()
+            try:
+                selected = select_state(tensors, list(request.names))
+            except ValueError as exc:
+                raise InvalidPayload(f"FetchStateRequest: {exc}") from None
+        except NodeError as error:
+            await abort_with(context, error)
         compact = request.encoding == COMPACT
         order = [name for names in selected.values() for name in names]
         specs = {n: state_spec(n, tuple(tensors[n].shape), tensors[n].dtype, compact) for n in order}
@@ -160,8 +162,8 @@ class StateFetcher:
             self.deadlines.estimates.observe(to, manifest.payload_bytes, time.monotonic() - began, RECEIVED)
             return into.tensors, into.counters
         except grpc.aio.AioRpcError as exc:
-            raise PeerUnavailable(f"{to}: {exc.code().name} {exc.details() or ''}".strip()) from None
-        except (CodecError, ValueError) as exc:
+            raise unavailable_from_rpc(exc, to) from None
+        except ValueError as exc:  # e.g. counters that are not JSON
             call.cancel()
             raise InvalidPayload(f"{to}: {exc}") from None
         except BaseException:
@@ -181,8 +183,7 @@ class StateFetcher:
                 if chunk is grpc.aio.EOF or chunk.WhichOneof("kind") != "chunk":
                     raise InvalidPayload("state stream ended inside a tensor")
                 receiver.add(chunk.chunk)
-            tensor = torch.empty(spec.shape, dtype=DTYPES[spec.dtype])
-            decode_into(spec, receiver.finish(), tensor)
+            tensor = decode_checked(spec, receiver.finish())
             if tensor.is_floating_point() and not torch.isfinite(tensor).all():
                 raise InvalidPayload(f"state tensor {header.name!r} is not finite")
             out[header.name] = tensor

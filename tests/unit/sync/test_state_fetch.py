@@ -158,7 +158,7 @@ def test_a_donor_refuses_names_it_does_not_have():
 
 
 class AbortContext:
-    async def abort(self, code, details):
+    async def abort(self, code, details, trailing_metadata=()):
         raise grpc.RpcError(code, details)
 
     async def write(self, message):

@@ -66,11 +66,11 @@ def _methods() -> list[tuple[str, str]]:
 
 def _aborted_codes(functions: list[ast.AST]) -> set[str]:
     """Codes named as the first argument of `context.abort(...)`, plus every code of
-    rpc/status.py's mapping (and its INTERNAL fallback) where `status_of` is used."""
+    rpc/status.py's mapping (and its INTERNAL fallback) where `status_of` or `abort_with` is used."""
     codes: set[str] = set()
     for function in functions:
         for node in ast.walk(function):
-            if isinstance(node, ast.Name) and node.id == "status_of":
+            if isinstance(node, ast.Name) and node.id in ("status_of", "abort_with"):
                 codes |= {code.name for code in TO_STATUS.values()} | {"INTERNAL"}
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "abort":
                 first = node.args[0] if node.args else None
