@@ -71,3 +71,9 @@ class UnreachableAddress(NodeError):
     hint = ("peers cannot dial the address this node announces. Behind NAT or a firewall: forward the gRPC port "
             "(network.port, fix it with --port) to this machine and pass the public host:port with --announce-addr; "
             "`noloco-node doctor` checks it before you join")
+
+
+class DataError(ValueError):
+    """The run's data or tokenizer cannot be used: the message begins with the config field to fix
+    (`data.path`, `data.tokenizer`, `data.holdout_fraction`, or `data` for the corpus as a whole).
+    A bad input, like a bad config value: the command line reports it in one line and exits 2."""

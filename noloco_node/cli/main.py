@@ -15,7 +15,7 @@ from noloco_node import __version__
 from noloco_node.cli import (bootstrap, config_cmd, demo, doctor, experiment, health, join, keygen, model_cmds, plan,
                              status)
 from noloco_node.config import ConfigError
-from noloco_node.errors import BootstrapError, NodeError, UnreachableAddress
+from noloco_node.errors import BootstrapError, DataError, NodeError, UnreachableAddress
 
 COMMANDS = (join, bootstrap, status, doctor, health, keygen, demo, experiment, config_cmd, model_cmds, plan)
 
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         # the interpreter's final flush does not raise again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except ConfigError as exc:
+    except (ConfigError, DataError) as exc:  # a bad config value, or data or a tokenizer that cannot be used
         print(f"noloco-node: {exc}", file=sys.stderr)
         return 2
     except NodeError as exc:
@@ -77,12 +77,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("noloco-node: interrupted", file=sys.stderr)
         return 130
-    except ValueError as exc:
-        # Data and tokenizer problems raise ValueError naming the config field (data.path, ...).
-        if str(exc).split(":", 1)[0] in {"data.path", "data.tokenizer", "data.holdout_fraction", "data"}:
-            print(f"noloco-node: {exc}", file=sys.stderr)
-            return 2
-        raise
 
 
 def _quiet_native_logs(level: str) -> None:

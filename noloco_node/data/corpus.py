@@ -14,6 +14,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from noloco_node.errors import DataError
 from noloco_node.runtime.files import atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ def _format_of(path: str) -> str:
     for suffix in sorted(FORMATS, key=len, reverse=True):
         if lower.endswith(suffix):
             return FORMATS[suffix]
-    raise ValueError(f"data.path: cannot tell the format of {path!r}; use .txt/.md/.rst, .json(l)(.gz) or .parquet")
+    raise DataError(f"data.path: cannot tell the format of {path!r}; use .txt/.md/.rst, .json(l)(.gz) or .parquet")
 
 
 def resolve_corpus(path: str | None, *, cache_dir: Path, text_field: str = "text") -> Corpus:
@@ -59,10 +60,10 @@ def resolve_corpus(path: str | None, *, cache_dir: Path, text_field: str = "text
         candidates = sorted(str(p) for p in Path(root).rglob("*") if p.is_file() and _known(str(p)))
     files = [c for c in candidates if os.path.isfile(c)]
     if not files:
-        raise ValueError(f"data.path: no files match {path!r}; give a file, a directory or a glob such as 'c4/en/c4-train.*-of-01024.json.gz'")
+        raise DataError(f"data.path: no files match {path!r}; give a file, a directory or a glob such as 'c4/en/c4-train.*-of-01024.json.gz'")
     formats = {_format_of(f) for f in files}
     if len(formats) != 1:
-        raise ValueError(f"data.path: {path!r} mixes formats {sorted(formats)}; point it at files of one format")
+        raise DataError(f"data.path: {path!r} mixes formats {sorted(formats)}; point it at files of one format")
     return Corpus(name=path, files=tuple(files), format=formats.pop(), text_field=text_field)
 
 

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from noloco_node.config import NodeConfig
 from noloco_node.data.corpus import Corpus
+from noloco_node.errors import DataError
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -100,8 +101,8 @@ class PackedSequences:
                 produced = True
                 yield pair
             if not produced:
-                raise ValueError(f"data: shard {self.shard.shard_index}/{self.shard.num_shards} of {self.corpus.name} "
-                                 f"holds fewer than {self.seq_len + 1} tokens; use more data or a shorter model.seq_len")
+                raise DataError(f"data: shard {self.shard.shard_index}/{self.shard.num_shards} of {self.corpus.name} "
+                                f"holds fewer than {self.seq_len + 1} tokens; use more data or a shorter model.seq_len")
             self.epoch += 1
 
     def batches(self, batch_size: int) -> Iterator[tuple[Tensor, Tensor]]:

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from noloco_node.data.corpus import Corpus
+from noloco_node.errors import DataError
 from noloco_node.runtime.files import atomic_write
 
 log = logging.getLogger(__name__)
@@ -35,10 +36,10 @@ def load_tokenizer(spec: str | None, corpus: Corpus, *, vocab_size: int, cache_d
     try:
         tokenizer = AutoTokenizer.from_pretrained(spec, local_files_only=True)
     except (OSError, ValueError) as exc:
-        raise ValueError(f"data.tokenizer: {spec!r} is neither a tokenizer.json, a local tokenizer directory, nor a model "
-                         f"in the local Hugging Face cache (nothing is downloaded): {exc}") from exc
+        raise DataError(f"data.tokenizer: {spec!r} is neither a tokenizer.json, a local tokenizer directory, nor a model "
+                        f"in the local Hugging Face cache (nothing is downloaded): {exc}") from exc
     if tokenizer.eos_token_id is None:
-        raise ValueError(f"data.tokenizer: {spec!r} has no eos token, which separates packed documents")
+        raise DataError(f"data.tokenizer: {spec!r} has no eos token, which separates packed documents")
     return tokenizer
 
 

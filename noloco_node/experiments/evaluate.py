@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 
 from noloco_node.config import NodeConfig
 from noloco_node.data.loader import PackedSequences
+from noloco_node.errors import DataError
 from noloco_node.node.manifest import load_run_inputs
 from noloco_node.model.build import build_run_stage, run_model
 from noloco_node.model.stage import LlamaStage
@@ -28,8 +29,8 @@ SNAPSHOT = re.compile(r"stage(\d+)-(\w{8})-(?:step(\d+)|final)\.safetensors$")
 
 def held_out_windows(config: NodeConfig, count: int) -> tuple[torch.Tensor, torch.Tensor, object]:
     if config.data.holdout_fraction <= 0:
-        raise ValueError("data.holdout_fraction: is 0, so the run holds no data out for evaluation; "
-                         "set it (e.g. 0.02) for the run")
+        raise DataError("data.holdout_fraction: is 0, so the run holds no data out for evaluation; "
+                        "set it (e.g. 0.02) for the run")
     corpus, tokenizer, _ = load_run_inputs(config)
     windows = PackedSequences(corpus, tokenizer, seq_len=config.model.seq_len, split="validation",
                               holdout_fraction=config.data.holdout_fraction, seed=config.run.seed, shuffle_buffer=0)
@@ -40,7 +41,7 @@ def held_out_windows(config: NodeConfig, count: int) -> tuple[torch.Tensor, torc
         if len(inputs) == count:
             break
     if not inputs:
-        raise ValueError("data.holdout_fraction: no held-out window for validation; raise data.holdout_fraction")
+        raise DataError("data.holdout_fraction: no held-out window for validation; raise data.holdout_fraction")
     return torch.stack(inputs), torch.stack(labels), tokenizer
 
 
