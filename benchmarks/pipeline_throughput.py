@@ -26,7 +26,8 @@ from pathlib import Path
 from two_stage_runs import held_out_batches, held_out_loss, one_process, staged_swarm
 
 from noloco_node.config import load_config
-from noloco_node.model.build import model_costs, run_model, stage_ranges
+from noloco_node.model.build import run_model, stage_ranges
+from noloco_node.model.split import model_costs
 from noloco_node.data.corpus import resolve_corpus
 from noloco_node.data.tokenizer import load_tokenizer
 

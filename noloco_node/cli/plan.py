@@ -207,7 +207,8 @@ COMPRESSED_ROUNDS = (("slice:0.03125", "topk:0.02+int4"), ("slice:0.01", "topk:0
 def outer_round_options(llama, plan, common: dict, link, *, tflops: float, mfu: float, schedule: str, run_cfg) -> dict:
     """One outer round's bytes and time per node on this link, for the configured codecs and the
     compressed ones, with the overlapped exchange: whether it hides behind H inner steps."""
-    from noloco_node.model.costs import codec_bytes_per_element, pipeline_costs, predict
+    from noloco_node.codec.sizes import bytes_per_element
+    from noloco_node.model.costs import pipeline_costs, predict
 
     o = run_cfg.outer
     configured = tuple(common["outer_payload"])
@@ -219,8 +220,8 @@ def outer_round_options(llama, plan, common: dict, link, *, tflops: float, mfu: 
         params = max(costs.stage_params)
         compute_s = o.inner_steps_per_outer * pred.step_s
         rows.append({"codecs": list(payload), "configured": payload == configured,
-                     "bytes_each_way": params * sum(codec_bytes_per_element(c) for c in payload),
-                     "fp32_fraction": sum(codec_bytes_per_element(c) for c in payload) / 8,
+                     "bytes_each_way": params * sum(bytes_per_element(c) for c in payload),
+                     "fp32_fraction": sum(bytes_per_element(c) for c in payload) / 8,
                      "exchange_s": pred.outer_s, "h_steps_s": compute_s, "hidden": pred.outer_s <= compute_s,
                      "ratio": round(pred.ratio, 4)})
     return {"inner_steps_per_outer": o.inner_steps_per_outer, "options": rows}

@@ -1,5 +1,6 @@
 """Sparse codecs of the outer exchange: top-k per chunk with 2- or 4-bit values (outer deltas) and
-a seeded slice of exact values (slow weights). Pure torch, no grpc; codec/tensors.py dispatches here.
+a seeded slice of exact values (slow weights). Pure torch, no grpc; codec/tensors.py dispatches here,
+and codec/sizes.py holds the payload sizes.
 
 topk_int2 / topk_int4 (spec.block_size = CHUNK = 4096 elements per chunk, spec.nnz = k values kept
 per chunk; the last chunk, of L < CHUNK elements, keeps ceil(k L / CHUNK), so a small tensor keeps the
@@ -33,43 +34,10 @@ import warnings
 import torch
 from torch import Tensor
 
-CHUNK = 4096
-INDEX_BITS = 12  # log2(CHUNK)
+from noloco_node.codec.sizes import CHUNK, INDEX_BITS, TOPK_BITS, SparseCodecError, kept_count, kept_in_last
+
 SLICE_BLOCK = 64
 TOPK_LEVELS = {"topk_int2": 3.0, "topk_int4": 7.0}
-TOPK_BITS = {"topk_int2": 2, "topk_int4": 4}
-
-
-class SparseCodecError(ValueError):
-    """A sparse payload or spec that cannot be decoded (codec/tensors.py re-raises it as CodecError)."""
-
-
-# ---- sizes ----------------------------------------------------------------------------------------
-def kept_in_last(numel: int, per_chunk: int) -> int:
-    """Values the last chunk keeps: per_chunk when it is whole, its share of them when shorter."""
-    rest = numel % CHUNK
-    return per_chunk if rest == 0 else math.ceil(per_chunk * rest / CHUNK)
-
-
-def kept_count(numel: int, per_chunk: int) -> int:
-    """Values a chunked top-k keeps of `numel` elements with `per_chunk` per chunk."""
-    if numel == 0:
-        return 0
-    return (math.ceil(numel / CHUNK) - 1) * per_chunk + kept_in_last(numel, per_chunk)
-
-
-def chunked_payload_bytes(codec: str, numel: int, per_chunk: int, block_size: int) -> int:
-    if block_size != CHUNK:
-        raise SparseCodecError(f"{codec} chunks are {CHUNK} elements, not {block_size}")
-    if not 1 <= per_chunk <= CHUNK:
-        raise SparseCodecError(f"{codec} keeps 1 to {CHUNK} values per chunk, not {per_chunk}")
-    kept = kept_count(numel, per_chunk)
-    return 4 * math.ceil(numel / CHUNK) + 3 * math.ceil(kept / 2) + math.ceil(kept * TOPK_BITS[codec] / 8)
-
-
-def per_chunk_count(fraction: float) -> int:
-    """Values kept per chunk for a top-k fraction: ceil(fraction * CHUNK), at least 1."""
-    return max(1, min(CHUNK, math.ceil(fraction * CHUNK)))
 
 
 # ---- chunked top-k with quantized values -------------------------------------------------------------

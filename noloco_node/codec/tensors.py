@@ -61,8 +61,9 @@ from torch import Tensor
 
 from noloco_node.codec import sparse
 from noloco_node.codec.names import WIRE_CODECS as CODECS
-BLOCKWISE = ("int8", "fp8", "int4")
-DEFAULT_BLOCK = 64
+from noloco_node.codec.sizes import (BLOCKWISE, CHUNK, DEFAULT_BLOCK, SparseCodecError, blockwise_payload_bytes,
+                                     chunked_payload_bytes, per_chunk_count)
+
 DEFAULT_INT8_BLOCK = DEFAULT_BLOCK
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -128,8 +129,8 @@ def expected_payload_bytes(spec: TensorSpec) -> int:
         return spec.nnz * (4 + DTYPES[spec.dtype].itemsize)
     if spec.codec in sparse.TOPK_LEVELS:
         try:
-            return sparse.chunked_payload_bytes(spec.codec, n, spec.nnz, spec.block_size)
-        except sparse.SparseCodecError as exc:
+            return chunked_payload_bytes(spec.codec, n, spec.nnz, spec.block_size)
+        except SparseCodecError as exc:
             raise CodecError(str(exc)) from None
     if spec.codec == "slice":
         if not 0 <= spec.nnz <= n or spec.slice_parts < 1 or spec.slice_part >= spec.slice_parts:
@@ -138,8 +139,7 @@ def expected_payload_bytes(spec: TensorSpec) -> int:
         return spec.nnz * DTYPES[spec.dtype].itemsize
     if spec.block_size < 1:
         raise CodecError(f"{spec.codec} codec needs block_size >= 1, got {spec.block_size}")
-    scales = 4 * math.ceil(n / spec.block_size)
-    return scales + (math.ceil(n / 2) if spec.codec == "int4" else n)
+    return blockwise_payload_bytes(spec.codec, n, spec.block_size)
 
 
 def encode(tensor: Tensor, codec: str, *, block_size: int = DEFAULT_BLOCK, fraction: float = 0.01,
@@ -174,7 +174,7 @@ def encode(tensor: Tensor, codec: str, *, block_size: int = DEFAULT_BLOCK, fract
         nnz = topk_count(flat.numel(), fraction)
         payload = _encode_topk(flat, nnz)
     elif codec in sparse.TOPK_LEVELS:
-        nnz, spec_block = sparse.per_chunk_count(fraction), sparse.CHUNK
+        nnz, spec_block = per_chunk_count(fraction), CHUNK
         values = flat if flat.dtype == torch.float32 else flat.float()
         payload = _sparse(lambda: sparse.encode_chunked_topk(values, codec, nnz, MAX_ABSMAX, MIN_SCALE))
     elif codec == "slice":
@@ -330,7 +330,7 @@ def _scale_blocks(codes: Tensor, scales: Tensor, block: int, target: Tensor) -> 
 def _sparse(run):
     try:
         return run()
-    except sparse.SparseCodecError as exc:
+    except SparseCodecError as exc:
         raise CodecError(str(exc)) from None
 
 

@@ -17,8 +17,8 @@ from transformers import LlamaConfig
 
 from noloco_node.config import ConfigError, ModelConfig
 from noloco_node.model.init import checkpoint_weight_files
-from noloco_node.model.split import balanced_layer_ranges, per_token_costs, ranges_from_counts
-from noloco_node.model.stage import llama_config
+from noloco_node.model.split import balanced_layer_ranges, model_costs, ranges_from_counts
+from noloco_node.model.stage import build_stage, llama_config
 
 log = logging.getLogger(__name__)
 
@@ -109,14 +109,6 @@ def stage_ranges(config: LlamaConfig, num_stages: int, *, seq_len: int,
     return balanced_layer_ranges(layers, num_stages, embed_cost=embed, layer_cost=layer, head_cost=head)
 
 
-def model_costs(config: LlamaConfig, *, seq_len: int) -> tuple[float, float, float]:
-    """(embedding, one decoder layer, final norm + LM head) per token of this model (model/split.py)."""
-    heads = config.num_attention_heads
-    kv_hidden = config.hidden_size * (config.num_key_value_heads or heads) // heads
-    return per_token_costs(hidden=config.hidden_size, intermediate=config.intermediate_size,
-                           kv_hidden=kv_hidden, vocab=config.vocab_size, seq_len=seq_len)
-
-
 def run_model(cfg, vocab_size: int) -> tuple[LlamaConfig, list[range]]:
     """(LlamaConfig, layer ranges per stage) of a run's NodeConfig."""
     config = resolve_llama_config(cfg.model, vocab_size)
@@ -127,8 +119,6 @@ def run_model(cfg, vocab_size: int) -> tuple[LlamaConfig, list[range]]:
 def build_run_stage(cfg, config: LlamaConfig, ranges: list[range], stage_index: int, *, device="cpu"):
     """Stage `stage_index` of the run's model, and only it, on `device`: phi_0 from the run seed
     and each parameter's name, or read from model.init_from (only this stage's tensors)."""
-    from noloco_node.model.stage import build_stage
-
     if cfg.model.init_from:
         weight_files(cfg.model.init_from)  # the error names the config field
     stage = build_stage(config, seed=cfg.run.seed, stage_index=stage_index, num_stages=cfg.pipeline.num_stages,
@@ -136,27 +126,3 @@ def build_run_stage(cfg, config: LlamaConfig, ranges: list[range], stage_index: 
                         subspace_rank=cfg.model.residual_subspace)
     stage.activation_checkpointing = cfg.pipeline.activation_checkpointing
     return stage
-
-
-def check_fits(cfg, config: LlamaConfig, ranges: list[range], stage_index: int, device, *, headroom: float = 0.9):
-    """Refuse (ConfigError) a stage whose estimated peak training memory exceeds `headroom` of what
-    `device` has free, saying how much it needs and what to change; returns the estimate
-    (model/memory.StageMemory: `.total` is the node's `memory_estimate_bytes`)."""
-    from noloco_node.model.memory import GIB, available_bytes, describe, estimate_for_run
-
-    p = cfg.pipeline
-    need = estimate_for_run(cfg, config, ranges, stage_index, device.type)
-    free = available_bytes(device)
-    if free is None or need.total <= headroom * free:
-        return need
-    fixes = ["more stages (pipeline.num_stages, or fewer layers here with pipeline.layers_per_stage)"]
-    if not p.activation_checkpointing:
-        fixes.append("pipeline.activation_checkpointing = true")
-    if p.schedule == "overlap" and need.stash:
-        fixes.append("pipeline.schedule = exact")
-    if p.max_in_flight > 1 and need.saved_inputs_bytes > 0.1 * need.total:
-        fixes.append("a smaller pipeline.max_in_flight")
-    fixes.append("a smaller model (model.preset)")
-    raise ConfigError("model", f"stage {stage_index} needs about {describe(need)}, but {device} has "
-                               f"{free / GIB:.2f} GiB free", "use " + ", or ".join(fixes) +
-                      " (`noloco-node plan` finds the fewest stages that fit)")

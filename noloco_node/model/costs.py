@@ -44,6 +44,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from noloco_node.codec.sizes import bytes_per_element
+from noloco_node.model.memory import stage_params
+from noloco_node.model.split import model_costs
+
 # The loss price of a residual subspace (model/subspace.py): tokens a rank k = hidden / divisor needs
 # to reach the held-out loss dense bf16 reaches at the end of its run, over dense bf16's tokens
 # (benchmarks/time_to_loss.py on an H200: hidden 1024, 8 layers, 200 dense steps, 3 seeds; 2 of 3
@@ -119,24 +123,6 @@ class Prediction:
     extra: dict = field(default_factory=dict)
 
 
-def codec_bytes_per_element(codec: str) -> float:
-    """Wire bytes per element of a tensor codec (codec/tensors.py), blockwise scales included."""
-    from noloco_node.codec import sparse
-    from noloco_node.codec.names import parse_outer_codec
-    from noloco_node.codec.tensors import BLOCKWISE, DEFAULT_BLOCK, TensorSpec, expected_payload_bytes
-
-    n = 1 << 20
-    name, fraction = parse_outer_codec(codec) if ":" in codec else (codec, 1.0)
-    if name == "topk":
-        return 8 * fraction  # int32 index + fp32 value per element sent
-    if name == "slice":
-        return 4 * fraction  # exact fp32 values on the slice, no index
-    if name in sparse.TOPK_LEVELS:
-        return sparse.chunked_payload_bytes(name, n, sparse.per_chunk_count(fraction), sparse.CHUNK) / n
-    spec = TensorSpec(dtype="float32", shape=(n,), codec=name, block_size=DEFAULT_BLOCK if name in BLOCKWISE else 0)
-    return expected_payload_bytes(spec) / n
-
-
 def pipeline_costs(config, ranges: list[range], *, microbatch: int, seq_len: int, microbatches_per_batch: int,
                    max_in_flight: int, schedule: str = "exact", checkpointing: bool = False,
                    activation_codec: str = "bf16", gradient_codec: str | None = None,
@@ -144,9 +130,6 @@ def pipeline_costs(config, ranges: list[range], *, microbatch: int, seq_len: int
                    outer_overlap: bool = False, subspace: int = 0) -> PipelineCosts:
     """The costs of the model `config` split into `ranges`, run with these settings; `subspace` is
     model.residual_subspace (hops of k values per token, plus the token ids as varints)."""
-    from noloco_node.model.build import model_costs
-    from noloco_node.model.memory import stage_params
-
     embed, layer, head = model_costs(config, seq_len=seq_len)
     tokens, last = microbatch * seq_len, len(ranges) - 1
     flops, params = [], []
@@ -160,9 +143,9 @@ def pipeline_costs(config, ranges: list[range], *, microbatch: int, seq_len: int
                          hop_elements=tokens * (subspace or config.hidden_size),
                          forward_extra_bytes=tokens * id_bytes * (2 if subspace else 1),  # labels (+ token ids)
                          microbatches_per_batch=microbatches_per_batch, max_in_flight=max_in_flight, schedule=schedule,
-                         activation_bytes=codec_bytes_per_element(activation_codec),
-                         gradient_bytes=codec_bytes_per_element(gradient_codec or activation_codec),
-                         outer_bytes_per_param=sum(codec_bytes_per_element(c) for c in outer_payload),
+                         activation_bytes=bytes_per_element(activation_codec),
+                         gradient_bytes=bytes_per_element(gradient_codec or activation_codec),
+                         outer_bytes_per_param=sum(bytes_per_element(c) for c in outer_payload),
                          inner_steps_per_outer=inner_steps_per_outer, outer_overlap=outer_overlap)
 
 

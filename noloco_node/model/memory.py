@@ -68,6 +68,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from noloco_node.codec.names import parse_outer_codec
+from noloco_node.codec.sizes import bytes_per_element
+from noloco_node.config import ConfigError
+from noloco_node.model.split import constrained_layers
+
 GIB = 1 << 30
 # Measured on CPU (benchmarks/memory_estimate.py, `tiny` at 16 tokens, where nothing else is
 # large): a process's RSS grows by 19-21 MiB on its first training steps whatever the model.
@@ -159,8 +164,6 @@ def stage_params(config, layer_range: range, *, first: bool, last: bool, subspac
     dense = len(layer_range) * (matmul + norms) + (v * h if first else 0) + ((v * h + h) if last else 0)
     if not subspace:
         return dense
-    from noloco_node.model.subspace import constrained_layers
-
     constrained = len(set(layer_range) & set(constrained_layers(config.num_hidden_layers)))
     return dense - constrained * (h - subspace) * (h + i) - (v * (h - subspace) if first else 0)
 
@@ -239,10 +242,8 @@ def _exchange_bytes(params: int, largest: int, work: Workload) -> tuple[int, int
         return 8 * params, 0
     if work.method != "noloco":
         return 0, 0
-    from noloco_node.model.costs import codec_bytes_per_element
-
     sent = len(work.outer_payload)
-    wire = sum(codec_bytes_per_element(c) for c in work.outer_payload)
+    wire = sum(bytes_per_element(c) for c in work.outer_payload)
     # freeze measures the wire's error in float64, one tensor at a time: four float64 copies of it
     per_tensor = 32 * largest
     return (4 + 4 * sent) * params + per_tensor, int((2 * wire + 4 * sent) * params)
@@ -261,8 +262,6 @@ def estimate(config, layer_range: range, *, first: bool, last: bool, outer: bool
 
 def workload_for(cfg, device_type: str) -> Workload:
     """The Workload of a run's NodeConfig on a device of `device_type` ('cpu' or 'cuda')."""
-    from noloco_node.codec.names import parse_outer_codec
-
     p, o = cfg.pipeline, cfg.outer
     # theta alone travels when gamma == beta with one dense codec (sync/snapshot.py choose_payload)
     same_dense = o.codec_phi == o.codec_delta and parse_outer_codec(o.codec_delta).dense
@@ -301,6 +300,28 @@ def available_bytes(device) -> int | None:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
         return None
+
+
+def check_fits(cfg, config, ranges: list[range], stage_index: int, device, *, headroom: float = 0.9):
+    """Refuse (ConfigError) a stage whose estimated peak training memory exceeds `headroom` of what
+    `device` has free, saying how much it needs and what to change; returns the estimate
+    (a StageMemory: `.total` is the node's `memory_estimate_bytes`)."""
+    p = cfg.pipeline
+    need = estimate_for_run(cfg, config, ranges, stage_index, device.type)
+    free = available_bytes(device)
+    if free is None or need.total <= headroom * free:
+        return need
+    fixes = ["more stages (pipeline.num_stages, or fewer layers here with pipeline.layers_per_stage)"]
+    if not p.activation_checkpointing:
+        fixes.append("pipeline.activation_checkpointing = true")
+    if p.schedule == "overlap" and need.stash:
+        fixes.append("pipeline.schedule = exact")
+    if p.max_in_flight > 1 and need.saved_inputs_bytes > 0.1 * need.total:
+        fixes.append("a smaller pipeline.max_in_flight")
+    fixes.append("a smaller model (model.preset)")
+    raise ConfigError("model", f"stage {stage_index} needs about {describe(need)}, but {device} has "
+                               f"{free / GIB:.2f} GiB free", "use " + ", or ".join(fixes) +
+                      " (`noloco-node plan` finds the fewest stages that fit)")
 
 
 def describe(m: StageMemory) -> str:

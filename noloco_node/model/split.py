@@ -1,6 +1,10 @@
-"""Which decoder layers each pipeline stage holds: a pure function, no torch."""
+"""Which decoder layers each pipeline stage holds, what a layer costs per token, and which layers a
+residual subspace constrains: pure functions of the model's shape, no torch."""
 
 from __future__ import annotations
+
+FREE_FINAL_LAYERS = 1
+"""The last decoder layers that stay dense under a residual subspace (model/subspace.py)."""
 
 
 def stage_layer_ranges(num_layers: int, num_stages: int) -> list[range]:
@@ -36,6 +40,20 @@ def per_token_costs(*, hidden: int, intermediate: int, kv_hidden: int, vocab: in
     the head is h V plus the norm (h)."""
     layer = 2 * hidden * hidden + 2 * hidden * kv_hidden + 3 * hidden * intermediate + seq_len * hidden
     return float(hidden), float(layer), float(hidden * vocab + hidden)
+
+
+def model_costs(config, *, seq_len: int) -> tuple[float, float, float]:
+    """(embedding, one decoder layer, final norm + LM head) per token of a model given by its
+    LlamaConfig (`per_token_costs`; only its sizes are read)."""
+    heads = config.num_attention_heads
+    kv_hidden = config.hidden_size * (config.num_key_value_heads or heads) // heads
+    return per_token_costs(hidden=config.hidden_size, intermediate=config.intermediate_size,
+                           kv_hidden=kv_hidden, vocab=config.vocab_size, seq_len=seq_len)
+
+
+def constrained_layers(num_layers: int) -> range:
+    """The decoder layers whose output projections live in the subspace (all but the last FREE_FINAL_LAYERS)."""
+    return range(max(0, num_layers - FREE_FINAL_LAYERS))
 
 
 def balanced_layer_ranges(num_layers: int, num_stages: int, *, embed_cost: float, layer_cost: float,

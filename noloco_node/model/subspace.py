@@ -19,10 +19,10 @@ Built by construction rather than projected after each step: Adam's per-coordina
 W would leave the subspace between projections (after every inner step, outer step and state load,
 each a place to forget one), and a dense W keeps d x in moments that the subspace never needs.
 
-The model's last FREE_FINAL_LAYERS decoder layers stay dense, as the anchors leave their last layers
-unconstrained: what they add crosses no wire (they always sit on the last stage, every stage holds
-at least one layer), and the final norm and the LM head are full rank. No learned scale acts on a
-sublayer's output in a Llama (pre-norm), so nothing else can leave the subspace.
+The model's last FREE_FINAL_LAYERS decoder layers (model/split.py) stay dense, as the anchors leave
+their last layers unconstrained: what they add crosses no wire (they always sit on the last stage,
+every stage holds at least one layer), and the final norm and the LM head are full rank. No learned
+scale acts on a sublayer's output in a Llama (pre-norm), so nothing else can leave the subspace.
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from noloco_node.model.init import normal_, parameter_seed
+from noloco_node.model.split import constrained_layers
 
 # Enters the run manifest with the rank: peers that build U or the fixed table differently never mix.
 SUBSPACE_SCHEME = "residual-subspace/v1"
-FREE_FINAL_LAYERS = 1
 BASIS_NAME = "model.residual_basis"
 FIXED_EMBEDDING_NAME = "model.fixed_embedding"
 
@@ -127,11 +127,6 @@ class SubspaceEmbedding(nn.Embedding):
     def forward(self, token_ids: Tensor) -> Tensor:
         subspace = self._subspace[0]
         return subspace.fixed[token_ids] + subspace.lift(super().forward(token_ids))
-
-
-def constrained_layers(num_layers: int) -> range:
-    """The decoder layers whose output projections live in the subspace (all but the last FREE_FINAL_LAYERS)."""
-    return range(max(0, num_layers - FREE_FINAL_LAYERS))
 
 
 def constrain(model: nn.Module, subspace: ResidualSubspace, num_layers: int) -> None:

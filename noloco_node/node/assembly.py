@@ -20,7 +20,8 @@ import torch
 from torch import Tensor
 
 from noloco_node.config import NodeConfig
-from noloco_node.model.build import build_run_stage, check_fits
+from noloco_node.model.build import build_run_stage
+from noloco_node.model.memory import check_fits
 from noloco_node.model.stage import LlamaStage
 from noloco_node.optim.inner import InnerOptimizer, InnerSchedule
 from noloco_node.optim.state import OuterState

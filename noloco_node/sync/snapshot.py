@@ -28,7 +28,8 @@ import torch
 from torch import Tensor
 
 from noloco_node.codec.names import parse_outer_codec
-from noloco_node.codec.sparse import per_chunk_count, slice_indices
+from noloco_node.codec.sizes import per_chunk_count
+from noloco_node.codec.sparse import slice_indices
 from noloco_node.codec.tensors import topk_count
 from noloco_node.optim.compress import encode_tensor
 from noloco_node.optim.state import OuterState

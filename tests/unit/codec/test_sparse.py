@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from noloco_node.codec import sparse
+from noloco_node.codec import sizes, sparse
 from noloco_node.codec.names import parse_outer_codec
 from noloco_node.codec.tensors import CodecError, TensorSpec, decode, encode, expected_payload_bytes
 from noloco_node.optim.compress import ErrorFeedback, encode_tensor
@@ -26,8 +26,8 @@ def _spec(spec: TensorSpec, **changes) -> TensorSpec:
 def test_chunked_topk_keeps_each_chunks_largest_within_its_rounding(codec, bound, numel):
     x = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
     spec, payload = encode(x, codec, fraction=0.02)
-    assert spec.nnz == sparse.per_chunk_count(0.02) == 82 and spec.block_size == sparse.CHUNK
-    assert len(payload) == expected_payload_bytes(spec) == sparse.chunked_payload_bytes(codec, numel, 82, sparse.CHUNK)
+    assert spec.nnz == sizes.per_chunk_count(0.02) == 82 and spec.block_size == sparse.CHUNK
+    assert len(payload) == expected_payload_bytes(spec) == sizes.chunked_payload_bytes(codec, numel, 82, sparse.CHUNK)
     y = decode(spec, payload)
     for start in range(0, numel, sparse.CHUNK):
         chunk, got = x[start:start + sparse.CHUNK], y[start:start + sparse.CHUNK]
@@ -42,8 +42,8 @@ def test_bits_per_kept_value():
     """What an index costs, said in numbers: 12 bits, plus the values' 2 or 4 and a scale per chunk."""
     numel = 1 << 20
     for codec, value_bits in (("topk_int2", 2), ("topk_int4", 4)):
-        kept = sparse.kept_count(numel, sparse.per_chunk_count(0.02))
-        bits = 8 * sparse.chunked_payload_bytes(codec, numel, sparse.per_chunk_count(0.02), sparse.CHUNK) / kept
+        kept = sparse.kept_count(numel, sizes.per_chunk_count(0.02))
+        bits = 8 * sizes.chunked_payload_bytes(codec, numel, sizes.per_chunk_count(0.02), sparse.CHUNK) / kept
         assert 12 + value_bits < bits < 12 + value_bits + 0.5
     plain = 8 * expected_payload_bytes(TensorSpec("float32", (numel,), "topk", nnz=kept)) / kept
     assert plain == 64
@@ -125,7 +125,7 @@ def test_a_payload_other_than_the_runs_codec_implies_is_refused_before_decoding(
     """Oversized (more values kept than this run's fraction) and a slice other than this round's."""
     x = torch.randn(5000)
     spec, _ = encode(x, "topk_int2", fraction=0.05)  # a partner keeping 5% where the run says 2%
-    want = ExpectedTensor("delta/w", (5000,), "float32", "topk_int2", nnz=sparse.per_chunk_count(0.02))
+    want = ExpectedTensor("delta/w", (5000,), "float32", "topk_int2", nnz=sizes.per_chunk_count(0.02))
     assert "sparse values" in want.problem("delta/w", spec, "none")
     mine = slice_key(0, 0, 5, "w", 4)
     spec, _ = encode(x, "slice", slice_key=slice_key(0, 0, 4, "w", 4))

@@ -152,13 +152,13 @@ def test_memory_estimate_counts_the_stages_parameters(stage_index):
 
 
 def test_a_stage_that_cannot_fit_is_refused_with_numbers_and_fixes(monkeypatch):
-    from noloco_node.model import build, memory
+    from noloco_node.model import memory
 
     cfg = load_config(overrides=["model.preset=medium", "pipeline.num_stages=2", "model.seq_len=1024"])
     config, ranges = run_model(cfg, 4096)
     monkeypatch.setattr(memory, "available_bytes", lambda device: 8 << 30)  # an 8 GiB device
     with pytest.raises(ConfigError) as info:
-        build.check_fits(cfg, config, ranges, 1, torch.device("cpu"))
+        memory.check_fits(cfg, config, ranges, 1, torch.device("cpu"))
     text = str(info.value)
     assert "needs about" in text and "8.00 GiB free" in text and "activation_checkpointing = true" in text
     # ~0.8B parameters x 24 bytes (theta, grad, Adam x2, phi, m) is ~18 GiB before any activation.
@@ -169,7 +169,7 @@ def test_a_stage_that_cannot_fit_is_refused_with_numbers_and_fixes(monkeypatch):
                             seq_len=1024, checkpointing=True)
     assert light.activation_bytes < need.activation_bytes / 4  # checkpointing keeps layer inputs only
     monkeypatch.setattr(memory, "available_bytes", lambda device: 1 << 40)  # 1 TiB: fits
-    build.check_fits(cfg, config, ranges, 1, torch.device("cpu"))
+    memory.check_fits(cfg, config, ranges, 1, torch.device("cpu"))
 
 
 def _learnable_batches(num: int, seed: int, vocab: int = 300, batch: int = 4, length: int = 17):

@@ -6,8 +6,9 @@ import torch
 
 from noloco_node.config import ConfigError, load_config
 from noloco_node.model import memory
-from noloco_node.model.build import check_fits, run_model
-from noloco_node.model.memory import Workload, estimate_stage, layer_activation_bytes_per_token, workload_for
+from noloco_node.model.build import run_model
+from noloco_node.model.memory import (Workload, check_fits, estimate_stage, layer_activation_bytes_per_token,
+                                      workload_for)
 from noloco_node.model.stage import build_stage, llama_config
 from noloco_node.runtime.memory import current_memory_bytes, peak_memory_bytes
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from noloco_node.model.stage import LlamaStage, build_full_model, build_stage, llama_config
-from noloco_node.model.subspace import FREE_FINAL_LAYERS, ResidualSubspace, SubspaceLinear, residual_basis
+from noloco_node.model.split import FREE_FINAL_LAYERS
+from noloco_node.model.subspace import ResidualSubspace, SubspaceLinear, residual_basis
 
 SEED, RANK = 1234, 8
 
