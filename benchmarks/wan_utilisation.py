@@ -262,7 +262,7 @@ def round_overhead_s(unlimited_default: dict) -> float:
 
 def print_options(name: str, link: LinkProfile, base: dict) -> None:
     """What the link model predicts for every option on this profile, before any is run."""
-    from noloco_node.model.costs import OPTIONS, choose
+    from noloco_node.model.costs import choose
 
     pick, rows = choose(lambda option: run_costs(base["sets"], option), link=model_link(link.to_dict()),
                         stage_seconds=tuple(base["compute_s"]), round_overhead_s=round_overhead_s(base))

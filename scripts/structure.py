@@ -41,7 +41,9 @@ ALLOWED: dict[str, set[str]] = {
     "netem": {"errors", "runtime"},
     "dht": {"errors", "runtime", "config", "transport"},
     "pipeline": _PURE,
-    "sync": _PURE | {"pipeline"},
+    # The outer step reads the stage's worker (its optimizer and gradients) and the pipeline's ports
+    # and router's pick; the rest of pipeline/ (runtime, driver, transports) is not its business.
+    "sync": _PURE | {"pipeline.worker", "pipeline.ports", "pipeline.router"},
     "rpc": _PURE | {"wire", "transport", "pipeline.ports", "sync.ports"},
     # The pages read records and stats as plain data; attention's rules are the node's, and pure.
     "dashboard": _BASE | {"node.attention"},

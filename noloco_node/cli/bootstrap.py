@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import sys
 from pathlib import Path
 
@@ -14,6 +15,8 @@ from noloco_node.cli.common import add_config_flags, check_listen, resolve_confi
 from noloco_node.config.listen import parse_listen
 from noloco_node.runtime.every import TOUCH_PERIOD_S
 from noloco_node.runtime.files import atomic_write_text
+
+log = logging.getLogger(__name__)
 
 
 def register(subparsers) -> None:
@@ -81,8 +84,8 @@ async def _keep_in_touch(directory, period_s: float) -> None:
         await asyncio.sleep(period_s)
         try:
             await directory.keep_in_touch()
-        except Exception:  # noqa: BLE001 - tried again next period
-            pass
+        except Exception as exc:  # noqa: BLE001 - tried again next period
+            log.debug("keeping in touch with the other bootstraps failed: %r", exc)
 
 
 async def _serve_probes(config, directory, swarm_key: bytes | None):

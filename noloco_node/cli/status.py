@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import time
 
 from noloco_node.cli.common import add_config_flags, require_initial_peers, resolve_config
 

@@ -405,8 +405,8 @@ class Node:
         ttl_s = None if final else max(cfg.timeouts.record_ttl_s, 2 * cfg.pipeline.rebalance_period_s)
         try:  # withdraw first, so peers stop routing to us while we drain
             await asyncio.wait_for(self.announce(ttl_s), timeout=cfg.timeouts.connect_s)
-        except Exception:  # noqa: BLE001 - leaving anyway; the record expires by TTL
-            pass
+        except Exception as exc:  # noqa: BLE001 - leaving anyway; the record expires by TTL
+            log.info("could not withdraw our record (%r); it expires by its TTL", exc)
         await self.runtime.drain(grace_s)
         if final:
             await self._final_outputs()

@@ -275,6 +275,6 @@ class Libp2pBridge:
             await self.p2p.remove_binary_stream_handler(PROTOCOL)
             if self._tls_target is not None:
                 await self.p2p.remove_binary_stream_handler(RELAYED_PROTOCOL)
-        except Exception:  # noqa: BLE001 - the daemon may already be gone
-            pass
+        except Exception as exc:  # noqa: BLE001 - the daemon may already be gone
+            log.debug("bridge handlers not removed: %r", exc)
         self._dir.cleanup()

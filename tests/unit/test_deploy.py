@@ -41,7 +41,7 @@ def entrypoint(args: list[str]) -> list[str]:
 
 def unit_argv(unit: Path) -> list[str]:
     text = unit.read_text().replace("\\\n", " ")
-    line = next(l for l in text.splitlines() if l.startswith("ExecStart="))
+    line = next(row for row in text.splitlines() if row.startswith("ExecStart="))
     return shlex.split(line.removeprefix("ExecStart="))
 
 

@@ -64,7 +64,7 @@ def test_an_answer_first_time_is_not_asked_again(monkeypatch):
 def test_with_no_direct_replica_the_initial_peers_are_asked(monkeypatch):
     # The first home node of a swarm: only the bootstrap can check its address.
     result, calls = _probe(monkeypatch, [([_answer(BOOT, False)], [])], directory=Replicas(direct=0),
-                           initial_peers=REMOTE + [f"/ip4/198.18.0.2/tcp/1/p2p/me"])
+                           initial_peers=REMOTE + ["/ip4/198.18.0.2/tcp/1/p2p/me"])
     assert result is False and calls[0][1] == [BOOT]  # never itself, never a relayed replica
 
 

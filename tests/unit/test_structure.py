@@ -48,6 +48,8 @@ def test_imports_against_the_layering_are_found():
     assert not structure._allowed("sync", "wire.v1.outer_pb2")
     assert not structure._allowed("transport", "model.stage")
     assert not structure._allowed("optim", "pipeline.worker")
+    assert not structure._allowed("sync", "pipeline.runtime") and structure._allowed("sync", "pipeline.worker")
+    assert not structure._allowed("dashboard", "node.lifecycle") and structure._allowed("dashboard", "node.attention")
     assert not structure._allowed("node", "wire.v1.stage_pb2")
     assert structure._allowed("rpc", "pipeline.ports") and not structure._allowed("rpc", "pipeline.runtime")
     assert structure._allowed("sync", "codec.tensors") and not structure._allowed("sync", "wire.v1.outer_pb2") and structure._allowed("node", "rpc.server")

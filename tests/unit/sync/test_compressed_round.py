@@ -51,7 +51,7 @@ def test_both_sides_reach_the_oracle(codec_phi, codec_delta):
     seed, _, part = slice_key(3, 1, 5, "w", parts)
     mask = np.zeros(N)
     mask[slice_indices(N, parts, part, seed).numpy()] = 1.0
-    received = {n: decode_snapshot(f.snapshot, f.expected, codec_phi)[f"delta/w"].numpy() for n, f in frozen.items()}
+    received = {n: decode_snapshot(f.snapshot, f.expected, codec_phi)["delta/w"].numpy() for n, f in frozen.items()}
     for me, other in (("a", "b"), ("b", "a")):
         phi, phi_peer, m = (before[me]["phi"].numpy(), before[other]["phi"].numpy(), before[me]["m"].numpy())
         own_delta = before[me]["theta"].numpy() - phi  # exact under top-k; what was sent under a dense codec
