@@ -35,7 +35,7 @@ from noloco_node.runtime.compute import ComputeThread, compute_device
 from noloco_node.runtime.events import EventLog
 from noloco_node.runtime.faults import FaultInjector
 from noloco_node.runtime.memory import current_memory_bytes
-from noloco_node.sync.factory import SyncPorts, build_outer_sync, needs_outer_state
+from noloco_node.sync.factory import SyncPorts, build_outer_sync, method_traits
 from noloco_node.sync.ports import OuterSync, SyncParts
 
 
@@ -58,7 +58,7 @@ class ComputeParts:
 def build_compute(config: NodeConfig, llama, ranges: list[range], stage_index: int, *, vocab_size: int,
                   events: EventLog, faults: FaultInjector) -> ComputeParts:
     """Build (and check the fit of) stage `stage_index` with its optimizers and worker."""
-    pipe, inner, method = config.pipeline, config.inner, config.outer.method
+    pipe, inner, traits = config.pipeline, config.inner, method_traits(config.outer.method)
     device = compute_device(pipe.device)
     estimate = check_fits(config, llama, ranges, stage_index, device)  # before anything is allocated
     baseline = current_memory_bytes(device)
@@ -70,12 +70,12 @@ def build_compute(config: NodeConfig, llama, ranges: list[range], stage_index: i
     optimizer = InnerOptimizer(stage.parameters(), schedule, betas=(inner.beta1, inner.beta2), eps=inner.eps,
                                weight_decay=inner.weight_decay, clip_norm=inner.clip_norm)
     outer_state = None
-    if needs_outer_state(method):
+    if traits.outer_rounds:  # slow weights phi and outer momentum m
         outer_state = OuterState(stage.named_parameters(), alpha=config.outer.alpha, beta=config.outer.beta,
                                  gamma=config.outer.gamma)
     # Stages > 0 step every batch worth of sequences, the step left due until the batch's last
-    # gradient is on its way upstream; dp takes the step itself, after its all-reduce.
-    auto_step = stage_index != 0 and method != "dp"
+    # gradient is on its way upstream; a method that takes the step (dp, after its all-reduce) does it itself.
+    auto_step = stage_index != 0 and not traits.takes_inner_step
     settings = WorkerSettings(batch_size=pipe.batch_size, saved_ttl_s=config.timeouts.saved_input_ttl_s,
                               auto_step=auto_step, defer_step=auto_step,
                               # Overlap: a step can fall between a microbatch's forward and its backward here.
@@ -105,10 +105,11 @@ def build_sync(config: NodeConfig, parts: ComputeParts, ports: SyncPorts, *, pee
 def runtime_settings(config: NodeConfig) -> RuntimeSettings:
     # The all-reduce baselines route balanced: every replica must get one batch per step so all
     # of a stage's replicas reach each round together.
-    routing = "balanced" if config.outer.method in ("dp", "diloco") else config.pipeline.routing
+    traits = method_traits(config.outer.method)
+    routing = "balanced" if traits.balanced_routing else config.pipeline.routing
     return RuntimeSettings(max_in_flight=config.pipeline.max_in_flight, send_deadline_s=config.timeouts.rpc_s,
-                           routing=routing, routing_seed=config.run.seed, lockstep=config.outer.method == "dp",
-                           lockstep_replicas=config.outer.allreduce_group_size if config.outer.method == "dp" else 0,
+                           routing=routing, routing_seed=config.run.seed, lockstep=traits.lockstep,
+                           lockstep_replicas=config.outer.allreduce_group_size if traits.lockstep else 0,
                            delay_before_forward_s=config.faults.delay_before_forward_s)
 
 
@@ -128,7 +129,7 @@ def build_pipeline(config: NodeConfig, parts: ComputeParts, *, transport: StageT
     if parts.shape.is_first:
         completions = Stage0Completions(gated=overlapped(driver_settings(config), parts.shape.is_last))
     hooks = RuntimeHooks(on_inner_step=None if parts.shape.is_first else on_inner_step,
-                         inner_step=sync.inner_step if sync.takes_inner_step and not parts.shape.is_first else None,
+                         inner_step=sync.inner_step if sync.traits.takes_inner_step and not parts.shape.is_first else None,
                          stage0=completions)
     bans = Bans()
     router = Router(bans, random.Random(me.peer_id), by_capacity=config.pipeline.routing == "capacity")
@@ -148,5 +149,5 @@ def build_driver(config: NodeConfig, pipeline: PipelineParts, sync: OuterSync,
                  batches: Iterator[tuple[Tensor, Tensor]], *, restored: dict | None = None,
                  before_batch: Callable[[], Awaitable[None]] | None = None) -> Stage0Driver:
     return Stage0Driver(pipeline.runtime, batches, driver_settings(config), completions=pipeline.completions,
-                        inner_step=sync.inner_step if sync.takes_inner_step else None,
+                        inner_step=sync.inner_step if sync.traits.takes_inner_step else None,
                         counters=DriverCounters.restored(restored) if restored else None, before_batch=before_batch)

@@ -26,8 +26,10 @@ MAX_NOTE_CHARS = 200  # what a DHT record carries of each note (dht/records.py)
 @dataclass(frozen=True)
 class NodeView:
     stage: int
-    method: str
-    """outer.method: 'noloco', 'diloco', 'dp' or 'none'"""
+    rounds_go_solo: bool
+    """the method's outer rounds can go solo (sync.ports.MethodTraits.outer_rounds: NoLoCo, DiLoCo)"""
+    all_reduce: bool
+    """its rounds average over an all-reduce group (DiLoCo), not with a paired replica (NoLoCo)"""
     replicas_of_stage: int | None
     """live replicas of our own stage, ours included (None = not looked up yet)"""
     outer_history: Sequence[dict]
@@ -52,7 +54,7 @@ def attention(view: NodeView, *, stall_s: float = STALL_S) -> list[str]:
 
 
 def _solo_note(view: NodeView) -> str | None:
-    if view.method not in ("noloco", "diloco"):
+    if not view.rounds_go_solo:
         return None
     latest = list(view.outer_history)[-SOLO_WINDOW:]
     if not latest or any(r.get("outcome") == "paired" for r in latest):
@@ -64,7 +66,7 @@ def _solo_note(view: NodeView) -> str | None:
     if view.replicas_of_stage == 1:
         return (f"{rounds}: stage {view.stage} has no second replica to average with (another node on stage "
                 f"{view.stage} fixes it)")
-    if view.method == "diloco":
+    if view.all_reduce:
         return (f"{rounds}: the all-reduce group never formed in time (a loaded machine or a slow link); "
                 f"raise timeouts.match_s")
     return (f"{rounds}: no replica of stage {view.stage} answered within timeouts.match_s (a loaded machine, a slow "

@@ -39,7 +39,7 @@ from noloco_node.runtime.link_estimates import DeadlinePolicy, LinkDeadlines
 from noloco_node.runtime.memory import tune_allocator
 from noloco_node.runtime.node_status import Status
 from noloco_node.runtime.throughput import ThroughputMeter
-from noloco_node.sync.factory import SyncPorts
+from noloco_node.sync.factory import SyncPorts, method_traits
 from noloco_node.sync.ports import OuterSync
 from noloco_node.sync.transfer import counters_json, export_state
 from noloco_node.transport.identity import NodeIdentity
@@ -72,15 +72,16 @@ class Node:
     def __init__(self, config: NodeConfig, *, outputs: NodeOutputs = NodeOutputs(),
                  membership: Membership | None = None) -> None:
         """A node that moved between stages keeps its identity (peer id) and the record of its
-        moves. Only NoLoCo nodes move: the mover needs a replica's state (FetchState), and the
-        all-reduce baselines' groups have a fixed size."""
+        moves. Only a method whose traits say so moves (NoLoCo): the mover needs a replica's state
+        (FetchState), and the all-reduce baselines' groups have a fixed size."""
         self.config, self.outputs = config, outputs
+        self.traits = method_traits(config.outer.method)
         membership = membership or Membership()
         self.identity = membership.identity or NodeIdentity.from_file_or_fresh(config.security.identity_file)
         self.moves = list(membership.moves)
         rebalance = config.pipeline.rebalance
         self.movable = (config.pipeline.stage is None if rebalance is None else rebalance) and \
-            config.pipeline.num_stages > 1 and config.outer.method == "noloco"
+            config.pipeline.num_stages > 1 and self.traits.movable
         self.move: Move | None = None
         self.move_requested = asyncio.Event()
         self.stage_index = config.pipeline.stage
@@ -118,13 +119,11 @@ class Node:
         self.parts: ComputeParts = build_compute(cfg, llama, ranges, self.stage_index, vocab_size=len(self.tokenizer),
                                                  events=self.events, faults=self.faults)
         all_reduce = None
-        if cfg.outer.method in ("diloco", "dp"):
+        if self.traits.all_reduce:
             # hivemind forks its DHT and averager processes: do it before gRPC starts any thread.
             from noloco_node.dht.averaging import build_all_reduce
-            from noloco_node.sync.dp import all_reduce_shapes
 
-            shapes = all_reduce_shapes(self.parts.worker) if cfg.outer.method == "dp" else \
-                [p.shape for p in self.parts.stage.parameters()]
+            shapes = self.traits.all_reduce_shapes(self.parts.worker)
             all_reduce = build_all_reduce(cfg, self.stage_index, shapes, swarm_key)
         if self.directory is None:
             self.directory = await start_directory(cfg, self.manifest_hash, identity, swarm_key)
@@ -196,7 +195,7 @@ class Node:
                                       rms_factor=cfg.security.payload_rms_factor, max_abs=cfg.security.payload_max_abs,
                                       deadlines=deadlines)
         self.server.add_stage(self.servicer)
-        if self.sync.responder is not None:  # pairing, and state for joiners: NoLoCo only
+        if self.sync.responder is not None:  # pairing, and state for joiners (traits.donates_state)
             self.server.add_outer(OuterServicer(self.sync.responder, peer_id=self.peer_id, run_id=cfg.run.run_id,
                                                 manifest_hash=self.manifest_hash, stage=self.stage_index,
                                                 max_bytes=state_bytes, deadlines=deadlines.floored(cfg.timeouts.match_s),
@@ -225,23 +224,19 @@ class Node:
             self.dashboard = await NodeDashboard.open(self)
 
     async def _join_state(self) -> None:
-        """Resume from our own checkpoint, else (NoLoCo) copy a live replica's state."""
+        """Resume from our own checkpoint, else (a method whose replicas donate state: NoLoCo) copy
+        a live replica's state."""
         if self.checkpoints is not None:
             self.resumed_from = await self.checkpoints.resume(self.stage_index)
             if self.resumed_from is not None:
                 log.info("resumed from checkpoint at inner step %d", self.resumed_from["inner_step"])
-                self._start_round_at(self.resumed_from["outer_round"])
-        if self.resumed_from is None and self.config.outer.method == "noloco":
+                self.sync.start_at(self.resumed_from["outer_round"])
+        if self.resumed_from is None and self.traits.donates_state:
             self.fetched_state = await fetch_state(self.directory, self.outer_client, self.parts.compute,
                                                    self.parts.outer_state, self.worker.inner, stage=self.stage_index,
                                                    peer_id=self.peer_id, timeout_s=self.config.timeouts.rpc_s)
             if self.fetched_state is not None:
-                self._start_round_at(self.fetched_state["outer_round"])
-
-    def _start_round_at(self, round_index: int) -> None:
-        start_at = getattr(self.sync, "start_at", None)
-        if start_at is not None:
-            start_at(round_index)
+                self.sync.start_at(self.fetched_state["outer_round"])
 
     # ---- parts other modules read -----------------------------------------------------------
     @property

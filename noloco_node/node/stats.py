@@ -53,13 +53,13 @@ def node_stats(node: Node) -> dict:
                         "dropped_non_finite": w.dropped_non_finite, "payloads_refused": node.servicer.rejected.get("poisoned", 0)}
     out["routing_bans"] = node.pipeline.bans.banned_peers()
     out["faults_fired"] = [f"{point}:{action}" for point, action in node.faults.fired]
-    if node.config.outer.method != "none":
+    if node.traits.syncs:
         counters = node.sync.counters
         out["outer"] = {k: v for k, v in vars(counters).items() if k != "history"}
         out["outer_history"] = counters.history
         out["bytes_sent_outer"] = node.sync.bytes_sent
         out["outer_bytes_per_round"] = round_bytes(counters.history)
-    if node.config.outer.method in ("noloco", "diloco"):
+    if node.traits.outer_rounds:
         out["outer_round"] = node.outer_round
         out["fetched_state"] = node.fetched_state
     out["resumed_from"] = node.resumed_from
@@ -123,7 +123,7 @@ def stage_record(node: Node) -> StageRecord:
                        moved_at=float(moves[-1]["at"]) if moves else 0.0,
                        memory_estimate_bytes=parts.memory_estimate_bytes,
                        memory_peak_bytes=max(0, peak_memory_bytes(parts.device) - parts.memory_baseline_bytes),
-                       outer_round_bytes=round_bytes(node.sync.counters.history if node.config.outer.method != "none" else [])["last"],
+                       outer_round_bytes=round_bytes(node.sync.counters.history if node.traits.syncs else [])["last"],
                        loss=last_loss(node), attention=node_attention(node), **node.meter.record_fields())
 
 
@@ -146,8 +146,9 @@ def round_bytes(history: list[dict]) -> dict[str, float]:
 def node_attention(node: Node) -> list[str]:
     """node/attention.py's warnings for this node, from what it observed."""
     node.progress.observe(node.worker.inner_steps)
-    method = node.config.outer.method
-    return attention(NodeView(stage=node.stage_index, method=method, replicas_of_stage=node.stage_replicas,
-                              outer_history=node.sync.counters.history if method != "none" else [],
+    traits = node.traits
+    return attention(NodeView(stage=node.stage_index, rounds_go_solo=traits.outer_rounds, all_reduce=traits.all_reduce,
+                              replicas_of_stage=node.stage_replicas,
+                              outer_history=node.sync.counters.history if traits.syncs else [],
                               since_progress_s=node.progress.since_progress_s(),
                               waiting_for=node.progress.waiting_for, done=node.done_at_step is not None))

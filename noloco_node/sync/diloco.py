@@ -6,30 +6,27 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Protocol
 
-from torch import Tensor
+import torch
 
 from noloco_node.config import OuterConfig
 from noloco_node.optim.state import OuterState
-from noloco_node.sync.ports import OuterSync, SyncParts
+from noloco_node.pipeline.worker import StageWorker
+from noloco_node.sync.ports import AllReduce, MethodTraits, OuterSync, SyncParts
 
 log = logging.getLogger(__name__)
 
 
-class AllReduce(Protocol):
-    bytes_sent: int
-
-    async def mean(self, tensors: list[Tensor], timeout_s: float,
-                   round_index: int) -> tuple[list[Tensor], int, bool, bool]:
-        """Group mean, group size (1 = nobody joined), whether all members were at this round, and
-        whether the whole mean arrived (else some parts are our own values)."""
-
-    def shutdown(self) -> None: ...
+def all_reduce_shapes(worker: StageWorker) -> list[torch.Size]:
+    """The tensors one DiLoCo round averages: the stage's fast weights theta."""
+    return [p.shape for p in worker.stage.parameters()]
 
 
 class DiLoCoSync(OuterSync):
-    method = "diloco"
+    # The all-reduce baselines route balanced: every replica must get one batch per step so all
+    # of a stage's replicas reach each round together.
+    traits = MethodTraits("diloco", syncs=True, outer_rounds=True, balanced_routing=True,
+                          all_reduce_shapes=all_reduce_shapes)
 
     def __init__(self, state: OuterState, config: OuterConfig, parts: SyncParts, *, all_reduce: AllReduce,
                  timeout_s: float) -> None:

@@ -40,8 +40,7 @@ from torch import Tensor
 
 from noloco_node.config import OuterConfig
 from noloco_node.pipeline.worker import StageWorker
-from noloco_node.sync.diloco import AllReduce
-from noloco_node.sync.ports import OuterSync, StageProgress, SyncParts
+from noloco_node.sync.ports import AllReduce, MethodTraits, OuterSync, StageProgress, SyncParts
 
 log = logging.getLogger(__name__)
 EXTRA_SHAPE = torch.Size([2])
@@ -70,8 +69,10 @@ def weights_fingerprint(params: list[Tensor]) -> float:
 
 
 class DataParallelSync(OuterSync):
-    method = "dp"
-    takes_inner_step = True
+    # Every replica takes every inner step together, after the all-reduce: routed balanced and in
+    # lockstep, the step the sync's own (stage 0's driver and stages > 0's runtime call it).
+    traits = MethodTraits("dp", syncs=True, takes_inner_step=True, lockstep=True, balanced_routing=True,
+                          all_reduce_shapes=all_reduce_shapes)
 
     def __init__(self, worker: StageWorker, config: OuterConfig, parts: SyncParts, *, all_reduce: AllReduce,
                  timeout_s: float, patience_s: float = 0.0, progress: StageProgress | None = None) -> None:

@@ -1,4 +1,5 @@
-"""One factory for the outer-sync method a node runs (`outer.method`)."""
+"""One factory for the outer-sync method a node runs (`outer.method`), and the method's traits
+(`sync.ports.MethodTraits`) for the parts a node builds before it."""
 
 from __future__ import annotations
 
@@ -7,9 +8,8 @@ from dataclasses import dataclass
 from noloco_node.config import NodeConfig
 from noloco_node.optim.state import OuterState
 from noloco_node.pipeline.worker import StageWorker
-from noloco_node.sync.diloco import AllReduce
-from noloco_node.sync.ports import (MatchingDirectory, NoSync, OuterSync, PairingTransport, StageProgress,
-                                    SyncParts)
+from noloco_node.sync.ports import (AllReduce, MatchingDirectory, MethodTraits, NoSync, OuterSync, PairingTransport,
+                                    StageProgress, SyncParts)
 
 
 @dataclass(frozen=True)
@@ -22,9 +22,25 @@ class SyncPorts:
     progress: StageProgress | None = None
 
 
-def needs_outer_state(method: str) -> bool:
-    """Methods that keep slow weights phi and outer momentum m."""
-    return method in ("noloco", "diloco")
+def _method_class(method: str) -> type[OuterSync]:
+    if method == "noloco":
+        from noloco_node.sync.noloco import NoLoCoSync
+
+        return NoLoCoSync
+    if method == "diloco":
+        from noloco_node.sync.diloco import DiLoCoSync
+
+        return DiLoCoSync
+    if method == "dp":
+        from noloco_node.sync.dp import DataParallelSync
+
+        return DataParallelSync
+    return NoSync
+
+
+def method_traits(method: str) -> MethodTraits:
+    """The traits of outer.method `method`: the ones its OuterSync will carry."""
+    return _method_class(method).traits
 
 
 def build_outer_sync(config: NodeConfig, parts: SyncParts, ports: SyncPorts, *, worker: StageWorker,

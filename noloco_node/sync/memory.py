@@ -175,7 +175,7 @@ class _Group:
 
 
 class MemoryAllReduce:
-    """sync.diloco.AllReduce for one member of a MemoryAllReduceHub."""
+    """sync.ports.AllReduce for one member of a MemoryAllReduceHub."""
 
     def __init__(self, hub: MemoryAllReduceHub, name: str) -> None:
         self.hub, self.name = hub, name

@@ -37,8 +37,8 @@ from noloco_node.optim.state import OuterState
 from noloco_node.pipeline.ports import Peer
 from noloco_node.pipeline.router import Bans
 from noloco_node.runtime.node_status import Status
-from noloco_node.sync.ports import (Decision, MatchingDirectory, OuterSync, PairAnswer, PairingTransport, PairProposal,
-                                    SyncParts)
+from noloco_node.sync.ports import (Decision, MatchingDirectory, MethodTraits, OuterSync, PairAnswer, PairingTransport,
+                                    PairProposal, SyncParts)
 from noloco_node.sync.snapshot import (PHI_DELTA, THETA, Frozen, SliceRound, check_snapshot, choose_payload, fill_slices,
                                        freeze, unpack)
 
@@ -65,7 +65,9 @@ def drawn_mate(peer_ids: list[str], me: str, stage: int, round_index: int) -> st
 
 
 class NoLoCoSync(OuterSync):
-    method = "noloco"
+    # Replicas pair and serve FetchState, so a joiner (or a replica moving stages) copies a live
+    # replica's state; no group of fixed size holds a replica to its stage.
+    traits = MethodTraits("noloco", syncs=True, outer_rounds=True, donates_state=True, movable=True)
 
     def __init__(self, state: OuterState, config: OuterConfig, parts: SyncParts, *, transport: PairingTransport,
                  directory: MatchingDirectory, match_s: float, bans: Bans | None = None,

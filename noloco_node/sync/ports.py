@@ -1,10 +1,15 @@
 """What replica synchronisation needs and offers, as plain types: no protobuf, no gRPC.
 
 - `OuterSync` is the one interface every method implements (NoLoCo, DiLoCo, data-parallel, none).
-  The training loop asks it at every inner-step boundary (torchft's shape): `takes_inner_step`
-  says whether the method takes the inner step itself (dp averages gradients first), and
-  `at_boundary` is awaited after every inner step; the method decides whether an outer round
-  runs, and whether it blocks training while it does.
+  The training loop asks it at every inner-step boundary (torchft's shape): its `traits` say
+  whether the method takes the inner step itself (dp averages gradients first), and `at_boundary`
+  is awaited after every inner step; the method decides whether an outer round runs, and whether
+  it blocks training while it does.
+- `MethodTraits` is what the rest of the node needs to know about a method (routing, who steps,
+  state donation, moving stages, the all-reduce's shapes), so nothing outside sync/ names one;
+  sync/factory.py gives them for a config's method before the sync object is built.
+- `AllReduce` averages tensors over a group of replicas (dht/averaging.py over hivemind,
+  sync/memory.py in memory); DiLoCo and dp run on it.
 - `PairingTransport` carries one pairwise exchange and a state fetch to a peer; `PairingResponder`
   is what the transport's server side asks when a peer proposes. rpc/outer_service.py implements
   both over gRPC; sync/memory.py implements them in memory for the fast tests.
@@ -22,7 +27,7 @@ import hashlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor
@@ -32,6 +37,9 @@ from noloco_node.pipeline.ports import Peer
 from noloco_node.runtime.compute import ComputeThread
 from noloco_node.runtime.faults import FaultInjector
 from noloco_node.codec.tensors import TensorSpec
+
+if TYPE_CHECKING:
+    from noloco_node.pipeline.worker import StageWorker
 
 
 @dataclass(frozen=True)
@@ -200,20 +208,74 @@ class StageProgress(Protocol):
         lookup): how a replica learns the others have moved past a round it is still trying."""
 
 
+class AllReduce(Protocol):
+    bytes_sent: int
+
+    async def mean(self, tensors: list[Tensor], timeout_s: float,
+                   round_index: int) -> tuple[list[Tensor], int, bool, bool]:
+        """Group mean, group size (1 = nobody joined), whether all members were at this round, and
+        whether the whole mean arrived (else some parts are our own values)."""
+
+    def shutdown(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class MethodTraits:
+    """What an outer-sync method means for the rest of the node. Each OuterSync class carries its
+    own (`OuterSync.traits`); `sync.factory.method_traits` gives them for a config's method before
+    anything is built (the all-reduce and whether the node may move are needed first)."""
+
+    name: str
+    """outer.method, as data: events, summaries and the notes a person reads name it."""
+    syncs: bool = False
+    """Replicas synchronise at all: the method keeps counters, a round history and outer bytes."""
+    outer_rounds: bool = False
+    """Outer rounds every outer.inner_steps_per_outer inner steps on slow weights phi: the node
+    keeps an OuterState, announces its round, and a round can go solo."""
+    takes_inner_step: bool = False
+    """The method takes the inner step itself (`OuterSync.inner_step`, after averaging the
+    gradients), instead of the worker (stages > 0) or the stage-0 driver."""
+    lockstep: bool = False
+    """Every replica of a stage steps together each inner step: the pipeline routes in lockstep
+    (the same receiver again on a retry) over outer.allreduce_group_size replicas."""
+    balanced_routing: bool = False
+    """Every replica must get one batch per step so all of a stage's replicas reach each round
+    together: routing is balanced whatever pipeline.routing says."""
+    all_reduce_shapes: Callable[[StageWorker], list[torch.Size]] | None = None
+    """The tensors one all-reduce round averages, for a stage's worker; None = no all-reduce."""
+    donates_state: bool = False
+    """Replicas answer pairing proposals and FetchState: a fresh node copies a live replica's state."""
+    movable: bool = False
+    """A replica may move to another stage (it needs a donor there; an all-reduce group's size is fixed)."""
+
+    @property
+    def all_reduce(self) -> bool:
+        return self.all_reduce_shapes is not None
+
+
+NO_SYNC = MethodTraits("none")
+
+
 class OuterSync(ABC):
     """One replica's synchronisation with the other replicas of its stage."""
 
-    method: str = "none"
-    takes_inner_step = False
-    """True when the method takes the inner step itself (`inner_step`), instead of the worker."""
+    traits: MethodTraits = NO_SYNC
 
     def __init__(self) -> None:
         self.counters = OuterCounters()
         self._running: set[asyncio.Task] = set()
 
+    @property
+    def method(self) -> str:
+        return self.traits.name
+
     async def inner_step(self) -> float:
         """The inner step, for methods that take it (dp); returns the learning rate used."""
         raise NotImplementedError(f"{self.method} does not take the inner step")
+
+    def start_at(self, round_index: int) -> None:
+        """Carry on from `round_index` (a resumed checkpoint's or a donor's round); methods that
+        count their rounds elsewhere ignore it."""
 
     @abstractmethod
     async def at_boundary(self, inner_step: int) -> None:

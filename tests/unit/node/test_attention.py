@@ -7,7 +7,7 @@ PAIRED = {"outcome": "paired"}
 
 
 def view(**kw) -> NodeView:
-    values = dict(stage=1, method="noloco", replicas_of_stage=2, outer_history=[], since_progress_s=1.0)
+    values = dict(stage=1, rounds_go_solo=True, all_reduce=False, replicas_of_stage=2, outer_history=[], since_progress_s=1.0)
     values.update(kw)
     return NodeView(**values)
 
@@ -22,7 +22,8 @@ def test_rounds_that_keep_going_solo_say_why():
     assert len(notes) == 1 and "last 4 outer rounds went solo" in notes[0] and "timeouts.match_s" in notes[0]
     lone = attention(view(replicas_of_stage=1, outer_history=[SOLO]))
     assert "no second replica" in lone[0] and "stage 1" in lone[0]
-    assert attention(view(method="none", outer_history=[SOLO] * 9)) == []
+    assert attention(view(rounds_go_solo=False, outer_history=[SOLO] * 9)) == []
+    assert "all-reduce group never formed" in attention(view(all_reduce=True, outer_history=[SOLO] * 4))[0]
 
 
 def test_no_progress_is_a_warning_unless_the_node_knowingly_waits_or_is_done():
