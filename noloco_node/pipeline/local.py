@@ -107,8 +107,7 @@ class LocalSimulation:
             scale = micro / inputs.shape[0]
             for start in range(0, inputs.shape[0], micro):
                 step_losses.append(self._microbatch(origin, inputs[start:start + micro], labels[start:start + micro], scale))
-        method = self.config.outer.method  # this whole-model reference runs each method's outer math itself
-        if method == "dp":
+        if self.config.outer.method == "dp":
             self._average_gradients()
         for row in self.replicas:
             for replica in row:
