@@ -16,7 +16,9 @@ from safetensors.torch import load_file
 from noloco_node.data.loader import PackedSequences
 from noloco_node.experiments.launcher import LocalSwarm
 from noloco_node.experiments.process_group import raise_on_signals
-from noloco_node.pipeline.local import LocalSimulation
+from noloco_node.model.build import build_run_stage, run_model
+from noloco_node.model.stage import LlamaStage
+from noloco_node.optim.inner import InnerOptimizer, InnerSchedule
 
 
 def peak_rss_mb(pid: int) -> float | None:
@@ -30,19 +32,57 @@ def peak_rss_mb(pid: int) -> float | None:
     return None
 
 
+class OneProcessModel:
+    """The run's P stages, one replica, chained in this process: each stage with its own inner
+    optimizer (per-stage clipping, as a node), the boundaries plain autograd."""
+
+    def __init__(self, config, vocab_size: int) -> None:
+        inner = config.inner
+        llama, ranges = run_model(config, vocab_size)
+        self.stages = [build_run_stage(config, llama, ranges, s) for s in range(config.pipeline.num_stages)]
+        schedule = InnerSchedule(lr_max=inner.lr, warmup_steps=inner.warmup_steps, total_steps=inner.total_steps,
+                                 min_lr_ratio=inner.min_lr_ratio)
+        self.optimizers = [InnerOptimizer(stage.parameters(), schedule, betas=(inner.beta1, inner.beta2), eps=inner.eps,
+                                          weight_decay=inner.weight_decay, clip_norm=inner.clip_norm)
+                           for stage in self.stages]
+        self.microbatch = config.pipeline.microbatch_size
+
+    def loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = inputs
+        for stage in self.stages:
+            x = stage(x, inputs)  # the token ids: a residual-subspace stage rebuilds from them
+        return LlamaStage.loss(x, labels)
+
+    def train_step(self, inputs: torch.Tensor, labels: torch.Tensor) -> float:
+        """One inner step on a [B, T] batch, in microbatches; returns the mean microbatch loss."""
+        losses, size = [], inputs.shape[0]
+        for start in range(0, size, self.microbatch):
+            loss = self.loss(inputs[start:start + self.microbatch], labels[start:start + self.microbatch])
+            (loss * (min(self.microbatch, size - start) / size)).backward()
+            losses.append(loss.item())
+        for optimizer in self.optimizers:
+            optimizer.step()
+        return sum(losses) / len(losses)
+
+    @torch.no_grad()
+    def validation_loss(self, batches) -> float:
+        losses = [float(self.loss(inputs, labels)) for inputs, labels in batches]
+        return sum(losses) / len(losses)
+
+
 def one_process(config, corpus, tokenizer, args,
-                on_trained: Callable[[LocalSimulation], None] | None = None) -> tuple[float, float | None]:
+                on_trained: Callable[[OneProcessModel], None] | None = None) -> tuple[float, float | None]:
     """(tokens/s over args.steps after args.warmup steps, this process's peak RSS in MB);
     `on_trained` is handed the trained model (to evaluate it)."""
     torch.set_num_threads(2)
-    sim = LocalSimulation(config, num_replicas=1, vocab_size=len(tokenizer))
+    sim = OneProcessModel(config, len(tokenizer))
     batches = PackedSequences(corpus, tokenizer, seq_len=args.seq_len, holdout_fraction=config.data.holdout_fraction,
                               shuffle_buffer=0).batches(args.batch)
     for _ in range(args.warmup):
-        sim.train_step([next(batches)])
+        sim.train_step(*next(batches))
     start = time.perf_counter()
     for _ in range(args.steps):
-        sim.train_step([next(batches)])
+        sim.train_step(*next(batches))
     tok_s = args.steps * args.batch * args.seq_len / (time.perf_counter() - start)
     if on_trained is not None:
         on_trained(sim)
@@ -59,9 +99,9 @@ def held_out_batches(config, corpus, tokenizer, *, seq_len: int, batch: int, cou
 
 def held_out_loss(config, tokenizer, weight_files: list[Path], batches) -> float:
     """The mean loss on `batches` of the model the stages' saved weights make up, one file per stage."""
-    sim = LocalSimulation(config, num_replicas=1, vocab_size=len(tokenizer))
-    for stage, path in enumerate(weight_files):
-        sim.replicas[stage][0].stage.load_state_dict(load_file(str(path)))
+    sim = OneProcessModel(config, len(tokenizer))
+    for stage, path in zip(sim.stages, weight_files):
+        stage.load_state_dict(load_file(str(path)))
     return sim.validation_loss(batches)
 
 

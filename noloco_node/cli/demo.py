@@ -1,6 +1,7 @@
 """`noloco-node demo`: a local swarm on 127.0.0.1 (a bootstrap peer and D replicas x P stages as
 separate processes) trains a tiny Llama on the embedded corpus and writes `--out/summary.json`.
-`--local` runs the same algorithm in one process instead (no network)."""
+`--local` runs the same swarm in one process instead: every node assembled as a process node is,
+over in-memory ports (node/in_process.py)."""
 
 from __future__ import annotations
 
@@ -107,16 +108,12 @@ def _outer_warning(outer: dict, method: str, replicas: int) -> str | None:
 
 
 def _run_local(config, args) -> dict:
-    from noloco_node.data.corpus import resolve_corpus
-    from noloco_node.data.tokenizer import load_tokenizer
-    from noloco_node.pipeline.local import run_local
+    from noloco_node.node.local_run import run_in_process
     from noloco_node.runtime.logging import ProgressLine
 
-    corpus = resolve_corpus(config.data.path, cache_dir=config.data.cache_path, text_field=config.data.text_field)
-    tokenizer = load_tokenizer(config.data.tokenizer, corpus, vocab_size=config.data.vocab_size, cache_dir=config.data.cache_path)
     progress = ProgressLine()
-    summary = run_local(config, num_replicas=args.replicas, steps=args.steps, corpus=corpus, tokenizer=tokenizer,
-                        progress=lambda i, n, loss: progress.update(f"step {i}/{n}  loss {loss:.3f}"))
+    summary = run_in_process(config, replicas=args.replicas, steps=args.steps, timeout_s=args.timeout,
+                             progress=lambda i, n, loss: progress.update(f"step {i}/{n}  loss {loss:.3f}"))
     progress.close()
     return summary
 

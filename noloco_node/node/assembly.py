@@ -5,9 +5,10 @@ section, with every hook passed as a constructor argument.
            -> outer-sync method (sync/factory.py) -> inner-step boundary
            -> StageRuntime (+ Stage0Completions) -> Stage0Driver (stage 0)
 
-The compute side (`build_compute`) and the pipeline side (`build_pipeline`) take their ports as
-arguments: `node/lifecycle.py` hands them gRPC and DHT adapters, `node/in_process.py` the
-in-memory twins, so both run exactly this wiring.
+`assemble` runs that sequence after the compute parts (sync -> boundary -> pipeline) from the ports
+it is handed: `node/lifecycle.py` hands it gRPC and DHT adapters, `node/in_process.py` the
+in-memory twins, so both run exactly this wiring. Both build their compute parts first with
+`build_compute` (the real node sizes its all-reduce from them before its ports exist).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import torch
 from torch import Tensor
 
 from noloco_node.config import NodeConfig
+from noloco_node.node.boundary import InnerStepBoundary, Snapshots
+from noloco_node.node.checkpoint import Checkpointer
 from noloco_node.model.build import build_run_stage
 from noloco_node.model.memory import check_fits
 from noloco_node.model.stage import LlamaStage
@@ -151,3 +154,39 @@ def build_driver(config: NodeConfig, pipeline: PipelineParts, sync: OuterSync,
     return Stage0Driver(pipeline.runtime, batches, driver_settings(config), completions=pipeline.completions,
                         inner_step=sync.inner_step if sync.traits.takes_inner_step else None,
                         counters=DriverCounters.restored(restored) if restored else None, before_batch=before_batch)
+
+
+@dataclass(frozen=True)
+class AssemblyPorts:
+    """What a node talks through, as `assemble` needs it: gRPC and DHT adapters for a process
+    node, the in-memory twins for the in-process swarm."""
+
+    sync: SyncPorts
+    transport: StageTransport
+    directory: ReplicaDirectory
+    me: Hop
+    set_status: Callable[[str, int], Awaitable[None]]
+    bytes_sent: Callable[[], int]
+    """Payload bytes the node sent (pipeline and outer sync), for the boundary's events."""
+
+
+@dataclass
+class Assembly:
+    sync: OuterSync
+    boundary: InnerStepBoundary
+    pipeline: PipelineParts
+
+
+def assemble(config: NodeConfig, parts: ComputeParts, ports: AssemblyPorts, *, events: EventLog,
+             faults: FaultInjector, checkpoints: Checkpointer | None = None,
+             snapshots: Snapshots | None = None) -> Assembly:
+    """The wiring every node shares, in the order each part needs the one before: the outer-sync
+    method, the inner-step boundary, the stage's pipeline."""
+    sync = build_sync(config, parts, ports.sync, peer_id=ports.me.peer_id, set_status=ports.set_status,
+                      events=events, faults=faults)
+    boundary = InnerStepBoundary(worker=parts.worker, sync=sync, events=events, compute=parts.compute,
+                                 stage_index=parts.shape.stage, bytes_sent=ports.bytes_sent,
+                                 checkpoints=checkpoints, snapshots=snapshots)
+    pipeline = build_pipeline(config, parts, transport=ports.transport, directory=ports.directory, me=ports.me,
+                              sync=sync, on_inner_step=boundary, faults=faults)
+    return Assembly(sync, boundary, pipeline)

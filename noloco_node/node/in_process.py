@@ -4,20 +4,26 @@ sync/memory.py) instead of gRPC and the DHT. Each replica keeps its own compute 
 
 What it is for: the fast test tier checks the logic of the pipeline and the outer sync (the
 microbatch lifecycle, NoLoCo pairing and exchange, the overlap schedule, equivalence with the
-single-process oracle) on real parts in seconds. What only processes show (transport, TLS, NAT,
-signals, the CLI) stays in tests/integration/.
+single-process oracle) on real parts in seconds; `noloco-node demo --local` trains it
+(node/local_run.py). What only processes show (transport, TLS, NAT, signals, the CLI) stays in
+tests/integration/.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import torch
+from torch import Tensor
 
 from noloco_node.config import NodeConfig
 from noloco_node.data.loader import ShardSpec, training_batches
 from noloco_node.model.build import run_model
-from noloco_node.node.assembly import ComputeParts, PipelineParts, build_compute, build_driver, build_pipeline, build_sync
+from noloco_node.model.stage import LlamaStage
+from noloco_node.node.assembly import AssemblyPorts, ComputeParts, PipelineParts, assemble, build_compute, build_driver
 from noloco_node.node.boundary import InnerStepBoundary
 from noloco_node.node.manifest import load_run_inputs
 from noloco_node.pipeline.driver import Stage0Driver
@@ -90,20 +96,19 @@ class InProcessSwarm:
         events, faults = EventLog(config.log.events_file), FaultInjector(config.faults.inject)
         events.bind(peer=peer_id, stage=stage)
         parts = build_compute(config, llama, ranges, stage, vocab_size=len(self.tokenizer), events=events, faults=faults)
-        pairing = self.hub.transport(peer_id, faults)
-        ports = SyncPorts(pairing=pairing, matching=self.network.directory(),
-                          all_reduce=self.all_reduce[stage].member(peer_id), progress=self.network.directory())
+        pairing, transport = self.hub.transport(peer_id, faults), self.network.transport(peer_id)
 
         async def set_status(status: str, round_index: int) -> None:
             await self.network.set_status(peer_id, status, round_index)
 
-        sync = build_sync(config, parts, ports, peer_id=peer_id, set_status=set_status, events=events, faults=faults)
-        transport = self.network.transport(peer_id)
-        boundary = InnerStepBoundary(worker=parts.worker, sync=sync, events=events, compute=parts.compute,
-                                     stage_index=stage, bytes_sent=lambda: transport.bytes_sent + pairing.bytes_sent)
-        pipeline = build_pipeline(config, parts, transport=transport, directory=self.network.directory(),
-                                  me=Hop(peer_id, f"memory:{peer_id}", stage), sync=sync, on_inner_step=boundary,
-                                  faults=faults)
+        ports = AssemblyPorts(sync=SyncPorts(pairing=pairing, matching=self.network.directory(),
+                                             all_reduce=self.all_reduce[stage].member(peer_id),
+                                             progress=self.network.directory()),
+                              transport=transport, directory=self.network.directory(),
+                              me=Hop(peer_id, f"memory:{peer_id}", stage), set_status=set_status,
+                              bytes_sent=lambda: transport.bytes_sent + pairing.bytes_sent)
+        assembly = assemble(config, parts, ports, events=events, faults=faults)
+        sync, boundary, pipeline = assembly.sync, assembly.boundary, assembly.pipeline
         self.network.register(peer_id, stage, pipeline.runtime, inner_steps=lambda: parts.worker.inner_steps)
         self.hub.register(peer_id, sync.responder)
         return InProcessNode(peer_id, replica, config, parts, sync, pipeline, boundary, events)
@@ -112,12 +117,14 @@ class InProcessSwarm:
         shard = ShardSpec(shard_index=node.replica, num_shards=self.replicas)
         return training_batches(node.config, self.corpus, self.tokenizer, shard)
 
-    async def train(self, steps: int, timeout_s: float = 120.0) -> None:
-        """Every stage-0 replica drives `steps` inner steps; all run at once on this event loop."""
+    async def train(self, steps: int, timeout_s: float = 120.0,
+                    on_inner_step: Callable[[InProcessNode, int], None] | None = None) -> None:
+        """Every stage-0 replica drives `steps` inner steps; all run at once on this event loop.
+        `on_inner_step(node, step)` is called after each stage-0 node's boundary."""
         drivers = []
         for node in self.stage(0):
             node.driver = build_driver(node.config, node.pipeline, node.sync, self.batches(node))
-            drivers.append(node.driver.run(steps, _boundary_of(node)))
+            drivers.append(node.driver.run(steps, _boundary_of(node, on_inner_step)))
         await asyncio.wait_for(asyncio.gather(*drivers), timeout_s)
 
     async def settle(self, timeout_s: float = 30.0) -> None:
@@ -141,7 +148,47 @@ class InProcessSwarm:
         await self.stop()
 
 
-def _boundary_of(node: InProcessNode):
+    def replica_spread(self) -> float:
+        """RMS deviation of each replica's weights from its stage's replica mean, over all parameters."""
+        total, count = 0.0, 0
+        with torch.no_grad():
+            for stage in range(self.config.pipeline.num_stages):
+                rows = [list(n.parts.stage.parameters()) for n in self.stage(stage)]
+                for group in zip(*rows):
+                    stacked = torch.stack([p.detach().double().cpu() for p in group])
+                    total += float((stacked - stacked.mean(0)).pow(2).sum())
+                    count += stacked.numel()
+        return math.sqrt(total / count) if count else 0.0
+
+    @torch.no_grad()
+    def validation_loss(self, batches: list[tuple[Tensor, Tensor]]) -> float:
+        """Mean loss of the columns: replica d of every stage, chained, on `batches` (not the
+        compute threads: call it while no training runs)."""
+        losses = []
+        for replica in range(self.replicas):
+            column = [n for n in self.nodes if n.replica == replica]
+            column.sort(key=lambda n: n.stage)
+            for inputs, labels in batches:
+                x = inputs.to(column[0].parts.device)
+                for node in column:
+                    x = node.parts.stage(x.to(node.parts.device), inputs.to(node.parts.device))
+                losses.append(float(LlamaStage.loss(x, labels.to(x.device))))
+        return sum(losses) / len(losses)
+
+    def routes(self) -> dict[str, dict[str, int]]:
+        """Per node past stage 0: forwards received from each upstream peer."""
+        return {n.peer_id: dict(sorted(n.runtime.stats.forwards_received.items()))
+                for n in self.nodes if n.stage > 0}
+
+    def outer_rounds(self) -> dict[str, int]:
+        """Each node's outer counters (node/stats.py's "outer"), summed over the swarm."""
+        counters = [{k: v for k, v in vars(n.sync.counters).items() if k != "history"} for n in self.nodes]
+        return {k: sum(c[k] for c in counters) for k in counters[0]} if counters else {}
+
+
+def _boundary_of(node: InProcessNode, on_inner_step: Callable[[InProcessNode, int], None] | None = None):
     async def after_step(step: int) -> None:
         await node.boundary(step, node.driver)
+        if on_inner_step is not None:
+            on_inner_step(node, step)
     return after_step

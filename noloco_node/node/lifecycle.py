@@ -17,7 +17,8 @@ from noloco_node.dht.records import StageRecord
 from noloco_node.model.build import run_model
 from noloco_node.node.adapters import DhtMatching, DhtReplicas, swarm_replicas
 from noloco_node.node.attention import Progress
-from noloco_node.node.assembly import ComputeParts, PipelineParts, build_compute, build_driver, build_pipeline, build_sync
+from noloco_node.node.assembly import (AssemblyPorts, ComputeParts, PipelineParts, assemble, build_compute,
+                                      build_driver)
 from noloco_node.node.boundary import InnerStepBoundary, Snapshots
 from noloco_node.node.checkpoint import Checkpointer
 from noloco_node.node.discovery import choose_stage, start_directory
@@ -170,10 +171,11 @@ class Node:
                                    deadlines=deadlines.floored(cfg.timeouts.match_s))
         self.outer_client = outer_client
         stage_directory = DhtMatching(self.directory)
-        ports = SyncPorts(pairing=outer_client, matching=stage_directory, all_reduce=all_reduce,
-                          progress=stage_directory)
-        self.sync: OuterSync = build_sync(cfg, parts, ports, peer_id=self.peer_id, set_status=self._set_status,
-                                          events=self.events, faults=self.faults)
+        ports = AssemblyPorts(sync=SyncPorts(pairing=outer_client, matching=stage_directory, all_reduce=all_reduce,
+                                             progress=stage_directory),
+                              transport=GrpcStageTransport(self.client), directory=DhtReplicas(self.directory),
+                              me=Hop(self.peer_id, self.address, self.stage_index), set_status=self._set_status,
+                              bytes_sent=self.bytes_sent)
         name = f"stage{self.stage_index}-{self.peer_id[-8:]}"
         self.checkpoints = None if cfg.checkpoint.dir is None else Checkpointer(
             Path(cfg.checkpoint.dir).expanduser(), cfg.checkpoint.every_steps, compute=parts.compute, stage=parts.stage,
@@ -181,13 +183,11 @@ class Node:
             inner=parts.worker.inner, outer=parts.outer_state)
         self.snapshots = None if not self.outputs.snapshot_every else Snapshots(
             self.outputs.snapshot_dir, self.outputs.snapshot_every, compute=parts.compute, stage=parts.stage, name=name)
-        self.boundary = InnerStepBoundary(worker=parts.worker, sync=self.sync, events=self.events, compute=parts.compute,
-                                          stage_index=self.stage_index, bytes_sent=self.bytes_sent,
-                                          checkpoints=self.checkpoints, snapshots=self.snapshots)
-        self.pipeline: PipelineParts = build_pipeline(
-            cfg, parts, transport=GrpcStageTransport(self.client), directory=DhtReplicas(self.directory),
-            me=Hop(self.peer_id, self.address, self.stage_index), sync=self.sync, on_inner_step=self.boundary,
-            faults=self.faults)
+        assembly = assemble(cfg, parts, ports, events=self.events, faults=self.faults, checkpoints=self.checkpoints,
+                            snapshots=self.snapshots)
+        self.sync: OuterSync = assembly.sync
+        self.boundary: InnerStepBoundary = assembly.boundary
+        self.pipeline: PipelineParts = assembly.pipeline
         max_bytes = cfg.pipeline.microbatch_size * cfg.model.seq_len * parts.shape.boundary_width * 4
         self.servicer = StageServicer(self.runtime, run_id=cfg.run.run_id, manifest_hash=self.manifest_hash,
                                       max_payload_bytes=max_bytes, receive_s=cfg.timeouts.receive_s,

@@ -185,26 +185,55 @@ _TRAIN = ["model.seq_len=16", "pipeline.num_stages=2", "pipeline.batch_size=4", 
           "inner.lr=1e-2", "inner.warmup_steps=1", "inner.total_steps=40", "outer.inner_steps_per_outer=2"]
 
 
+def _run_stages(cfg, vocab: int = 300):
+    """The run's stages, one replica, each with its inner optimizer (as build_compute makes them)."""
+    from noloco_node.optim.inner import InnerOptimizer, InnerSchedule
+
+    llama, ranges = run_model(cfg, vocab)
+    stages = [build_run_stage(cfg, llama, ranges, s) for s in range(cfg.pipeline.num_stages)]
+    inner = cfg.inner
+    schedule = InnerSchedule(lr_max=inner.lr, warmup_steps=inner.warmup_steps, total_steps=inner.total_steps,
+                             min_lr_ratio=inner.min_lr_ratio)
+    optimizers = [InnerOptimizer(stage.parameters(), schedule, betas=(inner.beta1, inner.beta2), eps=inner.eps,
+                                 weight_decay=inner.weight_decay, clip_norm=inner.clip_norm) for stage in stages]
+    return llama, stages, optimizers
+
+
+def _stage_loss(stages, inputs, labels):
+    from noloco_node.model.stage import LlamaStage
+
+    x = inputs
+    for stage in stages:
+        x = stage(x, inputs)
+    return LlamaStage.loss(x, labels)
+
+
 def test_training_from_init_from_starts_at_the_checkpoints_loss(tmp_path):
     from noloco_node.model.stage import LlamaStage
-    from noloco_node.pipeline.local import LocalSimulation
 
     saved = _save_checkpoint(tmp_path)
-    sim = LocalSimulation(load_config(overrides=[f"model.init_from={tmp_path}", *_TRAIN]), num_replicas=2, vocab_size=300)
+    _, stages, _ = _run_stages(load_config(overrides=[f"model.init_from={tmp_path}", *_TRAIN]))
     batches = _learnable_batches(2, seed=0)
     with torch.no_grad():
         expected = [LlamaStage.loss(saved(inputs[m:m + 2]).logits, labels[m:m + 2]).item()
                     for inputs, labels in batches for m in (0, 2)]
-    assert sim.train_step(batches) == pytest.approx(sum(expected) / len(expected), rel=1e-5)
+        got = [_stage_loss(stages, inputs[m:m + 2], labels[m:m + 2]).item() for inputs, labels in batches for m in (0, 2)]
+    assert got == pytest.approx(expected, rel=1e-5)
 
 
 def test_a_config_json_model_trains(tmp_path):
-    from noloco_node.pipeline.local import LocalSimulation
-
     _save_checkpoint(tmp_path)  # only its config.json is used: the weights start from the run's seed
-    sim = LocalSimulation(load_config(overrides=[f"model.config={tmp_path / 'config.json'}", *_TRAIN]), num_replicas=2,
-                          vocab_size=300)
-    assert sim.llama.num_key_value_heads == 2  # the JSON's grouped-query attention, not a preset's
+    llama, stages, optimizers = _run_stages(load_config(overrides=[f"model.config={tmp_path / 'config.json'}", *_TRAIN]))
+    assert llama.num_key_value_heads == 2  # the JSON's grouped-query attention, not a preset's
+    losses = []
     for step in range(24):
-        sim.train_step(_learnable_batches(2, seed=step))
-    assert sum(sim.losses[-3:]) / 3 < 0.8 * sum(sim.losses[:3]) / 3  # ln 300 = 5.7 at the start
+        step_losses = []
+        for inputs, labels in _learnable_batches(2, seed=step):  # two batches a step, as two replicas take
+            for m in (0, 2):  # microbatches of 2, each a quarter of the step's gradient
+                loss = _stage_loss(stages, inputs[m:m + 2], labels[m:m + 2])
+                (loss / 4).backward()
+                step_losses.append(loss.item())
+        for optimizer in optimizers:
+            optimizer.step()
+        losses.append(sum(step_losses) / 4)
+    assert sum(losses[-3:]) / 3 < 0.8 * sum(losses[:3]) / 3  # ln 300 = 5.7 at the start

@@ -47,7 +47,5 @@ def test_no_module_outside_sync_compares_the_method():
     compare = re.compile(r"\.method (==|!=|in) ")
     found = [f"{path.relative_to(ROOT)}:{n}" for package in ("node", "pipeline", "rpc") for path in (ROOT / "noloco_node" / package).rglob("*.py")
              for n, line in enumerate(path.read_text().splitlines(), 1) if compare.search(line)]
-    # The whole-model reference still runs each method's outer math itself; moving it out of
-    # pipeline/ is the next step (one assembly for the in-process swarm and the reference).
-    assert found == ["noloco_node/pipeline/local.py:110"] or found == [], found
+    assert found == [], found
     assert not re.search(r"getattr\(self\.sync", (ROOT / "noloco_node/node/lifecycle.py").read_text())
