@@ -5,7 +5,8 @@ Sources, lowest to highest precedence: defaults, a TOML file (`--config node.tom
 Every error names the field and says how to fix it. Imports the standard library only, so
 `noloco-node --help` stays instant.
 
-`sections.py` holds the sections (fields, defaults, checks); `loading.py` builds a NodeConfig.
+`sections.py` holds the sections (fields, defaults, checks), `links.py` those of how a node talks
+(network, security, timeouts), `checks.py` the error they raise; `loading.py` builds a NodeConfig.
 """
 
 from noloco_node.config.loading import build_config, load_config, parse_overrides
