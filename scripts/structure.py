@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "noloco_node"
-MAX_FUNCTION_LINES = 80
+MAX_FUNCTION_LINES = 60
 MAX_INIT_PARAMS = 10
 MAX_LOOSE_MODULES = 2
 

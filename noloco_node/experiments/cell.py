@@ -128,13 +128,32 @@ def outer_lag_steps(history: list[dict]) -> float:
 
 def summarize(scenario: Scenario, cell: Cell, config, swarm: LocalSwarm, events_dir: Path, snapshots: Path,
               wall_s: float) -> dict:
+    """The cell's results row, its evaluations and its training curve, from what its nodes left."""
     stats = swarm.node_stats()
     by_slot = {(n.stage, n.replica): n.info["peer_id"] for n in swarm.nodes}
     columns = [[by_slot[(s, d)][-8:] for s in range(cell.stages)] for d in range(cell.replicas)]
     evals = evaluate_snapshots(config, snapshots, columns, eval_sequences=scenario.eval_sequences,
                                final_step=scenario.steps)
+    train = _train_curve(events_dir, cell.replicas)
+    _place_evaluations(evals, train)
+    idle = _idle_fractions(events_dir)
+    node_bytes = [s.get("bytes_sent", 0) + s.get("bytes_sent_outer", 0) for s in stats.values()]
+    driver_stats = [stats[by_slot[(0, d)]] for d in range(cell.replicas)]
+    mb = {k: sum(s["microbatches"][k] for s in driver_stats) for k in ("issued", "completed", "reissued", "dropped")}
+    row = {
+        "cell": cell.name, "group": cell.group, "variant": cell.variant.name if cell.variant else "",
+        "method": cell.method, "replicas": cell.replicas, "stages": cell.stages,
+        "profile": cell.profile.name, "seed": cell.seed, "status": "ok", "steps": scenario.steps,
+        **_training_columns(evals, train, config.inner.warmup_steps, wall_s=wall_s, idle=idle, node_bytes=node_bytes),
+        **_outer_columns(stats),
+        **{f"mb_{k}": v for k, v in mb.items()},
+    }
+    return {"row": row, "evals": evals, "train": train}
 
-    drivers = [read_events(events_dir / f"stage0-r{d}.jsonl") for d in range(cell.replicas)]
+
+def _train_curve(events_dir: Path, replicas: int) -> list[dict]:
+    """Per inner step, the stage-0 drivers' mean train loss, lr and seconds since the last of them started."""
+    drivers = [read_events(events_dir / f"stage0-r{d}.jsonl") for d in range(replicas)]
     t0 = max(next(e["ts"] for e in ev if e["event"] == "started") for ev in drivers)
     steps: dict[int, dict] = {}
     for ev in drivers:
@@ -144,33 +163,35 @@ def summarize(scenario: Scenario, cell: Cell, config, swarm: LocalSwarm, events_
                 entry["loss"].append(e.get("loss", math.nan))
                 entry["lr"].append(e["lr"])
                 entry["t"].append(e["ts"] - t0)
-    train = [{"step": k, "train_loss": statistics.fmean(v["loss"]), "lr": statistics.fmean(v["lr"]),
-              "wall_s": statistics.fmean(v["t"])} for k, v in sorted(steps.items())]
+    return [{"step": k, "train_loss": statistics.fmean(v["loss"]), "lr": statistics.fmean(v["lr"]),
+             "wall_s": statistics.fmean(v["t"])} for k, v in sorted(steps.items())]
+
+
+def _place_evaluations(evals: list[dict], train: list[dict]) -> None:
+    """Give each evaluation the wall time and lr of its step on the training curve."""
     by_step = {row["step"]: row for row in train}
     for row in evals:
         row["wall_s"] = by_step.get(row["step"], {}).get("wall_s", 0.0)
         row["lr"] = by_step.get(row["step"], {}).get("lr", math.nan)
 
-    idle, node_bytes = [], []
+
+def _idle_fractions(events_dir: Path) -> list[float]:
+    """Each node's share of its training time spent waiting."""
+    idle = []
     for path in events_dir.glob("*.jsonl"):
         steps_seen = [e for e in read_events(path) if e["event"] == "inner_step"]
         if len(steps_seen) > 1:  # between the first and the last inner step: training only, not start-up
             first, last = steps_seen[0], steps_seen[-1]
             busy, wait = last["busy_s"] - first["busy_s"], last["idle_s"] - first["idle_s"]
             idle.append(wait / max(1e-9, busy + wait))
-    for s in stats.values():
-        node_bytes.append(s.get("bytes_sent", 0) + s.get("bytes_sent_outer", 0))
-    driver_stats = [stats[by_slot[(0, d)]] for d in range(cell.replicas)]
-    mb = {k: sum(s["microbatches"][k] for s in driver_stats) for k in ("issued", "completed", "reissued", "dropped")}
-    outer = [s["outer"] for s in stats.values() if "outer" in s]
-    exchanged = [r for s in stats.values() for r in s.get("outer_history", [])
-                 if r.get("outcome") == "paired" and isinstance(r.get("bytes"), dict)]
+    return idle
 
-    after_warmup = [r for r in evals if r["step"] > config.inner.warmup_steps]
-    row = {
-        "cell": cell.name, "group": cell.group, "variant": cell.variant.name if cell.variant else "",
-        "method": cell.method, "replicas": cell.replicas, "stages": cell.stages,
-        "profile": cell.profile.name, "seed": cell.seed, "status": "ok", "steps": scenario.steps,
+
+def _training_columns(evals: list[dict], train: list[dict], warmup_steps: int, *, wall_s: float, idle: list[float],
+                      node_bytes: list[float]) -> dict:
+    """The results row's losses, times, bytes per node, idle share and replica spread."""
+    after_warmup = [r for r in evals if r["step"] > warmup_steps]
+    return {
         "final_val_loss": evals[-1]["val_loss"] if evals else math.nan,
         "final_eval_step": evals[-1]["step"] if evals else -1,
         "final_train_loss": train[-1]["train_loss"] if train else math.nan,
@@ -179,6 +200,15 @@ def summarize(scenario: Scenario, cell: Cell, config, swarm: LocalSwarm, events_
         "idle_fraction": statistics.fmean(idle) if idle else math.nan,
         "final_spread": evals[-1]["spread"] if evals else math.nan,
         "spread_lr_pearson": pearson([r["spread"] for r in after_warmup], [r["lr"] for r in after_warmup]),
+    }
+
+
+def _outer_columns(stats: dict) -> dict:
+    """The results row's outer-round counts and lag, and the bytes the pipeline and the exchanges sent."""
+    outer = [s["outer"] for s in stats.values() if "outer" in s]
+    exchanged = [r for s in stats.values() for r in s.get("outer_history", [])
+                 if r.get("outcome") == "paired" and isinstance(r.get("bytes"), dict)]
+    return {
         "outer_rounds": sum(o.get("rounds", 0) for o in outer), "outer_paired": sum(o.get("paired", 0) for o in outer),
         "outer_solo": sum(o.get("solo", 0) for o in outer),
         "outer_partial": sum(o.get("partial_rounds", 0) for o in outer),
@@ -190,6 +220,4 @@ def summarize(scenario: Scenario, cell: Cell, config, swarm: LocalSwarm, events_
         # on the wire; the all-reduce baselines leave these empty.
         "outer_bytes_per_round": statistics.fmean(sum(r["bytes"].values()) for r in exchanged) if exchanged else math.nan,
         "delta_rel_error": statistics.fmean(r.get("delta_rel_error", math.nan) for r in exchanged) if exchanged else math.nan,
-        **{f"mb_{k}": v for k, v in mb.items()},
     }
-    return {"row": row, "evals": evals, "train": train}

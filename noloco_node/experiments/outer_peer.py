@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import torch
@@ -170,43 +171,21 @@ async def fetch_from_peer(args: argparse.Namespace, directory: PeerDirectory, cl
 
 async def main(args: argparse.Namespace) -> None:
     model, state, tensors = initial_state(args)
-    # --die-after-writes N: the process exits at its (N+1)th write of an exchange, mid-stream.
-    faults = FaultInjector(([f"exchange_write:crash@{args.die_after_writes + 1}"] if args.die_after_writes else [])
-                           + list(args.fault))
-    policy = DeadlinePolicy(assumed_bytes_per_s=args.assumed_mbit * 1e6 / 8, slack=args.deadline_slack,
-                            ceiling_s=args.deadline_ceiling_s, stall_s=args.stall_s)
-    deadlines = LinkDeadlines(LinkEstimates(), policy, floor_s=args.match_s)
-
+    faults = _fault_injector(args)
+    deadlines = _link_deadlines(args)
     directory = await PeerDirectory.start(DirectoryIdentity(RUN, MANIFEST, __version__, 1),
                                           initial_peers=args.initial_peers, startup_timeout_s=20)
     all_reduce = await _all_reduce(args, directory, model) if args.method == "diloco" else None
-
-    async def lookup(peer_id: str):
-        r = await directory.record_of(peer_id)
-        return None if r is None else Contact(r.peer_id, r.address, r.reach, r.tls_cert, tuple(r.p2p_addrs))
-
-    links = Links(directory.key, swarm_key=None, max_skew_s=60.0, options=GRPC_OPTIONS, lookup=lookup)
-    guard = PeerGuard(requests_per_s=1000, burst=1000, max_streams=64, ban_after_invalid=5, ban_s=30, ban_max_s=60)
+    links = Links(directory.key, swarm_key=None, max_skew_s=60.0, options=GRPC_OPTIONS, lookup=_contact_lookup(directory))
     compute, bans = ComputeThread(), Bans()
     config = outer_config(args)
-    server = NodeServer("127.0.0.1", args.port, credentials=links.certificate.server_credentials(),
-                        admission=AdmissionInterceptor(verifier=links.verifier, swarm_key=None, guard=guard,
-                                                       bridged=links.origin))
-    status = {"status": Status.SERVING, "round": 0, "address": ""}
-
-    async def set_status(value: str, round_index: int) -> None:
-        status.update(status=value, round=round_index)
-        record = StageRecord(peer_id=directory.peer_id, address=status["address"], stage=0, inner_step=0,
-                             outer_round=round_index, status=value, tokens_per_s=0.0, version=__version__,
-                             manifest_hash=MANIFEST, run_id=RUN, updated_at=time.time(), tls_cert=links.certificate.b64,
-                             link_mbit_s=round(deadlines.estimates.link_mbit_s(), 3))
-        await directory.announce(record, ttl_s=30)
-
+    server = _node_server(args, links)
+    announcer = _Announcer(directory, links, deadlines)
     max_bytes = 16 * max(1, model.w.numel()) + (1 << 20)  # phi and delta, float64
     traffic = Traffic()
     client = OuterClient(run_id=RUN, manifest_hash=MANIFEST, max_bytes=max_bytes, traffic=traffic, dialer=links.dialer,
                          faults=faults, deadlines=deadlines)
-    parts = SyncParts(compute=compute, peer_id=directory.peer_id, stage=0, set_status=set_status, faults=faults)
+    parts = SyncParts(compute=compute, peer_id=directory.peer_id, stage=0, set_status=announcer.set_status, faults=faults)
     if all_reduce is not None:
         sync = DiLoCoSync(state, config, parts, all_reduce=all_reduce, timeout_s=args.match_s + 10)
     else:
@@ -216,12 +195,11 @@ async def main(args: argparse.Namespace) -> None:
                                        max_bytes=max_bytes, deadlines=deadlines, traffic=traffic, faults=faults,
                                        donor=_Donor(state)))
     port = await server.start()
-    status["address"] = args.announce_addr or f"127.0.0.1:{port}"
-    await set_status(Status.SERVING, 0)
-    atomic_write_text(args.ready_file, json.dumps({"peer_id": directory.peer_id, "address": status["address"],
+    address = args.announce_addr or f"127.0.0.1:{port}"
+    await announcer.serve_at(address)
+    atomic_write_text(args.ready_file, json.dumps({"peer_id": directory.peer_id, "address": address,
                                                    "maddrs": await directory.visible_maddrs()}))
-    while not os.path.exists(args.go_file):
-        await asyncio.sleep(0.02)
+    await _wait_for(args.go_file, poll_s=0.02)
     log.info("round starts")
     if args.fetch_state:
         outputs, summary = await fetch_from_peer(args, directory, client, state)
@@ -231,20 +209,90 @@ async def main(args: argparse.Namespace) -> None:
         summary = {"outcome": outcome, "bytes_sent": sync.bytes_sent, "method": args.method,
                    "counters": {k: v for k, v in vars(sync.counters).items() if k != "history"},
                    "history": sync.counters.history, "banned": bans.total}
-    save_file(outputs, args.out)
-    Path(args.out + ".json").write_text(json.dumps({"peer_id": directory.peer_id, **summary,
-                                                    "links": deadlines.estimates.summary()}))
+    _write_outputs(args, directory.peer_id, outputs, summary, deadlines)
     await asyncio.sleep(1.0)  # let a partner finish reading our receipt before we close
-    while args.serve_until and not os.path.exists(args.serve_until):
-        await asyncio.sleep(0.05)
+    if args.serve_until:
+        await _wait_for(args.serve_until, poll_s=0.05)
+    await _close(server, client, links, directory)
+    if all_reduce is not None:
+        all_reduce.shutdown()
+    compute.shutdown()
+
+
+def _fault_injector(args: argparse.Namespace) -> FaultInjector:
+    """The faults of --fault, and --die-after-writes N's: the process exits at its (N+1)th write of
+    an exchange, mid-stream."""
+    return FaultInjector(([f"exchange_write:crash@{args.die_after_writes + 1}"] if args.die_after_writes else [])
+                         + list(args.fault))
+
+
+def _link_deadlines(args: argparse.Namespace) -> LinkDeadlines:
+    """Deadlines that follow the measured link, under the --assumed-mbit, --stall-s, --deadline-* policy."""
+    policy = DeadlinePolicy(assumed_bytes_per_s=args.assumed_mbit * 1e6 / 8, slack=args.deadline_slack,
+                            ceiling_s=args.deadline_ceiling_s, stall_s=args.stall_s)
+    return LinkDeadlines(LinkEstimates(), policy, floor_s=args.match_s)
+
+
+async def _wait_for(path: str, *, poll_s: float) -> None:
+    """Until the file `path` exists (the test harness's signal)."""
+    while not os.path.exists(path):
+        await asyncio.sleep(poll_s)
+
+
+def _write_outputs(args: argparse.Namespace, peer_id: str, outputs: dict, summary: dict,
+                   deadlines: LinkDeadlines) -> None:
+    """The tensors to --out, and the summary with the measured links to --out's JSON."""
+    save_file(outputs, args.out)
+    Path(args.out + ".json").write_text(json.dumps({"peer_id": peer_id, **summary,
+                                                    "links": deadlines.estimates.summary()}))
+
+
+async def _close(server: NodeServer, client: OuterClient, links: Links, directory: PeerDirectory) -> None:
+    """Stop serving and close the client, links and directory, each given at most 5 s."""
     for step in (server.stop(1.0), client.close(), links.close(), directory.shutdown()):
         try:
             await asyncio.wait_for(step, timeout=5)
         except asyncio.TimeoutError:
             log.warning("shutdown step timed out")
-    if all_reduce is not None:
-        all_reduce.shutdown()
-    compute.shutdown()
+
+
+def _contact_lookup(directory: PeerDirectory) -> Callable[[str], Awaitable[Contact | None]]:
+    """The dialer's lookup: a peer's current record as a transport Contact."""
+    async def lookup(peer_id: str):
+        r = await directory.record_of(peer_id)
+        return None if r is None else Contact(r.peer_id, r.address, r.reach, r.tls_cert, tuple(r.p2p_addrs))
+    return lookup
+
+
+def _node_server(args: argparse.Namespace, links: Links) -> NodeServer:
+    """The gRPC server on --port, behind the admission checks (a guard generous enough for tests)."""
+    guard = PeerGuard(requests_per_s=1000, burst=1000, max_streams=64, ban_after_invalid=5, ban_s=30, ban_max_s=60)
+    return NodeServer("127.0.0.1", args.port, credentials=links.certificate.server_credentials(),
+                      admission=AdmissionInterceptor(verifier=links.verifier, swarm_key=None, guard=guard,
+                                                     bridged=links.origin))
+
+
+class _Announcer:
+    """This peer's stage record in the DHT, announced again at each status change."""
+
+    def __init__(self, directory: PeerDirectory, links: Links, deadlines: LinkDeadlines) -> None:
+        self.directory, self.links, self.deadlines = directory, links, deadlines
+        self.status = {"status": Status.SERVING, "round": 0, "address": ""}
+
+    async def serve_at(self, address: str) -> None:
+        """Announce the address peers dial, serving at round 0."""
+        self.status["address"] = address
+        await self.set_status(Status.SERVING, 0)
+
+    async def set_status(self, value: str, round_index: int) -> None:
+        """sync.ports.SyncParts.set_status: announce `value` at `round_index`."""
+        self.status.update(status=value, round=round_index)
+        record = StageRecord(peer_id=self.directory.peer_id, address=self.status["address"], stage=0, inner_step=0,
+                             outer_round=round_index, status=value, tokens_per_s=0.0, version=__version__,
+                             manifest_hash=MANIFEST, run_id=RUN, updated_at=time.time(),
+                             tls_cert=self.links.certificate.b64,
+                             link_mbit_s=round(self.deadlines.estimates.link_mbit_s(), 3))
+        await self.directory.announce(record, ttl_s=30)
 
 
 async def _all_reduce(args: argparse.Namespace, directory: PeerDirectory, model: nn.Module):

@@ -12,11 +12,17 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file
 
 from noloco_node.config import NodeConfig
+
+if TYPE_CHECKING:
+    from noloco_node.dht.directory import PeerDirectory
+    from noloco_node.rpc.outer_service import OuterClient
+    from noloco_node.transport.links import Links
 
 log = logging.getLogger(__name__)
 
@@ -133,27 +139,10 @@ async def fetch_replicas(config: NodeConfig, manifest_hash: str, llama_config, r
                          every_replica: bool, timeout_s: float) -> dict[int, list[tuple[str, dict[str, torch.Tensor], dict]]]:
     """stage -> [(peer id, phi, counters)] fetched over FetchState from live replicas: one per
     stage (the first of a random order that answers), or every replica with `every_replica`."""
-    import random
-
-    from noloco_node import __version__
-    from noloco_node.dht.directory import DirectoryIdentity, PeerDirectory
-    from noloco_node.errors import NodeError
-    from noloco_node.node.joining import contact_lookup
     from noloco_node.rpc.outer_service import OuterClient
-    from noloco_node.rpc.stage_service import GRPC_OPTIONS
-    from noloco_node.rpc.security import read_swarm_key
-    from noloco_node.transport.identity import NodeIdentity
-    from noloco_node.transport.links import Links
 
     p = config.pipeline
-    swarm_key = read_swarm_key(config.security)
-    directory = await PeerDirectory.start(
-        DirectoryIdentity(config.run.run_id, manifest_hash, __version__, p.num_stages),
-        initial_peers=list(config.network.initial_peers), host=config.network.host, client_mode=True,
-        startup_timeout_s=config.timeouts.startup_s, swarm_key=swarm_key, max_skew_s=config.security.max_clock_skew_s)
-    links = Links(NodeIdentity.generate(), swarm_key=swarm_key, max_skew_s=config.security.max_clock_skew_s,
-                  lookup=contact_lookup(directory), options=GRPC_OPTIONS)
-    await links.dial_over(directory.p2p)  # NATed replicas too
+    directory, links = await _join_as_client(config, manifest_hash)
     # The largest stage's state in bytes (float32): the bound on what a donor may send us.
     rank = config.model.residual_subspace
     max_bytes = 4 * max(sum(_numel(shape) for shape, _ in expected_state(llama_config, r, i, p.num_stages, rank).values())
@@ -163,25 +152,11 @@ async def fetch_replicas(config: NodeConfig, manifest_hash: str, llama_config, r
     try:
         for stage in range(p.num_stages):
             expected = expected_state(llama_config, ranges[stage], stage, p.num_stages, rank)
-            replicas = [r.peer_id for r in await directory.replicas(stage, fresh=True)]
-            if not replicas:
-                raise ExportError(f"no live replica of stage {stage} in run {config.run.run_id!r} with this model "
-                                  f"(manifest {manifest_hash}); is the swarm up, and is this its --config?")
-            random.shuffle(replicas)
-            errors = []
-            for peer in replicas:
-                try:
-                    tensors, counters = await client.fetch_state(peer, stage=stage, requester=links.peer_id,
-                                                                 timeout_s=timeout_s, expected=expected)
-                except NodeError as exc:
-                    errors.append(f"{peer[-8:]}: {exc}")
-                    continue
-                phi = {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("phi/")}
-                found.setdefault(stage, []).append((peer, phi, counters))
-                log.info("stage %d: phi of %s (inner step %s, outer round %s)", stage, peer[-8:],
-                         counters.get("inner_step"), counters.get("outer_round"))
-                if not every_replica:
-                    break
+            replicas = await _live_replicas(directory, stage, config.run.run_id, manifest_hash)
+            fetched, errors = await _fetch_stage(client, replicas, stage, requester=links.peer_id, timeout_s=timeout_s,
+                                                 expected=expected, every_replica=every_replica)
+            if fetched:
+                found[stage] = fetched
             if stage not in found:
                 raise ExportError(f"no replica of stage {stage} gave its state: {'; '.join(errors)}")
             if every_replica and errors:
@@ -191,6 +166,62 @@ async def fetch_replicas(config: NodeConfig, manifest_hash: str, llama_config, r
         await links.close()
         await directory.shutdown()
     return found
+
+
+async def _join_as_client(config: NodeConfig, manifest_hash: str) -> tuple[PeerDirectory, Links]:
+    """A client-mode directory of the run and links that dial its peers, NATed replicas too."""
+    from noloco_node import __version__
+    from noloco_node.dht.directory import DirectoryIdentity, PeerDirectory
+    from noloco_node.node.joining import contact_lookup
+    from noloco_node.rpc.security import read_swarm_key
+    from noloco_node.rpc.stage_service import GRPC_OPTIONS
+    from noloco_node.transport.identity import NodeIdentity
+    from noloco_node.transport.links import Links
+
+    swarm_key = read_swarm_key(config.security)
+    directory = await PeerDirectory.start(
+        DirectoryIdentity(config.run.run_id, manifest_hash, __version__, config.pipeline.num_stages),
+        initial_peers=list(config.network.initial_peers), host=config.network.host, client_mode=True,
+        startup_timeout_s=config.timeouts.startup_s, swarm_key=swarm_key, max_skew_s=config.security.max_clock_skew_s)
+    links = Links(NodeIdentity.generate(), swarm_key=swarm_key, max_skew_s=config.security.max_clock_skew_s,
+                  lookup=contact_lookup(directory), options=GRPC_OPTIONS)
+    await links.dial_over(directory.p2p)
+    return directory, links
+
+
+async def _live_replicas(directory: PeerDirectory, stage: int, run_id: str, manifest_hash: str) -> list[str]:
+    """The peer ids of `stage`'s live replicas, in a random order."""
+    import random
+
+    replicas = [r.peer_id for r in await directory.replicas(stage, fresh=True)]
+    if not replicas:
+        raise ExportError(f"no live replica of stage {stage} in run {run_id!r} with this model "
+                          f"(manifest {manifest_hash}); is the swarm up, and is this its --config?")
+    random.shuffle(replicas)
+    return replicas
+
+
+async def _fetch_stage(client: OuterClient, replicas: list[str], stage: int, *, requester: str, timeout_s: float, expected: dict,
+                       every_replica: bool) -> tuple[list[tuple[str, dict[str, torch.Tensor], dict]], list[str]]:
+    """[(peer id, phi, counters)] from `replicas` in turn (the first that answers, or each one with
+    `every_replica`), and an error line for each replica that failed."""
+    from noloco_node.errors import NodeError
+
+    fetched, errors = [], []
+    for peer in replicas:
+        try:
+            tensors, counters = await client.fetch_state(peer, stage=stage, requester=requester,
+                                                         timeout_s=timeout_s, expected=expected)
+        except NodeError as exc:
+            errors.append(f"{peer[-8:]}: {exc}")
+            continue
+        phi = {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("phi/")}
+        fetched.append((peer, phi, counters))
+        log.info("stage %d: phi of %s (inner step %s, outer round %s)", stage, peer[-8:],
+                 counters.get("inner_step"), counters.get("outer_round"))
+        if not every_replica:
+            break
+    return fetched, errors
 
 
 def _numel(shape: tuple[int, ...]) -> int:

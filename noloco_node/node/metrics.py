@@ -6,10 +6,10 @@ pay nothing; RPC latency is the one histogram observed as calls complete.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 
 class _StatsCollector:
@@ -28,6 +28,19 @@ class _StatsCollector:
 
     def collect(self):
         s = self.stats()
+        yield from self._work(s)
+        yield from self._integrity(s.get("integrity") or {})
+        yield from self._transport(s.get("transport") or {})
+        admission = s.get("admission")
+        if admission is not None:
+            yield from self._admission(admission)
+        yield from self._payload_bytes(s)
+        outer = s.get("outer")
+        if outer is not None:
+            yield from self._outer(outer)
+
+    def _work(self, s: dict) -> Iterator[Metric]:
+        """Steps, tokens, loss and the in-flight window of the stage."""
         yield self._gauge("noloco_inner_step", "Inner steps taken", s["inner_steps"])
         yield self._gauge("noloco_tokens_per_second", "Tokens per second since start", s.get("tokens_per_s", 0.0))
         yield self._counter("noloco_tokens", "Tokens this stage computed backward for", s["tokens"])
@@ -38,14 +51,18 @@ class _StatsCollector:
         yield self._gauge("noloco_saved_inputs", "Saved forward inputs held for backward", s["saved_inputs"])
         yield self._counter("noloco_bans", "Peers banned after failed calls", s["bans"])
         yield self._counter("noloco_busy_answers", "Forwards refused because the window was full", s["busy_answers"])
-        integrity = s.get("integrity") or {}
+
+    def _integrity(self, integrity: dict) -> Iterator[Metric]:
+        """Steps skipped, weights repaired and payloads refused for not being finite."""
         yield self._counter("noloco_inner_steps_skipped", "Inner steps skipped: their gradients were not finite",
                             integrity.get("skipped_steps", 0))
         yield self._counter("noloco_weights_repaired", "Times this stage's weights went non-finite and were restored",
                             integrity.get("weights_repaired", 0))
         yield self._counter("noloco_payloads_refused", "Received tensors refused: non-finite or outside the running bounds",
                             integrity.get("payloads_refused", 0))
-        transport = s.get("transport") or {}
+
+    def _transport(self, transport: dict) -> Iterator[Metric]:
+        """Bytes per path, how peers reach the node, what the transport refused, and what it relayed."""
         by_path = CounterMetricFamily("noloco_path_bytes", "Bytes per transport path (direct: TLS gRPC payload sent; "
                                       "holepunched / relayed: bytes carried over libp2p streams)",
                                       labels=[*self.labels, "path", "direction"])
@@ -69,15 +86,19 @@ class _StatsCollector:
             yield self._counter("noloco_relay_bytes", "Bytes this node relayed between peers behind NAT",
                                 served["bytes_relayed"])
             yield self._gauge("noloco_relay_circuits_open", "Relay circuits open through this node", served["circuits_open"])
-        admission = s.get("admission")
-        if admission is not None:
-            refused = CounterMetricFamily("noloco_calls_refused", "Calls refused before any servicer ran, per status code",
-                                          labels=[*self.labels, "code"])
-            for code, count in sorted(admission["refused"].items()):
-                refused.add_metric([*self.labels.values(), code], count)
-            yield refused
-            yield self._counter("noloco_peers_banned", "Peers banned for repeated invalid messages", admission["peers_banned"])
-            yield self._gauge("noloco_peers_banned_now", "Peers under a ban now", admission["banned_now"])
+
+    def _admission(self, admission: dict) -> Iterator[Metric]:
+        """Calls refused before any servicer ran, and the peers banned."""
+        refused = CounterMetricFamily("noloco_calls_refused", "Calls refused before any servicer ran, per status code",
+                                      labels=[*self.labels, "code"])
+        for code, count in sorted(admission["refused"].items()):
+            refused.add_metric([*self.labels.values(), code], count)
+        yield refused
+        yield self._counter("noloco_peers_banned", "Peers banned for repeated invalid messages", admission["peers_banned"])
+        yield self._gauge("noloco_peers_banned_now", "Peers under a ban now", admission["banned_now"])
+
+    def _payload_bytes(self, s: dict) -> Iterator[Metric]:
+        """Payload bytes sent and received, per service."""
         sent = CounterMetricFamily("noloco_bytes_sent", "Payload bytes sent, per service", labels=[*self.labels, "service"])
         sent.add_metric([*self.labels.values(), "stage"], s["bytes_sent"])
         sent.add_metric([*self.labels.values(), "outer"], s.get("bytes_sent_outer", 0))
@@ -86,13 +107,14 @@ class _StatsCollector:
                                        labels=[*self.labels, "service"])
         received.add_metric([*self.labels.values(), "stage"], s.get("bytes_received", 0))
         yield received
-        outer = s.get("outer")
-        if outer is not None:
-            yield self._gauge("noloco_outer_round", "Outer rounds taken", outer["rounds"])
-            outcomes = CounterMetricFamily("noloco_outer_outcomes", "Outer-round outcomes", labels=[*self.labels, "outcome"])
-            for outcome in ("paired", "solo", "rejected", "timed_out"):
-                outcomes.add_metric([*self.labels.values(), outcome], outer[outcome])
-            yield outcomes
+
+    def _outer(self, outer: dict) -> Iterator[Metric]:
+        """Outer rounds taken and their outcomes."""
+        yield self._gauge("noloco_outer_round", "Outer rounds taken", outer["rounds"])
+        outcomes = CounterMetricFamily("noloco_outer_outcomes", "Outer-round outcomes", labels=[*self.labels, "outcome"])
+        for outcome in ("paired", "solo", "rejected", "timed_out"):
+            outcomes.add_metric([*self.labels.values(), outcome], outer[outcome])
+        yield outcomes
 
 
 class NodeMetrics:

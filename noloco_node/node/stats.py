@@ -20,39 +20,70 @@ if TYPE_CHECKING:
 
 def node_stats(node: Node) -> dict:
     """Everything a node reports about itself: the stats file, /metrics and experiments read it."""
-    s = node.runtime.stats
-    out = {"peer_id": node.peer_id, "stage": node.stage_index, "address": node.address,
-           "inner_steps": node.worker.inner_steps, "last_lr": node.worker.last_lr, "sequences": node.worker.sequences_total,
-           "tokens": node.worker.tokens_total, "forwards_received": dict(s.forwards_received),
-           "forwards_sent": s.forwards_sent, "backwards_sent": s.backwards_sent, "send_failures": s.send_failures,
-           "dropped_here": s.dropped_here, "expired": s.expired, "busy_answers": s.busy_answers,
-           "routed": {"balanced": s.routed_balanced, "random": s.routed_random}, "routed_to": dict(s.routed_to),
-           "routed_by_capacity": dict(node.runtime.router.measured_picks),
-           "routed_expected": {p: round(v, 3) for p, v in node.runtime.router.measured_shares.items()},
-           "throughput": node.meter.record_fields(),
-           "bytes_sent": node.client.bytes_sent, "rejected": dict(node.servicer.rejected),
-           "saved_inputs": len(node.worker.saved), "bans": node.pipeline.bans.total,
-           "in_flight": len(node.runtime.in_flight), "bytes_received": node.servicer.bytes_received,
-           "tokens_per_s": node.tokens_per_s, "attention": node.attention()}
-    guard = node.admission.guard
-    out["admission"] = {"swarm_key": node.admission.key is not None, "refused": dict(node.admission.interceptor.refused),
-                        "peers_banned": guard.stats.bans, "banned_now": guard.banned(),
-                        "rate_limited": guard.stats.rate_limited, "over_stream_cap": guard.stats.over_stream_cap,
-                        "refused_banned": guard.stats.refused_banned, "tracked_peers": guard.tracked()}
-    links = node.links
-    out["transport"] = {"reach": links.reach, "p2p_addrs": links.p2p_addrs, "bytes_by_path": links.traffic.as_dict(),
-                        "impostor_records": node.directory.impostor_records,
-                        "impostor_calls": node.admission.interceptor.impostors, "replayed_tokens": links.verifier.replays,
-                        "cut_at_receive_deadline": node.servicer.cut_at_deadline,
-                        "libp2p_streams": {"in": links.bridge.streams_in if links.bridge else 0,
-                                           "out": links.bridge.streams_out if links.bridge else 0,
-                                           "refused_in": links.bridge.refused_in if links.bridge else 0},
-                        "relay_served": links.relay.stats() if links.relay is not None else None}
-    w = node.worker
-    out["integrity"] = {"skipped_steps": w.inner.skipped_steps, "weights_repaired": w.repairs,
-                        "dropped_non_finite": w.dropped_non_finite, "payloads_refused": node.servicer.rejected.get("poisoned", 0)}
+    out = _work_stats(node)
+    out["admission"] = _admission_stats(node)
+    out["transport"] = _transport_stats(node)
+    out["integrity"] = _integrity_stats(node)
     out["routing_bans"] = node.pipeline.bans.banned_peers()
     out["faults_fired"] = [f"{point}:{action}" for point, action in node.faults.fired]
+    out.update(_outer_stats(node))
+    out["resumed_from"] = node.resumed_from
+    out["movable"] = node.movable
+    out["moves"] = node.moves  # each: from, to, at, inner_step, and the stage-0 driver's microbatches before it
+    out.update(_driver_stats(node))
+    return out
+
+
+def _work_stats(node: Node) -> dict:
+    """What the node's stage computed, sent, received and routed."""
+    s = node.runtime.stats
+    return {"peer_id": node.peer_id, "stage": node.stage_index, "address": node.address,
+            "inner_steps": node.worker.inner_steps, "last_lr": node.worker.last_lr, "sequences": node.worker.sequences_total,
+            "tokens": node.worker.tokens_total, "forwards_received": dict(s.forwards_received),
+            "forwards_sent": s.forwards_sent, "backwards_sent": s.backwards_sent, "send_failures": s.send_failures,
+            "dropped_here": s.dropped_here, "expired": s.expired, "busy_answers": s.busy_answers,
+            "routed": {"balanced": s.routed_balanced, "random": s.routed_random}, "routed_to": dict(s.routed_to),
+            "routed_by_capacity": dict(node.runtime.router.measured_picks),
+            "routed_expected": {p: round(v, 3) for p, v in node.runtime.router.measured_shares.items()},
+            "throughput": node.meter.record_fields(),
+            "bytes_sent": node.client.bytes_sent, "rejected": dict(node.servicer.rejected),
+            "saved_inputs": len(node.worker.saved), "bans": node.pipeline.bans.total,
+            "in_flight": len(node.runtime.in_flight), "bytes_received": node.servicer.bytes_received,
+            "tokens_per_s": node.tokens_per_s, "attention": node.attention()}
+
+
+def _admission_stats(node: Node) -> dict:
+    """Calls refused before any servicer ran, and the guard's bans and limits."""
+    guard = node.admission.guard
+    return {"swarm_key": node.admission.key is not None, "refused": dict(node.admission.interceptor.refused),
+            "peers_banned": guard.stats.bans, "banned_now": guard.banned(),
+            "rate_limited": guard.stats.rate_limited, "over_stream_cap": guard.stats.over_stream_cap,
+            "refused_banned": guard.stats.refused_banned, "tracked_peers": guard.tracked()}
+
+
+def _transport_stats(node: Node) -> dict:
+    """How peers reach the node, the bytes per path, and what the transport refused."""
+    links = node.links
+    return {"reach": links.reach, "p2p_addrs": links.p2p_addrs, "bytes_by_path": links.traffic.as_dict(),
+            "impostor_records": node.directory.impostor_records,
+            "impostor_calls": node.admission.interceptor.impostors, "replayed_tokens": links.verifier.replays,
+            "cut_at_receive_deadline": node.servicer.cut_at_deadline,
+            "libp2p_streams": {"in": links.bridge.streams_in if links.bridge else 0,
+                               "out": links.bridge.streams_out if links.bridge else 0,
+                               "refused_in": links.bridge.refused_in if links.bridge else 0},
+            "relay_served": links.relay.stats() if links.relay is not None else None}
+
+
+def _integrity_stats(node: Node) -> dict:
+    """Steps skipped, weights repaired and payloads refused for not being finite."""
+    w = node.worker
+    return {"skipped_steps": w.inner.skipped_steps, "weights_repaired": w.repairs,
+            "dropped_non_finite": w.dropped_non_finite, "payloads_refused": node.servicer.rejected.get("poisoned", 0)}
+
+
+def _outer_stats(node: Node) -> dict:
+    """The outer sync's counters, history and bytes, and the round a node that takes rounds is at."""
+    out = {}
     if node.traits.syncs:
         counters = node.sync.counters
         out["outer"] = {k: v for k, v in vars(counters).items() if k != "history"}
@@ -62,23 +93,23 @@ def node_stats(node: Node) -> dict:
     if node.traits.outer_rounds:
         out["outer_round"] = node.outer_round
         out["fetched_state"] = node.fetched_state
-    out["resumed_from"] = node.resumed_from
-    out["movable"] = node.movable
-    out["moves"] = node.moves  # each: from, to, at, inner_step, and the stage-0 driver's microbatches before it
+    return out
+
+
+def _driver_stats(node: Node) -> dict:
+    """The stage-0 driver's microbatches, losses and schedule (empty on other stages)."""
     if node.driver is not None:
-        out["microbatches"] = node.driver.counters.as_dict()
-        out["losses"] = node.driver.log.losses
-        out["lrs"] = node.driver.log.lrs
-        out["step_times"] = node.driver.log.step_times
-        out["step_losses"] = node.driver.log.step_losses
-        out["reissued_sequences"] = node.driver.log.reissued_sequences
-        out["schedule"] = {"overlap": node.driver.overlap, "stale_microbatches": node.driver.log.stale_microbatches,
-                           "max_staleness": node.driver.log.max_staleness}
-    elif node.stage_index == 0 and (node.resumed_from or {}).get("microbatches"):
+        driver_log = node.driver.log
+        return {"microbatches": node.driver.counters.as_dict(), "losses": driver_log.losses, "lrs": driver_log.lrs,
+                "step_times": driver_log.step_times, "step_losses": driver_log.step_losses,
+                "reissued_sequences": driver_log.reissued_sequences,
+                "schedule": {"overlap": node.driver.overlap, "stale_microbatches": driver_log.stale_microbatches,
+                             "max_staleness": driver_log.max_staleness}}
+    if node.stage_index == 0 and (node.resumed_from or {}).get("microbatches"):
         # Restarted at its last step, this incarnation had nothing left to train: its predecessor's
         # accounting (from the checkpoint) is the driver's whole story.
-        out["microbatches"] = dict(node.resumed_from["microbatches"])
-    return out
+        return {"microbatches": dict(node.resumed_from["microbatches"])}
+    return {}
 
 
 def training_snapshot(stats: dict) -> Snapshot:

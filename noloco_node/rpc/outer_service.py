@@ -71,35 +71,59 @@ async def exchange_snapshots(read, write, mine: EncodedSnapshot, expected: list[
     set once the partner's manifest is in, and the progress deadline)."""
     limits = limits or ExchangeLimits(total_s=lambda _: 3600.0, stall_s=3600.0)
     progress = Progress(limits.stall_s, asyncio.get_running_loop().time)
-    received_all = asyncio.Event()
-    received_hash: list[bytes] = []
+    stream = _ExchangeStream(read, write, progress, traffic, faults)
+    sender = asyncio.create_task(stream.send(mine))
+    receiver = asyncio.create_task(stream.receive(mine, expected, codec, max_bytes, limits))
+    try:
+        await watch_exchange(receiver, sender, progress, stream.received_all)
+        result = receiver.result()
+        await within(sender, limits.stall_s, "writing our receipt")
+        return result
+    finally:
+        for task in (sender, receiver):
+            if not task.done():
+                task.cancel()
 
-    async def put(message) -> None:
-        if faults is not None:
-            await faults.hit("exchange_write")  # tests: a partner that dies (or stalls) mid-stream
-        await write(message)
-        progress.stamp_wrote()
-        if traffic is not None:  # on the wire: the message and gRPC's 5-byte length prefix
-            traffic.bytes_sent += message.ByteSize() + 5
 
-    async def send() -> None:
-        await put(outer_pb2.ExchangeMessage(manifest=outer_pb2.SnapshotManifest(
+class _ExchangeStream:
+    """Our two directions of one exchange stream: the sender's receipt waits for the receiver's
+    digest, and both stamp the progress the deadlines watch."""
+
+    def __init__(self, read, write, progress: Progress, traffic: Traffic | None, faults: FaultInjector | None) -> None:
+        self.read, self.write, self.progress = read, write, progress
+        self.traffic, self.faults = traffic, faults
+        self.received_all = asyncio.Event()
+        self.received_hash: list[bytes] = []
+
+    async def put(self, message) -> None:
+        """Write one message, counting its bytes on the wire."""
+        if self.faults is not None:
+            await self.faults.hit("exchange_write")  # tests: a partner that dies (or stalls) mid-stream
+        await self.write(message)
+        self.progress.stamp_wrote()
+        if self.traffic is not None:  # on the wire: the message and gRPC's 5-byte length prefix
+            self.traffic.bytes_sent += message.ByteSize() + 5
+
+    async def send(self, mine: EncodedSnapshot) -> None:
+        """Our manifest, tensors and chunks, then, once the partner's payload is in, our receipt."""
+        await self.put(outer_pb2.ExchangeMessage(manifest=outer_pb2.SnapshotManifest(
             num_tensors=len(mine.tensors), payload_bytes=mine.payload_bytes)))
         for name, spec, payload in mine.tensors:
-            await put(outer_pb2.ExchangeMessage(tensor=spec_to_header(spec, name)))
+            await self.put(outer_pb2.ExchangeMessage(tensor=spec_to_header(spec, name)))
             for chunk in iter_chunks(payload):
-                await put(outer_pb2.ExchangeMessage(chunk=chunk))
-        if faults is not None:
-            await faults.hit("during_exchange")
-        await received_all.wait()
-        receipt = outer_pb2.ExchangeMessage(receipt=outer_pb2.Receipt(sha256=received_hash[0]))
-        await write(receipt)
-        if traffic is not None:
-            traffic.bytes_sent += receipt.ByteSize() + 5
+                await self.put(outer_pb2.ExchangeMessage(chunk=chunk))
+        if self.faults is not None:
+            await self.faults.hit("during_exchange")
+        await self.received_all.wait()
+        receipt = outer_pb2.ExchangeMessage(receipt=outer_pb2.Receipt(sha256=self.received_hash[0]))
+        await self.write(receipt)
+        if self.traffic is not None:
+            self.traffic.bytes_sent += receipt.ByteSize() + 5
 
-    async def next_message(kind: str):
-        message = await read()
-        progress.stamp_read()
+    async def next_message(self, kind: str):
+        """The next message's `kind` part; an abort, the stream's end or another kind raise."""
+        message = await self.read()
+        self.progress.stamp_read()
         if message is None:
             raise InvalidPayload(f"undecodable message while waiting for {kind}")
         if message is grpc.aio.EOF:
@@ -110,32 +134,22 @@ async def exchange_snapshots(read, write, mine: EncodedSnapshot, expected: list[
             raise InvalidPayload(f"expected {kind}, got {message.WhichOneof('kind')}")
         return getattr(message, kind)
 
-    async def receive() -> dict[str, Tensor]:
-        manifest = await next_message("manifest")
+    async def receive(self, mine: EncodedSnapshot, expected: list[ExpectedTensor], codec: str, max_bytes: int,
+                      limits: ExchangeLimits) -> dict[str, Tensor]:
+        """The partner's tensors, once its receipt matches what we sent."""
+        manifest = await self.next_message("manifest")
         check_tensor_count(manifest.num_tensors, expected)
-        progress.set_total(limits.total_s(mine.payload_bytes + manifest.payload_bytes))
-        began = progress.read
-        out, digest = await _receive_tensors(next_message, expected, codec, max_bytes, progress)
+        self.progress.set_total(limits.total_s(mine.payload_bytes + manifest.payload_bytes))
+        began = self.progress.read
+        out, digest = await _receive_tensors(self.next_message, expected, codec, max_bytes, self.progress)
         if limits.observe is not None:
-            limits.observe(manifest.payload_bytes, progress.clock() - began)
-        received_hash.append(digest)
-        received_all.set()
-        receipt = await next_message("receipt")
+            limits.observe(manifest.payload_bytes, self.progress.clock() - began)
+        self.received_hash.append(digest)
+        self.received_all.set()
+        receipt = await self.next_message("receipt")
         if receipt.sha256 != mine.sha256:
             raise InvalidPayload("partner's receipt does not match what we sent")
         return out
-
-    sender = asyncio.create_task(send())
-    receiver = asyncio.create_task(receive())
-    try:
-        await watch_exchange(receiver, sender, progress, received_all)
-        result = receiver.result()
-        await within(sender, limits.stall_s, "writing our receipt")
-        return result
-    finally:
-        for task in (sender, receiver):
-            if not task.done():
-                task.cancel()
 
 
 async def _receive_tensors(next_message, expected: list[ExpectedTensor], codec: str, max_bytes: int,

@@ -97,71 +97,107 @@ async def fetch_from_donors(source: StateSource, donors: Sequence[str], *, stage
     could not be had from anyone."""
     if not donors or not expected:
         raise StateUnavailable("no donor to fetch from" if not donors else "nothing to fetch")
-    grouped = tensors_by_parameter(expected)
+    transfers = _Transfers(source, stage=stage, requester=requester, timeout_s=timeout_s, expected=expected,
+                           compact=compact)
     sizes = parameter_bytes(expected, compact)
     standby = list(donors)
     first = [standby.pop(0) for _ in range(min(max_donors, len(standby)))]
-    running: dict[asyncio.Task, tuple[str, list[str], ReceivedState]] = {}
-    kept: dict[str, Tensor] = {}
-    owner: dict[str, str] = {}
-    counters_of: dict[str, dict] = {}
-    waiting: list[list[str]] = []
-    result = FetchedState({}, {}, {})
-    retries = 0
-
-    def start(donor: str, names: list[str]) -> None:
-        into = ReceivedState()
-        asked = {t: expected[t] for p in names for t in grouped[p]}
-        task = asyncio.create_task(source.fetch_state(donor, stage=stage, requester=requester, timeout_s=timeout_s,
-                                                      expected=asked, names=names, compact=compact, into=into))
-        running[task] = (donor, names, into)
-
     for donor, names in zip(first, split_parameters(sizes, len(first))):
-        start(donor, names)
+        transfers.start(donor, names)
     try:
-        while running:
-            done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+        await transfers.run(standby, max_retries=max_retries, parameters=len(sizes))
+    finally:
+        await transfers.cancel()
+    return transfers.fetched()
+
+
+class _Transfers:
+    """The running state transfers of one `fetch_from_donors`, and the whole parameters they
+    delivered, each with the donor that sent it."""
+
+    def __init__(self, source: StateSource, *, stage: int, requester: str, timeout_s: float, expected: Expected,
+                 compact: bool) -> None:
+        self.source, self.stage, self.requester, self.timeout_s = source, stage, requester, timeout_s
+        self.expected, self.compact = expected, compact
+        self.grouped = tensors_by_parameter(expected)
+        self.running: dict[asyncio.Task, tuple[str, list[str], ReceivedState]] = {}
+        self.kept: dict[str, Tensor] = {}
+        self.owner: dict[str, str] = {}
+        self.counters_of: dict[str, dict] = {}
+        self.result = FetchedState({}, {}, {})
+
+    def start(self, donor: str, names: list[str]) -> None:
+        """Ask `donor` for the state of the parameters `names`."""
+        into = ReceivedState()
+        asked = {t: self.expected[t] for p in names for t in self.grouped[p]}
+        task = asyncio.create_task(self.source.fetch_state(donor, stage=self.stage, requester=self.requester,
+                                                           timeout_s=self.timeout_s, expected=asked, names=names,
+                                                           compact=self.compact, into=into))
+        self.running[task] = (donor, names, into)
+
+    async def run(self, standby: list[str], *, max_retries: int, parameters: int) -> None:
+        """Settle each transfer as it ends, handing a failed donor's missing parameters to a donor
+        on `standby`, until none runs; raises StateUnavailable when some are left with no one to ask."""
+        waiting: list[list[str]] = []
+        retries = 0
+        while self.running:
+            done, _ = await asyncio.wait(self.running, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
-                donor, names, into = running.pop(task)
-                error = task.exception()
-                if error is not None and not isinstance(error, (NodeError, asyncio.TimeoutError)):
-                    raise error
-                whole = whole_parameters(into, expected, names)
-                for p in whole:
-                    kept.update({t: into.tensors[t] for t in grouped[p] if t in into.tensors})
-                    owner[p] = donor
-                if whole:
-                    counters_of[donor] = into.counters
-                missing = [p for p in names if p not in owner]
-                if error is None and not missing:
+                donor, missing = self._settle(task)
+                if missing is None:
                     standby.append(donor)  # finished: it may take over a failed donor's part
-                    continue
-                reason = error or f"the stream ended without {len(missing)} parameters"
-                log.warning("state transfer from %s failed after %d of %d parameters: %s", donor[-8:], len(whole),
-                            len(names), reason)
-                result.failed.append(donor)
-                waiting.append(missing)
+                else:
+                    waiting.append(missing)
             while waiting and standby and retries < max_retries:
                 retries += 1
                 names = waiting.pop(0)
                 donor = standby.pop(0)
-                result.reasked += len(names)
-                log.info("asking %s for the %d parameters %s did not finish", donor[-8:], len(names), result.failed[-1][-8:])
-                start(donor, names)
-            if waiting and not running:
-                raise StateUnavailable(f"{sum(map(len, waiting))} of {len(sizes)} parameters could not be fetched: "
-                                       f"donors {', '.join(d[-8:] for d in result.failed)} failed, and no other donor "
-                                       f"is left or the {max_retries} retries are spent")
-    finally:
-        for task in running:
+                self.result.reasked += len(names)
+                log.info("asking %s for the %d parameters %s did not finish", donor[-8:], len(names),
+                         self.result.failed[-1][-8:])
+                self.start(donor, names)
+            if waiting and not self.running:
+                raise StateUnavailable(f"{sum(map(len, waiting))} of {parameters} parameters could not be fetched: "
+                                       f"donors {', '.join(d[-8:] for d in self.result.failed)} failed, and no other "
+                                       f"donor is left or the {max_retries} retries are spent")
+
+    def _settle(self, task: asyncio.Task) -> tuple[str, list[str] | None]:
+        """Keep the whole parameters an ended transfer delivered; returns its donor and, when it
+        failed, the parameters it did not deliver (None when it finished its part)."""
+        donor, names, into = self.running.pop(task)
+        error = task.exception()
+        if error is not None and not isinstance(error, (NodeError, asyncio.TimeoutError)):
+            raise error
+        whole = whole_parameters(into, self.expected, names)
+        for p in whole:
+            self.kept.update({t: into.tensors[t] for t in self.grouped[p] if t in into.tensors})
+            self.owner[p] = donor
+        if whole:
+            self.counters_of[donor] = into.counters
+        missing = [p for p in names if p not in self.owner]
+        if error is None and not missing:
+            return donor, None
+        reason = error or f"the stream ended without {len(missing)} parameters"
+        log.warning("state transfer from %s failed after %d of %d parameters: %s", donor[-8:], len(whole),
+                    len(names), reason)
+        self.result.failed.append(donor)
+        return donor, missing
+
+    async def cancel(self) -> None:
+        """Stop the transfers still running and wait until they have stopped."""
+        for task in self.running:
             task.cancel()
-        await asyncio.gather(*running, return_exceptions=True)
-    furthest = max(counters_of, key=lambda d: (int(counters_of[d]["inner_step"]), int(counters_of[d]["outer_round"])))
-    result.tensors = kept
-    result.counters = {"inner_step": int(counters_of[furthest]["inner_step"]),
-                       "outer_round": int(counters_of[furthest]["outer_round"]), "donor": furthest,
-                       "adam_steps": {p: counters_of[owner[p]]["adam_steps"][p] for p in owner
-                                      if p in counters_of[owner[p]].get("adam_steps", {})}}
-    for donor in owner.values():
-        result.parameters_from[donor] = result.parameters_from.get(donor, 0) + 1
-    return result
+        await asyncio.gather(*self.running, return_exceptions=True)
+
+    def fetched(self) -> FetchedState:
+        """The kept tensors, the counters of the donor furthest along, and who sent what."""
+        counters_of, owner, result = self.counters_of, self.owner, self.result
+        furthest = max(counters_of, key=lambda d: (int(counters_of[d]["inner_step"]), int(counters_of[d]["outer_round"])))
+        result.tensors = self.kept
+        result.counters = {"inner_step": int(counters_of[furthest]["inner_step"]),
+                           "outer_round": int(counters_of[furthest]["outer_round"]), "donor": furthest,
+                           "adam_steps": {p: counters_of[owner[p]]["adam_steps"][p] for p in owner
+                                          if p in counters_of[owner[p]].get("adam_steps", {})}}
+        for donor in owner.values():
+            result.parameters_from[donor] = result.parameters_from.get(donor, 0) + 1
+        return result

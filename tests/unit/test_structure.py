@@ -1,5 +1,5 @@
 """The package's structure (scripts/structure.py, read from the source with ast): no import against
-the layering, at most two loose top-level modules, no function over 80 lines, no constructor over
+the layering, at most two loose top-level modules, no function over 60 lines, no constructor over
 10 parameters, and no hook assigned onto another object after it was built. Each check is also run
 on a small sample that breaks it, so a checker that stopped finding anything would fail here."""
 
@@ -55,10 +55,23 @@ def test_imports_against_the_layering_are_found():
     assert structure._allowed("sync", "codec.tensors") and not structure._allowed("sync", "wire.v1.outer_pb2") and structure._allowed("node", "rpc.server")
 
 
+def _function_of(lines: int) -> ast.Module:
+    """A function `lines` long, its `def` line included."""
+    body = "\n".join(f"    x{i} = {i}" for i in range(lines - 1))
+    return ast.parse(f"def f():\n{body}\n")
+
+
 def test_long_functions_and_wide_constructors_are_found():
-    body = "\n".join(f"    x{i} = {i}" for i in range(85))
     report = structure.Report()
-    structure._check_functions(report, "sample.py", ast.parse(f"def f():\n{body}\n"))
+    structure._check_functions(report, "sample.py", _function_of(structure.MAX_FUNCTION_LINES + 1))
     structure._check_functions(report, "sample.py", ast.parse(
         "class A:\n    def __init__(self, a, b, c, d, e, f, g, h, i, j, *, k): pass\n"))
     assert len(report.long_functions) == 1 and len(report.wide_constructors) == 1
+    assert report.long_functions == [f"sample.py:1 f ({structure.MAX_FUNCTION_LINES + 1} lines)"]
+
+
+def test_the_function_limit_is_the_house_style():
+    assert structure.MAX_FUNCTION_LINES == 60
+    report = structure.Report()
+    structure._check_functions(report, "sample.py", _function_of(structure.MAX_FUNCTION_LINES))
+    assert report.long_functions == []  # at the limit is within it
