@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from noloco_node.experiments.process_group import ProcessGroup
+
 ROOT = Path(__file__).resolve().parents[1]
 MATCH_S = 15.0
 """How long a process peer looks for a partner unless a test says: a pair forms in well under a second
@@ -37,10 +39,12 @@ class ProcessPeers:
         initial = ["--initial-peers", self.first_maddr] if self.procs else []
         if "--match-s" not in extra:  # the peer's own 5 s is short for a loaded machine to pair in
             extra = (*extra, "--match-s", str(MATCH_S))
-        log = open(self.dir / f"{name}.log", "w")
-        proc = subprocess.Popen([sys.executable, "-m", "noloco_node.experiments.outer_peer", "--state", str(self.dir / f"{name}.state"),
-                                 "--out", str(self.dir / f"{name}.out"), "--ready-file", str(ready), "--go-file", str(self.go),
-                                 *initial, *extra], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        # A group of its own per peer (a test kills one alone), forked from the zygote when it can be.
+        with open(self.dir / f"{name}.log", "w") as log:
+            proc = ProcessGroup().spawn(
+                [sys.executable, "-m", "noloco_node.experiments.outer_peer", "--state", str(self.dir / f"{name}.state"),
+                 "--out", str(self.dir / f"{name}.out"), "--ready-file", str(ready), "--go-file", str(self.go),
+                 *initial, *extra], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         self.procs.append((name, proc))
         deadline = time.monotonic() + 60
         while not ready.exists():

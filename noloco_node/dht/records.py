@@ -64,6 +64,9 @@ class StageRecord(pydantic.BaseModel):
     """Whether the node may move to another stage when rebalancing (pipeline/rebalance.py)."""
     moved_at: pydantic.confloat(strict=True, ge=0.0) = 0.0
     """Unix time of the node's last move between stages; 0 = never moved."""
+    move_claimed_at: pydantic.confloat(strict=True, ge=0.0) = 0.0
+    """Unix time the node claimed a rebalancing move it is about to make (pipeline/rebalance.py);
+    0 = none. Everyone else's plan waits while a claim is in the DHT."""
     loss: Optional[pydantic.confloat(strict=True, ge=0.0, le=1e6)] = None
     """Stage 0: the training loss of the last microbatch this replica drove through the pipeline
     (computed at the last stage, returned with its gradients); None elsewhere or before the first."""

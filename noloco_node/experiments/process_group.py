@@ -16,6 +16,7 @@ one daemon thread that lives as long as the process.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import signal
 import subprocess
@@ -26,6 +27,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
+from noloco_node.experiments.preloaded import PreloadedProcess, Zygote, Zygotes, ZygoteUnavailable, preloadable, std_fds
+
+log = logging.getLogger(__name__)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 PR_SET_PDEATHSIG = 1
 _prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)  # absent outside Linux
@@ -60,11 +64,16 @@ def raise_on_signals(signals: Sequence[int] = STOP_SIGNALS) -> Iterator[None]:
             signal.signal(sig, old)
 
 
+def set_death_signal(sig: int) -> None:
+    """Have the kernel send `sig` to this process when the thread that forked it exits."""
+    if _prctl is not None:
+        _prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+
+
 def _child_setup(launcher: int) -> Callable[[], None]:
     def setup() -> None:  # runs in the child between fork and exec
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked by the spawner around fork
-        if _prctl is not None:
-            _prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        set_death_signal(signal.SIGTERM)
         if os.getppid() != launcher:  # the launcher died before prctl: no signal will ever come
             os._exit(1)
     return setup
@@ -74,20 +83,58 @@ _spawner = ThreadPoolExecutor(1, "process-group-spawner",  # never exits before 
                               initializer=lambda: signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS))
 
 
-class ProcessGroup:
-    """The processes of one swarm: `spawn` them, `drain` them all (grandchildren too)."""
+def _start_zygote(cmd: list[str], **popen_kwargs: Any) -> subprocess.Popen:
+    """The zygote: in a group of its own (a terminal's signals are the launcher's, and draining a
+    swarm must not stop it), dying with the launcher like every child."""
+    def start() -> subprocess.Popen:
+        return subprocess.Popen(cmd, process_group=0, preexec_fn=_child_setup(os.getpid()), **popen_kwargs)
+    if threading.current_thread() is threading.main_thread():
+        return start()
+    return _spawner.submit(start).result()
 
-    def __init__(self) -> None:
+
+_zygotes = Zygotes()
+
+
+class ProcessGroup:
+    """The processes of one swarm: `spawn` them, `drain` them all (grandchildren too).
+
+    With `preload` (the default), `python -m noloco_node...` commands are forked from a zygote
+    that has done their imports already (preloaded.py): the same process 7-10 CPU-seconds sooner."""
+
+    def __init__(self, preload: bool = True) -> None:
         self.pgid: int | None = None
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[subprocess.Popen | PreloadedProcess] = []
+        self.preload = preload
         self._lock = threading.Lock()
 
-    def spawn(self, cmd: Sequence[str], **popen_kwargs: Any) -> subprocess.Popen:
+    def spawn(self, cmd: Sequence[str], **popen_kwargs: Any) -> subprocess.Popen | PreloadedProcess:
         """`Popen(cmd, **popen_kwargs)` in this group, with the launcher's death signal set."""
         popen_kwargs.setdefault("stdin", subprocess.DEVNULL)  # a background group must not read the tty
+        cmd = list(cmd)
+        if self.preload and preloadable(cmd, popen_kwargs):
+            zygote = _zygotes.get(popen_kwargs.get("env") or os.environ, _start_zygote)
+            if zygote is not None:
+                try:
+                    return self._fork(zygote, cmd, popen_kwargs)
+                except ZygoteUnavailable as exc:
+                    log.warning("starting %s without the zygote: %s", cmd[2], exc)
         if threading.current_thread() is threading.main_thread():
-            return self._spawn(list(cmd), popen_kwargs)
-        return _spawner.submit(self._spawn, list(cmd), popen_kwargs).result()
+            return self._spawn(cmd, popen_kwargs)
+        return _spawner.submit(self._spawn, cmd, popen_kwargs).result()
+
+    def _fork(self, zygote: Zygote, cmd: list[str], kwargs: dict) -> PreloadedProcess:
+        fds, opened = std_fds(kwargs)
+        try:
+            with self._lock:
+                proc, pgid = zygote.spawn(cmd[1:], kwargs.get("env") or os.environ, str(kwargs.get("cwd") or os.getcwd()),
+                                          self.pgid or 0, fds)
+                self.pgid = pgid  # ours, or the child's own where every member of ours had exited
+                self.procs.append(proc)
+                return proc
+        finally:
+            for fd in opened:
+                os.close(fd)
 
     def _spawn(self, cmd: list[str], kwargs: dict) -> subprocess.Popen:
         setup = _child_setup(os.getpid())

@@ -43,5 +43,5 @@ class DhtMatching:
 
 async def swarm_replicas(directory: PeerDirectory) -> list[Replica]:
     """Every compatible record in the DHT as a rebalancing Replica (pipeline/rebalance.py)."""
-    return [Replica(r.peer_id, r.stage, r.capacity, r.throughput, r.status, r.movable, r.moved_at)
+    return [Replica(r.peer_id, r.stage, r.capacity, r.throughput, r.status, r.movable, r.moved_at, r.move_claimed_at)
             for r in await directory.compatible_records()]

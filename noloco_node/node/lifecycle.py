@@ -84,6 +84,7 @@ class Node:
         self.movable = (config.pipeline.stage is None if rebalance is None else rebalance) and \
             config.pipeline.num_stages > 1 and self.traits.movable
         self.move: Move | None = None
+        self.move_claimed_at = 0.0
         self.move_requested = asyncio.Event()
         self.stage_index = config.pipeline.stage
         self.meter = ThroughputMeter()
@@ -332,12 +333,16 @@ class Node:
         """Rebalancing (pipeline/rebalance.py): when the plan names this node, ask whoever serves it
         to move it (node/serving.py: it drains, leaves and comes back on the target stage)."""
         p = self.config.pipeline
-        self.move = await watch(me=self.peer_id, read=lambda: swarm_replicas(self.directory), num_stages=p.num_stages,
-                                margin=p.rebalance_margin, period_s=p.rebalance_period_s,
+        self.move = await watch(me=self.peer_id, read=lambda: swarm_replicas(self.directory), claim=self._claim_move,
+                                num_stages=p.num_stages, margin=p.rebalance_margin, period_s=p.rebalance_period_s,
                                 settle_s=2 * p.rebalance_period_s, cooldown_s=10 * p.rebalance_period_s)
         self.events.emit("move_planned", source=self.move.source, target=self.move.target,
                          throughput_now=self.move.throughput_now, throughput_after=self.move.throughput_after)
         self.move_requested.set()
+
+    async def _claim_move(self, claimed_at: float) -> None:
+        self.move_claimed_at = claimed_at
+        await self.announce()
 
     def _observe_rpc(self, method: str, seconds: float) -> None:
         if method == "Forward":

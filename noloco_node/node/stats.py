@@ -151,7 +151,7 @@ def stage_record(node: Node) -> StageRecord:
                        manifest_hash=node.manifest_hash, run_id=node.config.run.run_id, updated_at=time.time(),
                        reach=links.update_reach(), tls_cert=links.certificate.b64,
                        p2p_addrs=links.p2p_addrs[:16], movable=node.movable,
-                       moved_at=float(moves[-1]["at"]) if moves else 0.0,
+                       moved_at=float(moves[-1]["at"]) if moves else 0.0, move_claimed_at=node.move_claimed_at,
                        memory_estimate_bytes=parts.memory_estimate_bytes,
                        memory_peak_bytes=max(0, peak_memory_bytes(parts.device) - parts.memory_baseline_bytes),
                        outer_round_bytes=round_bytes(node.sync.counters.history if node.traits.syncs else [])["last"],

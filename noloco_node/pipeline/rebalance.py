@@ -5,9 +5,9 @@ replicas' measured capacities (runtime/throughput.py). Every `pipeline.rebalance
 movable node reads every stage's records from the DHT and runs `plan_move` on them. The plan is a
 pure function of that view, so every node computes the same one and only the node it names moves:
 
-- no plan while the swarm is not settled: a joiner's claim or a node leaving is in the DHT, a
-  node moved less than `settle_s` ago (its new stage is not measured yet), or a whole stage is
-  unmeasured; so one node moves at a time. A single replica not measured yet counts as its
+- no plan while the swarm is not settled: a joiner's claim, a node leaving or a node's claim to
+  move is in the DHT, a node moved less than `settle_s` ago (its new stage is not measured yet),
+  or a whole stage is unmeasured; so one node moves at a time. A single replica not measured yet counts as its
   stage's mean;
 - the target is the limiting stage, and only when it is saturated: its replicas together do at
   least `SATURATED` of what they can (throughput / capacity). A stage with spare capacity is not
@@ -21,6 +21,14 @@ pure function of that view, so every node computes the same one and only the nod
   0.75 of optimal). That margin is the hysteresis: a move back would lower the minimum, so it is
   never planned; and a node that moved is not a candidate again for `cooldown_s`.
 
+Views of the DHT differ for a while, so two nodes can each find themselves named in the same
+period (seen under load: two stage-0 replicas moved at once). A named node therefore claims the
+move first (`move_claimed_at` in its record, which also unsettles everyone else's plan), waits at
+least a period for claims to land, reads again and moves only if its claim is the earliest and the
+plan, claims aside, still names it; otherwise it withdraws the claim. Of two claimants A before B,
+B reads after A's claim was stored (A stores before it waits, B reads a period after it claimed),
+sees the earlier claim and stays; A moves whether or not it saw B's.
+
 Who is movable: a node that chose its stage with `--stage auto`, or any node with
 `pipeline.rebalance = true`; `false` pins it. The move itself (drain, withdraw, fetch the new
 stage's state from a replica, announce there) is the join command's (cli/join.py).
@@ -29,6 +37,8 @@ stage's state from a replica, announce there) is the join command's (cli/join.py
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import logging
 import random
 import time
@@ -52,6 +62,7 @@ class Replica:
     status: str = Status.SERVING
     movable: bool = False
     moved_at: float = 0.0
+    move_claimed_at: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -78,7 +89,7 @@ def _measured(r: Replica, stage_members: Sequence[Replica]) -> Replica:
     if r.capacity > 0:
         return r
     known = [m.capacity for m in stage_members if m.capacity > 0]
-    return Replica(r.peer_id, r.stage, sum(known) / len(known), r.throughput, r.status, r.movable, r.moved_at)
+    return dataclasses.replace(r, capacity=sum(known) / len(known))
 
 
 def plan_move(replicas: Sequence[Replica], num_stages: int, *, margin: float, now: float, settle_s: float,
@@ -86,7 +97,8 @@ def plan_move(replicas: Sequence[Replica], num_stages: int, *, margin: float, no
     """The one move the swarm should make now, or None (module docstring)."""
     if num_stages < 2 or not replicas:
         return None
-    if any(r.status not in (Status.SERVING, Status.MATCHING) or now - r.moved_at < settle_s for r in replicas):
+    if any(r.status not in (Status.SERVING, Status.MATCHING) or now - r.moved_at < settle_s or r.move_claimed_at > 0
+           for r in replicas):
         return None
     by_stage = [[r for r in replicas if r.stage == s] for s in range(num_stages)]
     if any(not members or all(r.capacity <= 0 for r in members) for members in by_stage):
@@ -114,10 +126,13 @@ def plan_move(replicas: Sequence[Replica], num_stages: int, *, margin: float, no
     return best
 
 
-async def watch(*, me: str, read: Callable[[], Awaitable[list[Replica]]], num_stages: int, margin: float,
-                period_s: float, settle_s: float, cooldown_s: float,
+async def watch(*, me: str, read: Callable[[], Awaitable[list[Replica]]], claim: Callable[[float], Awaitable[None]],
+                num_stages: int, margin: float, period_s: float, settle_s: float, cooldown_s: float,
                 clock: Callable[[], float] = time.time) -> Move:
-    """Check every `period_s` until a plan names us; returns that move (the caller carries it out)."""
+    """Check every `period_s` until a plan names us and our claim to it holds (module docstring);
+    returns that move (the caller carries it out). `claim(t)` announces our claim made at unix
+    time t, `claim(0.0)` withdraws it."""
+    plan = functools.partial(plan_move, num_stages=num_stages, margin=margin, settle_s=settle_s, cooldown_s=cooldown_s)
     while True:
         await asyncio.sleep(period_s)
         try:
@@ -125,24 +140,29 @@ async def watch(*, me: str, read: Callable[[], Awaitable[list[Replica]]], num_st
         except Exception:  # noqa: BLE001 - a failed lookup is retried next period
             log.warning("rebalance: reading the swarm's records failed; retrying in %.0f s", period_s, exc_info=True)
             continue
-        move = plan_move(replicas, num_stages, margin=margin, now=clock(), settle_s=settle_s, cooldown_s=cooldown_s)
+        move = plan(replicas, now=clock())
         if move is not None:
             log.info("rebalance plan: %s%s", move, " (this node)" if move.peer_id == me else "")
-            if move.peer_id == me and await _still_named(me, read, num_stages, margin, period_s, settle_s,
-                                                         cooldown_s, clock):
+            if move.peer_id == me and await _claim_holds(me, read, claim, plan, period_s, clock):
                 return move
 
 
-async def _still_named(me: str, read: Callable[[], Awaitable[list[Replica]]], num_stages: int, margin: float,
-                       period_s: float, settle_s: float, cooldown_s: float, clock: Callable[[], float]) -> bool:
-    """Views of the DHT differ for a while, so two nodes can each find themselves named in the same
-    period (seen: two stage-0 replicas moved at once). After a random pause the plan is made again
-    from a fresh read: the first to move is `leaving` by then, the swarm is not settled, and the
-    other stays."""
-    await asyncio.sleep(random.uniform(0.0, period_s / 2))
+async def _claim_holds(me: str, read: Callable[[], Awaitable[list[Replica]]], claim: Callable[[float], Awaitable[None]],
+                       plan: Callable[..., Move | None], period_s: float, clock: Callable[[], float]) -> bool:
+    claimed_at = clock()
+    await claim(claimed_at)
+    await asyncio.sleep(period_s * random.uniform(1.0, 1.5))
     try:
         replicas = await read()
     except Exception:  # noqa: BLE001 - a failed lookup: not confirmed, the next period decides
-        return False
-    move = plan_move(replicas, num_stages, margin=margin, now=clock(), settle_s=settle_s, cooldown_s=cooldown_s)
-    return move is not None and move.peer_id == me
+        replicas = None
+    if replicas is not None:
+        earliest = min([(claimed_at, me)] + [(r.move_claimed_at, r.peer_id) for r in replicas
+                                             if r.move_claimed_at > 0 and r.peer_id != me])
+        again = plan([dataclasses.replace(r, move_claimed_at=0.0) for r in replicas], now=clock())
+        if earliest[1] == me and again is not None and again.peer_id == me:
+            return True
+        log.info("rebalance: not moving after all (%s)", "an earlier claim by peer " + earliest[1][-8:]
+                 if earliest[1] != me else "the plan changed")
+    await claim(0.0)
+    return False

@@ -4,6 +4,7 @@ the swarm down (each child has PR_SET_PDEATHSIG). Real processes on 127.0.0.1.""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -100,12 +101,20 @@ def wait_training(demo: subprocess.Popen, out: Path, tmp_path: Path, timeout_s: 
         time.sleep(0.2)
 
 
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def swarm_pids(demo: subprocess.Popen) -> list[int]:
     pids = descendants(demo.pid)
-    direct = [p for p in pids if (stat := proc_stat(p)) is not None and stat[1] == demo.pid]
-    # The bootstrap and the 2 nodes, in one process group of their own, not the demo's.
-    groups = {proc_stat(p)[2] for p in direct}
-    assert len(direct) == 3, f"expected bootstrap + 2 nodes under the demo, found {direct}"
+    # The bootstrap and the 2 nodes (forked from the demo's zygote, or exec'd where it could not
+    # start), in one process group of their own: neither the demo's nor the zygote's.
+    swarm = [p for p in pids if re.search(r"noloco[-_]node (join|bootstrap) ", cmdline(p))]
+    groups = {proc_stat(p)[2] for p in swarm}
+    assert len(swarm) == 3, f"expected bootstrap + 2 nodes under the demo, found {[cmdline(p)[:80] for p in pids]}"
     assert len(groups) == 1 and os.getpgid(demo.pid) not in groups, (groups, os.getpgid(demo.pid))
     return pids
 
@@ -127,7 +136,7 @@ def test_killing_demo_mid_run_leaves_no_process_of_its_swarm(tmp_path, sig):
         elapsed = time.monotonic() - killed
         print(f"{sig.name}: demo exited {demo.returncode}, swarm of {len(pids)} processes gone after {elapsed:.1f} s")
         assert left == [], f"still running {elapsed:.0f} s after {sig.name}: " + \
-            ", ".join(Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200] for p in left if alive(p))
+            ", ".join(cmdline(p)[:200] for p in left if alive(p))
         log = (tmp_path / "demo.log").read_text()
         if sig == signal.SIGTERM:
             # It drained the swarm itself (it did not die of the signal) and said why it stopped.

@@ -25,15 +25,25 @@ def test_sigkill_of_a_stage1_replica_is_survived(tmp_path, make_swarm):
     swarm.wait_ready([victim, survivor])
     driver = swarm.start_node(0, 0, "--steps", str(steps), "--wait-replicas", "1")
     swarm.wait_ready([driver])
+    # Kill it once it holds microbatches it accepted (`served` counts accepted forwards, none of
+    # which it releases within 60 s) half a second ago: their Forward calls have returned, so the
+    # driver can only get them back by re-issuing (a kill during a Forward call is a failed send,
+    # retried elsewhere within the same attempt).
     deadline = time.monotonic() + 120
+    accepted: set[int] = set()
     while True:
-        status = json.loads(victim.ready_file.read_text())
-        if status["in_flight"] and json.loads(driver.ready_file.read_text())["inner_step"] >= 2:
-            break
         assert time.monotonic() < deadline and driver.proc.poll() is None, "victim never held a microbatch"
-        time.sleep(0.02)
+        status = json.loads(victim.ready_file.read_text())
+        held_now = {sequence for _, sequence, _ in status["in_flight"]}
+        if held_now and status["served"] == len(held_now) and json.loads(driver.ready_file.read_text())["inner_step"] >= 2:
+            if accepted & held_now:
+                break
+            accepted = held_now
+            time.sleep(0.5)
+        else:
+            time.sleep(0.02)
     swarm.kill(victim)
-    held = {sequence for _, sequence, _ in status["in_flight"]}
+    held = accepted & held_now
     swarm.wait_exit([driver], timeout_s=200)
     assert driver.proc.returncode == 0, driver.log_file.read_text()[-3000:]
     swarm.stop()

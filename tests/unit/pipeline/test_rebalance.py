@@ -1,6 +1,8 @@
 """The rebalancing plan: which single move (if any) the swarm makes, decided from the records alone."""
 
 import asyncio
+import dataclasses
+import time
 
 import pytest
 
@@ -93,19 +95,73 @@ def test_unmeasured_replicas_count_as_their_stages_mean_and_an_unmeasured_stage_
     assert plan(swarm([[1.0, 1.0, 1.0], [0.0]])) is None
 
 
-def test_watch_returns_only_the_move_that_names_us():
-    replicas = swarm([[1.0, 1.0, 1.0], [1.0]])
-    calls = []
+class SharedRecords:
+    """A DHT the watchers share: their claims land in it; each reader may see capacities its own way."""
 
-    async def read():
-        calls.append(1)
-        return replicas
+    def __init__(self, replicas):
+        self.replicas = {r.peer_id: r for r in replicas}
+        self.claims = []
+
+    def reader(self, capacity_seen=None):
+        async def read():
+            seen = {**{k: r.capacity for k, r in self.replicas.items()}, **(capacity_seen or {})}
+            return [dataclasses.replace(r, capacity=seen[k]) for k, r in self.replicas.items()]
+        return read
+
+    def claimer(self, me):
+        async def claim(claimed_at):
+            self.claims.append((me, claimed_at))
+            self.replicas[me] = dataclasses.replace(self.replicas[me], move_claimed_at=claimed_at)
+        return claim
+
+
+def watcher(records, me, read=None, period_s=0.01):
+    return watch(me=me, read=read or records.reader(), claim=records.claimer(me), num_stages=2, margin=0.75,
+                 period_s=period_s, settle_s=1.0, cooldown_s=1.0, clock=lambda: NOW + time.monotonic())
+
+
+def test_watch_returns_only_the_move_that_names_us():
+    records = SharedRecords(swarm([[1.0, 1.0, 1.0], [1.0]]))
 
     async def run(me):
-        return await asyncio.wait_for(watch(me=me, read=read, num_stages=2, margin=0.75, period_s=0.01, settle_s=1.0,
-                                            cooldown_s=1.0, clock=lambda: NOW), timeout=0.5)
+        return await asyncio.wait_for(watcher(records, me), timeout=0.5)
 
     assert asyncio.run(run("peer00")).target == 1
+    assert records.claims[-1][0] == "peer00" and records.replicas["peer00"].move_claimed_at > 0  # claimed, kept
+    records = SharedRecords(swarm([[1.0, 1.0, 1.0], [1.0]]))
     with pytest.raises(asyncio.TimeoutError):
-        asyncio.run(run("peer01"))  # the plan names peer00: peer01 keeps watching
-    assert len(calls) > 3
+        asyncio.run(run("peer01"))  # the plan names peer00: peer01 keeps watching, never claims
+    assert records.claims == []
+
+
+def test_a_claim_in_the_dht_holds_every_plan():
+    claimed = swarm([[1.0, 1.0, 1.0], [1.0]])
+    assert plan(claimed) is not None
+    claimed[1] = dataclasses.replace(claimed[1], move_claimed_at=NOW - 1)
+    assert plan(claimed) is None
+
+
+def test_two_nodes_named_by_different_views_move_one_of_them():
+    """The race seen under load: each stage-0 driver's view named itself. Both claim; the later
+    claimant sees the earlier claim and stays (and withdraws its claim); the earlier one moves."""
+    records = SharedRecords(swarm([[1.0, 1.0, 1.0], [1.0]]))
+    views = {"peer00": {"peer00": 0.9}, "peer01": {"peer01": 0.9}}  # each measured itself a little slower...
+    for me, seen in views.items():  # ...so that each view names its reader
+        assert plan(asyncio.run(records.reader(seen)())).peer_id == me
+
+    async def race():
+        tasks = {me: asyncio.create_task(watcher(records, me, records.reader(seen), period_s=0.05))
+                 for me, seen in views.items()}
+        done, pending = await asyncio.wait(tasks.values(), timeout=1.5)
+        for task in pending:
+            task.cancel()
+        return {me for me, t in tasks.items() if t in done}
+
+    for _ in range(5):  # the order of the claims is up to the event loop's timing: several tries
+        records.__init__(swarm([[1.0, 1.0, 1.0], [1.0]]))
+        moved = asyncio.run(race())
+        assert len(moved) == 1, (moved, records.claims)
+        [mover] = moved
+        first_claim = min(records.claims, key=lambda c: c[1])
+        assert first_claim[0] == mover
+        assert all(r.move_claimed_at == 0 for k, r in records.replicas.items() if k != mover)  # withdrawn
