@@ -27,8 +27,15 @@ from noloco_node.codec.tensors import decode_into, encode
 
 BLOCK = 64
 # (label, codec, encode keyword arguments); the generator is reseeded for every encode.
-ROWS = [("none", "none", {}), ("bf16", "bf16", {}), ("int8", "int8", {}), ("fp8", "fp8", {}), ("int4", "int4", {}),
-        ("int4/sr", "int4", {"stochastic": True}), ("topk", "topk", {"fraction": 0.01})]
+ROWS = [
+    ("none", "none", {}),
+    ("bf16", "bf16", {}),
+    ("int8", "int8", {}),
+    ("fp8", "fp8", {}),
+    ("int4", "int4", {}),
+    ("int4/sr", "int4", {"stochastic": True}),
+    ("topk", "topk", {"fraction": 0.01}),
+]
 
 
 def median_seconds(fn, repeats: int) -> float:
@@ -71,8 +78,13 @@ def measure(src: torch.Tensor, dst: torch.Tensor, codec: str, kwargs: dict, repe
     gigabytes = src.numel() * 4 / 1e9
     encode_gbs = gigabytes / median_seconds(run_encode, repeats)
     decode_gbs = gigabytes / median_seconds(lambda: decode_into(spec, payload, dst), repeats)
-    return {"bytes_per_element": len(payload) / src.numel(), "encode": encode_gbs, "decode": decode_gbs,
-            "rel_error": float((dst - src).norm() / src.norm()), "worst_block": worst_block_error(dst, src)}
+    return {
+        "bytes_per_element": len(payload) / src.numel(),
+        "encode": encode_gbs,
+        "decode": decode_gbs,
+        "rel_error": float((dst - src).norm() / src.norm()),
+        "worst_block": worst_block_error(dst, src),
+    }
 
 
 def main() -> None:
@@ -90,18 +102,24 @@ def main() -> None:
     src = sample(numel, args.heavy_tails)
     dst = torch.empty_like(src)
     copy = src.numel() * 4 / 1e9 / median_seconds(lambda: dst.copy_(src), args.repeats)
-    print(f"tensor: {args.mib} MiB float32 ({'Student-t(3)' if args.heavy_tails else 'Gaussian'} x 0.02), "
-          f"threads={torch.get_num_threads()}, allocator tuned={tuned}, repeats={args.repeats}")
+    print(
+        f"tensor: {args.mib} MiB float32 ({'Student-t(3)' if args.heavy_tails else 'Gaussian'} x 0.02), "
+        f"threads={torch.get_num_threads()}, allocator tuned={tuned}, repeats={args.repeats}"
+    )
     print(f"baseline dst.copy_(src): {copy:.2f} GB/s")
     results = {label: measure(src, dst, codec, kwargs, args.repeats) for label, codec, kwargs in ROWS}
     bf16 = results["bf16"]
-    print(f"{'codec':<8} {'bytes/elem':>10} {'x fewer':>8} {'enc GB/s':>9} {'dec GB/s':>9} {'enc/bf16':>9} "
-          f"{'dec/bf16':>9} {'dec/copy':>9} {'rel err':>9} {'max err/absmax':>15}")
+    print(
+        f"{'codec':<8} {'bytes/elem':>10} {'x fewer':>8} {'enc GB/s':>9} {'dec GB/s':>9} {'enc/bf16':>9} "
+        f"{'dec/bf16':>9} {'dec/copy':>9} {'rel err':>9} {'max err/absmax':>15}"
+    )
     for label, r in results.items():
-        print(f"{label:<8} {r['bytes_per_element']:>10.4f} {bf16['bytes_per_element'] / r['bytes_per_element']:>8.2f} "
-              f"{r['encode']:>9.2f} {r['decode']:>9.2f} {r['encode'] / bf16['encode']:>9.3f} "
-              f"{r['decode'] / bf16['decode']:>9.3f} {r['decode'] / copy:>9.3f} {r['rel_error']:>9.2e} "
-              f"{r['worst_block']:>15.2e}")
+        print(
+            f"{label:<8} {r['bytes_per_element']:>10.4f} {bf16['bytes_per_element'] / r['bytes_per_element']:>8.2f} "
+            f"{r['encode']:>9.2f} {r['decode']:>9.2f} {r['encode'] / bf16['encode']:>9.3f} "
+            f"{r['decode'] / bf16['decode']:>9.3f} {r['decode'] / copy:>9.3f} {r['rel_error']:>9.2e} "
+            f"{r['worst_block']:>15.2e}"
+        )
     print("x fewer: bf16's bytes / this codec's bytes; enc, dec: GB of fp32 input per second")
 
 

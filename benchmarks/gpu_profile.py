@@ -50,11 +50,25 @@ from noloco_node.node.manifest import load_run_inputs  # noqa: E402
 JOB_PREFIX = "job:"
 # Jobs whose backward the autograd engine may run on its own device thread (CUDA).
 BACKWARD_JOBS = ("backward", "forward_backward_last", "forward_backward_whole")
-TRACE_KEEPS = ("kernel", "gpu_memcpy", "gpu_memset", "cuda_runtime", "cuda_driver", "cuda_sync", "user_annotation",
-               "gpu_user_annotation")
+TRACE_KEEPS = (
+    "kernel",
+    "gpu_memcpy",
+    "gpu_memset",
+    "cuda_runtime",
+    "cuda_driver",
+    "cuda_sync",
+    "user_annotation",
+    "gpu_user_annotation",
+)
 # Runtime calls that block the host until the GPU has caught up.
-SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
-              "cudaMemcpy2D", "cudaStreamWaitEvent_blocking")
+SYNC_CALLS = (
+    "cudaStreamSynchronize",
+    "cudaDeviceSynchronize",
+    "cudaEventSynchronize",
+    "cudaMemcpy",
+    "cudaMemcpy2D",
+    "cudaStreamWaitEvent_blocking",
+)
 
 
 def label_jobs(node) -> None:
@@ -135,17 +149,31 @@ def analyse(trace: dict, threads: dict[int, str]) -> dict:
         if threads.get(tid) == "loop":
             return "loop", None
         # Another thread (the autograd engine's): the one stage inside a backward job then.
-        inside = [(t, j) for t in jobs_by_tid if (j := job_at(t, ts)) is not None
-                  and j["name"].split(".", 1)[1] in BACKWARD_JOBS]
+        inside = [
+            (t, j)
+            for t in jobs_by_tid
+            if (j := job_at(t, ts)) is not None and j["name"].split(".", 1)[1] in BACKWARD_JOBS
+        ]
         if len(inside) == 1:
             return threads.get(inside[0][0], f"tid{inside[0][0]}"), inside[0][1]
         return ("shared" if inside else "other"), None
 
-    runtime = {e["args"]["correlation"]: e for e in events  # the launch (runtime or driver API) of each GPU event
-               if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
-    stages: dict[str, dict] = defaultdict(lambda: {"kernel_ms": 0.0, "kernels": 0, "memcpy": defaultdict(lambda: [0, 0.0, 0]),
-                                                  "sync_ms": 0.0, "syncs": Counter(), "top": Counter(),
-                                                  "jobs": defaultdict(lambda: [0, 0.0, 0.0])})
+    runtime = {
+        e["args"]["correlation"]: e
+        for e in events  # the launch (runtime or driver API) of each GPU event
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
+    }
+    stages: dict[str, dict] = defaultdict(
+        lambda: {
+            "kernel_ms": 0.0,
+            "kernels": 0,
+            "memcpy": defaultdict(lambda: [0, 0.0, 0]),
+            "sync_ms": 0.0,
+            "syncs": Counter(),
+            "top": Counter(),
+            "jobs": defaultdict(lambda: [0, 0.0, 0.0]),
+        }
+    )
     device_intervals = []
     job_kernel_us: Counter = Counter()
     for e in events:
@@ -182,23 +210,42 @@ def analyse(trace: dict, threads: dict[int, str]) -> dict:
             row[1] += job["dur"] / 1e3
             row[2] += job_kernel_us[id(job)] / 1e3
     loop_tid = next((t for t, name in threads.items() if name == "loop"), None)
-    loop_ops = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("tid") == loop_tid
-                and e.get("cat") == "cpu_op" and t0 <= e["ts"] <= t1]
+    loop_ops = [
+        (e["ts"], e["ts"] + e["dur"])
+        for e in events
+        if e.get("tid") == loop_tid and e.get("cat") == "cpu_op" and t0 <= e["ts"] <= t1
+    ]
     loop_us, _ = union_seconds(loop_ops)
     busy_us, gaps = union_seconds(device_intervals)
     gaps_ms = sorted((g / 1e3 for g in gaps), reverse=True)
-    out = {"wall_ms": wall_us / 1e3,
-           "gpu": {"busy_ms": busy_us / 1e3, "busy_fraction": busy_us / wall_us if wall_us else 0.0,
-                   "idle_ms": (wall_us - busy_us) / 1e3, "gaps_over_0.1ms": sum(g > 0.1 for g in gaps_ms),
-                   "gap_ms_over_0.1ms": sum(g for g in gaps_ms if g > 0.1), "largest_gaps_ms": [round(g, 2) for g in gaps_ms[:5]]},
-           "loop_host_ms": loop_us / 1e3, "stages": {}}
+    out = {
+        "wall_ms": wall_us / 1e3,
+        "gpu": {
+            "busy_ms": busy_us / 1e3,
+            "busy_fraction": busy_us / wall_us if wall_us else 0.0,
+            "idle_ms": (wall_us - busy_us) / 1e3,
+            "gaps_over_0.1ms": sum(g > 0.1 for g in gaps_ms),
+            "gap_ms_over_0.1ms": sum(g for g in gaps_ms if g > 0.1),
+            "largest_gaps_ms": [round(g, 2) for g in gaps_ms[:5]],
+        },
+        "loop_host_ms": loop_us / 1e3,
+        "stages": {},
+    }
     for who, s in sorted(stages.items()):
         out["stages"][who] = {
-            "kernel_ms": round(s["kernel_ms"], 2), "kernels": s["kernels"],
-            "memcpy": {k: {"count": c, "ms": round(ms, 2), "MB": round(b / 1e6, 1)} for k, (c, ms, b) in s["memcpy"].items()},
-            "sync_ms": round(s["sync_ms"], 2), "syncs": dict(s["syncs"]),
-            "jobs": {k: {"count": c, "wall_ms": round(w, 2), "kernel_ms": round(kms, 2)} for k, (c, w, kms) in s["jobs"].items()},
-            "top_kernels": [[name, round(ms, 2)] for name, ms in s["top"].most_common(8)]}
+            "kernel_ms": round(s["kernel_ms"], 2),
+            "kernels": s["kernels"],
+            "memcpy": {
+                k: {"count": c, "ms": round(ms, 2), "MB": round(b / 1e6, 1)} for k, (c, ms, b) in s["memcpy"].items()
+            },
+            "sync_ms": round(s["sync_ms"], 2),
+            "syncs": dict(s["syncs"]),
+            "jobs": {
+                k: {"count": c, "wall_ms": round(w, 2), "kernel_ms": round(kms, 2)}
+                for k, (c, w, kms) in s["jobs"].items()
+            },
+            "top_kernels": [[name, round(ms, 2)] for name, ms in s["top"].most_common(8)],
+        }
     return out
 
 
@@ -216,7 +263,9 @@ def time_head_and_layer(node, args, repeats: int = 5) -> dict:
     position_ids = torch.arange(args.seq_len, device=device)[None]
     position_embeddings = stage.rotary_emb(x, position_ids)
     mask = stage._mask(x) if hasattr(stage, "_mask") else None
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    autocast = (
+        torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    )
 
     def head_loss():
         xi = x.detach().requires_grad_()
@@ -297,17 +346,24 @@ async def profiled_run(args) -> dict:
 
 def table(summary: dict, label: str) -> str:
     g = summary.get("gpu", {})
-    lines = [f"[{label}] {summary.get('tok_s', 0):.0f} tok/s MFU {summary.get('mfu', 0):.3f} | profiled "
-             f"{summary.get('profiled_steps')} steps: wall {summary.get('wall_ms', 0):.0f} ms, GPU busy "
-             f"{g.get('busy_ms', 0):.0f} ms ({g.get('busy_fraction', 0):.2f}), gaps>0.1ms {g.get('gaps_over_0.1ms', 0)} "
-             f"= {g.get('gap_ms_over_0.1ms', 0):.0f} ms, largest {g.get('largest_gaps_ms')}, event loop host "
-             f"{summary.get('loop_host_ms', 0):.0f} ms, head+loss {summary.get('head_vs_layer', {}).get('head_loss_ms', 0):.2f} ms"
-             f" vs layer {summary.get('head_vs_layer', {}).get('layer_ms', 0):.2f} ms"]
+    lines = [
+        f"[{label}] {summary.get('tok_s', 0):.0f} tok/s MFU {summary.get('mfu', 0):.3f} | profiled "
+        f"{summary.get('profiled_steps')} steps: wall {summary.get('wall_ms', 0):.0f} ms, GPU busy "
+        f"{g.get('busy_ms', 0):.0f} ms ({g.get('busy_fraction', 0):.2f}), gaps>0.1ms {g.get('gaps_over_0.1ms', 0)} "
+        f"= {g.get('gap_ms_over_0.1ms', 0):.0f} ms, largest {g.get('largest_gaps_ms')}, event loop host "
+        f"{summary.get('loop_host_ms', 0):.0f} ms, head+loss "
+        f"{summary.get('head_vs_layer', {}).get('head_loss_ms', 0):.2f} ms"
+        f" vs layer {summary.get('head_vs_layer', {}).get('layer_ms', 0):.2f} ms"
+    ]
     for who, s in summary.get("stages", {}).items():
         copies = " ".join(f"{k} {v['count']}x{v['ms']:.1f}ms/{v['MB']:.0f}MB" for k, v in s["memcpy"].items())
-        jobs = " ".join(f"{k} {v['count']}x wall {v['wall_ms']:.0f} kern {v['kernel_ms']:.0f}" for k, v in s["jobs"].items())
-        lines.append(f"  {who:6s} kernels {s['kernel_ms']:8.1f} ms ({s['kernels']}) | {copies or 'no copies'} | sync "
-                     f"{sum(s['syncs'].values())}x {s['sync_ms']:.1f} ms | {jobs}")
+        jobs = " ".join(
+            f"{k} {v['count']}x wall {v['wall_ms']:.0f} kern {v['kernel_ms']:.0f}" for k, v in s["jobs"].items()
+        )
+        lines.append(
+            f"  {who:6s} kernels {s['kernel_ms']:8.1f} ms ({s['kernels']}) | {copies or 'no copies'} | sync "
+            f"{sum(s['syncs'].values())}x {s['sync_ms']:.1f} ms | {jobs}"
+        )
         if s["top_kernels"]:
             lines.append("         top: " + "; ".join(f"{n[:48]} {ms:.1f}" for n, ms in s["top_kernels"][:4]))
     return "\n".join(lines)

@@ -52,7 +52,9 @@ def flops_per_token(c, seq: int, layers: range | None = None, head: bool = True)
 
 
 def autocast(args):
-    return torch.autocast("cuda", dtype=torch.bfloat16) if args.device == "cuda" else torch.autocast("cpu", enabled=False)
+    return (
+        torch.autocast("cuda", dtype=torch.bfloat16) if args.device == "cuda" else torch.autocast("cpu", enabled=False)
+    )
 
 
 def synchronize(args) -> None:
@@ -65,11 +67,25 @@ def peak_bytes(args) -> int:
 
 
 def config_for(args, out: Path, **extra: str):
-    sets = {"model.preset": args.preset, "model.seq_len": args.seq_len, "pipeline.batch_size": args.batch,
-            "pipeline.microbatch_size": args.micro, "pipeline.num_stages": 2, "pipeline.device": args.device,
-            "pipeline.activation_codec": "bf16", "pipeline.max_in_flight": args.max_in_flight, "inner.lr": 3e-4,
-            "inner.warmup_steps": 4, "inner.total_steps": 1000, "outer.method": "none", "timeouts.rpc_s": 600,
-            "timeouts.microbatch_s": 1200, "timeouts.receive_s": 600, "data.holdout_fraction": 0.02, **extra}
+    sets = {
+        "model.preset": args.preset,
+        "model.seq_len": args.seq_len,
+        "pipeline.batch_size": args.batch,
+        "pipeline.microbatch_size": args.micro,
+        "pipeline.num_stages": 2,
+        "pipeline.device": args.device,
+        "pipeline.activation_codec": "bf16",
+        "pipeline.max_in_flight": args.max_in_flight,
+        "inner.lr": 3e-4,
+        "inner.warmup_steps": 4,
+        "inner.total_steps": 1000,
+        "outer.method": "none",
+        "timeouts.rpc_s": 600,
+        "timeouts.microbatch_s": 1200,
+        "timeouts.receive_s": 600,
+        "data.holdout_fraction": 0.02,
+        **extra,
+    }
     return load_config(overrides=[f"{k}={v}" for k, v in sets.items()])
 
 
@@ -130,10 +146,17 @@ async def in_process(config, args, llama, ranges) -> dict:
         stages = []
         for node, busy_s in zip(swarm.nodes, busy):
             fpt = flops_per_token(llama, args.seq_len, ranges[node.stage], head=node.parts.shape.is_last)
-            stages.append({"stage": node.stage, "busy_s": busy_s, "busy_mfu": tokens * fpt / busy_s / (args.peak_tflops * 1e12)})
+            stages.append(
+                {"stage": node.stage, "busy_s": busy_s, "busy_mfu": tokens * fpt / busy_s / (args.peak_tflops * 1e12)}
+            )
         driver = swarm.stage(0)[0].driver
-        return {"tok_s": tokens / seconds, "stages": stages, "peak_gib": peak_bytes(args) / 2**30,
-                "final_loss": driver.log.step_losses[-1], "staleness": driver.log.max_staleness}
+        return {
+            "tok_s": tokens / seconds,
+            "stages": stages,
+            "peak_gib": peak_bytes(args) / 2**30,
+            "final_loss": driver.log.step_losses[-1],
+            "staleness": driver.log.max_staleness,
+        }
     finally:
         await swarm.stop()
         if args.device == "cuda":
@@ -142,8 +165,13 @@ async def in_process(config, args, llama, ranges) -> dict:
 
 
 def held_out_loss(swarm: InProcessSwarm, args, count: int = 8) -> float:
-    batches = PackedSequences(swarm.corpus, swarm.tokenizer, seq_len=args.seq_len, split="validation",
-                              holdout_fraction=swarm.config.data.holdout_fraction).batches(args.micro)
+    batches = PackedSequences(
+        swarm.corpus,
+        swarm.tokenizer,
+        seq_len=args.seq_len,
+        split="validation",
+        holdout_fraction=swarm.config.data.holdout_fraction,
+    ).batches(args.micro)
     losses = []
     with torch.no_grad(), autocast(args):
         for _, (inputs, labels) in zip(range(count), batches):
@@ -162,12 +190,21 @@ async def price_of_overlap(args, out: Path) -> list[dict]:
             swarm = await InProcessSwarm(config, replicas=1).start()
             try:
                 await swarm.train(args.price_steps, timeout_s=3600)
-                rows.append({"seed": seed, "schedule": schedule, "held_out_loss": held_out_loss(swarm, args),
-                             "train_loss_last": swarm.stage(0)[0].driver.log.step_losses[-1]})
+                rows.append(
+                    {
+                        "seed": seed,
+                        "schedule": schedule,
+                        "held_out_loss": held_out_loss(swarm, args),
+                        "train_loss_last": swarm.stage(0)[0].driver.log.step_losses[-1],
+                    }
+                )
             finally:
                 await swarm.stop()
-            print(f"price: seed {seed} {schedule:7s} held-out {rows[-1]['held_out_loss']:.4f} "
-                  f"(last train step {rows[-1]['train_loss_last']:.4f})", flush=True)
+            print(
+                f"price: seed {seed} {schedule:7s} held-out {rows[-1]['held_out_loss']:.4f} "
+                f"(last train step {rows[-1]['train_loss_last']:.4f})",
+                flush=True,
+            )
     return rows
 
 
@@ -209,38 +246,63 @@ def main() -> int:
         llama, ranges = run_model(config, len(tokenizer))
         fpt = flops_per_token(llama, args.seq_len)
         peak = args.peak_tflops * 1e12
-        print(f"{result['device']}: {args.preset} hidden {llama.hidden_size} layers {llama.num_hidden_layers}, split "
-              f"{[len(r) for r in ranges]}, seq {args.seq_len} batch {args.batch} micro {args.micro}", flush=True)
+        print(
+            f"{result['device']}: {args.preset} hidden {llama.hidden_size} layers {llama.num_hidden_layers}, split "
+            f"{[len(r) for r in ranges]}, seq {args.seq_len} batch {args.batch} micro {args.micro}",
+            flush=True,
+        )
         if args.price_only:
             result["price_of_overlap"] = asyncio.run(price_of_overlap(args, out))
             return save(args, result)
         batches = PackedSequences(corpus, tokenizer, seq_len=args.seq_len, shuffle_buffer=0).batches(args.batch)
         runs = set(args.runs.split(",")) | ({"processes"} if args.processes else set())
         hf = result["hf"] = plain_hf(llama, batches, args) if "hf" in runs else {"tok_s": float("nan"), "peak_gib": 0.0}
-        print(f"plain HF          {hf['tok_s']:9.0f} tok/s  MFU {hf['tok_s'] * fpt / peak:.3f}  peak {hf['peak_gib']:.1f} GiB", flush=True)
+        print(
+            f"plain HF          {hf['tok_s']:9.0f} tok/s  MFU {hf['tok_s'] * fpt / peak:.3f}  peak "
+            f"{hf['peak_gib']:.1f} GiB",
+            flush=True,
+        )
         save(args, result)
         for schedule in [s for s in ("exact", "overlap") if s in runs]:
             try:
-                run = result[f"in_process_{schedule}"] = asyncio.run(in_process(
-                    config_for(args, out, **{"pipeline.schedule": schedule}), args, llama, ranges))
+                run = result[f"in_process_{schedule}"] = asyncio.run(
+                    in_process(config_for(args, out, **{"pipeline.schedule": schedule}), args, llama, ranges)
+                )
             except ConfigError as exc:  # refused by the node's own memory check: say so, measure the rest
                 result[f"in_process_{schedule}"] = {"refused": str(exc)}
                 print(f"in-process P=2 {schedule:7s} refused: {exc}", flush=True)
                 continue
             busy = "  ".join(f"stage {s['stage']} busy MFU {s['busy_mfu']:.3f}" for s in run["stages"])
-            print(f"in-process P=2 {schedule:7s} {run['tok_s']:9.0f} tok/s  MFU {run['tok_s'] * fpt / peak:.3f}  "
-                  f"x HF {run['tok_s'] / hf['tok_s']:.3f}  {busy}  peak {run['peak_gib']:.1f} GiB", flush=True)
+            print(
+                f"in-process P=2 {schedule:7s} {run['tok_s']:9.0f} tok/s  MFU {run['tok_s'] * fpt / peak:.3f}  "
+                f"x HF {run['tok_s'] / hf['tok_s']:.3f}  {busy}  peak {run['peak_gib']:.1f} GiB",
+                flush=True,
+            )
             save(args, result)
         if "processes" in runs:
-            sets = [f"{k}={v}" for k, v in {"model.preset": args.preset, "model.seq_len": args.seq_len,
-                                             "pipeline.batch_size": args.batch, "pipeline.microbatch_size": args.micro,
-                                             "pipeline.device": args.device, "pipeline.activation_codec": "bf16",
-                                             "pipeline.max_in_flight": args.max_in_flight, "outer.method": "none",
-                                             "inner.lr": 3e-4, "timeouts.rpc_s": 600, "timeouts.microbatch_s": 1200,
-                                             "timeouts.receive_s": 600}.items()]
+            sets = [
+                f"{k}={v}"
+                for k, v in {
+                    "model.preset": args.preset,
+                    "model.seq_len": args.seq_len,
+                    "pipeline.batch_size": args.batch,
+                    "pipeline.microbatch_size": args.micro,
+                    "pipeline.device": args.device,
+                    "pipeline.activation_codec": "bf16",
+                    "pipeline.max_in_flight": args.max_in_flight,
+                    "outer.method": "none",
+                    "inner.lr": 3e-4,
+                    "timeouts.rpc_s": 600,
+                    "timeouts.microbatch_s": 1200,
+                    "timeouts.receive_s": 600,
+                }.items()
+            ]
             run = result["processes"] = processes(sets, args, out)
-            print(f"processes P=2     {run['tok_s']:9.0f} tok/s  MFU {run['tok_s'] * fpt / peak:.3f}  "
-                  f"x HF {run['tok_s'] / hf['tok_s']:.3f}", flush=True)
+            print(
+                f"processes P=2     {run['tok_s']:9.0f} tok/s  MFU {run['tok_s'] * fpt / peak:.3f}  "
+                f"x HF {run['tok_s'] / hf['tok_s']:.3f}",
+                flush=True,
+            )
         if args.price_steps:
             result["price_of_overlap"] = asyncio.run(price_of_overlap(args, out))
     return save(args, result)

@@ -13,7 +13,8 @@ routing's alone (the integration test checks its shares, not its speed).
 Prints the tokens/s each run completed (every driver's completed microbatches, a mover's from
 before its move included, over the measured window) and the ratio aware / baseline.
 
-    .venv/bin/python benchmarks/heterogeneous.py [--seconds 60] [--delay-s 0.02] [--routing-only] [--out runs/bench-heterogeneous]
+    .venv/bin/python benchmarks/heterogeneous.py [--seconds 60] [--delay-s 0.02] [--routing-only] \
+        [--out runs/bench-heterogeneous]
 """
 
 from __future__ import annotations
@@ -34,21 +35,38 @@ from noloco_node.experiments.process_group import raise_on_signals  # noqa: E402
 def overrides(out: Path, **extra) -> list[str]:
     from conftest import prepare_tokenizer, tiny_overrides  # the tests' tiny corpus and model
 
-    sets = tiny_overrides(out, **{"outer.method": "noloco", "outer.inner_steps_per_outer": 10, "pipeline.batch_size": 4,
-                                  "pipeline.microbatch_size": 1, "inner.total_steps": 100000,
-                                  "timeouts.microbatch_s": 30.0, "timeouts.match_s": 2.0, **extra})
+    sets = tiny_overrides(
+        out,
+        **{
+            "outer.method": "noloco",
+            "outer.inner_steps_per_outer": 10,
+            "pipeline.batch_size": 4,
+            "pipeline.microbatch_size": 1,
+            "inner.total_steps": 100000,
+            "timeouts.microbatch_s": 30.0,
+            "timeouts.match_s": 2.0,
+            **extra,
+        },
+    )
     prepare_tokenizer(sets)
     return sets
 
 
 def run(out: Path, *, aware: bool, rebalance: bool, seconds: float, delay_s: float, period_s: float) -> dict:
     out.mkdir(parents=True, exist_ok=True)
-    sets = overrides(out, **{"pipeline.routing": "capacity" if aware else "random",
-                             "pipeline.rebalance": str(aware and rebalance).lower(), "pipeline.rebalance_period_s": period_s})
+    sets = overrides(
+        out,
+        **{
+            "pipeline.routing": "capacity" if aware else "random",
+            "pipeline.rebalance": str(aware and rebalance).lower(),
+            "pipeline.rebalance_period_s": period_s,
+        },
+    )
     with raise_on_signals(), LocalSwarm(out / "swarm", overrides=sets, threads=1) as swarm:
         swarm.start_bootstrap()
-        servers = [swarm.start_node(1, 0)] + [swarm.start_node(1, r, "--set", f"faults.compute_delay_s={delay_s}")
-                                              for r in (1, 2)]
+        servers = [swarm.start_node(1, 0)] + [
+            swarm.start_node(1, r, "--set", f"faults.compute_delay_s={delay_s}") for r in (1, 2)
+        ]
         swarm.wait_ready(servers)
         drivers = [swarm.start_node(0, r, "--steps", "100000", "--wait-replicas", "3") for r in range(3)]
         swarm.wait_ready(drivers)
@@ -65,8 +83,13 @@ def run(out: Path, *, aware: bool, rebalance: bool, seconds: float, delay_s: flo
             completed += move.get("microbatches", {}).get("completed", 0)
     seq_len = int(dict(o.split("=", 1) for o in sets)["model.seq_len"])
     stages = sorted(s["stage"] for s in stats.values())
-    return {"tokens_per_s": completed * seq_len / window, "microbatches": completed, "window_s": round(window, 1),
-            "moves": moves, "stages_at_end": stages}
+    return {
+        "tokens_per_s": completed * seq_len / window,
+        "microbatches": completed,
+        "window_s": round(window, 1),
+        "moves": moves,
+        "stages_at_end": stages,
+    }
 
 
 def main() -> None:
@@ -81,15 +104,26 @@ def main() -> None:
     shutil.rmtree(out, ignore_errors=True)
     results = {}
     for name, aware in (("baseline", False), ("aware", True)):
-        results[name] = run(out / name, aware=aware, rebalance=not args.routing_only, seconds=args.seconds,
-                            delay_s=args.delay_s, period_s=args.period_s)
-        print(f"{name:8s}: {results[name]['tokens_per_s']:8.1f} tokens/s  ({results[name]['microbatches']} microbatches "
-              f"in {results[name]['window_s']} s, moves {results[name]['moves']}, stages at end {results[name]['stages_at_end']})",
-              flush=True)
+        results[name] = run(
+            out / name,
+            aware=aware,
+            rebalance=not args.routing_only,
+            seconds=args.seconds,
+            delay_s=args.delay_s,
+            period_s=args.period_s,
+        )
+        print(
+            f"{name:8s}: {results[name]['tokens_per_s']:8.1f} tokens/s  ({results[name]['microbatches']} microbatches "
+            f"in {results[name]['window_s']} s, moves {results[name]['moves']}, stages at end "
+            f"{results[name]['stages_at_end']})",
+            flush=True,
+        )
     ratio = results["aware"]["tokens_per_s"] / results["baseline"]["tokens_per_s"]
     aware_is = "capacity routing" if args.routing_only else "capacity routing + rebalancing"
-    print(f"aware ({aware_is}) / baseline = {ratio:.2f}x  (2 x 3 swarm, stage 1 has 2 replicas slowed by "
-          f"{args.delay_s} s per pass)")
+    print(
+        f"aware ({aware_is}) / baseline = {ratio:.2f}x  (2 x 3 swarm, stage 1 has 2 replicas slowed by "
+        f"{args.delay_s} s per pass)"
+    )
     (out / "results.json").write_text(json.dumps({**results, "ratio": ratio, "args": vars(args)}, indent=1))
 
 

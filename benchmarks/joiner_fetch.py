@@ -39,8 +39,12 @@ from noloco_node.sync.transfer import counters_json, expected_tensors, import_st
 from noloco_node.wire.v1 import outer_pb2_grpc
 
 HIDDEN, INTERMEDIATE = 768, 3072  # the `small` preset (config/sections.py MODEL_PRESETS)
-SCENARIOS = (("one donor, dense (before)", 1, False), ("one donor, compact", 1, True),
-             ("two donors, dense", 2, False), ("two donors, compact (after)", 2, True))
+SCENARIOS = (
+    ("one donor, dense (before)", 1, False),
+    ("one donor, compact", 1, True),
+    ("two donors, dense", 2, False),
+    ("two donors, compact (after)", 2, True),
+)
 
 
 def stage_parameters(layers: int) -> dict[str, nn.Parameter]:
@@ -49,8 +53,13 @@ def stage_parameters(layers: int) -> dict[str, nn.Parameter]:
         p = f"layers.{i}."
         shapes.update({p + "input_norm.weight": (HIDDEN,), p + "post_norm.weight": (HIDDEN,)})
         shapes.update({p + f"attn.{w}.weight": (HIDDEN, HIDDEN) for w in "qkvo"})
-        shapes.update({p + "mlp.gate.weight": (INTERMEDIATE, HIDDEN), p + "mlp.up.weight": (INTERMEDIATE, HIDDEN),
-                       p + "mlp.down.weight": (HIDDEN, INTERMEDIATE)})
+        shapes.update(
+            {
+                p + "mlp.gate.weight": (INTERMEDIATE, HIDDEN),
+                p + "mlp.up.weight": (INTERMEDIATE, HIDDEN),
+                p + "mlp.down.weight": (HIDDEN, INTERMEDIATE),
+            }
+        )
     return {n: nn.Parameter(torch.zeros(s)) for n, s in shapes.items()}
 
 
@@ -90,9 +99,19 @@ async def run(layers: int, donors: int, compact: bool, profile: LinkProfile) -> 
     for i in range(donors):
         server = grpc.aio.server()
         # Each donor holds the same state, as a stage's replicas nearly do.
-        outer_pb2_grpc.add_OuterServicer_to_server(OuterServicer(
-            None, peer_id=f"donor{i}", run_id="bench", manifest_hash="h", stage=1, max_bytes=1 << 30,
-            deadlines=LinkDeadlines(), donor=Donor(params, seed=1)), server)
+        outer_pb2_grpc.add_OuterServicer_to_server(
+            OuterServicer(
+                None,
+                peer_id=f"donor{i}",
+                run_id="bench",
+                manifest_hash="h",
+                stage=1,
+                max_bytes=1 << 30,
+                deadlines=LinkDeadlines(),
+                donor=Donor(params, seed=1),
+            ),
+            server,
+        )
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         relay = Relay(f"127.0.0.1:{port}", profile, seed=i)
@@ -107,8 +126,16 @@ async def run(layers: int, donors: int, compact: bool, profile: LinkProfile) -> 
     expected = expected_tensors(outer)
     try:
         began = time.monotonic()
-        fetched = await fetch_from_donors(client, list(addresses), stage=1, requester="joiner", timeout_s=600,
-                                          expected=expected, compact=compact, max_donors=donors)
+        fetched = await fetch_from_donors(
+            client,
+            list(addresses),
+            stage=1,
+            requester="joiner",
+            timeout_s=600,
+            expected=expected,
+            compact=compact,
+            max_donors=donors,
+        )
         fetched_s = time.monotonic() - began
         import_state(outer, inner, fetched.tensors, fetched.counters)
         imported_s = time.monotonic() - began
@@ -124,9 +151,17 @@ async def run(layers: int, donors: int, compact: bool, profile: LinkProfile) -> 
             await server.stop(None)
     numel = sum(p.numel() for p in params.values())
     payload = sum(parameter_bytes(expected, compact).values())
-    return {"donors": donors, "compact": compact, "parameters": numel, "payload_bytes": payload,
-            "bytes_per_parameter": payload / numel, "fetch_s": fetched_s, "imported_s": imported_s,
-            "first_step_s": first_step_s, "parameters_from": fetched.parameters_from}
+    return {
+        "donors": donors,
+        "compact": compact,
+        "parameters": numel,
+        "payload_bytes": payload,
+        "bytes_per_parameter": payload / numel,
+        "fetch_s": fetched_s,
+        "imported_s": imported_s,
+        "first_step_s": first_step_s,
+        "parameters_from": fetched.parameters_from,
+    }
 
 
 def main() -> None:
@@ -138,26 +173,37 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
     profile = LinkProfile("uplink", one_way_ms=args.one_way_ms, mbit=args.mbit)
-    print(f"stage: {args.layers} layer(s) of the small preset's shape; each donor behind {args.mbit:g} Mbit/s, "
-          f"{args.one_way_ms:g} ms one way (netem relay)")
+    print(
+        f"stage: {args.layers} layer(s) of the small preset's shape; each donor behind {args.mbit:g} Mbit/s, "
+        f"{args.one_way_ms:g} ms one way (netem relay)"
+    )
     results = []
     for label, donors, compact in SCENARIOS:
         result = asyncio.run(run(args.layers, donors, compact, profile))
         results.append(result)
         ideal = result["payload_bytes"] / donors / profile.bytes_per_s
-        print(f"{label:30s} {result['parameters'] / 1e6:.2f} M params, {result['payload_bytes'] / 1e6:7.1f} MB "
-              f"({result['bytes_per_parameter']:.2f} B/param): fetched {result['fetch_s']:6.1f} s "
-              f"(link-bound {ideal:5.1f} s), imported {result['imported_s']:6.1f} s, "
-              f"first step {result['first_step_s']:6.1f} s", flush=True)
+        print(
+            f"{label:30s} {result['parameters'] / 1e6:.2f} M params, {result['payload_bytes'] / 1e6:7.1f} MB "
+            f"({result['bytes_per_parameter']:.2f} B/param): fetched {result['fetch_s']:6.1f} s "
+            f"(link-bound {ideal:5.1f} s), imported {result['imported_s']:6.1f} s, "
+            f"first step {result['first_step_s']:6.1f} s",
+            flush=True,
+        )
     before, after = results[0], results[-1]
-    print(f"bytes per parameter: {before['bytes_per_parameter']:.2f} -> {after['bytes_per_parameter']:.2f} "
-          f"({before['bytes_per_parameter'] / after['bytes_per_parameter']:.2f}x fewer)")
-    print(f"time to first step: {before['first_step_s']:.1f} s -> {after['first_step_s']:.1f} s "
-          f"({before['first_step_s'] / after['first_step_s']:.2f}x faster)")
+    print(
+        f"bytes per parameter: {before['bytes_per_parameter']:.2f} -> {after['bytes_per_parameter']:.2f} "
+        f"({before['bytes_per_parameter'] / after['bytes_per_parameter']:.2f}x fewer)"
+    )
+    print(
+        f"time to first step: {before['first_step_s']:.1f} s -> {after['first_step_s']:.1f} s "
+        f"({before['first_step_s'] / after['first_step_s']:.2f}x faster)"
+    )
     per_param_s = (after["first_step_s"] / after["parameters"], before["first_step_s"] / before["parameters"])
     for preset, numel in (("small stage of 2 (57 M params)", 57e6), ("medium stage (0.41 B params)", 0.41e9)):
-        print(f"  scaled by parameters to a {preset}: {numel * per_param_s[1] / 60:.1f} min -> "
-              f"{numel * per_param_s[0] / 60:.1f} min at {args.mbit:g} Mbit/s per donor")
+        print(
+            f"  scaled by parameters to a {preset}: {numel * per_param_s[1] / 60:.1f} min -> "
+            f"{numel * per_param_s[0] / 60:.1f} min at {args.mbit:g} Mbit/s per donor"
+        )
     print(json.dumps(results))
 
 

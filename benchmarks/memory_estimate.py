@@ -28,11 +28,18 @@ from collections import deque
 def _config(args, preset: str, stages: int, schedule: str):
     from noloco_node.config import load_config
 
-    sets = [f"model.preset={preset}", f"model.seq_len={args.seq_len}", f"pipeline.num_stages={stages}",
-            f"pipeline.batch_size={args.batch}", f"pipeline.microbatch_size={args.micro}",
-            f"pipeline.max_in_flight={args.max_in_flight}", f"pipeline.schedule={schedule}",
-            f"pipeline.activation_checkpointing={str(args.checkpointing).lower()}", f"outer.method={args.method}",
-            f"pipeline.device={args.device}"]
+    sets = [
+        f"model.preset={preset}",
+        f"model.seq_len={args.seq_len}",
+        f"pipeline.num_stages={stages}",
+        f"pipeline.batch_size={args.batch}",
+        f"pipeline.microbatch_size={args.micro}",
+        f"pipeline.max_in_flight={args.max_in_flight}",
+        f"pipeline.schedule={schedule}",
+        f"pipeline.activation_checkpointing={str(args.checkpointing).lower()}",
+        f"outer.method={args.method}",
+        f"pipeline.device={args.device}",
+    ]
     if args.layers:
         sets.append(f"model.num_layers={args.layers}")
     return load_config(overrides=sets + list(args.set))
@@ -157,13 +164,23 @@ def measure(args, preset: str, stages: int, stage_index: int, schedule: str) -> 
         with open("/proc/self/clear_refs", "w") as f:  # reset VmHWM: the build's peak is reported apart
             f.write("5")
     inner = cfg.inner
-    optimizer = InnerOptimizer(stage.parameters(), InnerSchedule(lr_max=inner.lr, warmup_steps=inner.warmup_steps,
-                                                                 total_steps=inner.total_steps))
-    state = OuterState(stage.named_parameters(), alpha=cfg.outer.alpha, beta=cfg.outer.beta, gamma=cfg.outer.gamma) \
-        if cfg.outer.method == "noloco" else None
-    settings = WorkerSettings(batch_size=cfg.pipeline.batch_size, saved_ttl_s=1e9, auto_step=stage_index != 0,
-                              device=device, bf16_autocast=cfg.pipeline.bf16_autocast,
-                              stash_weights=schedule == "overlap" and not stage.is_last)  # as the node sets it
+    optimizer = InnerOptimizer(
+        stage.parameters(),
+        InnerSchedule(lr_max=inner.lr, warmup_steps=inner.warmup_steps, total_steps=inner.total_steps),
+    )
+    state = (
+        OuterState(stage.named_parameters(), alpha=cfg.outer.alpha, beta=cfg.outer.beta, gamma=cfg.outer.gamma)
+        if cfg.outer.method == "noloco"
+        else None
+    )
+    settings = WorkerSettings(
+        batch_size=cfg.pipeline.batch_size,
+        saved_ttl_s=1e9,
+        auto_step=stage_index != 0,
+        device=device,
+        bf16_autocast=cfg.pipeline.bf16_autocast,
+        stash_weights=schedule == "overlap" and not stage.is_last,
+    )  # as the node sets it
     worker = StageWorker(stage, optimizer, settings, slow_weights=(lambda: state.phi) if state is not None else None)
     # On a thread of its own, as the node's compute thread (glibc gives it its own arena).
     failure: list[BaseException] = []
@@ -173,10 +190,23 @@ def measure(args, preset: str, stages: int, stage_index: int, schedule: str) -> 
     if failure:
         raise failure[0]
     trained = peak_memory_bytes(device) - baseline
-    return {"preset": preset, "layers": llama.num_hidden_layers, "stages": stages, "stage": stage_index,
-            "schedule": schedule, "device": device.type, "seq_len": args.seq_len, "micro": args.micro,
-            "batch": args.batch, "estimate": need.total, "parts": need.breakdown(), "peak": max(built, trained),
-            "build_peak": built, "train_peak": trained, "seconds": round(time.monotonic() - started, 1)}
+    return {
+        "preset": preset,
+        "layers": llama.num_hidden_layers,
+        "stages": stages,
+        "stage": stage_index,
+        "schedule": schedule,
+        "device": device.type,
+        "seq_len": args.seq_len,
+        "micro": args.micro,
+        "batch": args.batch,
+        "estimate": need.total,
+        "parts": need.breakdown(),
+        "peak": max(built, trained),
+        "build_peak": built,
+        "train_peak": trained,
+        "seconds": round(time.monotonic() - started, 1),
+    }
 
 
 def cases(presets: list[str], schedules: list[str]) -> list[tuple[str, int, int, str]]:
@@ -198,9 +228,24 @@ def run_case(args, case: tuple[str, int, int, str], timeout_s: float = 1800) -> 
 
 
 def _common(args) -> list[str]:
-    out = ["--seq-len", str(args.seq_len), "--micro", str(args.micro), "--batch", str(args.batch), "--steps",
-           str(args.steps), "--max-in-flight", str(args.max_in_flight), "--method", args.method, "--device",
-           args.device, "--threads", str(args.threads)]
+    out = [
+        "--seq-len",
+        str(args.seq_len),
+        "--micro",
+        str(args.micro),
+        "--batch",
+        str(args.batch),
+        "--steps",
+        str(args.steps),
+        "--max-in-flight",
+        str(args.max_in_flight),
+        "--method",
+        args.method,
+        "--device",
+        args.device,
+        "--threads",
+        str(args.threads),
+    ]
     if args.layers:
         out += ["--layers", str(args.layers)]
     if args.checkpointing:
@@ -212,9 +257,12 @@ def _common(args) -> list[str]:
 
 def row(r: dict) -> str:
     mib = 1 << 20
-    return (f"{r['preset']:<7} {r['layers']:>3} {r['stages']:>2} {r['stage']:>2} {r['schedule']:<8} {r['estimate'] / mib:>9.1f} "
-            f"{r['peak'] / mib:>9.1f} {r['estimate'] / max(1, r['peak']):>6.2f} {r['build_peak'] / mib:>8.1f} "
-            f"{r['parts']['activations'] / mib:>8.1f}")
+    return (
+        f"{r['preset']:<7} {r['layers']:>3} {r['stages']:>2} {r['stage']:>2} {r['schedule']:<8} "
+        f"{r['estimate'] / mib:>9.1f} "
+        f"{r['peak'] / mib:>9.1f} {r['estimate'] / max(1, r['peak']):>6.2f} {r['build_peak'] / mib:>8.1f} "
+        f"{r['parts']['activations'] / mib:>8.1f}"
+    )
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -244,10 +292,14 @@ def main(argv: list[str] | None = None) -> int:
         result = measure(args, preset, int(stages), int(stage), schedule)
         print(json.dumps(result) if args.json else row(result))
         return 0
-    print(f"device {args.device}, seq {args.seq_len}, microbatch {args.micro}, batch {args.batch}, "
-          f"max_in_flight {args.max_in_flight}, {args.method}; MiB")
-    print(f"{'preset':<7} {'L':>3} {'P':>2} {'s':>2} {'schedule':<8} {'estimate':>9} {'measured':>9} {'ratio':>6} "
-          f"{'build':>8} {'act est':>8}")
+    print(
+        f"device {args.device}, seq {args.seq_len}, microbatch {args.micro}, batch {args.batch}, "
+        f"max_in_flight {args.max_in_flight}, {args.method}; MiB"
+    )
+    print(
+        f"{'preset':<7} {'L':>3} {'P':>2} {'s':>2} {'schedule':<8} {'estimate':>9} {'measured':>9} {'ratio':>6} "
+        f"{'build':>8} {'act est':>8}"
+    )
     results = []
     for case in cases(args.presets.split(","), args.schedules.split(",")):
         results.append(run_case(args, case))

@@ -32,11 +32,22 @@ from noloco_node.model.memory import stage_params
 
 
 def overrides(args, cache_dir: str) -> list[str]:
-    return [f"data.cache_dir={cache_dir}", f"model.preset={args.preset}", f"model.seq_len={args.seq_len}",
-            f"pipeline.batch_size={args.batch}", f"pipeline.microbatch_size={args.micro}", "pipeline.num_stages=2",
-            f"pipeline.activation_codec={args.codec}", "inner.lr=1e-4", "inner.warmup_steps=1",
-            f"inner.total_steps={args.steps + args.warmup}", "outer.method=none", "timeouts.rpc_s=600",
-            "timeouts.microbatch_s=1200", "timeouts.receive_s=600"]
+    return [
+        f"data.cache_dir={cache_dir}",
+        f"model.preset={args.preset}",
+        f"model.seq_len={args.seq_len}",
+        f"pipeline.batch_size={args.batch}",
+        f"pipeline.microbatch_size={args.micro}",
+        "pipeline.num_stages=2",
+        f"pipeline.activation_codec={args.codec}",
+        "inner.lr=1e-4",
+        "inner.warmup_steps=1",
+        f"inner.total_steps={args.steps + args.warmup}",
+        "outer.method=none",
+        "timeouts.rpc_s=600",
+        "timeouts.microbatch_s=1200",
+        "timeouts.receive_s=600",
+    ]
 
 
 def main() -> None:
@@ -58,23 +69,35 @@ def main() -> None:
         llama, ranges = run_model(config, len(tokenizer))
         params = [stage_params(llama, r, first=s == 0, last=s == 1) for s, r in enumerate(ranges)]
         round_bytes = [len(encode(torch.zeros(n), config.outer.codec)[1]) for n in params]
-        print(f"model: preset {args.preset} (hidden {llama.hidden_size}, {llama.num_hidden_layers} layers, vocab "
-              f"{llama.vocab_size}), stages {[len(r) for r in ranges]} layers, {params} parameters; seq {args.seq_len}, "
-              f"batch {args.batch} in microbatches of {args.micro}; activations {args.codec}; {args.steps} timed steps",
-              flush=True)
+        print(
+            f"model: preset {args.preset} (hidden {llama.hidden_size}, {llama.num_hidden_layers} layers, vocab "
+            f"{llama.vocab_size}), stages {[len(r) for r in ranges]} layers, {params} parameters; seq {args.seq_len}, "
+            f"batch {args.batch} in microbatches of {args.micro}; activations {args.codec}; {args.steps} timed steps",
+            flush=True,
+        )
         baseline, rss_one = one_process(config, corpus, tokenizer, args)
         print(f"one process, 2 threads:              {baseline:9.1f} tokens/s, peak RSS {rss_one:.0f} MB", flush=True)
         piped = two_stage_swarm(sets, args, Path(tmp) / "swarm")
-        print(f"P=2 x 1 over gRPC, 1 thread/process: {piped['tok_s']:9.1f} tokens/s, peak RSS stage 0 "
-              f"{piped['peak_rss_mb'][0]:.0f} MB, stage 1 {piped['peak_rss_mb'][1]:.0f} MB")
+        print(
+            f"P=2 x 1 over gRPC, 1 thread/process: {piped['tok_s']:9.1f} tokens/s, peak RSS stage 0 "
+            f"{piped['peak_rss_mb'][0]:.0f} MB, stage 1 {piped['peak_rss_mb'][1]:.0f} MB"
+        )
         print(f"ratio swarm / one process:           {piped['tok_s'] / baseline:9.3f}")
         print(f"bytes per microbatch hop (measured): {piped['bytes_per_hop']:,.0f}")
-        print(f"bytes per outer round per stage (computed, outer.codec {config.outer.codec}): "
-              f"{', '.join(f'{b:,}' for b in round_bytes)}")
-        result = {"preset": args.preset, "one_process_tok_s": baseline, "swarm_tok_s": piped["tok_s"],
-                  "ratio": piped["tok_s"] / baseline, "peak_rss_mb": {"one_process": rss_one, **{f"stage{k}": v for k, v in
-                                                                                              piped["peak_rss_mb"].items()}},
-                  "bytes_per_hop": piped["bytes_per_hop"], "outer_round_bytes_computed": round_bytes, "params": params}
+        print(
+            f"bytes per outer round per stage (computed, outer.codec {config.outer.codec}): "
+            f"{', '.join(f'{b:,}' for b in round_bytes)}"
+        )
+        result = {
+            "preset": args.preset,
+            "one_process_tok_s": baseline,
+            "swarm_tok_s": piped["tok_s"],
+            "ratio": piped["tok_s"] / baseline,
+            "peak_rss_mb": {"one_process": rss_one, **{f"stage{k}": v for k, v in piped["peak_rss_mb"].items()}},
+            "bytes_per_hop": piped["bytes_per_hop"],
+            "outer_round_bytes_computed": round_bytes,
+            "params": params,
+        }
         print(json.dumps(result))
         if args.json:
             args.json.write_text(json.dumps(result, indent=1))

@@ -32,8 +32,11 @@ def main() -> None:
     parser.add_argument("--match-s", type=float, default=10.0)
     parser.add_argument("--matchmaking-s", type=float, default=1.0, help="hivemind's minimum matchmaking time")
     args = parser.parse_args()
-    print(f"stage of {args.numel:,} parameters; NoLoCo codec {args.codec}; DiLoCo fp32, matchmaking >= {args.matchmaking_s} s; "
-          f"{os.cpu_count()} cores shared by all peers")
+    print(
+        f"stage of {args.numel:,} parameters; NoLoCo codec {args.codec}; DiLoCo fp32, matchmaking >= "
+        f"{args.matchmaking_s} s; "
+        f"{os.cpu_count()} cores shared by all peers"
+    )
     print(f"{'N':>3} {'method':<7} {'median s':>9} {'max s':>7} {'MB/node':>8} {'outcomes':<24}")
     rows = []
     # SIGTERM too unwinds through run_round's `finally`, which ends the round's peers.
@@ -41,18 +44,35 @@ def main() -> None:
         for n in args.sizes:
             results = {}
             for method in ("noloco", "diloco"):
-                out = run_round(method, n, Path(tmp) / f"{method}-{n}", numel=args.numel, codec=args.codec,
-                                match_s=args.match_s, matchmaking_s=args.matchmaking_s)
+                out = run_round(
+                    method,
+                    n,
+                    Path(tmp) / f"{method}-{n}",
+                    numel=args.numel,
+                    codec=args.codec,
+                    match_s=args.match_s,
+                    matchmaking_s=args.matchmaking_s,
+                )
                 seconds = [r["history"][0]["seconds"] for r in out]
                 mb = statistics.mean(r["bytes_sent"] for r in out) / 1e6
                 outcomes = {o: sum(r["outcome"] == o for r in out) for o in ("paired", "solo")}
                 results[method] = (statistics.median(seconds), max(seconds), mb)
-                print(f"{n:>3} {method:<7} {statistics.median(seconds):>9.3f} {max(seconds):>7.3f} {mb:>8.2f} {str(outcomes):<24}")
+                print(
+                    f"{n:>3} {method:<7} {statistics.median(seconds):>9.3f} {max(seconds):>7.3f} {mb:>8.2f} "
+                    f"{str(outcomes):<24}"
+                )
             ratio_t = results["diloco"][0] / results["noloco"][0]
             ratio_b = results["diloco"][2] / results["noloco"][2] if results["noloco"][2] else float("nan")
             print(f"{n:>3} ratio diloco/noloco: time {ratio_t:.2f}x, bytes {ratio_b:.2f}x")
-            rows.append({"n": n, "noloco": results["noloco"], "diloco": results["diloco"], "time_ratio": ratio_t,
-                         "bytes_ratio": ratio_b})
+            rows.append(
+                {
+                    "n": n,
+                    "noloco": results["noloco"],
+                    "diloco": results["diloco"],
+                    "time_ratio": ratio_t,
+                    "bytes_ratio": ratio_b,
+                }
+            )
     print(json.dumps(rows))
 
 

@@ -53,28 +53,39 @@ def one_process(args, seed: int, stale: bool) -> float:
     llama, _ = run_model(config, len(tokenizer))
     model = build_full_model(llama, seed).to(args.device)
     inner = config.inner
-    optimizer = InnerOptimizer(model.parameters(), InnerSchedule(lr_max=inner.lr, warmup_steps=inner.warmup_steps,
-                                                                 total_steps=inner.total_steps))
+    optimizer = InnerOptimizer(
+        model.parameters(),
+        InnerSchedule(lr_max=inner.lr, warmup_steps=inner.warmup_steps, total_steps=inner.total_steps),
+    )
     behind = copy.deepcopy(model)  # the weights before the previous step
-    batches = PackedSequences(corpus, tokenizer, seq_len=args.seq_len, shard=ShardSpec(shard_index=0, num_shards=1),
-                              holdout_fraction=config.data.holdout_fraction, seed=seed,
-                              shuffle_buffer=1000).batches(args.batch)
+    batches = PackedSequences(
+        corpus,
+        tokenizer,
+        seq_len=args.seq_len,
+        shard=ShardSpec(shard_index=0, num_shards=1),
+        holdout_fraction=config.data.holdout_fraction,
+        seed=seed,
+        shuffle_buffer=1000,
+    ).batches(args.batch)
     for _ in range(args.steps):
         inputs, labels = (t.to(args.device) for t in next(batches))
         net = behind if stale else model
         for i in range(0, args.batch, args.micro):
-            loss = LlamaStage.loss(net(input_ids=inputs[i:i + args.micro]).logits, labels[i:i + args.micro])
+            loss = LlamaStage.loss(net(input_ids=inputs[i : i + args.micro]).logits, labels[i : i + args.micro])
             (loss * args.micro / args.batch).backward()
         if stale:
             for p, q in zip(model.parameters(), behind.parameters()):
                 p.grad, q.grad = q.grad, None
             behind.load_state_dict(model.state_dict())  # the next batch sees the weights before this step
         optimizer.step()
-    held_out = PackedSequences(corpus, tokenizer, seq_len=args.seq_len, split="validation",
-                               holdout_fraction=config.data.holdout_fraction).batches(args.micro)
+    held_out = PackedSequences(
+        corpus, tokenizer, seq_len=args.seq_len, split="validation", holdout_fraction=config.data.holdout_fraction
+    ).batches(args.micro)
     with torch.no_grad():
-        losses = [float(LlamaStage.loss(model(input_ids=x.to(args.device)).logits, y.to(args.device)))
-                  for _, (x, y) in zip(range(8), held_out)]
+        losses = [
+            float(LlamaStage.loss(model(input_ids=x.to(args.device)).logits, y.to(args.device)))
+            for _, (x, y) in zip(range(8), held_out)
+        ]
     return sum(losses) / len(losses)
 
 
@@ -96,8 +107,11 @@ def main() -> int:
         plain, stale = one_process(args, seed, False), one_process(args, seed, True)
         gaps["overlap"].append(overlap - exact)
         gaps["stale"].append(stale - plain)
-        print(f"seed {seed}: pipeline exact {exact:.4f} overlap {overlap:.4f} (gap {overlap - exact:+.4f}); "
-              f"one process exact {plain:.4f} stale {stale:.4f} (gap {stale - plain:+.4f})", flush=True)
+        print(
+            f"seed {seed}: pipeline exact {exact:.4f} overlap {overlap:.4f} (gap {overlap - exact:+.4f}); "
+            f"one process exact {plain:.4f} stale {stale:.4f} (gap {stale - plain:+.4f})",
+            flush=True,
+        )
     for name, values in gaps.items():
         spread = statistics.stdev(values) if len(values) > 1 else 0.0
         print(f"{name} gap: {statistics.mean(values):+.4f} +- {spread:.4f} (mean +- std over {len(values)} seeds)")

@@ -76,25 +76,44 @@ def parse_configs(text: str, hidden: int) -> list[dict]:
     for item in text.split(","):
         kind, codec = item.split(":")
         k = 0 if kind == "dense" else hidden // int(kind.removeprefix("sub"))
-        out.append({"name": item if kind == "dense" else f"k={k} (d/{kind[3:]}):{codec}", "key": item, "k": k,
-                    "codec": codec})
+        out.append(
+            {"name": item if kind == "dense" else f"k={k} (d/{kind[3:]}):{codec}", "key": item, "k": k, "codec": codec}
+        )
     return out
 
 
 def make_config(args, seed: int, k: int, total_steps: int):
-    sets = {"model.preset": args.preset, "model.seq_len": args.seq_len, "pipeline.batch_size": args.batch,
-            "pipeline.microbatch_size": args.micro, "pipeline.num_stages": 2, "pipeline.device": args.device,
-            "inner.lr": args.lr, "inner.warmup_steps": args.warmup_steps, "inner.total_steps": total_steps,
-            "outer.method": "none", "run.seed": seed, "model.residual_subspace": k}
-    for field, value in (("hidden_size", args.hidden), ("num_layers", args.layers), ("num_heads", args.heads),
-                         ("intermediate_size", args.intermediate)):
+    sets = {
+        "model.preset": args.preset,
+        "model.seq_len": args.seq_len,
+        "pipeline.batch_size": args.batch,
+        "pipeline.microbatch_size": args.micro,
+        "pipeline.num_stages": 2,
+        "pipeline.device": args.device,
+        "inner.lr": args.lr,
+        "inner.warmup_steps": args.warmup_steps,
+        "inner.total_steps": total_steps,
+        "outer.method": "none",
+        "run.seed": seed,
+        "model.residual_subspace": k,
+    }
+    for field, value in (
+        ("hidden_size", args.hidden),
+        ("num_layers", args.layers),
+        ("num_heads", args.heads),
+        ("intermediate_size", args.intermediate),
+    ):
         if value:
             sets[f"model.{field}"] = value
     return load_config(overrides=[f"{key}={value}" for key, value in sets.items()])
 
 
 def autocast(device: str):
-    return torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else torch.autocast("cpu", enabled=False)
+    return (
+        torch.autocast("cuda", dtype=torch.bfloat16)
+        if device.startswith("cuda")
+        else torch.autocast("cpu", enabled=False)
+    )
 
 
 def sync(device: str) -> None:
@@ -120,11 +139,23 @@ class Pipeline:
         self.k = config.model.residual_subspace
         self.stages = [build_run_stage(config, llama, ranges, s, device=device).train() for s in range(2)]
         inner = config.inner
-        schedule = InnerSchedule(lr_max=inner.lr, warmup_steps=inner.warmup_steps, total_steps=inner.total_steps,
-                                 min_lr_ratio=inner.min_lr_ratio)
-        self.optimizers = [InnerOptimizer(s.parameters(), schedule, betas=(inner.beta1, inner.beta2), eps=inner.eps,
-                                          weight_decay=inner.weight_decay, clip_norm=inner.clip_norm)
-                           for s in self.stages]
+        schedule = InnerSchedule(
+            lr_max=inner.lr,
+            warmup_steps=inner.warmup_steps,
+            total_steps=inner.total_steps,
+            min_lr_ratio=inner.min_lr_ratio,
+        )
+        self.optimizers = [
+            InnerOptimizer(
+                s.parameters(),
+                schedule,
+                betas=(inner.beta1, inner.beta2),
+                eps=inner.eps,
+                weight_decay=inner.weight_decay,
+                clip_norm=inner.clip_norm,
+            )
+            for s in self.stages
+        ]
         self.rounding = torch.Generator().manual_seed(config.run.seed)
         self.hop_bytes = [0, 0]  # forward payload, backward payload (last microbatch)
 
@@ -157,8 +188,10 @@ class Pipeline:
     def step(self, batch, codec: str, timer: dict | None = None) -> float:
         inputs, labels = (t.to(self.device, non_blocking=True) for t in batch)
         micro, size = self.config.pipeline.microbatch_size, inputs.shape[0]
-        total = sum(self.microbatch(inputs[i:i + micro], labels[i:i + micro], codec, micro / size, timer)
-                    for i in range(0, size, micro))
+        total = sum(
+            self.microbatch(inputs[i : i + micro], labels[i : i + micro], codec, micro / size, timer)
+            for i in range(0, size, micro)
+        )
         for optimizer in self.optimizers:
             optimizer.step()
         return float(total) * micro / size
@@ -182,8 +215,9 @@ def inputs_for(args, config):
 
 
 def eval_batches(args, config, corpus, tokenizer) -> list:
-    it = PackedSequences(corpus, tokenizer, seq_len=args.seq_len, split="validation",
-                         holdout_fraction=config.data.holdout_fraction).batches(args.micro)
+    it = PackedSequences(
+        corpus, tokenizer, seq_len=args.seq_len, split="validation", holdout_fraction=config.data.holdout_fraction
+    ).batches(args.micro)
     batches = [b for _, b in zip(range(args.eval_batches), it)]
     if len(batches) < args.eval_batches:
         print(f"  only {len(batches)} held-out batches of {args.micro} x {args.seq_len} in the corpus", flush=True)
@@ -205,19 +239,34 @@ def _train_run(args, cfg: dict, seed: int, steps: int, total_steps: int) -> dict
     torch.manual_seed(seed)
     pipe = Pipeline(config, llama, ranges, args.device)
     held = eval_batches(args, config, corpus, tokenizer)
-    train = PackedSequences(corpus, tokenizer, seq_len=args.seq_len, shard=ShardSpec(),
-                            holdout_fraction=config.data.holdout_fraction, seed=seed).batches(args.batch)
+    train = PackedSequences(
+        corpus,
+        tokenizer,
+        seq_len=args.seq_len,
+        shard=ShardSpec(),
+        holdout_fraction=config.data.holdout_fraction,
+        seed=seed,
+    ).batches(args.batch)
     curve = [{"step": 0, "tokens": 0, "held_out": pipe.held_out(held), "train": None}]
     start, window = time.perf_counter(), []
     run = {"config": cfg["key"], "seed": seed, "k": cfg["k"], "codec": cfg["codec"], "steps": steps, "curve": curve}
     for step in range(1, steps + 1):
         window.append(pipe.step(next(train), cfg["codec"]))
         if step % args.eval_every == 0 or step == steps:
-            curve.append({"step": step, "tokens": step * args.batch * args.seq_len, "held_out": pipe.held_out(held),
-                          "train": sum(window) / len(window)})
+            curve.append(
+                {
+                    "step": step,
+                    "tokens": step * args.batch * args.seq_len,
+                    "held_out": pipe.held_out(held),
+                    "train": sum(window) / len(window),
+                }
+            )
             window = []
-            run.update(seconds=time.perf_counter() - start, hop_bytes=list(pipe.hop_bytes),
-                       skipped_steps=[o.skipped_steps for o in pipe.optimizers])
+            run.update(
+                seconds=time.perf_counter() - start,
+                hop_bytes=list(pipe.hop_bytes),
+                skipped_steps=[o.skipped_steps for o in pipe.optimizers],
+            )
             if args.json:  # the curve so far, for a run that --deadline-s cuts
                 partial = part_path(args, cfg, seed)
                 partial.write_text(json.dumps(run | {"cut_at_step": step}))
@@ -235,8 +284,9 @@ def time_config(args, cfg: dict) -> dict:
     config = make_config(args, 0, cfg["k"], 1000)
     corpus, tokenizer, llama, ranges = inputs_for(args, config)
     pipe = Pipeline(config, llama, ranges, args.device)
-    train = PackedSequences(corpus, tokenizer, seq_len=args.seq_len, holdout_fraction=config.data.holdout_fraction,
-                            seed=0, shuffle_buffer=0).batches(args.batch)
+    train = PackedSequences(
+        corpus, tokenizer, seq_len=args.seq_len, holdout_fraction=config.data.holdout_fraction, seed=0, shuffle_buffer=0
+    ).batches(args.batch)
     for _ in range(args.time_warmup):
         pipe.step(next(train), cfg["codec"])
     timer = {"stage0": [], "stage1": [], "codec": []}
@@ -253,12 +303,25 @@ def time_config(args, cfg: dict) -> dict:
 
 def link_seconds(args, llama, ranges, cfg: dict, timing: dict, mbit: float) -> tuple[float, str, float]:
     """(seconds per inner step, what limits it, predicted wire bytes per step) on `mbit`."""
-    costs = pipeline_costs(llama, ranges, microbatch=args.micro, seq_len=args.seq_len,
-                           microbatches_per_batch=args.batch // args.micro, max_in_flight=args.max_in_flight,
-                           activation_codec=cfg["codec"], gradient_codec=cfg["codec"], subspace=cfg["k"])
-    step, _, limit = inner_step_seconds(costs, (timing["stage0"], timing["stage1"]), Link(mbit=mbit, rtt_ms=args.rtt_ms))
-    per_micro = (costs.hop_elements * (costs.activation_bytes + costs.gradient_bytes) + 2 * costs.call_overhead_bytes
-                 + costs.forward_extra_bytes)
+    costs = pipeline_costs(
+        llama,
+        ranges,
+        microbatch=args.micro,
+        seq_len=args.seq_len,
+        microbatches_per_batch=args.batch // args.micro,
+        max_in_flight=args.max_in_flight,
+        activation_codec=cfg["codec"],
+        gradient_codec=cfg["codec"],
+        subspace=cfg["k"],
+    )
+    step, _, limit = inner_step_seconds(
+        costs, (timing["stage0"], timing["stage1"]), Link(mbit=mbit, rtt_ms=args.rtt_ms)
+    )
+    per_micro = (
+        costs.hop_elements * (costs.activation_bytes + costs.gradient_bytes)
+        + 2 * costs.call_overhead_bytes
+        + costs.forward_extra_bytes
+    )
     return step, limit, per_micro * costs.microbatches_per_batch
 
 
@@ -308,22 +371,38 @@ def summarise(result: dict, links: list[float], fractions: list[float]) -> dict:
             mine = [r for r in runs if r["config"] == cfg["key"] and r["seed"] in target]
             reach = {r["seed"]: crossing(r["curve"], target[r["seed"]]) for r in mine}
             steps = [s for s in reach.values() if s is not None]
-            row = {"config": cfg["key"], "name": cfg["name"], "k": cfg["k"], "codec": cfg["codec"],
-                   "seeds": len(mine), "reached": len(steps), "run_steps": max((r["steps"] for r in mine), default=0),
-                   "cut": {str(r["seed"]): r["cut_at_step"] for r in mine if "cut_at_step" in r},
-                   "final_held_out": mean_std([r["curve"][-1]["held_out"] for r in mine]),
-                   "held_out_at_dense_end": mean_std([x for x in (next((p["held_out"] for p in r["curve"]
-                                                                        if p["step"] >= args.steps), None) for r in mine)
-                                                      if x is not None]),
-                   "steps_to_target": {str(seed): s for seed, s in reach.items()},
-                   "tokens_to_target": mean_std([s * args.batch * args.seq_len for s in steps]),
-                   "links": {}}
+            row = {
+                "config": cfg["key"],
+                "name": cfg["name"],
+                "k": cfg["k"],
+                "codec": cfg["codec"],
+                "seeds": len(mine),
+                "reached": len(steps),
+                "run_steps": max((r["steps"] for r in mine), default=0),
+                "cut": {str(r["seed"]): r["cut_at_step"] for r in mine if "cut_at_step" in r},
+                "final_held_out": mean_std([r["curve"][-1]["held_out"] for r in mine]),
+                "held_out_at_dense_end": mean_std(
+                    [
+                        x
+                        for x in (
+                            next((p["held_out"] for p in r["curve"] if p["step"] >= args.steps), None) for r in mine
+                        )
+                        if x is not None
+                    ]
+                ),
+                "steps_to_target": {str(seed): s for seed, s in reach.items()},
+                "tokens_to_target": mean_std([s * args.batch * args.seq_len for s in steps]),
+                "links": {},
+            }
             for mbit, link in link_rows[cfg["key"]].items():
                 row["links"][mbit] = link | {"time_to_target_s": mean_std([s * link["step_s"] for s in steps])}
             rows.append(row)
         targets.append({"fraction": fraction, "target": target, "rows": rows})
-    return {"targets": targets, "rtt_ms": args.rtt_ms,
-            "compute_note": "stage seconds per microbatch measured alone; host codec time not counted"}
+    return {
+        "targets": targets,
+        "rtt_ms": args.rtt_ms,
+        "compute_note": "stage seconds per microbatch measured alone; host codec time not counted",
+    }
 
 
 def fmt(ms: tuple[float, float], scale: float = 1.0, digits: int = 0) -> str:
@@ -338,26 +417,50 @@ def cut_note(row: dict) -> str:
 def print_tables(result: dict, summary: dict, links: list[float]) -> None:
     steps = result["args_raw"]["steps"]
     for block in summary["targets"]:
-        print(f"\n{result['shape']} on {result['device']}; target per seed = dense bf16's held-out loss at step "
-              f"{block['fraction'] * steps:g} of {steps}: " + ", ".join(f"seed {s}: {v:.4f}" for s, v in block["target"].items()))
-        print("| config | held-out at step " + str(steps) + " | final held-out (run's steps) | reached | tokens to target (M) | "
-              + " | ".join(f"time to target @{m:g} Mbit/s (s)" for m in links) + " |")
+        print(
+            f"\n{result['shape']} on {result['device']}; target per seed = dense bf16's held-out loss at step "
+            f"{block['fraction'] * steps:g} of {steps}: "
+            + ", ".join(f"seed {s}: {v:.4f}" for s, v in block["target"].items())
+        )
+        print(
+            "| config | held-out at step "
+            + str(steps)
+            + " | final held-out (run's steps) | reached | tokens to target (M) | "
+            + " | ".join(f"time to target @{m:g} Mbit/s (s)" for m in links)
+            + " |"
+        )
         print("|" + "---|" * (5 + len(links)))
         for row in block["rows"]:
             never = f"not within {row['run_steps']} steps"
-            print(f"| {row['name']} | {fmt(row['held_out_at_dense_end'], digits=3)} | {fmt(row['final_held_out'], digits=3)} "
-                  f"({row['run_steps']}) | {row['reached']}/{row['seeds']}{cut_note(row)} | "
-                  + (" | ".join([fmt(row['tokens_to_target'], 1e6, 3)] + [fmt(row['links'][str(m)]['time_to_target_s'], digits=1)
-                                                                       for m in links]) if row["reached"] else
-                     " | ".join([never] * (1 + len(links)))) + " |")
-    print(f"\nper step: compute (stage seconds per microbatch, measured alone) and seconds on each link (model/costs.py, "
-          f"RTT {summary['rtt_ms']:g} ms, shared uplink; what limits it), wire bytes per step")
+            print(
+                f"| {row['name']} | {fmt(row['held_out_at_dense_end'], digits=3)} | "
+                f"{fmt(row['final_held_out'], digits=3)} "
+                f"({row['run_steps']}) | {row['reached']}/{row['seeds']}{cut_note(row)} | "
+                + (
+                    " | ".join(
+                        [fmt(row["tokens_to_target"], 1e6, 3)]
+                        + [fmt(row["links"][str(m)]["time_to_target_s"], digits=1) for m in links]
+                    )
+                    if row["reached"]
+                    else " | ".join([never] * (1 + len(links)))
+                )
+                + " |"
+            )
+    print(
+        f"\nper step: compute (stage seconds per microbatch, measured alone) and seconds on each link (model/costs.py, "
+        f"RTT {summary['rtt_ms']:g} ms, shared uplink; what limits it), wire bytes per step"
+    )
     for row in summary["targets"][0]["rows"]:
         t = result["timing"][row["config"]]
-        print(f"  {row['name']:20s} stage0 {t['stage0'] * 1e3:6.2f} ms stage1 {t['stage1'] * 1e3:6.2f} ms, host codec "
-              f"{t['codec'] * 1e3:5.2f} ms (not counted); {row['links'][str(links[0])]['bytes_per_step'] / 1e6:.3f} MB/step; "
-              + "; ".join(f"{m:g}: {row['links'][str(m)]['step_s']:.3f} s ({row['links'][str(m)]['limited_by'].split(' (')[0]})"
-                          for m in links))
+        print(
+            f"  {row['name']:20s} stage0 {t['stage0'] * 1e3:6.2f} ms stage1 {t['stage1'] * 1e3:6.2f} ms, host codec "
+            f"{t['codec'] * 1e3:5.2f} ms (not counted); {row['links'][str(links[0])]['bytes_per_step'] / 1e6:.3f} "
+            "MB/step; "
+            + "; ".join(
+                f"{m:g}: {row['links'][str(m)]['step_s']:.3f} s ({row['links'][str(m)]['limited_by'].split(' (')[0]})"
+                for m in links
+            )
+        )
 
 
 def save(path: Path | None, result: dict) -> None:
@@ -384,8 +487,9 @@ def main() -> int:
     p.add_argument("--eval-every", type=int, default=20)
     p.add_argument("--eval-batches", type=int, default=16)
     p.add_argument("--seeds", default="0,1,2")
-    p.add_argument("--configs", default="dense:bf16,dense:int8,dense:int4,sub8:int4,sub16:int4,sub32:int4,sub64:int4,"
-                                        "sub16:bf16")
+    p.add_argument(
+        "--configs", default="dense:bf16,dense:int8,dense:int4,sub8:int4,sub16:int4,sub32:int4,sub64:int4,sub16:bf16"
+    )
     p.add_argument("--links", default="20,100,1000", help="Mbit/s, each a shared uplink")
     p.add_argument("--rtt-ms", type=float, default=30.0)
     p.add_argument("--time-steps", type=int, default=10)
@@ -393,12 +497,21 @@ def main() -> int:
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--deadline-s", type=float, default=0, help="stop waiting for runs after this many seconds "
-                   "(0: none); what finished is kept and the table says which runs were cut")
+    p.add_argument(
+        "--deadline-s",
+        type=float,
+        default=0,
+        help="stop waiting for runs after this many seconds "
+        "(0: none); what finished is kept and the table says which runs were cut",
+    )
     p.add_argument("--json", type=Path)
     p.add_argument("--targets", default="1,0.5", help="targets: dense bf16's loss at these fractions of its run")
-    p.add_argument("--reprint", type=Path, help="the tables of a results JSON again (today's link model, --links, "
-                   "--targets); with --json, written there with the summary")
+    p.add_argument(
+        "--reprint",
+        type=Path,
+        help="the tables of a results JSON again (today's link model, --links, "
+        "--targets); with --json, written there with the summary",
+    )
     args = p.parse_args()
     links = [float(x) for x in args.links.split(",")]
     fractions = [float(x) for x in args.targets.split(",")]
@@ -416,18 +529,34 @@ def main() -> int:
     cfgs = parse_configs(args.configs, llama.hidden_size)
     if result is None:
         t0 = time.perf_counter()
-        device = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"cpu ({os.cpu_count()} cores, {args.threads} thread(s) per run)"
-        shape = (f"hidden {llama.hidden_size}, {llama.num_hidden_layers} layers ({[len(r) for r in ranges]}), "
-                 f"heads {llama.num_attention_heads}, intermediate {llama.intermediate_size}, vocab {llama.vocab_size}, "
-                 f"seq {args.seq_len}, batch {args.batch} in microbatches of {args.micro}")
-        result = {"device": device, "shape": shape, "args_raw": vars(args) | {"json": str(args.json), "reprint": None}, "configs": cfgs,
-                  "timing": {}, "runs": []}
+        device = (
+            torch.cuda.get_device_name()
+            if args.device.startswith("cuda")
+            else f"cpu ({os.cpu_count()} cores, {args.threads} thread(s) per run)"
+        )
+        shape = (
+            f"hidden {llama.hidden_size}, {llama.num_hidden_layers} layers ({[len(r) for r in ranges]}), "
+            f"heads {llama.num_attention_heads}, intermediate {llama.intermediate_size}, vocab {llama.vocab_size}, "
+            f"seq {args.seq_len}, batch {args.batch} in microbatches of {args.micro}"
+        )
+        result = {
+            "device": device,
+            "shape": shape,
+            "args_raw": vars(args) | {"json": str(args.json), "reprint": None},
+            "configs": cfgs,
+            "timing": {},
+            "runs": [],
+        }
         print(f"{device}: {shape}", flush=True)
         for cfg in cfgs:
             result["timing"][cfg["key"]] = t = time_config(args, cfg)
-            print(f"  timed {cfg['name']:22s} stage0 {t['stage0'] * 1e3:7.2f} ms stage1 {t['stage1'] * 1e3:7.2f} ms "
-                  f"codec {t['codec'] * 1e3:6.2f} ms per microbatch; hop {t['hop_bytes'][0]} B fwd {t['hop_bytes'][1]} B bwd; "
-                  f"params {t['params']}", flush=True)
+            print(
+                f"  timed {cfg['name']:22s} stage0 {t['stage0'] * 1e3:7.2f} ms stage1 {t['stage1'] * 1e3:7.2f} ms "
+                f"codec {t['codec'] * 1e3:6.2f} ms per microbatch; hop {t['hop_bytes'][0]} B fwd {t['hop_bytes'][1]} "
+                "B bwd; "
+                f"params {t['params']}",
+                flush=True,
+            )
         save(args.json, result)
         seeds = [int(s) for s in args.seeds.split(",")]
         longest = max(int(args.steps * (args.extend if c["k"] else 1)) for c in cfgs)
@@ -448,9 +577,11 @@ def main() -> int:
                     continue
                 result["runs"].append(run)
                 last = run["curve"][-1]
-                print(f"  [{time.perf_counter() - t0:6.0f}s] {c['name']:22s} seed {s}: {run['steps']} steps in "
-                      f"{run['seconds']:.0f}s, held-out {run['curve'][0]['held_out']:.3f} -> {last['held_out']:.4f}",
-                      flush=True)
+                print(
+                    f"  [{time.perf_counter() - t0:6.0f}s] {c['name']:22s} seed {s}: {run['steps']} steps in "
+                    f"{run['seconds']:.0f}s, held-out {run['curve'][0]['held_out']:.3f} -> {last['held_out']:.4f}",
+                    flush=True,
+                )
                 save(args.json, result)
         except TimeoutError:
             for process in list(pool._processes.values()):  # our own workers, by handle
@@ -463,8 +594,11 @@ def main() -> int:
                 if partial and partial.exists():
                     run = json.loads(partial.read_text())
                     result["runs"].append(run)
-                    print(f"    cut: {c['name']:22s} seed {s} at step {run['cut_at_step']} of {run['steps']}, held-out "
-                          f"{run['curve'][-1]['held_out']:.4f}", flush=True)
+                    print(
+                        f"    cut: {c['name']:22s} seed {s} at step {run['cut_at_step']} of {run['steps']}, held-out "
+                        f"{run['curve'][-1]['held_out']:.4f}",
+                        flush=True,
+                    )
             save(args.json, result)
         pool.shutdown(wait=False, cancel_futures=True)
         if args.json:  # the curves so far are in the JSON now

@@ -62,8 +62,10 @@ RUN_ID, MANIFEST = "bench-transport", "bench"
 P2P_FORWARD = "/noloco-bench/forward/1"
 SINK_METHOD = "/noloco.bench.Sink/Forward"
 NETNS_ENV = "NOLOCO_BENCH_TRANSPORT_NETNS"
-TARGETS = [("grpc_tls", 0.50, "direct TLS throughput >= 50% of raw TCP"),
-           ("libp2p_relayed", 0.10, "relayed (swarm relay) throughput >= 10% of raw TCP")]
+TARGETS = [
+    ("grpc_tls", 0.50, "direct TLS throughput >= 50% of raw TCP"),
+    ("libp2p_relayed", 0.10, "relayed (swarm relay) throughput >= 10% of raw TCP"),
+]
 LABELS = {
     "raw_tcp": "raw TCP (socket pair)",
     "grpc_tls": "gRPC direct TLS",
@@ -75,10 +77,9 @@ LABELS = {
 }
 
 
-
 def _short(exc: BaseException, n: int = 160) -> str:
     text = " ".join(f"{type(exc).__name__}: {exc}".split())
-    return text if len(text) <= n else text[:n - 3] + "..."
+    return text if len(text) <= n else text[: n - 3] + "..."
 
 
 def _free_port() -> int:
@@ -198,7 +199,7 @@ class RawTcp:
         else:
             self.sock.sendall(header)
             for start in range(0, n, CHUNK):
-                self.sock.sendall(self.payload[start:min(n, start + CHUNK)])
+                self.sock.sendall(self.payload[start : min(n, start + CHUNK)])
         if not _recv_exact(self.sock, self.ack) or int.from_bytes(self.ack, "little") != n:
             raise ConnectionError("raw TCP receiver did not acknowledge")
 
@@ -275,7 +276,9 @@ async def _serve(pipe, opts: dict) -> None:
             found = found or bridge.origin(grpc_peer)
         return found
 
-    guard = PeerGuard(requests_per_s=1e6, burst=10**6, max_streams=64, ban_after_invalid=10**6, ban_s=1.0, ban_max_s=1.0)
+    guard = PeerGuard(
+        requests_per_s=1e6, burst=10**6, max_streams=64, ban_after_invalid=10**6, ban_s=1.0, ban_max_s=1.0
+    )
     refusals: list[str] = []
 
     class RecordingAdmission(AdmissionInterceptor):  # what each refusal said
@@ -288,8 +291,9 @@ async def _serve(pipe, opts: dict) -> None:
 
     admission = RecordingAdmission(verifier=links.verifier, swarm_key=None, guard=guard, bridged=bridged)
     server = NodeServer("127.0.0.1", 0, credentials=links.certificate.server_credentials(), admission=admission)
-    servicer = StageServicer(_Sink(), run_id=RUN_ID, manifest_hash=MANIFEST, max_payload_bytes=opts["max_bytes"],
-                             receive_s=30.0)
+    servicer = StageServicer(
+        _Sink(), run_id=RUN_ID, manifest_hash=MANIFEST, max_payload_bytes=opts["max_bytes"], receive_s=30.0
+    )
     server.add_stage(servicer)
     rejections: list[str] = []
     abort = servicer._abort
@@ -299,15 +303,29 @@ async def _serve(pipe, opts: dict) -> None:
         await abort(context, method, error)
 
     servicer._abort = recording_abort
-    server.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("noloco.bench.Sink", {
-        "Forward": grpc.stream_unary_rpc_method_handler(_sink_forward, request_deserializer=stage_pb2.ForwardMessage.FromString,
-                                                        response_serializer=stage_pb2.StageAck.SerializeToString)}),))
+    server.server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                "noloco.bench.Sink",
+                {
+                    "Forward": grpc.stream_unary_rpc_method_handler(
+                        _sink_forward,
+                        request_deserializer=stage_pb2.ForwardMessage.FromString,
+                        response_serializer=stage_pb2.StageAck.SerializeToString,
+                    )
+                },
+            ),
+        )
+    )
     daemons: list = []
     private = None
     try:
         port = await server.start()
-        direct = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], identity_path=links.identity.identity_path(),
-                                  check_if_identity_free=False)
+        direct = await P2P.create(
+            host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+            identity_path=links.identity.identity_path(),
+            check_if_identity_free=False,
+        )
         daemons.append(direct)
         await links.attach(direct, server.bridge_port)
 
@@ -315,15 +333,24 @@ async def _serve(pipe, opts: dict) -> None:
             return await servicer.Forward(requests, _P2PContext())
 
         await direct.add_protobuf_handler(P2P_FORWARD, p2p_forward, stage_pb2.ForwardMessage, stream_input=True)
-        info = {"peer_id": links.peer_id, "tls_address": f"127.0.0.1:{port}", "tls_cert": links.certificate.b64,
-                "direct_maddrs": [str(m) for m in await direct.get_visible_maddrs()]}
+        info = {
+            "peer_id": links.peer_id,
+            "tls_address": f"127.0.0.1:{port}",
+            "tls_cert": links.certificate.b64,
+            "direct_maddrs": [str(m) for m in await direct.get_visible_maddrs()],
+        }
         if opts["relays"]:
             # As joining.settle_reach restarts a node that cannot be dialled: private, auto-relay,
             # the relays trusted and static (p2pd's relayDiscovery=0, else it waits 3 min for more).
             private = await _private_daemon_class(opts["relay_discovery"]).create(
-                host_maddrs=[f"/ip4/127.0.0.1/tcp/{opts['private_port']}"], identity_path=links.identity.identity_path(),
-                check_if_identity_free=False, force_reachability="private", use_auto_relay=True,
-                trusted_relays=opts["relays"], initial_peers=opts["relays"])
+                host_maddrs=[f"/ip4/127.0.0.1/tcp/{opts['private_port']}"],
+                identity_path=links.identity.identity_path(),
+                check_if_identity_free=False,
+                force_reachability="private",
+                use_auto_relay=True,
+                trusted_relays=opts["relays"],
+                initial_peers=opts["relays"],
+            )
             daemons.append(private)
             bridge = Libp2pBridge(private, traffic=links.traffic)
             await bridge.serve(server.bridge_port, server.tls_target)
@@ -338,14 +365,20 @@ async def _serve(pipe, opts: dict) -> None:
             if message == "stop":
                 break
             if message == "stats":
-                stats = {"traffic": links.traffic.as_dict(), "refused": dict(admission.refused),
-                         "rejected": dict(servicer.rejected), "rejections": rejections[-5:], "refusals": refusals[-5:],
-                         "bytes_received": servicer.bytes_received,
-                         "streams_in": [b.streams_in for b in [links.bridge, *extra] if b is not None]}
+                stats = {
+                    "traffic": links.traffic.as_dict(),
+                    "refused": dict(admission.refused),
+                    "rejected": dict(servicer.rejected),
+                    "rejections": rejections[-5:],
+                    "refusals": refusals[-5:],
+                    "bytes_received": servicer.bytes_received,
+                    "streams_in": [b.streams_in for b in [links.bridge, *extra] if b is not None],
+                }
                 if private is not None:
                     stats["private_visible"] = [str(m) for m in await private.get_visible_maddrs(latest=True)]
-                    stats["private_peers"] = {p.peer_id.to_base58(): [str(a) for a in p.addrs]
-                                              for p in await private.list_peers()}
+                    stats["private_peers"] = {
+                        p.peer_id.to_base58(): [str(a) for a in p.addrs] for p in await private.list_peers()
+                    }
                 pipe.send(("stats", stats))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which decides
         try:
@@ -408,9 +441,14 @@ class StagePath(Transport):
         from noloco_node.wire.v1 import stage_pb2
 
         self.seq += 1
-        await self.client.forward(self.server_id, microbatch=stage_pb2.MicrobatchId(origin_peer=self.client_id, sequence=self.seq),
-                                  route=[stage_pb2.Hop(peer_id=self.client_id, address="", stage=0)], target_stage=1,
-                                  activations=self.tensors[bulk], labels=torch.zeros(0, dtype=torch.int64))
+        await self.client.forward(
+            self.server_id,
+            microbatch=stage_pb2.MicrobatchId(origin_peer=self.client_id, sequence=self.seq),
+            route=[stage_pb2.Hop(peer_id=self.client_id, address="", stage=0)],
+            target_stage=1,
+            activations=self.tensors[bulk],
+            labels=torch.zeros(0, dtype=torch.int64),
+        )
 
 
 class HivemindPath(Transport):
@@ -453,8 +491,11 @@ class SinkPath(Transport):
         self.seq += 1
         messages, size = _forward_messages(self.tensors[bulk], self.client_id, self.seq)
         channel, _ = await self.dialer.channel(self.server_id)
-        method = channel.stream_unary(SINK_METHOD, request_serializer=stage_pb2.ForwardMessage.SerializeToString,
-                                      response_deserializer=stage_pb2.StageAck.FromString)
+        method = channel.stream_unary(
+            SINK_METHOD,
+            request_serializer=stage_pb2.ForwardMessage.SerializeToString,
+            response_deserializer=stage_pb2.StageAck.FromString,
+        )
         ack = await method(iter(messages), timeout=self.timeout_s)
         if ack.bytes_received != size:
             raise RuntimeError(f"ack for {ack.bytes_received} of {size} bytes")
@@ -469,10 +510,14 @@ def _forward_messages(tensor, client_id: str, seq: int) -> tuple[list, int]:
     from noloco_node.wire.v1 import stage_pb2, tensor_pb2
 
     tensor_header, payload = encode_tensor(tensor, "none")
-    header = stage_pb2.ForwardHeader(run=tensor_pb2.RunIdentity(run_id=RUN_ID, manifest_hash=MANIFEST),
-                                     microbatch=stage_pb2.MicrobatchId(origin_peer=client_id, sequence=seq),
-                                     route=[stage_pb2.Hop(peer_id=client_id, address="", stage=0)],
-                                     activations=tensor_header, labels=[], target_stage=1)
+    header = stage_pb2.ForwardHeader(
+        run=tensor_pb2.RunIdentity(run_id=RUN_ID, manifest_hash=MANIFEST),
+        microbatch=stage_pb2.MicrobatchId(origin_peer=client_id, sequence=seq),
+        route=[stage_pb2.Hop(peer_id=client_id, address="", stage=0)],
+        activations=tensor_header,
+        labels=[],
+        target_stage=1,
+    )
     messages = [stage_pb2.ForwardMessage(header=header)]
     messages += [stage_pb2.ForwardMessage(chunk=c) for c in iter_chunks(payload)]
     return messages, len(payload)
@@ -500,8 +545,9 @@ def _dialer(signer, contact, bridge=None, circuit: bool = False):
     return (CircuitDialer if circuit else Dialer)(signer, lookup=lookup, bridge=bridge, options=GRPC_OPTIONS)
 
 
-async def _bridged_path(key: str, p2p, bridge, signer, contact, client_id: str, tensors: dict, timeout_s: float,
-                        circuit: bool = False) -> StagePath:
+async def _bridged_path(
+    key: str, p2p, bridge, signer, contact, client_id: str, tensors: dict, timeout_s: float, circuit: bool = False
+) -> StagePath:
     """A StagePath over `bridge`, first exactly as a node dials (Dialer -> Libp2pBridge.endpoint
     with the record's addresses); if that call fails, the daemon is connected with a correctly
     encoded address (DaemonMaddr) and the call retried, and the note says so."""
@@ -523,8 +569,10 @@ async def _bridged_path(key: str, p2p, bridge, signer, contact, client_id: str, 
         how = "the bridge's own connect() with them succeeded"
     except Exception as exc:  # noqa: BLE001
         how = f"the bridge's connect() with them fails in p2pd: {_short(exc, 120)}"
-    path.notes.append(f"first call as a node makes it failed ({first}); record addresses {list(contact.p2p_addrs)}: "
-                      f"{how}; connected the daemon with DaemonMaddr and retried")
+    path.notes.append(
+        f"first call as a node makes it failed ({first}); record addresses {list(contact.p2p_addrs)}: "
+        f"{how}; connected the daemon with DaemonMaddr and retried"
+    )
     await asyncio.wait_for(p2p._client.connect(peer, [DaemonMaddr(a) for a in contact.p2p_addrs]), 20)
     await dialer.close()  # the channel that saw the failure is in reconnect backoff
     path.client = _stage_client(dialer, timeout_s)
@@ -589,8 +637,10 @@ async def run(args) -> dict:
     in_netns = os.environ.get(NETNS_ENV) == "1"
     tuned = tune_allocator()
     bulk_bytes, small_bytes = args.mib << 20, args.small_kib << 10
-    tensors = {True: torch.randn(bulk_bytes // 4096, 1024, generator=torch.Generator().manual_seed(0)),
-               False: torch.randn(small_bytes // 4096, 1024, generator=torch.Generator().manual_seed(1))}
+    tensors = {
+        True: torch.randn(bulk_bytes // 4096, 1024, generator=torch.Generator().manual_seed(0)),
+        False: torch.randn(small_bytes // 4096, 1024, generator=torch.Generator().manual_seed(1)),
+    }
     ctx = mp.get_context("spawn")
     procs: list = []
     daemons: list = []
@@ -600,9 +650,13 @@ async def run(args) -> dict:
     raw = None
     identity = NodeIdentity.generate()
     quiet = wait_until_quiet(args.wait_idle_s) if args.wait_idle_s > 0 else "no wait for a quiet machine"
-    print(f"payload {args.mib} MiB float32 in {CHUNK >> 20} MiB chunks x {args.repeats} repeats (+1 warm-up); latency "
-          f"{args.small_kib} KiB Forward x {args.iters}; {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}; allocator "
-          f"tuned={tuned}; network: {'private namespace (unshare --net)' if in_netns else 'host loopback'}; {quiet}", flush=True)
+    print(
+        f"payload {args.mib} MiB float32 in {CHUNK >> 20} MiB chunks x {args.repeats} repeats (+1 warm-up); latency "
+        f"{args.small_kib} KiB Forward x {args.iters}; {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}; "
+        "allocator "
+        f"tuned={tuned}; network: {'private namespace (unshare --net)' if in_netns else 'host loopback'}; {quiet}",
+        flush=True,
+    )
     try:
         # raw TCP receiver
         raw_pipe, child_end = ctx.Pipe()
@@ -618,7 +672,8 @@ async def run(args) -> dict:
         relay_maddrs: list[str] = []
         for _ in range(args.relays):
             relay = await daemon_with_flags(json.loads(args.relay_flags)).create(
-                host_maddrs=["/ip4/127.0.0.1/tcp/0"], force_reachability="public")
+                host_maddrs=["/ip4/127.0.0.1/tcp/0"], force_reachability="public"
+            )
             daemons.append(relay)
             relay_maddrs.append(str((await relay.get_visible_maddrs())[0]))
             service = RelayService(relay)
@@ -626,13 +681,39 @@ async def run(args) -> dict:
             closers.append(service.close)
         private_port = _free_port()
         if relay_maddrs and in_netns:  # only inside our own namespace: the rule dies with it
-            subprocess.run(["iptables", "-I", "INPUT", "-p", "tcp", "--dport", str(private_port), "--syn", "-j", "REJECT",
-                            "--reject-with", "tcp-reset"], check=True, timeout=30)
+            subprocess.run(
+                [
+                    "iptables",
+                    "-I",
+                    "INPUT",
+                    "-p",
+                    "tcp",
+                    "--dport",
+                    str(private_port),
+                    "--syn",
+                    "-j",
+                    "REJECT",
+                    "--reject-with",
+                    "tcp-reset",
+                ],
+                check=True,
+                timeout=30,
+            )
         server_pipe, child_end = ctx.Pipe()
-        proc = ctx.Process(target=server_process, args=(child_end, {"max_bytes": bulk_bytes + CHUNK, "relays": relay_maddrs,
-                                                                     "private_port": private_port,
-                                                                     "relay_discovery": args.relay_discovery,
-                                                                     "parent_pid": os.getpid()}), daemon=True)
+        proc = ctx.Process(
+            target=server_process,
+            args=(
+                child_end,
+                {
+                    "max_bytes": bulk_bytes + CHUNK,
+                    "relays": relay_maddrs,
+                    "private_port": private_port,
+                    "relay_discovery": args.relay_discovery,
+                    "parent_pid": os.getpid(),
+                },
+            ),
+            daemon=True,
+        )
         proc.start()
         procs.append(proc)
         if not server_pipe.poll(90):
@@ -648,7 +729,9 @@ async def run(args) -> dict:
         try:
             dialer = _dialer(signer, tls_contact)
             closers.append(dialer.close)
-            path = StagePath("grpc_tls", _stage_client(dialer, args.call_timeout_s), server_id, identity.peer_id, tensors)
+            path = StagePath(
+                "grpc_tls", _stage_client(dialer, args.call_timeout_s), server_id, identity.peer_id, tensors
+            )
             path.route = f"TLS {info['tls_address']}"
             await asyncio.wait_for(path.call(False), 25)
         except Exception as exc:  # noqa: BLE001
@@ -667,15 +750,24 @@ async def run(args) -> dict:
         paths.append(path)
 
         # libp2p, direct connection, and hivemind's own handlers on the same connection
-        p2p_direct = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], identity_path=identity.identity_path(),
-                                      check_if_identity_free=False)
+        p2p_direct = await P2P.create(
+            host_maddrs=["/ip4/127.0.0.1/tcp/0"], identity_path=identity.identity_path(), check_if_identity_free=False
+        )
         daemons.append(p2p_direct)
         bridge_direct = Libp2pBridge(p2p_direct)
         closers.append(bridge_direct.close)
         try:
             contact = Contact(server_id, "", "holepunched", p2p_addrs=tuple(info["direct_maddrs"]))
-            path = await _bridged_path("libp2p_direct", p2p_direct, bridge_direct, signer, contact, identity.peer_id,
-                                       tensors, args.call_timeout_s)
+            path = await _bridged_path(
+                "libp2p_direct",
+                p2p_direct,
+                bridge_direct,
+                signer,
+                contact,
+                identity.peer_id,
+                tensors,
+                args.call_timeout_s,
+            )
             closers.append(path.client.dialer.close)
         except Exception as exc:  # noqa: BLE001
             path = Transport("libp2p_direct")
@@ -703,23 +795,35 @@ async def run(args) -> dict:
             if circuit is not None:
                 what = "reservation usable" if in_netns else "a probe connected (maybe directly: no namespace)"
                 notes.append(f"relayed: {what} after {time.monotonic() - started:.1f} s via {circuit}")
-            for key, contact in (("libp2p_relayed", Contact(server_id, "", "relayed", info["tls_cert"], (circuit,))),
-                                 ("libp2p_circuit", Contact(server_id, "", "relayed", p2p_addrs=(circuit,)))):
+            for key, contact in (
+                ("libp2p_relayed", Contact(server_id, "", "relayed", info["tls_cert"], (circuit,))),
+                ("libp2p_circuit", Contact(server_id, "", "relayed", p2p_addrs=(circuit,))),
+            ):
                 path = Transport(key)
                 if circuit is None:
                     path.error = f"no relay reservation within {args.relay_wait_s:.0f} s ({last})"
                     paths.append(path)
                     continue
                 # no listen address: the server's hole punch (a dial back to us) has nothing to reach
-                p2p = await P2P.create(host_maddrs=[], no_listen=True, identity_path=identity.identity_path(),
-                                       check_if_identity_free=False)
+                p2p = await P2P.create(
+                    host_maddrs=[], no_listen=True, identity_path=identity.identity_path(), check_if_identity_free=False
+                )
                 daemons.append(p2p)
                 bridge = Libp2pBridge(p2p)
                 closers.append(bridge.close)
                 relayed_clients[key] = (p2p, bridge)
                 try:
-                    path = await _bridged_path(key, p2p, bridge, signer, contact, identity.peer_id, tensors,
-                                               args.call_timeout_s, circuit=key == "libp2p_circuit")
+                    path = await _bridged_path(
+                        key,
+                        p2p,
+                        bridge,
+                        signer,
+                        contact,
+                        identity.peer_id,
+                        tensors,
+                        args.call_timeout_s,
+                        circuit=key == "libp2p_circuit",
+                    )
                     closers.append(path.client.dialer.close)
                 except Exception as exc:  # noqa: BLE001
                     path = Transport(key)
@@ -730,7 +834,7 @@ async def run(args) -> dict:
         meter = LoadMeter()
         active = [p for p in paths if p.error is None]
         for rep in range(args.repeats + 1):
-            order = active[rep % len(active):] + active[:rep % len(active)]
+            order = active[rep % len(active) :] + active[: rep % len(active)]
             for path in order:
                 if path.bulk_error is not None:
                     continue
@@ -738,7 +842,8 @@ async def run(args) -> dict:
                 try:
                     await asyncio.wait_for(path.call(True), args.call_timeout_s)
                 except Exception as exc:  # noqa: BLE001
-                    path.bulk_error = f"call {rep + 1} of {args.mib} MiB failed after {time.perf_counter() - start:.1f} s: {_short(exc)}"
+                    elapsed = time.perf_counter() - start
+                    path.bulk_error = f"call {rep + 1} of {args.mib} MiB failed after {elapsed:.1f} s: {_short(exc)}"
                     try:
                         await asyncio.wait_for(path.reset(), 10)
                     except Exception:  # noqa: BLE001 - the small calls will say if the path is dead
@@ -752,8 +857,9 @@ async def run(args) -> dict:
             try:
                 await asyncio.wait_for(path.call(False), 30)
             except Exception as exc:  # noqa: BLE001
-                path.small_error = (f"{args.small_kib} KiB call failed after {len(path.lat_s)} timed calls: "
-                                    f"{_short(exc)}")
+                path.small_error = (
+                    f"{args.small_kib} KiB call failed after {len(path.lat_s)} timed calls: {_short(exc)}"
+                )
                 return
             if keep:
                 path.lat_s.append(time.perf_counter() - start)
@@ -772,32 +878,44 @@ async def run(args) -> dict:
 
         foreign = meter.foreign_fraction()
         if foreign is not None:
-            notes.append(f"other processes kept the machine {foreign:.0%} busy during the measurements "
-                         f"(load average {os.getloadavg()[0]:.2f}); ratios are to raw TCP measured alongside")
+            notes.append(
+                f"other processes kept the machine {foreign:.0%} busy during the measurements "
+                f"(load average {os.getloadavg()[0]:.2f}); ratios are to raw TCP measured alongside"
+            )
         # which way did the libp2p paths really go?
         by_key = {p.key: p for p in paths}
-        for key, p2p, bridge in (("libp2p_direct", p2p_direct, bridge_direct),
-                                 *((k, *v) for k, v in relayed_clients.items())):
+        for key, p2p, bridge in (
+            ("libp2p_direct", p2p_direct, bridge_direct),
+            *((k, *v) for k, v in relayed_clients.items()),
+        ):
             if p2p is None or bridge is None:
                 continue
             addrs = await _peer_addrs(p2p, server_id)
             kinds = sorted({way for way, _ in bridge.traffic.bytes})
-            by_key[key].route = (f"{await bridge.connection_path(server_id)}; server at {', '.join(addrs) or '?'}; "
-                                 f"client bridge bytes by path: {bridge.traffic.as_dict()}")
+            by_key[key].route = (
+                f"{await bridge.connection_path(server_id)}; server at {', '.join(addrs) or '?'}; "
+                f"client bridge bytes by path: {bridge.traffic.as_dict()}"
+            )
             if key != "libp2p_direct" and kinds != ["relayed"]:
-                by_key[key].notes.append(f"NOT (only) relayed: bridge traffic went over {kinds} (no private network "
-                                         f"namespace: libp2p switched to a direct connection)")
+                by_key[key].notes.append(
+                    f"NOT (only) relayed: bridge traffic went over {kinds} (no private network "
+                    f"namespace: libp2p switched to a direct connection)"
+                )
         by_key["hivemind_p2p"].route = f"libp2p stream; server at {', '.join(await _peer_addrs(p2p_direct, server_id))}"
         kind, stats = _request(server_pipe, "stats", 30)
         if kind == "stats":
-            notes.append(f"server: bytes by path {stats['traffic']}, bridge streams in {stats['streams_in']}, "
-                         f"refused {stats['refused'] or 'none'}, rejected {stats['rejected'] or 'none'}"
-                         + (f" ({'; '.join(stats['rejections'])})" if stats["rejections"] else "")
-                         + (f"; refusals: {'; '.join(stats['refusals'])}" if stats["refusals"] else ""))
+            notes.append(
+                f"server: bytes by path {stats['traffic']}, bridge streams in {stats['streams_in']}, "
+                f"refused {stats['refused'] or 'none'}, rejected {stats['rejected'] or 'none'}"
+                + (f" ({'; '.join(stats['rejections'])})" if stats["rejections"] else "")
+                + (f"; refusals: {'; '.join(stats['refusals'])}" if stats["refusals"] else "")
+            )
             circuit_path = by_key.get("libp2p_circuit")
             if circuit_path is not None and circuit_path.bulk_error:
-                circuit_path.notes.append("p2pd's relay resets a circuit after 128 KiB per direction in most runs "
-                                          "(transport/relay.py says why); nodes use the swarm relay instead")
+                circuit_path.notes.append(
+                    "p2pd's relay resets a circuit after 128 KiB per direction in most runs "
+                    "(transport/relay.py says why); nodes use the swarm relay instead"
+                )
             if "private_visible" in stats:
                 notes.append(f"private server daemon: visible maddrs {stats['private_visible']}")
     finally:
@@ -835,8 +953,14 @@ async def run(args) -> dict:
 def report(paths: list[Transport], notes: list[str], args, bulk_bytes: int, in_netns: bool) -> dict:
     rows = {}
     for path in paths:
-        row = {"label": path.label, "route": path.route, "error": path.error, "bulk_error": path.bulk_error,
-               "small_error": path.small_error, "notes": path.notes}
+        row = {
+            "label": path.label,
+            "route": path.route,
+            "error": path.error,
+            "bulk_error": path.bulk_error,
+            "small_error": path.small_error,
+            "notes": path.notes,
+        }
         if path.bulk_s:
             mbs = [bulk_bytes / 1e6 / s for s in path.bulk_s]
             row.update(mb_s=statistics.median(mbs), mb_s_min=min(mbs), mb_s_max=max(mbs), mb_s_runs=mbs)
@@ -887,10 +1011,22 @@ def report(paths: list[Transport], notes: list[str], args, bulk_bytes: int, in_n
         shown = f"{got:.1%}" if got is not None else "no throughput"
         print(f"target: {text}: {shown} -> {verdict}")
         targets.append({"target": text, "key": key, "min_ratio": share, "ratio": got, "verdict": verdict})
-    return {"config": {"mib": args.mib, "repeats": args.repeats, "iters": args.iters, "small_kib": args.small_kib,
-                       "chunk_bytes": CHUNK, "relays": args.relays, "relay_discovery": args.relay_discovery,
-                       "private_netns": in_netns, "cores": os.cpu_count()},
-            "results": rows, "targets": targets, "notes": notes}
+    return {
+        "config": {
+            "mib": args.mib,
+            "repeats": args.repeats,
+            "iters": args.iters,
+            "small_kib": args.small_kib,
+            "chunk_bytes": CHUNK,
+            "relays": args.relays,
+            "relay_discovery": args.relay_discovery,
+            "private_netns": in_netns,
+            "cores": os.cpu_count(),
+        },
+        "results": rows,
+        "targets": targets,
+        "notes": notes,
+    }
 
 
 def maybe_reexec_in_netns(args) -> int | None:
@@ -912,26 +1048,40 @@ def maybe_reexec_in_netns(args) -> int | None:
         print(f"no private network namespace ({why}): the relayed row will say where its traffic went", flush=True)
         return None
     env = dict(os.environ, **{NETNS_ENV: "1"})
-    return subprocess.run(["unshare", "--net", "--", sys.executable, str(Path(__file__).resolve()), *sys.argv[1:]],
-                          env=env).returncode
+    return subprocess.run(
+        ["unshare", "--net", "--", sys.executable, str(Path(__file__).resolve()), *sys.argv[1:]], env=env
+    ).returncode
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=None, help="bulk payload in MiB (default 64; --quick 16)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed bulk calls per transport (default 7; --quick 3)")
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="timed bulk calls per transport (default 7; --quick 3)"
+    )
     parser.add_argument("--iters", type=int, default=None, help="small calls per transport (default 400; --quick 100)")
     parser.add_argument("--small-kib", type=int, default=4)
     parser.add_argument("--quick", action="store_true", help="a ~30 s run: 16 MiB x 3, 100 small calls")
     parser.add_argument("--relays", type=int, default=1, help="relay daemons (0: no relayed row)")
     parser.add_argument("--relay-wait-s", type=float, default=45.0)
-    parser.add_argument("--relay-flags", default="{}", help='extra p2pd flags for the relay daemons, as JSON, e.g. {"relayBufferSize": 1048576}')
-    parser.add_argument("--relay-discovery", action="store_true",
-                        help="start the private daemon with p2pd's relay discovery on (nodes turn it off)")
+    parser.add_argument(
+        "--relay-flags",
+        default="{}",
+        help='extra p2pd flags for the relay daemons, as JSON, e.g. {"relayBufferSize": 1048576}',
+    )
+    parser.add_argument(
+        "--relay-discovery",
+        action="store_true",
+        help="start the private daemon with p2pd's relay discovery on (nodes turn it off)",
+    )
     parser.add_argument("--call-timeout-s", type=float, default=120.0)
     parser.add_argument("--netns", choices=["auto", "on", "off"], default="auto")
-    parser.add_argument("--wait-idle-s", type=float, default=None,
-                        help="wait up to this long for a quiet machine before measuring (default 20; --quick 5)")
+    parser.add_argument(
+        "--wait-idle-s",
+        type=float,
+        default=None,
+        help="wait up to this long for a quiet machine before measuring (default 20; --quick 5)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the numbers here")
     args = parser.parse_args()
     args.mib = args.mib or (16 if args.quick else 64)

@@ -40,11 +40,23 @@ class OneProcessModel:
         inner = config.inner
         llama, ranges = run_model(config, vocab_size)
         self.stages = [build_run_stage(config, llama, ranges, s) for s in range(config.pipeline.num_stages)]
-        schedule = InnerSchedule(lr_max=inner.lr, warmup_steps=inner.warmup_steps, total_steps=inner.total_steps,
-                                 min_lr_ratio=inner.min_lr_ratio)
-        self.optimizers = [InnerOptimizer(stage.parameters(), schedule, betas=(inner.beta1, inner.beta2), eps=inner.eps,
-                                          weight_decay=inner.weight_decay, clip_norm=inner.clip_norm)
-                           for stage in self.stages]
+        schedule = InnerSchedule(
+            lr_max=inner.lr,
+            warmup_steps=inner.warmup_steps,
+            total_steps=inner.total_steps,
+            min_lr_ratio=inner.min_lr_ratio,
+        )
+        self.optimizers = [
+            InnerOptimizer(
+                stage.parameters(),
+                schedule,
+                betas=(inner.beta1, inner.beta2),
+                eps=inner.eps,
+                weight_decay=inner.weight_decay,
+                clip_norm=inner.clip_norm,
+            )
+            for stage in self.stages
+        ]
         self.microbatch = config.pipeline.microbatch_size
 
     def loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -57,7 +69,7 @@ class OneProcessModel:
         """One inner step on a [B, T] batch, in microbatches; returns the mean microbatch loss."""
         losses, size = [], inputs.shape[0]
         for start in range(0, size, self.microbatch):
-            loss = self.loss(inputs[start:start + self.microbatch], labels[start:start + self.microbatch])
+            loss = self.loss(inputs[start : start + self.microbatch], labels[start : start + self.microbatch])
             (loss * (min(self.microbatch, size - start) / size)).backward()
             losses.append(loss.item())
         for optimizer in self.optimizers:
@@ -70,14 +82,16 @@ class OneProcessModel:
         return sum(losses) / len(losses)
 
 
-def one_process(config, corpus, tokenizer, args,
-                on_trained: Callable[[OneProcessModel], None] | None = None) -> tuple[float, float | None]:
+def one_process(
+    config, corpus, tokenizer, args, on_trained: Callable[[OneProcessModel], None] | None = None
+) -> tuple[float, float | None]:
     """(tokens/s over args.steps after args.warmup steps, this process's peak RSS in MB);
     `on_trained` is handed the trained model (to evaluate it)."""
     torch.set_num_threads(2)
     sim = OneProcessModel(config, len(tokenizer))
-    batches = PackedSequences(corpus, tokenizer, seq_len=args.seq_len, holdout_fraction=config.data.holdout_fraction,
-                              shuffle_buffer=0).batches(args.batch)
+    batches = PackedSequences(
+        corpus, tokenizer, seq_len=args.seq_len, holdout_fraction=config.data.holdout_fraction, shuffle_buffer=0
+    ).batches(args.batch)
     for _ in range(args.warmup):
         sim.train_step(*next(batches))
     start = time.perf_counter()
@@ -89,11 +103,14 @@ def one_process(config, corpus, tokenizer, args,
     return tok_s, peak_rss_mb(os.getpid())
 
 
-def held_out_batches(config, corpus, tokenizer, *, seq_len: int, batch: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def held_out_batches(
+    config, corpus, tokenizer, *, seq_len: int, batch: int, count: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The first `count` batches of the corpus's held-out split (data.holdout_fraction), which no
     node trains on."""
-    batches = PackedSequences(corpus, tokenizer, seq_len=seq_len, split="validation",
-                              holdout_fraction=config.data.holdout_fraction).batches(batch)
+    batches = PackedSequences(
+        corpus, tokenizer, seq_len=seq_len, split="validation", holdout_fraction=config.data.holdout_fraction
+    ).batches(batch)
     return [b for _, b in zip(range(count), batches)]
 
 
@@ -110,15 +127,19 @@ def two_stage_swarm(sets: list[str], args, out: Path, timeout_s: float = 3600) -
     return staged_swarm(sets, args, out, 2, timeout_s)
 
 
-def staged_swarm(sets: list[str], args, out: Path, num_stages: int, timeout_s: float = 3600,
-                 save_weights: bool = False) -> dict:
+def staged_swarm(
+    sets: list[str], args, out: Path, num_stages: int, timeout_s: float = 3600, save_weights: bool = False
+) -> dict:
     """P stages x 1 replica: tokens/s (from stage 0's step timestamps, start-up excluded), each
     stage's peak RSS, the stage-0 node's payload bytes per forward sent, the mean loss of the last
     step's microbatches, the schedule's measured staleness and, with save_weights, each stage's
     final weights file ("weights", stage order)."""
     save = ("--save-weights",) if save_weights else ()
     # SIGTERM too unwinds through LocalSwarm.__exit__, so a killed benchmark leaves no nodes behind.
-    with raise_on_signals(), LocalSwarm(out, overrides=sets + [f"pipeline.num_stages={num_stages}"], threads=1) as local:
+    with (
+        raise_on_signals(),
+        LocalSwarm(out, overrides=sets + [f"pipeline.num_stages={num_stages}"], threads=1) as local,
+    ):
         local.start_bootstrap()
         servers = [local.start_node(stage, 0, *save) for stage in range(1, num_stages)]
         local.wait_ready(servers)
@@ -137,8 +158,23 @@ def staged_swarm(sets: list[str], args, out: Path, num_stages: int, timeout_s: f
         local.stop()
         stats = {s["stage"]: s for s in local.node_stats().values()}
     times = stats[0]["step_times"]
-    weights = [next(p for p in (out / "nodes").glob(f"stage{stage}-*.safetensors") if not p.name.endswith(".outer.safetensors"))
-               for stage in range(num_stages)] if save_weights else []
-    return {"tok_s": args.steps * args.batch * args.seq_len / (times[-1] - times[args.warmup - 1]), "peak_rss_mb": rss,
-            "bytes_per_hop": stats[0]["bytes_sent"] / max(1, stats[0]["forwards_sent"]),
-            "final_loss": stats[0]["step_losses"][-1], "schedule": stats[0]["schedule"], "weights": weights}
+    weights = (
+        [
+            next(
+                p
+                for p in (out / "nodes").glob(f"stage{stage}-*.safetensors")
+                if not p.name.endswith(".outer.safetensors")
+            )
+            for stage in range(num_stages)
+        ]
+        if save_weights
+        else []
+    )
+    return {
+        "tok_s": args.steps * args.batch * args.seq_len / (times[-1] - times[args.warmup - 1]),
+        "peak_rss_mb": rss,
+        "bytes_per_hop": stats[0]["bytes_sent"] / max(1, stats[0]["forwards_sent"]),
+        "final_loss": stats[0]["step_losses"][-1],
+        "schedule": stats[0]["schedule"],
+        "weights": weights,
+    }

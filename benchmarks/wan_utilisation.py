@@ -29,7 +29,8 @@ defaults-now (today's defaults: int8 hops both ways, outer.overlap, bf16 snapsho
 snapshots); int4-int8 (int4 activations, int8 gradients, outer.overlap, int8 snapshots); int4 (int4
 both ways, the same outer); int4-overlap-schedule (and pipeline.schedule = overlap); int4-subspace
 (int4, with model.residual_subspace = hidden / 32: hops of 4 coordinates per token and the token
-ids, model/subspace.py). Each variant also runs unlimited: its ratio is against its own unlimited run. Before the runs, the link model's prediction for every
+ids, model/subspace.py). Each variant also runs unlimited: its ratio is against its own unlimited
+run. Before the runs, the link model's prediction for every
 option on each profile is printed (against the same settings unlimited, and against the defaults).
 
 The emulated runs set timeouts.assumed_mbit_s to the link's rate, as docs/volunteer.md tells a
@@ -75,12 +76,22 @@ class Profile:
 
 HIDDEN = 128
 INT4_BYTES, BF16_BYTES = 0.5 + 4 / 64, 2.0  # per value on the wire, the blockwise scales included
-PROFILES = {"fibre": Profile("fibre", 0.4, 0.25, 10.0), "home": Profile("home", 4.0, 2.5, 30.0),
-            "home20": Profile("home20", 15.0 * BF16_BYTES / INT4_BYTES, 0.625 * 15.0 * BF16_BYTES / INT4_BYTES, 40.0)}
+PROFILES = {
+    "fibre": Profile("fibre", 0.4, 0.25, 10.0),
+    "home": Profile("home", 4.0, 2.5, 30.0),
+    "home20": Profile("home20", 15.0 * BF16_BYTES / INT4_BYTES, 0.625 * 15.0 * BF16_BYTES / INT4_BYTES, 40.0),
+}
 # model/costs.py's reference and OPTIONS (the volunteer table's choices: today's defaults, then fewer bytes).
 # "default" keeps its name (and its meaning in saved results.json files): issue 26's reference.
-VARIANTS = {"default": "reference", "defaults-now": 0, "int8": 1, "int4-int8": 2, "int4": 3, "int4-overlap-schedule": 4,
-            "int4-subspace": 3}
+VARIANTS = {
+    "default": "reference",
+    "defaults-now": 0,
+    "int8": 1,
+    "int4-int8": 2,
+    "int4": 3,
+    "int4-overlap-schedule": 4,
+    "int4-subspace": 3,
+}
 SUBSPACE = {"int4-subspace": HIDDEN // 32}  # model.residual_subspace of a variant (0: dense)
 RUNS = ("fibre:default", "home:default", "fibre:int4-int8", "home:int4", "home:int4-overlap-schedule")
 
@@ -101,13 +112,30 @@ def overrides(data: Path, hold_s: float, variant: str, extra: dict) -> list[str]
     from conftest import prepare_tokenizer, tiny_overrides  # the tests' tiny corpus
 
     data.mkdir(parents=True, exist_ok=True)
-    sets = tiny_overrides(data, **{
-        "model.hidden_size": HIDDEN, "model.intermediate_size": 352, "model.num_layers": 2, "model.num_heads": 4,
-        "model.seq_len": SEQ, "pipeline.layers_per_stage": "1,1", "pipeline.batch_size": M,
-        "pipeline.microbatch_size": 1, "pipeline.routing": "fixed", "outer.method": "noloco",
-        "outer.inner_steps_per_outer": H, "inner.total_steps": 100000, "faults.compute_delay_s": hold_s,
-        "timeouts.microbatch_s": 60.0, "timeouts.drain_s": 3.0, "timeouts.startup_s": 120.0, "log.progress": "off",
-        **variant_settings(variant), **extra})
+    sets = tiny_overrides(
+        data,
+        **{
+            "model.hidden_size": HIDDEN,
+            "model.intermediate_size": 352,
+            "model.num_layers": 2,
+            "model.num_heads": 4,
+            "model.seq_len": SEQ,
+            "pipeline.layers_per_stage": "1,1",
+            "pipeline.batch_size": M,
+            "pipeline.microbatch_size": 1,
+            "pipeline.routing": "fixed",
+            "outer.method": "noloco",
+            "outer.inner_steps_per_outer": H,
+            "inner.total_steps": 100000,
+            "faults.compute_delay_s": hold_s,
+            "timeouts.microbatch_s": 60.0,
+            "timeouts.drain_s": 3.0,
+            "timeouts.startup_s": 120.0,
+            "log.progress": "off",
+            **variant_settings(variant),
+            **extra,
+        },
+    )
     prepare_tokenizer(sets)
     return sets
 
@@ -131,7 +159,9 @@ def run_swarm(out: Path, sets: list[str], link: LinkProfile | None, steps: int, 
 
             servers = [start(i) for i, (s, _) in enumerate(slots) if s > 0]
             swarm.wait_ready(servers)
-            drivers = [start(i, "--steps", str(steps), "--wait-replicas", str(D)) for i, (s, _) in enumerate(slots) if s == 0]
+            drivers = [
+                start(i, "--steps", str(steps), "--wait-replicas", str(D)) for i, (s, _) in enumerate(slots) if s == 0
+            ]
             swarm.wait_ready(drivers)
             swarm.wait_exit(drivers, timeout_s=timeout_s)
             failed = [n.label for n in drivers if n.proc.returncode != 0]
@@ -156,18 +186,30 @@ def node_window(events: list[dict]) -> dict | None:
     wall = b["ts"] - a["ts"]
     microbatches = (b["tokens"] - a["tokens"]) / SEQ
     rounds = [e for e in events if e["event"] == "outer_round" and a["inner_step"] <= e["inner_step"] < b["inner_step"]]
-    intervals = {k: steps[k + 1]["ts"] - steps[k]["ts"] for k in range(a["inner_step"], b["inner_step"])
-                 if k in steps and k + 1 in steps}
+    intervals = {
+        k: steps[k + 1]["ts"] - steps[k]["ts"]
+        for k in range(a["inner_step"], b["inner_step"])
+        if k in steps and k + 1 in steps
+    }
     plain = [v for k, v in intervals.items() if k % H]
     typical = statistics.median(plain) if plain else 0.0
     busy, idle = b["busy_s"] - a["busy_s"], b["idle_s"] - a["idle_s"]
-    return {"steps": b["inner_step"] - a["inner_step"], "wall_s": wall, "tokens_per_s": (b["tokens"] - a["tokens"]) / wall,
-            "busy_fraction": busy / max(1e-9, busy + idle), "waited_s": idle,
-            "compute_per_microbatch_s": busy / max(1, microbatches), "step_s": typical,
-            "held_at_boundaries_s": sum(max(0.0, v - typical) for k, v in intervals.items() if k % H == 0),
-            "rounds": len(rounds), "paired": sum(r["outcome"] == "paired" for r in rounds),
-            "round_s": statistics.median(r["seconds"] for r in rounds) if rounds else math.nan,
-            "bytes_per_round": statistics.fmean(sum(r["bytes"].values()) for r in rounds if r.get("bytes")) if rounds else math.nan}
+    return {
+        "steps": b["inner_step"] - a["inner_step"],
+        "wall_s": wall,
+        "tokens_per_s": (b["tokens"] - a["tokens"]) / wall,
+        "busy_fraction": busy / max(1e-9, busy + idle),
+        "waited_s": idle,
+        "compute_per_microbatch_s": busy / max(1, microbatches),
+        "step_s": typical,
+        "held_at_boundaries_s": sum(max(0.0, v - typical) for k, v in intervals.items() if k % H == 0),
+        "rounds": len(rounds),
+        "paired": sum(r["outcome"] == "paired" for r in rounds),
+        "round_s": statistics.median(r["seconds"] for r in rounds) if rounds else math.nan,
+        "bytes_per_round": statistics.fmean(sum(r["bytes"].values()) for r in rounds if r.get("bytes"))
+        if rounds
+        else math.nan,
+    }
 
 
 def summarize(out: Path, stats: dict) -> dict:
@@ -183,12 +225,17 @@ def summarize(out: Path, stats: dict) -> dict:
         sent = st.get("forwards_sent", 0) if s == 0 else st.get("backwards_sent", 0)
         hop.setdefault(s, []).append(st["bytes_sent"] / max(1, sent))
     stage0 = [n for n in nodes if n["stage"] == 0]
-    return {"nodes": nodes, "tokens_per_s": sum(n["tokens_per_s"] for n in stage0),
-            "compute_s": [statistics.fmean(n["compute_per_microbatch_s"] for n in nodes if n["stage"] == s) for s in range(P)],
-            "hop_bytes": {s: statistics.fmean(v) for s, v in sorted(hop.items())},
-            "round_bytes": statistics.fmean(n["bytes_per_round"] for n in nodes),
-            "round_s": statistics.median(n["round_s"] for n in nodes),
-            "step_s": statistics.fmean(n["step_s"] for n in stage0)}
+    return {
+        "nodes": nodes,
+        "tokens_per_s": sum(n["tokens_per_s"] for n in stage0),
+        "compute_s": [
+            statistics.fmean(n["compute_per_microbatch_s"] for n in nodes if n["stage"] == s) for s in range(P)
+        ],
+        "hop_bytes": {s: statistics.fmean(v) for s, v in sorted(hop.items())},
+        "round_bytes": statistics.fmean(n["bytes_per_round"] for n in nodes),
+        "round_s": statistics.median(n["round_s"] for n in nodes),
+        "step_s": statistics.fmean(n["step_s"] for n in stage0),
+    }
 
 
 def measure(out: Path, variant: str, link: LinkProfile | None, args) -> dict:
@@ -196,8 +243,9 @@ def measure(out: Path, variant: str, link: LinkProfile | None, args) -> dict:
     sets = overrides(out.parent / "data", args.hold_s, variant, extra)
     raw = run_swarm(out, sets, link, (args.rounds + 1) * H, args.run_timeout)
     result = summarize(out, raw["stats"])
-    result.update(sets=sets, variant=variant, wall_s=round(raw["wall_s"], 1),
-                  link=link.to_dict() if link is not None else None)
+    result.update(
+        sets=sets, variant=variant, wall_s=round(raw["wall_s"], 1), link=link.to_dict() if link is not None else None
+    )
     return result
 
 
@@ -211,11 +259,16 @@ def link_for(profile: Profile, base: dict) -> LinkProfile:
 def print_profile(name: str, link: LinkProfile, base: dict) -> None:
     """The link and the two ratios it gives, measured against the unlimited run's numbers."""
     compute, profile = max(base["compute_s"]), PROFILES[name]
-    hop, round_ = (base["hop_bytes"][0] / link.bytes_per_s / compute,
-                   base["round_bytes"] / link.bytes_per_s / (H * M * compute))
-    print(f"profile {name}: {link.mbit:.3g} Mbit/s each way per connection, RTT {2 * link.one_way_ms:g} ms; "
-          f"hop transfer / compute {hop:.2f} (target {profile.hop_ratio}), round transfer / H steps' compute "
-          f"{round_:.2f} (target {profile.round_ratio})", flush=True)
+    hop, round_ = (
+        base["hop_bytes"][0] / link.bytes_per_s / compute,
+        base["round_bytes"] / link.bytes_per_s / (H * M * compute),
+    )
+    print(
+        f"profile {name}: {link.mbit:.3g} Mbit/s each way per connection, RTT {2 * link.one_way_ms:g} ms; "
+        f"hop transfer / compute {hop:.2f} (target {profile.hop_ratio}), round transfer / H steps' compute "
+        f"{round_:.2f} (target {profile.round_ratio})",
+        flush=True,
+    )
     print_options(name, link, base)
 
 
@@ -230,12 +283,21 @@ def run_costs(sets: list[str], option=None):
     cfg = load_config(overrides=sets + extra)
     config, ranges = run_model(cfg, cfg.data.vocab_size)
     p = cfg.pipeline
-    return pipeline_costs(config, ranges, microbatch=p.microbatch_size, seq_len=cfg.model.seq_len,
-                          microbatches_per_batch=p.batch_size // p.microbatch_size, max_in_flight=p.max_in_flight,
-                          schedule=p.schedule, activation_codec=p.activation_codec, gradient_codec=p.gradient_codec,
-                          outer_payload=workload_for(cfg, "cpu").outer_payload,
-                          inner_steps_per_outer=cfg.outer.inner_steps_per_outer, outer_overlap=cfg.outer.overlap,
-                          subspace=cfg.model.residual_subspace)
+    return pipeline_costs(
+        config,
+        ranges,
+        microbatch=p.microbatch_size,
+        seq_len=cfg.model.seq_len,
+        microbatches_per_batch=p.batch_size // p.microbatch_size,
+        max_in_flight=p.max_in_flight,
+        schedule=p.schedule,
+        activation_codec=p.activation_codec,
+        gradient_codec=p.gradient_codec,
+        outer_payload=workload_for(cfg, "cpu").outer_payload,
+        inner_steps_per_outer=cfg.outer.inner_steps_per_outer,
+        outer_overlap=cfg.outer.overlap,
+        subspace=cfg.model.residual_subspace,
+    )
 
 
 def model_link(link: dict):
@@ -249,8 +311,12 @@ def predict_run(result: dict, base: dict, overhead_s: float):
     compute per microbatch (`base`) and the round overhead O alone."""
     from noloco_node.model.costs import predict
 
-    return predict(run_costs(result["sets"]), stage_seconds=tuple(base["compute_s"]), round_overhead_s=overhead_s,
-                   link=model_link(result["link"]))
+    return predict(
+        run_costs(result["sets"]),
+        stage_seconds=tuple(base["compute_s"]),
+        round_overhead_s=overhead_s,
+        link=model_link(result["link"]),
+    )
 
 
 def round_overhead_s(unlimited_default: dict) -> float:
@@ -264,13 +330,21 @@ def print_options(name: str, link: LinkProfile, base: dict) -> None:
     """What the link model predicts for every option on this profile, before any is run."""
     from noloco_node.model.costs import choose
 
-    pick, rows = choose(lambda option: run_costs(base["sets"], option), link=model_link(link.to_dict()),
-                        stage_seconds=tuple(base["compute_s"]), round_overhead_s=round_overhead_s(base))
+    pick, rows = choose(
+        lambda option: run_costs(base["sets"], option),
+        link=model_link(link.to_dict()),
+        stage_seconds=tuple(base["compute_s"]),
+        round_overhead_s=round_overhead_s(base),
+    )
     names = {index: variant for variant, index in VARIANTS.items() if index != "reference" and variant not in SUBSPACE}
     for i, (option, pred, relative) in enumerate(rows):
         label = names.get(i, ", ".join(f"{k}={str(v).lower()}" for k, v in option.settings().items()))
-        print(f"    model, {name}, {label}: {pred.ratio:.2f} of the same settings unlimited, {relative:.2f} of the "
-              f"defaults unlimited; limited by {pred.limited_by}{'  <- the pick (first >= 0.9 of the defaults, else the best)' if i == pick else ''}", flush=True)
+        print(
+            f"    model, {name}, {label}: {pred.ratio:.2f} of the same settings unlimited, {relative:.2f} of the "
+            "defaults unlimited; limited by "
+            f"{pred.limited_by}{'  <- the pick (first >= 0.9 of the defaults, else the best)' if i == pick else ''}",
+            flush=True,
+        )
 
 
 def print_run(name: str, result: dict, base: dict | None = None, overhead_s: float = 0.0) -> None:
@@ -284,35 +358,61 @@ def print_run(name: str, result: dict, base: dict | None = None, overhead_s: flo
         own = predict_run(result, result, overhead_s)
         own_ratio = pred.extra["round_unlimited_s"] / own.round_s
         ratio = result["tokens_per_s"] / base["tokens_per_s"]
-        result.update(ratio=ratio, predicted_ratio=pred.ratio, predicted_ratio_own_compute=own_ratio,
-                      predicted_step_s=own.step_s, predicted_round_s=own.round_s, predicted_limit=pred.limited_by)
-        head += (f" (unlimited {base['tokens_per_s']:.1f}) over {link['mbit']:.3g} Mbit/s, RTT {2 * link['one_way_ms']:g} ms: "
-                 f"ratio {ratio:.2f}; predicted {pred.ratio:.2f} a priori ({pred.ratio / ratio:.2f}x), {own_ratio:.2f} with "
-                 f"this half's compute ({own_ratio / ratio:.2f}x); limited by {pred.limited_by}; step {result['step_s']:.3f} s "
-                 f"(predicted {own.step_s:.3f}); compute {', '.join(f'{c * 1e3:.0f}' for c in result['compute_s'])} ms")
+        result.update(
+            ratio=ratio,
+            predicted_ratio=pred.ratio,
+            predicted_ratio_own_compute=own_ratio,
+            predicted_step_s=own.step_s,
+            predicted_round_s=own.round_s,
+            predicted_limit=pred.limited_by,
+        )
+        head += (
+            f" (unlimited {base['tokens_per_s']:.1f}) over {link['mbit']:.3g} Mbit/s, RTT {2 * link['one_way_ms']:g} "
+            "ms: "
+            f"ratio {ratio:.2f}; predicted {pred.ratio:.2f} a priori ({pred.ratio / ratio:.2f}x), {own_ratio:.2f} with "
+            f"this half's compute ({own_ratio / ratio:.2f}x); limited by {pred.limited_by}; step "
+            f"{result['step_s']:.3f} s "
+            f"(predicted {own.step_s:.3f}); compute {', '.join(f'{c * 1e3:.0f}' for c in result['compute_s'])} ms"
+        )
     else:
-        head += (f" (unlimited); compute per microbatch {', '.join(f'{c * 1e3:.0f}' for c in result['compute_s'])} ms "
-                 f"per stage; round {result['round_s']:.2f} s on loopback; step {result['step_s']:.3f} s")
+        head += (
+            f" (unlimited); compute per microbatch {', '.join(f'{c * 1e3:.0f}' for c in result['compute_s'])} ms "
+            f"per stage; round {result['round_s']:.2f} s on loopback; step {result['step_s']:.3f} s"
+        )
     print(head, flush=True)
     for n in result["nodes"]:
-        print(f"    stage {n['stage']} replica {n['replica']}: {n['tokens_per_s']:7.1f} tokens/s, busy {n['busy_fraction']:.0%}, "
-              f"waited {n['waited_s']:.1f} s of {n['wall_s']:.1f} s (held at boundaries {n['held_at_boundaries_s']:.1f} s), "
-              f"compute {n['compute_per_microbatch_s'] * 1e3:.0f} ms/microbatch, hop {result['hop_bytes'][n['stage']] / 1e3:.1f} kB, "
-              f"{n['paired']}/{n['rounds']} rounds paired, {n['bytes_per_round'] / 1e3:.0f} kB/round, round {n['round_s']:.2f} s",
-              flush=True)
+        print(
+            f"    stage {n['stage']} replica {n['replica']}: {n['tokens_per_s']:7.1f} tokens/s, busy "
+            f"{n['busy_fraction']:.0%}, "
+            f"waited {n['waited_s']:.1f} s of {n['wall_s']:.1f} s (held at boundaries "
+            f"{n['held_at_boundaries_s']:.1f} s), "
+            f"compute {n['compute_per_microbatch_s'] * 1e3:.0f} ms/microbatch, hop "
+            f"{result['hop_bytes'][n['stage']] / 1e3:.1f} kB, "
+            f"{n['paired']}/{n['rounds']} rounds paired, {n['bytes_per_round'] / 1e3:.0f} kB/round, round "
+            f"{n['round_s']:.2f} s",
+            flush=True,
+        )
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=4, help="outer rounds in each run's measured window (H = 6 steps each)")
+    p.add_argument(
+        "--rounds", type=int, default=4, help="outer rounds in each run's measured window (H = 6 steps each)"
+    )
     p.add_argument("--hold-s", type=float, default=0.05, help="compute hold per pass (the emulated device)")
     p.add_argument("--runs", default=",".join(RUNS), help="PROFILE:VARIANT,... (each variant also runs unlimited)")
-    p.add_argument("--no-assume-link", dest="assume_link", action="store_false",
-                   help="leave timeouts.assumed_mbit_s at its default (the docs tell volunteers to set it to their uplink)")
+    p.add_argument(
+        "--no-assume-link",
+        dest="assume_link",
+        action="store_false",
+        help="leave timeouts.assumed_mbit_s at its default (the docs tell volunteers to set it to their uplink)",
+    )
     p.add_argument("--run-timeout", type=float, default=400.0)
     p.add_argument("--out", default="runs/bench-wan")
     p.add_argument("--table", action="store_true", help="print only the volunteer table (link model)")
-    p.add_argument("--reprint", metavar="RESULTS_JSON", help="print a finished run's results.json against today's model")
+    p.add_argument(
+        "--reprint", metavar="RESULTS_JSON", help="print a finished run's results.json against today's model"
+    )
     args = p.parse_args()
     if args.table:
         print_volunteer_table()
@@ -347,8 +447,9 @@ def main() -> None:
             continue
         print_run(run, results[run], reference, round_overhead_s(base["default"]))
     print(f"total {time.monotonic() - started:.0f} s")
-    (out / "results.json").write_text(json.dumps({"unlimited": base, "runs": results, "args": vars(args)}, indent=1,
-                                                 default=str))
+    (out / "results.json").write_text(
+        json.dumps({"unlimited": base, "runs": results, "args": vars(args)}, indent=1, default=str)
+    )
 
 
 # The volunteer table: the paper's medium model at issue 26's shape, on each link and device.
@@ -392,20 +493,31 @@ def print_volunteer_table() -> None:
 
     cfg = load_config(overrides=TABLE_SETS)
     llama = resolve_llama_config(cfg.model, cfg.data.vocab_size)
-    print("| uplink, RTT | device (stages) | set | predicted tokens/s vs unlimited defaults (busy) | defaults "
-          f"| limited by | H that hides the exchange (H = {cfg.outer.inner_steps_per_outer}) | loss price known so far |")
+    print(
+        "| uplink, RTT | device (stages) | set | predicted tokens/s vs unlimited defaults (busy) | defaults "
+        f"| limited by | H that hides the exchange (H = {cfg.outer.inner_steps_per_outer}) | loss price known so far |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for device, gib, tflops in TABLE_DEVICES:
         plan = find_plan(cfg, llama, 0.9 * gib * (1 << 30), "cuda")
         p = plan["config"].pipeline
 
         def costs_for(option):
-            return pipeline_costs(llama, plan["ranges"], microbatch=p.microbatch_size, seq_len=cfg.model.seq_len,
-                                  microbatches_per_batch=p.batch_size // p.microbatch_size, max_in_flight=p.max_in_flight,
-                                  schedule=option.schedule, checkpointing=p.activation_checkpointing,
-                                  activation_codec=option.activation_codec, gradient_codec=option.gradient_codec,
-                                  outer_payload=(option.outer_codec,), inner_steps_per_outer=cfg.outer.inner_steps_per_outer,
-                                  outer_overlap=option.outer_overlap)
+            return pipeline_costs(
+                llama,
+                plan["ranges"],
+                microbatch=p.microbatch_size,
+                seq_len=cfg.model.seq_len,
+                microbatches_per_batch=p.batch_size // p.microbatch_size,
+                max_in_flight=p.max_in_flight,
+                schedule=option.schedule,
+                checkpointing=p.activation_checkpointing,
+                activation_codec=option.activation_codec,
+                gradient_codec=option.gradient_codec,
+                outer_payload=(option.outer_codec,),
+                inner_steps_per_outer=cfg.outer.inner_steps_per_outer,
+                outer_overlap=option.outer_overlap,
+            )
 
         for mbit, rtt in TABLE_LINKS:
             pick, rows = choose(costs_for, link=Link(mbit, rtt), tflops=tflops, mfu=DEFAULT_MFU)
@@ -414,9 +526,11 @@ def print_volunteer_table() -> None:
             settings = ", ".join(f"`{k} = {str(v).lower()}`" for k, v in changed.items()) or "the defaults"
             if mbit < 5:
                 settings += f", `timeouts.assumed_mbit_s = {mbit}`"
-            print(f"| {mbit} Mbit/s, {rtt} ms | {device} ({plan['num_stages']}) | {settings} | {relative:.2f} "
-                  f"({pred.extra['busy']:.0%}) | {rows[0][2]:.2f} | {pred.limited_by} | "
-                  f"{math.ceil(pred.outer_s / pred.step_s)} | {LOSS_PRICE[pick]} |")
+            print(
+                f"| {mbit} Mbit/s, {rtt} ms | {device} ({plan['num_stages']}) | {settings} | {relative:.2f} "
+                f"({pred.extra['busy']:.0%}) | {rows[0][2]:.2f} | {pred.limited_by} | "
+                f"{math.ceil(pred.outer_s / pred.step_s)} | {LOSS_PRICE[pick]} |"
+            )
 
 
 if __name__ == "__main__":

@@ -31,7 +31,9 @@ class PeerUnavailable(NodeError):
 
 class PeerUnknown(PeerUnavailable):
     code = "peer-unknown"
-    hint = "no live record of the peer was found in the DHT; a peer that has just joined can take a few seconds to appear"
+    hint = (
+        "no live record of the peer was found in the DHT; a peer that has just joined can take a few seconds to appear"
+    )
 
 
 class TooLarge(NodeError):
@@ -62,15 +64,19 @@ class UnknownMicrobatch(NodeError):
 
 class BootstrapError(NodeError):
     code = "bootstrap-failed"
-    hint = ("check that the bootstrap peer is running and that --initial-peers is the exact multiaddr it printed "
-            "(/ip4/HOST/tcp/PORT/p2p/PEER_ID), and that the port is open")
+    hint = (
+        "check that the bootstrap peer is running and that --initial-peers is the exact multiaddr it printed "
+        "(/ip4/HOST/tcp/PORT/p2p/PEER_ID), and that the port is open"
+    )
 
 
 class UnreachableAddress(NodeError):
     code = "unreachable"
-    hint = ("peers cannot dial the address this node announces. Behind NAT or a firewall: forward the gRPC port "
-            "(network.port, fix it with --port) to this machine and pass the public host:port with --announce-addr; "
-            "`noloco-node doctor` checks it before you join")
+    hint = (
+        "peers cannot dial the address this node announces. Behind NAT or a firewall: forward the gRPC port "
+        "(network.port, fix it with --port) to this machine and pass the public host:port with --announce-addr; "
+        "`noloco-node doctor` checks it before you join"
+    )
 
 
 class DataError(ValueError):

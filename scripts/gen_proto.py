@@ -48,7 +48,11 @@ def check() -> list[str]:
     """Return the generated files that differ from (or are missing in) the checked-in tree."""
     with tempfile.TemporaryDirectory() as tmp:
         generated = generate(Path(tmp))
-        drift = [str(rel) for rel in generated if not (ROOT / rel).exists() or not filecmp.cmp(Path(tmp) / rel, ROOT / rel, shallow=False)]
+        drift = [
+            str(rel)
+            for rel in generated
+            if not (ROOT / rel).exists() or not filecmp.cmp(Path(tmp) / rel, ROOT / rel, shallow=False)
+        ]
         stale = {p.relative_to(ROOT) for p in (ROOT / PACKAGE_DIR).glob("*_pb2*.py*")} - set(generated)
         return drift + [f"{p} (no .proto source)" for p in sorted(stale)]
 

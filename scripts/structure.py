@@ -2,7 +2,8 @@
 
 - imports that break the layering (`ALLOWED`: what each first-level package may import),
 - loose top-level modules (besides `__init__`/`__main__`),
-- functions over MAX_FUNCTION_LINES lines, constructors over MAX_INIT_PARAMS parameters,
+- modules over MAX_MODULE_LINES lines, functions over MAX_FUNCTION_LINES lines, constructors over
+  MAX_INIT_PARAMS parameters (the house style's limits; the code as `ruff format` lays it out),
 - hooks assigned onto another object after it was built (`obj.on_x = ...`, `obj.attr = self.method`,
   `obj.attr = lambda ...`, or a function defined in scope): every hook is a constructor argument.
 
@@ -20,8 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "noloco_node"
+MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 60
-MAX_INIT_PARAMS = 10
+MAX_INIT_PARAMS = 8
 MAX_LOOSE_MODULES = 2
 
 _BASE = {"errors", "codec", "config", "runtime"}
@@ -61,18 +63,26 @@ HOOK_NAME = re.compile(r"^(on_|before_|after_)|(_hook|_fn|_callback|_cb)$")
 class Report:
     layering: list[str] = field(default_factory=list)
     loose_modules: list[str] = field(default_factory=list)
+    long_modules: list[str] = field(default_factory=list)
     long_functions: list[str] = field(default_factory=list)
     wide_constructors: list[str] = field(default_factory=list)
     late_hooks: list[str] = field(default_factory=list)
     modules: int = 0
     functions: int = 0
+    longest_module: tuple[int, str] = (0, "")
     longest_function: tuple[int, str] = (0, "")
     widest_constructor: tuple[int, str] = (0, "")
 
     @property
     def broken(self) -> bool:
-        return bool(self.layering or self.long_functions or self.wide_constructors or self.late_hooks
-                    or len(self.loose_modules) > MAX_LOOSE_MODULES)
+        return bool(
+            self.layering
+            or self.long_modules
+            or self.long_functions
+            or self.wide_constructors
+            or self.late_hooks
+            or len(self.loose_modules) > MAX_LOOSE_MODULES
+        )
 
 
 def _modules() -> list[tuple[Path, tuple[str, ...]]]:
@@ -114,6 +124,13 @@ def _check_layering(report: Report, parts: tuple[str, ...], tree: ast.AST) -> No
     for line, target in _imported(tree):
         if not _allowed(source, target):
             report.layering.append(f"{'/'.join(parts)}.py:{line} imports {target}")
+
+
+def _check_module_length(report: Report, name: str, source: str) -> None:
+    lines = source.count("\n")
+    report.longest_module = max(report.longest_module, (lines, name))
+    if lines > MAX_MODULE_LINES:
+        report.long_modules.append(f"{name} ({lines} lines)")
 
 
 def _check_functions(report: Report, name: str, tree: ast.AST) -> None:
@@ -167,7 +184,13 @@ def _wired_in_constructor(tree: ast.AST) -> set[int]:
             continue
         params = {a.arg for a in init.args.args + init.args.kwonlyargs} - {"self"}
         for node in ast.walk(init):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+            targets = (
+                node.targets
+                if isinstance(node, ast.Assign)
+                else [node.target]
+                if isinstance(node, ast.AnnAssign)
+                else []
+            )
             for t in targets:
                 if not isinstance(t, ast.Attribute):
                     continue
@@ -186,15 +209,30 @@ def _set_on_held_parts(tree: ast.AST) -> set[int]:
             continue
         created = set()
         if func.name == "__init__":  # building our own parts (nn.Module submodules) is construction
-            created = {t.attr for n in ast.walk(func) if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call)
-                       for t in n.targets if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
-                       and t.value.id == "self"}
+            created = {
+                t.attr
+                for n in ast.walk(func)
+                if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call)
+                for t in n.targets
+                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"
+            }
         for node in ast.walk(func):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+            targets = (
+                node.targets
+                if isinstance(node, ast.Assign)
+                else [node.target]
+                if isinstance(node, ast.AnnAssign)
+                else []
+            )
             for t in targets:
                 owner = getattr(t, "value", None)
-                if isinstance(t, ast.Attribute) and isinstance(owner, ast.Attribute) and \
-                        isinstance(owner.value, ast.Name) and owner.value.id == "self" and owner.attr not in created:
+                if (
+                    isinstance(t, ast.Attribute)
+                    and isinstance(owner, ast.Attribute)
+                    and isinstance(owner.value, ast.Name)
+                    and owner.value.id == "self"
+                    and owner.attr not in created
+                ):
                     lines.add(node.lineno)
     return lines
 
@@ -217,7 +255,9 @@ def _check_hooks(report: Report, name: str, tree: ast.AST) -> None:
                 owner = t.value
                 if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
                     continue
-                if HOOK_NAME.search(t.attr) or (node.value is not None and _is_hook_value(node.value, functions, methods)):
+                if HOOK_NAME.search(t.attr) or (
+                    node.value is not None and _is_hook_value(node.value, functions, methods)
+                ):
                     report.late_hooks.append(f"{name}:{node.lineno} {ast.unparse(t)} = {ast.unparse(node.value)[:60]}")
 
 
@@ -230,6 +270,7 @@ def measure() -> Report:
         if len(parts) == 1 and parts[0] not in ("__init__", "__main__"):
             report.loose_modules.append(parts[0])
         _check_layering(report, parts, tree)
+        _check_module_length(report, name, path.read_text())
         _check_functions(report, name, tree)
         _check_hooks(report, name, tree)
     return report
@@ -242,12 +283,22 @@ def main() -> int:
     for line in r.layering:
         print(f"  {line}")
     print(f"loose top-level modules: {len(r.loose_modules)} {sorted(r.loose_modules)} (at most {MAX_LOOSE_MODULES})")
-    print(f"longest function: {r.longest_function[0]} lines ({r.longest_function[1]}); over {MAX_FUNCTION_LINES}: "
-          f"{len(r.long_functions)}")
+    print(
+        f"longest module: {r.longest_module[0]} lines ({r.longest_module[1]}); over {MAX_MODULE_LINES}: "
+        f"{len(r.long_modules)}"
+    )
+    for line in r.long_modules:
+        print(f"  {line}")
+    print(
+        f"longest function: {r.longest_function[0]} lines ({r.longest_function[1]}); over {MAX_FUNCTION_LINES}: "
+        f"{len(r.long_functions)}"
+    )
     for line in r.long_functions:
         print(f"  {line}")
-    print(f"widest constructor: {r.widest_constructor[0]} parameters ({r.widest_constructor[1]}); over "
-          f"{MAX_INIT_PARAMS}: {len(r.wide_constructors)}")
+    print(
+        f"widest constructor: {r.widest_constructor[0]} parameters ({r.widest_constructor[1]}); over "
+        f"{MAX_INIT_PARAMS}: {len(r.wide_constructors)}"
+    )
     for line in r.wide_constructors:
         print(f"  {line}")
     print(f"hooks assigned after construction: {len(r.late_hooks)}")

@@ -13,9 +13,21 @@ os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="noloco-hf-da
 # The longest tests run first, so that the two workers finish together: run last, a 3-minute test
 # kept one worker busy while the other sat idle (xdist's worksteal only moves tests not yet started).
 # Measured in clean-clone CI runs (--durations); the unit tier fills in behind them.
-LONGEST_FIRST = ("test_experiment.py", "test_lifecycle.py", "test_nat.py", "test_export.py", "test_demo_noloco.py",
-                 "test_chaos.py", "test_hostile_input.py", "test_metrics.py", "test_subspace_swarm.py",
-                 "test_integrity.py", "test_launcher_signals.py", "test_first_hour.py", "test_state_transfer.py")
+LONGEST_FIRST = (
+    "test_experiment.py",
+    "test_lifecycle.py",
+    "test_nat.py",
+    "test_export.py",
+    "test_demo_noloco.py",
+    "test_chaos.py",
+    "test_hostile_input.py",
+    "test_metrics.py",
+    "test_subspace_swarm.py",
+    "test_integrity.py",
+    "test_launcher_signals.py",
+    "test_first_hour.py",
+    "test_state_transfer.py",
+)
 
 
 def pytest_collection_modifyitems(config, items) -> None:
@@ -24,6 +36,7 @@ def pytest_collection_modifyitems(config, items) -> None:
         if name in LONGEST_FIRST:
             return 0, LONGEST_FIRST.index(name)
         return (1, 0) if "integration" in item.path.parts else (2, 0)
+
     items.sort(key=rank)  # stable: a file's tests keep their order
 
 

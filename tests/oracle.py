@@ -21,19 +21,27 @@ def train_whole_model(config, corpus, tokenizer, steps):
     m, inner = config.model, config.inner
     llama, ranges = run_model(config, len(tokenizer))  # the nodes' split (by cost)
     model = build_full_model(llama, config.run.seed, subspace_rank=config.model.residual_subspace)
-    schedule = InnerSchedule(lr_max=inner.lr, warmup_steps=inner.warmup_steps, total_steps=inner.total_steps,
-                             min_lr_ratio=inner.min_lr_ratio)
+    schedule = InnerSchedule(
+        lr_max=inner.lr, warmup_steps=inner.warmup_steps, total_steps=inner.total_steps, min_lr_ratio=inner.min_lr_ratio
+    )
     num_stages = config.pipeline.num_stages
     groups = [[p for n, p in model.named_parameters() if stage_of(n, ranges) == s] for s in range(num_stages)]
     optimizers = [InnerOptimizer(g, schedule, clip_norm=inner.clip_norm) for g in groups]  # clipping per stage
-    batches = PackedSequences(corpus, tokenizer, seq_len=m.seq_len, shard=ShardSpec(), holdout_fraction=0.0,
-                              seed=config.run.seed, shuffle_buffer=0).batches(config.pipeline.batch_size)
+    batches = PackedSequences(
+        corpus,
+        tokenizer,
+        seq_len=m.seq_len,
+        shard=ShardSpec(),
+        holdout_fraction=0.0,
+        seed=config.run.seed,
+        shuffle_buffer=0,
+    ).batches(config.pipeline.batch_size)
     micro, batch_size = config.pipeline.microbatch_size, config.pipeline.batch_size
     losses = []
     for _ in range(steps):
         inputs, labels = next(batches)
         for i in range(0, batch_size, micro):
-            loss = LlamaStage.loss(model(input_ids=inputs[i:i + micro]).logits, labels[i:i + micro])
+            loss = LlamaStage.loss(model(input_ids=inputs[i : i + micro]).logits, labels[i : i + micro])
             (loss * (micro / batch_size)).backward()
             losses.append(loss.item())
         for optimizer in optimizers:

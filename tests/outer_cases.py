@@ -22,10 +22,14 @@ B = dict(phi=[0.0, -1.0, 1.0, 2.0], theta=[-0.5, -0.5, 1.5, 2.25], momentum=[0.3
 NOLOCO = dict(alpha=0.5, beta=0.7)
 
 
-V1 = {"a": ([0.7, -1.75, 0.7625, 2.9375], [-0.3, 0.25, 0.2625, -0.0625]),
-      "b": ([0.5, -1.35, 0.8625, 2.5375], [0.5, -0.35, -0.1375, 0.5375])}
-V2 = {"a": ([0.48, -1.44125, 0.885, 2.94125], [-0.22, 0.30875, 0.1225, 0.00375]),
-      "b": ([0.82, -1.62125, 0.715, 3.12125], [0.32, -0.27125, -0.1475, 0.58375])}
+V1 = {
+    "a": ([0.7, -1.75, 0.7625, 2.9375], [-0.3, 0.25, 0.2625, -0.0625]),
+    "b": ([0.5, -1.35, 0.8625, 2.5375], [0.5, -0.35, -0.1375, 0.5375]),
+}
+V2 = {
+    "a": ([0.48, -1.44125, 0.885, 2.94125], [-0.22, 0.30875, 0.1225, 0.00375]),
+    "b": ([0.82, -1.62125, 0.715, 3.12125], [0.32, -0.27125, -0.1475, 0.58375]),
+}
 
 
 def oracle(phis, thetas, moms, a, b, g):
@@ -47,9 +51,14 @@ def wire(x, codec):
 def random_state(seed, n=257):
     # Replicas' slow weights stay close (they start equal); far apart, a partner is rejected.
     g = torch.Generator().manual_seed(seed)
-    phi = torch.randn(n, generator=torch.Generator().manual_seed(0), dtype=f64) + 0.02 * torch.randn(n, generator=g, dtype=f64)
-    return {"phi": phi, "theta": phi + 0.05 * torch.randn(n, generator=g, dtype=f64),
-            "momentum": 0.01 * torch.randn(n, generator=g, dtype=f64)}
+    phi = torch.randn(n, generator=torch.Generator().manual_seed(0), dtype=f64) + 0.02 * torch.randn(
+        n, generator=g, dtype=f64
+    )
+    return {
+        "phi": phi,
+        "theta": phi + 0.05 * torch.randn(n, generator=g, dtype=f64),
+        "momentum": 0.01 * torch.randn(n, generator=g, dtype=f64),
+    }
 
 
 def lists(state):
@@ -61,10 +70,18 @@ def test_gamma_not_beta_reaches_the_oracle(peers):
     alpha, beta, gamma = 0.45, 0.8, 0.25
     states = {"a": random_state(1), "b": random_state(2)}
     for name, state in states.items():
-        peers.start(name, lists(state), "--codec", "none", "--alpha", str(alpha), "--beta", str(beta), "--gamma", str(gamma))
+        peers.start(
+            name, lists(state), "--codec", "none", "--alpha", str(alpha), "--beta", str(beta), "--gamma", str(gamma)
+        )
     results = peers.run_round()
-    want_phi, want_m = oracle([states[n]["phi"] for n in "ab"], [states[n]["theta"] for n in "ab"],
-                              [states[n]["momentum"] for n in "ab"], alpha, beta, gamma)
+    want_phi, want_m = oracle(
+        [states[n]["phi"] for n in "ab"],
+        [states[n]["theta"] for n in "ab"],
+        [states[n]["momentum"] for n in "ab"],
+        alpha,
+        beta,
+        gamma,
+    )
     for i, name in enumerate("ab"):
         r = results[name]
         assert r["outcome"] == "paired"
@@ -90,8 +107,9 @@ def test_gamma_equal_beta_takes_the_theta_form_by_itself(peers):
 def test_v1_then_v2_over_phi_and_delta(peers):
     offsets = {"a": [0.25, 0.0, -0.125, 0.5], "b": [-0.25, 0.125, 0.0, 0.0]}  # V2's new fast weights - phi
     for name, state in (("a", A), ("b", B)):
-        peers.start(name, {**state, "offset2": offsets[name]}, "--codec", "none", "--payload", "phi+delta",
-                    "--rounds", "2")
+        peers.start(
+            name, {**state, "offset2": offsets[name]}, "--codec", "none", "--payload", "phi+delta", "--rounds", "2"
+        )
     results = peers.run_round()
     for name in "ab":
         r = results[name]
@@ -114,9 +132,12 @@ def test_lossy_codecs_give_both_sides_the_math_on_wire_values(peers, codec_phi, 
         r = results[me]
         assert r["outcome"] == "paired" and r["history"][0]["payload"] == "phi+delta"
         # Our own Delta counts exact under top-k (sync/snapshot.py), as sent under a dense codec.
-        own = (on_wire[me][0], states[me]["theta"] - states[me]["phi"]) if codec_delta.startswith("topk") else on_wire[me]
-        phi, m = noloco_step_sent(states[me]["phi"], states[me]["momentum"], own, [on_wire[other]],
-                                  alpha=alpha, beta=beta, gamma=gamma)
+        own = (
+            (on_wire[me][0], states[me]["theta"] - states[me]["phi"]) if codec_delta.startswith("topk") else on_wire[me]
+        )
+        phi, m = noloco_step_sent(
+            states[me]["phi"], states[me]["momentum"], own, [on_wire[other]], alpha=alpha, beta=beta, gamma=gamma
+        )
         assert torch.equal(r["phi"], phi) and torch.equal(r["momentum"], m)
         error = r["history"][0]["delta_rel_error"]
         assert (error == 0.0) if codec_delta == "none" else (0 < error < 1)
@@ -153,12 +174,26 @@ def test_compressed_exchange_gives_both_sides_the_math_on_wire_values(peers, cod
         partner_phi, on = sliced(states[me]["phi"], states[other]["phi"], round_index, parts)
         assert 0 < on.numel() < 1000
         exact = states[me]["theta"] - states[me]["phi"]  # our own Delta counts exact under top-k
-        phi, m = noloco_step_sent(states[me]["phi"], states[me]["momentum"], (states[me]["phi"], exact),
-                                  [(partner_phi, deltas[other])], alpha=alpha, beta=beta, gamma=gamma)
+        phi, m = noloco_step_sent(
+            states[me]["phi"],
+            states[me]["momentum"],
+            (states[me]["phi"], exact),
+            [(partner_phi, deltas[other])],
+            alpha=alpha,
+            beta=beta,
+            gamma=gamma,
+        )
         assert torch.equal(r["phi"], phi) and torch.equal(r["momentum"], m)
         # Off the slice the consensus term is 0: the step there is the one without the partner's phi.
-        no_pull, _ = noloco_step_sent(states[me]["phi"], states[me]["momentum"], (states[me]["phi"], exact),
-                                      [(states[me]["phi"], deltas[other])], alpha=alpha, beta=beta, gamma=gamma)
+        no_pull, _ = noloco_step_sent(
+            states[me]["phi"],
+            states[me]["momentum"],
+            (states[me]["phi"], exact),
+            [(states[me]["phi"], deltas[other])],
+            alpha=alpha,
+            beta=beta,
+            gamma=gamma,
+        )
         off = torch.ones(1000, dtype=torch.bool)
         off[on] = False
         assert torch.equal(r["phi"][off], no_pull[off]) and not torch.equal(r["phi"][~off], no_pull[~off])
@@ -173,8 +208,18 @@ def test_topk_residual_travels_in_the_next_round(peers):
     states = {"a": random_state(5), "b": random_state(6)}
     for name, state in states.items():
         delta = state["theta"] - state["phi"]
-        peers.start(name, lists({**state, "offset2": delta}), "--codec", "none", "--codec-delta", codec,
-                    "--gamma", str(gamma), "--rounds", "2")
+        peers.start(
+            name,
+            lists({**state, "offset2": delta}),
+            "--codec",
+            "none",
+            "--codec-delta",
+            codec,
+            "--gamma",
+            str(gamma),
+            "--rounds",
+            "2",
+        )
     results = peers.run_round()
     phi, mom, sent, residual = {}, {}, {}, {}
     for n, s in states.items():  # round 1, as the math on the wire values
@@ -183,8 +228,15 @@ def test_topk_residual_travels_in_the_next_round(peers):
         residual[n] = delta - sent[n]
     exact = {n: s["theta"] - s["phi"] for n, s in states.items()}  # our own Delta counts exact under top-k
     for me, other in (("a", "b"), ("b", "a")):
-        phi[me], mom[me] = noloco_step_sent(states[me]["phi"], states[me]["momentum"], (states[me]["phi"], exact[me]),
-                                            [(states[other]["phi"], sent[other])], alpha=alpha, beta=beta, gamma=gamma)
+        phi[me], mom[me] = noloco_step_sent(
+            states[me]["phi"],
+            states[me]["momentum"],
+            (states[me]["phi"], exact[me]),
+            [(states[other]["phi"], sent[other])],
+            alpha=alpha,
+            beta=beta,
+            gamma=gamma,
+        )
         assert torch.equal(results[me]["phi@1"], phi[me])
     # Round 2 starts from theta = new phi + the same Delta; the node recomputes Delta = theta - phi.
     delta2 = {n: (phi[n] + (s["theta"] - s["phi"])) - phi[n] for n, s in states.items()}
@@ -193,11 +245,13 @@ def test_topk_residual_travels_in_the_next_round(peers):
     for me, other in (("a", "b"), ("b", "a")):
         r = results[me]
         assert [e["outcome"] for e in r["history"]] == ["paired"] * 2
-        want, want_m = noloco_step_sent(phi[me], mom[me], (phi[me], delta2[me]), [round2[other]],
-                                        alpha=alpha, beta=beta, gamma=gamma)
+        want, want_m = noloco_step_sent(
+            phi[me], mom[me], (phi[me], delta2[me]), [round2[other]], alpha=alpha, beta=beta, gamma=gamma
+        )
         assert torch.equal(r["phi@2"], want) and torch.equal(r["momentum@2"], want_m)
-        stale, _ = noloco_step_sent(phi[me], mom[me], (phi[me], delta2[me]), [without_feedback[other]],
-                                    alpha=alpha, beta=beta, gamma=gamma)
+        stale, _ = noloco_step_sent(
+            phi[me], mom[me], (phi[me], delta2[me]), [without_feedback[other]], alpha=alpha, beta=beta, gamma=gamma
+        )
         assert not torch.allclose(r["phi@2"], stale, atol=1e-6, rtol=0)
         carried = (sent[me] == 0) & (round2[me][1] != 0)  # dropped in round 1, sent in round 2
         assert carried.any()
@@ -230,8 +284,13 @@ def test_bf16_wire_values_bit_for_bit(peers):
     results = peers.run_round()
     for me, other in (("a", B), ("b", A)):
         mine = A if me == "a" else B
-        phi, m = noloco_step(t(mine["phi"]), wire(t(mine["theta"]), "bf16"), t(mine["momentum"]),
-                             [(None, wire(t(other["theta"]), "bf16"))], **NOLOCO)
+        phi, m = noloco_step(
+            t(mine["phi"]),
+            wire(t(mine["theta"]), "bf16"),
+            t(mine["momentum"]),
+            [(None, wire(t(other["theta"]), "bf16"))],
+            **NOLOCO,
+        )
         assert torch.equal(results[me]["phi"], phi) and torch.equal(results[me]["momentum"], m)
 
 
@@ -249,8 +308,9 @@ def test_three_replicas_one_pair_one_solo(peers):
             expected, _ = solo_step(t(mine["phi"]), t(mine["theta"]), t(mine["momentum"]), **NOLOCO)
         else:
             partner = states[by_peer[r["history"][0]["partner"]]]
-            expected, _ = noloco_step(t(mine["phi"]), t(mine["theta"]), t(mine["momentum"]),
-                                      [(None, t(partner["theta"]))], **NOLOCO)
+            expected, _ = noloco_step(
+                t(mine["phi"]), t(mine["theta"]), t(mine["momentum"]), [(None, t(partner["theta"]))], **NOLOCO
+            )
         torch.testing.assert_close(r["phi"], expected, atol=1e-12, rtol=0)
         assert r["counters"]["rounds"] == 1
 

@@ -42,9 +42,25 @@ class ProcessPeers:
         # A group of its own per peer (a test kills one alone), forked from the zygote when it can be.
         with open(self.dir / f"{name}.log", "w") as log:
             proc = ProcessGroup().spawn(
-                [sys.executable, "-m", "noloco_node.experiments.outer_peer", "--state", str(self.dir / f"{name}.state"),
-                 "--out", str(self.dir / f"{name}.out"), "--ready-file", str(ready), "--go-file", str(self.go),
-                 *initial, *extra], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+                [
+                    sys.executable,
+                    "-m",
+                    "noloco_node.experiments.outer_peer",
+                    "--state",
+                    str(self.dir / f"{name}.state"),
+                    "--out",
+                    str(self.dir / f"{name}.out"),
+                    "--ready-file",
+                    str(ready),
+                    "--go-file",
+                    str(self.go),
+                    *initial,
+                    *extra,
+                ],
+                cwd=ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         self.procs.append((name, proc))
         deadline = time.monotonic() + 60
         while not ready.exists():
@@ -64,8 +80,10 @@ class ProcessPeers:
                 proc.wait(timeout=max(1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 out = (self.dir / f"{name}.out").exists()
-                raise AssertionError(f"{name} still running after {timeout_s:.0f} s (result written: {out}); its log:\n"
-                                     + (self.dir / f"{name}.log").read_text()[-4000:]) from None
+                raise AssertionError(
+                    f"{name} still running after {timeout_s:.0f} s (result written: {out}); its log:\n"
+                    + (self.dir / f"{name}.log").read_text()[-4000:]
+                ) from None
         results = {}
         for name, _ in self.procs:
             out = self.dir / f"{name}.out"
@@ -109,8 +127,16 @@ class MemoryPeers:
 
         compute, bans = ComputeThread(), Bans()
         parts = SyncParts(compute=compute, peer_id=name, stage=0, set_status=set_status)
-        sync = NoLoCoSync(outer_state, outer_peer.outer_config(args), parts, transport=self.hub.transport(name),
-                          directory=self.network.directory(), match_s=args.match_s, bans=bans, payload=args.payload)
+        sync = NoLoCoSync(
+            outer_state,
+            outer_peer.outer_config(args),
+            parts,
+            transport=self.hub.transport(name),
+            directory=self.network.directory(),
+            match_s=args.match_s,
+            bans=bans,
+            payload=args.payload,
+        )
         self.hub.register(name, sync)
         self.peers[name] = (args, sync, model, outer_state, tensors, bans, compute)
         return {"peer_id": name}
@@ -119,17 +145,32 @@ class MemoryPeers:
         from noloco_node.experiments.outer_peer import run_rounds
 
         async def all_rounds():
-            return await asyncio.wait_for(asyncio.gather(*(run_rounds(args, sync, model, state, tensors)
-                                                           for args, sync, model, state, tensors, _, _ in self.peers.values())),
-                                          timeout_s)
+            return await asyncio.wait_for(
+                asyncio.gather(
+                    *(
+                        run_rounds(args, sync, model, state, tensors)
+                        for args, sync, model, state, tensors, _, _ in self.peers.values()
+                    )
+                ),
+                timeout_s,
+            )
 
         outcomes = asyncio.run(all_rounds())
         results = {}
         for (name, (args, sync, model, state, _, bans, _)), (outcome, per_round) in zip(self.peers.items(), outcomes):
-            results[name] = {"phi": state.phi["w"], "momentum": state.momentum["w"], "theta": model.w.detach().clone(),
-                             **per_round, "outcome": outcome, "peer_id": name, "bytes_sent": sync.bytes_sent,
-                             "method": args.method, "history": sync.counters.history, "banned": bans.total,
-                             "counters": {k: v for k, v in vars(sync.counters).items() if k != "history"}}
+            results[name] = {
+                "phi": state.phi["w"],
+                "momentum": state.momentum["w"],
+                "theta": model.w.detach().clone(),
+                **per_round,
+                "outcome": outcome,
+                "peer_id": name,
+                "bytes_sent": sync.bytes_sent,
+                "method": args.method,
+                "history": sync.counters.history,
+                "banned": bans.total,
+                "counters": {k: v for k, v in vars(sync.counters).items() if k != "history"},
+            }
         return results
 
     def stop(self) -> None:

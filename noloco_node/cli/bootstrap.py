@@ -23,14 +23,25 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("bootstrap", help="run a DHT-only bootstrap peer", description=__doc__)
     add_config_flags(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for a public peer)")
-    p.add_argument("--port", type=int, default=31330, help="TCP port (default 31330: with the identity file, the "
-                   "multiaddr stays the same across restarts; 0 = any free port, a new one each start)")
-    p.add_argument("--identity", default="bootstrap.key", help="private key file; created once, keeps the peer id stable")
+    p.add_argument(
+        "--port",
+        type=int,
+        default=31330,
+        help="TCP port (default 31330: with the identity file, the "
+        "multiaddr stays the same across restarts; 0 = any free port, a new one each start)",
+    )
+    p.add_argument(
+        "--identity", default="bootstrap.key", help="private key file; created once, keeps the peer id stable"
+    )
     p.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR", help="other bootstrap peers to link to")
     p.add_argument("--maddr-file", help="also write the multiaddrs here, one per line")
-    p.add_argument("--dashboard", metavar="[HOST:]PORT", help="serve the swarm's live web page and its JSON "
-                   "(/api/swarm, /api/history) here; a bare PORT binds 127.0.0.1, 0.0.0.0:PORT shows it to everyone "
-                   "(network.dashboard; docs/dashboard.md)")
+    p.add_argument(
+        "--dashboard",
+        metavar="[HOST:]PORT",
+        help="serve the swarm's live web page and its JSON "
+        "(/api/swarm, /api/history) here; a bare PORT binds 127.0.0.1, 0.0.0.0:PORT shows it to everyone "
+        "(network.dashboard; docs/dashboard.md)",
+    )
     p.set_defaults(run=run)
 
 
@@ -53,8 +64,14 @@ async def _serve(config, args: argparse.Namespace) -> int:
     swarm_key = read_swarm_key(config.security)
     directory = await PeerDirectory.start(
         DirectoryIdentity(config.run.run_id, "", __version__, config.pipeline.num_stages),
-        initial_peers=args.initial_peers, host=args.host, port=args.port, identity_path=args.identity,
-        startup_timeout_s=config.timeouts.startup_s, swarm_key=swarm_key, max_skew_s=config.security.max_clock_skew_s)
+        initial_peers=args.initial_peers,
+        host=args.host,
+        port=args.port,
+        identity_path=args.identity,
+        startup_timeout_s=config.timeouts.startup_s,
+        swarm_key=swarm_key,
+        max_skew_s=config.security.max_clock_skew_s,
+    )
     links, server = await _serve_probes(config, directory, swarm_key)
     maddrs = await directory.visible_maddrs()
     if args.maddr_file:
@@ -101,11 +118,18 @@ async def _serve_probes(config, directory, swarm_key: bytes | None):
 
     links = Links(directory.key, swarm_key=swarm_key, max_skew_s=config.security.max_clock_skew_s, options=GRPC_OPTIONS)
     admission = build_admission(config.security, links)
-    server = NodeServer("127.0.0.1", 0, admission=admission.interceptor,
-                        credentials=links.certificate.server_credentials(),
-                        max_concurrent_rpcs=config.security.max_concurrent_rpcs)
-    server.add_diagnostics(DiagnosticsServicer(run_id=config.run.run_id, version=__version__, manifest_hash="",
-                                               timeout_s=config.timeouts.connect_s))
+    server = NodeServer(
+        "127.0.0.1",
+        0,
+        admission=admission.interceptor,
+        credentials=links.certificate.server_credentials(),
+        max_concurrent_rpcs=config.security.max_concurrent_rpcs,
+    )
+    server.add_diagnostics(
+        DiagnosticsServicer(
+            run_id=config.run.run_id, version=__version__, manifest_hash="", timeout_s=config.timeouts.connect_s
+        )
+    )
     await server.start()
     await links.attach(directory.p2p, server.bridge_port)
     await links.serve_relay()
@@ -129,8 +153,10 @@ async def _serve_dashboard(config, directory) -> _SwarmDashboard:
 
     host, port = parse_listen(config.network.dashboard)
     view = SwarmView(directory.all_records, config, poll_s=config.network.dashboard_poll_s)
-    server = DashboardServer(pages={"/": "swarm.html", "/swarm": "swarm.html"},
-                             api={"/api/swarm": view.swarm, "/api/history": view.history_json})
+    server = DashboardServer(
+        pages={"/": "swarm.html", "/swarm": "swarm.html"},
+        api={"/api/swarm": view.swarm, "/api/history": view.history_json},
+    )
     bound = await server.start(host, port)
     shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     print(f"dashboard at http://{shown}:{bound}/", flush=True)

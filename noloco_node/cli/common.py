@@ -14,14 +14,28 @@ from noloco_node.config import NodeConfig, load_config
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE", help="TOML config file (see deploy/node.example.toml)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
-                        help="override one config field, e.g. --set outer.alpha=0.5 (repeatable; wins over --config)")
-    parser.add_argument("--swarm-key", metavar="FILE", help="the swarm's shared key file (security.swarm_key_file; "
-                        "`noloco-node keygen` makes one); peers without it are refused")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.FIELD=VALUE",
+        help="override one config field, e.g. --set outer.alpha=0.5 (repeatable; wins over --config)",
+    )
+    parser.add_argument(
+        "--swarm-key",
+        metavar="FILE",
+        help="the swarm's shared key file (security.swarm_key_file; "
+        "`noloco-node keygen` makes one); peers without it are refused",
+    )
 
 
-def resolve_config(args: argparse.Namespace, *, base: dict[str, dict[str, Any]] | None = None,
-                   flags: dict[str, dict[str, Any]] | None = None) -> NodeConfig:
+def resolve_config(
+    args: argparse.Namespace,
+    *,
+    base: dict[str, dict[str, Any]] | None = None,
+    flags: dict[str, dict[str, Any]] | None = None,
+) -> NodeConfig:
     """Defaults < command defaults (`base`) < --config < --set < dedicated flags (`flags`)."""
     overrides: dict[str, dict[str, Any]] = {}
     from noloco_node.config import parse_overrides
@@ -43,8 +57,11 @@ def require_initial_peers(config: NodeConfig) -> None:
     if not config.network.initial_peers:
         from noloco_node.config import ConfigError
 
-        raise ConfigError("network.initial_peers", "no peer of the swarm to ask", "pass --initial-peers MADDR (the "
-                          "multiaddr the bootstrap printed) or set network.initial_peers in --config")
+        raise ConfigError(
+            "network.initial_peers",
+            "no peer of the swarm to ask",
+            "pass --initial-peers MADDR (the multiaddr the bootstrap printed) or set network.initial_peers in --config",
+        )
 
 
 def stop_on_signals() -> asyncio.Event:
@@ -109,8 +126,14 @@ def check_listen(host: str, ports: dict[str, int | None], host_field: str) -> No
                 sock.bind((host, port))
             except OSError as exc:
                 if exc.errno == errno.EADDRINUSE:
-                    raise ConfigError(field_name, f"port {port} on {host} is in use (another noloco-node?)",
-                                      "stop what holds it, or pick another port") from None
-                raise ConfigError(host_field, f"cannot listen on {host!r}: {exc.strerror or exc}",
-                                  "use 0.0.0.0 (every interface) or an address of this machine; behind NAT "
-                                  "the address peers dial is network.announce_addr, not the host") from None
+                    raise ConfigError(
+                        field_name,
+                        f"port {port} on {host} is in use (another noloco-node?)",
+                        "stop what holds it, or pick another port",
+                    ) from None
+                raise ConfigError(
+                    host_field,
+                    f"cannot listen on {host!r}: {exc.strerror or exc}",
+                    "use 0.0.0.0 (every interface) or an address of this machine; behind NAT "
+                    "the address peers dial is network.announce_addr, not the host",
+                ) from None

@@ -32,12 +32,20 @@ def resolved(config) -> dict:
     out = config.to_dict()
     llama, ranges = run_model(config, vocab_size(config))
     if not (config.model.config or config.model.init_from):  # shape fields stay unset with a config file
-        out["model"].update(hidden_size=llama.hidden_size, intermediate_size=llama.intermediate_size,
-                            num_layers=llama.num_hidden_layers, num_heads=llama.num_attention_heads)
+        out["model"].update(
+            hidden_size=llama.hidden_size,
+            intermediate_size=llama.intermediate_size,
+            num_layers=llama.num_hidden_layers,
+            num_heads=llama.num_attention_heads,
+        )
     last = len(ranges) - 1
     counts = [stage_params(llama, r, first=s == 0, last=s == last) for s, r in enumerate(ranges)]
-    out["model_resolved"] = {**model_summary(config, llama),
-                             "parameters": stage_params(llama, range(llama.num_hidden_layers), first=True, last=True)}
-    out["stages"] = [{"stage": s, "layers": [r.start, r.stop - 1], "num_layers": len(r), "parameters": n}
-                     for s, (r, n) in enumerate(zip(ranges, counts))]
+    out["model_resolved"] = {
+        **model_summary(config, llama),
+        "parameters": stage_params(llama, range(llama.num_hidden_layers), first=True, last=True),
+    }
+    out["stages"] = [
+        {"stage": s, "layers": [r.start, r.stop - 1], "num_layers": len(r), "parameters": n}
+        for s, (r, n) in enumerate(zip(ranges, counts))
+    ]
     return out

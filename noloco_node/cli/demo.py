@@ -20,7 +20,9 @@ log = logging.getLogger(__name__)
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("demo", help="train a tiny model on a local swarm and write a summary", description=__doc__)
+    p = subparsers.add_parser(
+        "demo", help="train a tiny model on a local swarm and write a summary", description=__doc__
+    )
     add_config_flags(p)
     p.add_argument("--steps", type=int, default=40, help="inner steps (default 40)")
     p.add_argument("--stages", type=int, help="pipeline stages P (default 2)")
@@ -29,8 +31,13 @@ def register(subparsers) -> None:
     p.add_argument("--out", default="runs/demo", help="output folder (default runs/demo)")
     p.add_argument("--local", action="store_true", help="run all replicas and stages in this process")
     p.add_argument("--timeout", type=float, default=1800, help="give up on the swarm after this many seconds")
-    p.add_argument("--dashboard", default="0", metavar="[HOST:]PORT", help="the swarm's live web page, served by the "
-                   "bootstrap (default: a free port on 127.0.0.1, printed at start; 'off' for none)")
+    p.add_argument(
+        "--dashboard",
+        default="0",
+        metavar="[HOST:]PORT",
+        help="the swarm's live web page, served by the "
+        "bootstrap (default: a free port on 127.0.0.1, printed at start; 'off' for none)",
+    )
     p.set_defaults(run=run)
 
 
@@ -50,7 +57,11 @@ def _prepare_tokenizer(config) -> int:
     from noloco_node.data.tokenizer import load_tokenizer
 
     corpus = resolve_corpus(config.data.path, cache_dir=config.data.cache_path, text_field=config.data.text_field)
-    return len(load_tokenizer(config.data.tokenizer, corpus, vocab_size=config.data.vocab_size, cache_dir=config.data.cache_path))
+    return len(
+        load_tokenizer(
+            config.data.tokenizer, corpus, vocab_size=config.data.vocab_size, cache_dir=config.data.cache_path
+        )
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -81,9 +92,13 @@ def _run(args: argparse.Namespace) -> int:
     summary["config"] = config.to_dict()
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     mb = summary.get("microbatches")
-    print(f"{summary['mode']} demo, method {summary['method']}: D={summary['replicas']} x P={summary['stages']}, "
-          f"{summary['inner_steps']} inner steps, {summary['tokens_per_s']:.0f} tok/s")
-    print(f"train loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f}" + (f"; microbatches {mb}" if mb else ""))
+    print(
+        f"{summary['mode']} demo, method {summary['method']}: D={summary['replicas']} x P={summary['stages']}, "
+        f"{summary['inner_steps']} inner steps, {summary['tokens_per_s']:.0f} tok/s"
+    )
+    print(
+        f"train loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f}" + (f"; microbatches {mb}" if mb else "")
+    )
     if summary.get("outer") is not None:
         spread = summary.get("replica_spread_last")
         print(f"outer steps {summary['outer']}; replica spread " + (f"{spread:.3e}" if spread is not None else "n/a"))
@@ -103,8 +118,10 @@ def _outer_warning(outer: dict, method: str, replicas: int) -> str | None:
     what = f"all {rounds} outer rounds went solo" if solo == rounds else f"{solo} of {rounds} outer rounds went solo"
     if replicas < 2:
         return f"{what}: with --replicas 1 there is no replica to average with"
-    return (f"{what}: replicas did not find a partner within timeouts.match_s (a loaded machine); rerun with "
-            f"--set timeouts.match_s=10 or fewer --replicas")
+    return (
+        f"{what}: replicas did not find a partner within timeouts.match_s (a loaded machine); rerun with "
+        f"--set timeouts.match_s=10 or fewer --replicas"
+    )
 
 
 def _run_local(config, args) -> dict:
@@ -112,8 +129,13 @@ def _run_local(config, args) -> dict:
     from noloco_node.runtime.logging import ProgressLine
 
     progress = ProgressLine()
-    summary = run_in_process(config, replicas=args.replicas, steps=args.steps, timeout_s=args.timeout,
-                             progress=lambda i, n, loss: progress.update(f"step {i}/{n}  loss {loss:.3f}"))
+    summary = run_in_process(
+        config,
+        replicas=args.replicas,
+        steps=args.steps,
+        timeout_s=args.timeout,
+        progress=lambda i, n, loss: progress.update(f"step {i}/{n}  loss {loss:.3f}"),
+    )
     progress.close()
     return summary
 
@@ -127,10 +149,15 @@ def _run_swarm(config, args, out: Path) -> dict:
     method = config.outer.method
     stages, replicas = config.pipeline.num_stages, args.replicas
     threads = max(1, (os.cpu_count() or 1) // (stages * replicas))
-    overrides = [f"{section}.{name}={_flat(value)}" for section, fields in config.to_dict().items()
-                 for name, value in fields.items() if section not in ("network",) and value is not None
-                 and not (section == "pipeline" and name == "stage")]
-    for stale in [*(out / "nodes").glob("*.json"), *(out / "nodes").glob("*.safetensors")] if (out / "nodes").exists() else []:
+    overrides = [
+        f"{section}.{name}={_flat(value)}"
+        for section, fields in config.to_dict().items()
+        for name, value in fields.items()
+        if section not in ("network",) and value is not None and not (section == "pipeline" and name == "stage")
+    ]
+    for stale in (
+        [*(out / "nodes").glob("*.json"), *(out / "nodes").glob("*.safetensors")] if (out / "nodes").exists() else []
+    ):
         stale.unlink()
     progress = ProgressLine()
     start = time.monotonic()
@@ -142,15 +169,19 @@ def _run_swarm(config, args, out: Path) -> dict:
             print(f"watch the swarm live: {swarm.dashboard_url()}", flush=True)
         servers = [swarm.start_node(s, r, "--save-weights") for s in range(1, stages) for r in range(replicas)]
         swarm.wait_ready(servers)
-        drivers = [swarm.start_node(0, r, "--steps", str(args.steps), "--wait-replicas", str(replicas), "--save-weights")
-                   for r in range(replicas)]
+        drivers = [
+            swarm.start_node(0, r, "--steps", str(args.steps), "--wait-replicas", str(replicas), "--save-weights")
+            for r in range(replicas)
+        ]
         swarm.wait_ready(drivers)
         deadline = start + args.timeout
         while any(d.proc.poll() is None for d in drivers):
             steps = [json.loads(d.ready_file.read_text()).get("inner_step", 0) for d in drivers]
             if time.monotonic() > deadline:
-                raise TimeoutError(f"demo did not finish within {args.timeout:.0f} s (stage-0 inner steps {steps} of "
-                                   f"{args.steps}); logs in {out / 'logs'}")
+                raise TimeoutError(
+                    f"demo did not finish within {args.timeout:.0f} s (stage-0 inner steps {steps} of "
+                    f"{args.steps}); logs in {out / 'logs'}"
+                )
             progress.update(f"inner steps {min(steps)}/{args.steps} ({time.monotonic() - start:.0f} s)")
             time.sleep(0.5)
         progress.close()

@@ -36,11 +36,19 @@ class Check:
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("doctor", help="preflight checks before joining a swarm", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = subparsers.add_parser(
+        "doctor",
+        help="preflight checks before joining a swarm",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_config_flags(p)
-    p.add_argument("--initial-peers", nargs="+", metavar="MADDR", help="the swarm's bootstrap multiaddrs (default: "
-                   "network.initial_peers of --config)")
+    p.add_argument(
+        "--initial-peers",
+        nargs="+",
+        metavar="MADDR",
+        help="the swarm's bootstrap multiaddrs (default: network.initial_peers of --config)",
+    )
     p.add_argument("--host", help="address the node will bind (network.host)")
     p.add_argument("--port", type=int, help="gRPC port the node will use (network.port)")
     p.add_argument("--announce-addr", metavar="HOST:PORT", help="address peers will dial (network.announce_addr)")
@@ -50,8 +58,17 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    config = resolve_config(args, flags={"network": {"initial_peers": args.initial_peers, "host": args.host,
-                                                     "port": args.port, "announce_addr": args.announce_addr}})
+    config = resolve_config(
+        args,
+        flags={
+            "network": {
+                "initial_peers": args.initial_peers,
+                "host": args.host,
+                "port": args.port,
+                "announce_addr": args.announce_addr,
+            }
+        },
+    )
     require_initial_peers(config)
     checks = asyncio.run(_run_checks(config, args))
     failed = None
@@ -68,7 +85,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _python_checks(require_gpu: bool) -> list[Check]:
     if sys.version_info < (3, 11):
-        return [Check("python", "fail", f"Python {sys.version.split()[0]}", "use Python 3.11 or newer (scripts/setup.sh)")]
+        return [
+            Check("python", "fail", f"Python {sys.version.split()[0]}", "use Python 3.11 or newer (scripts/setup.sh)")
+        ]
     try:
         import torch
     except ImportError as exc:
@@ -77,8 +96,14 @@ def _python_checks(require_gpu: bool) -> list[Check]:
     if torch.cuda.is_available():
         checks.append(Check("cuda", "ok", f"{torch.cuda.device_count()} GPU(s): {torch.cuda.get_device_name(0)}"))
     elif require_gpu:
-        checks.append(Check("cuda", "fail", "torch sees no CUDA device",
-                            "install a CUDA build of torch and the NVIDIA driver, or run the Docker image in deploy/"))
+        checks.append(
+            Check(
+                "cuda",
+                "fail",
+                "torch sees no CUDA device",
+                "install a CUDA build of torch and the NVIDIA driver, or run the Docker image in deploy/",
+            )
+        )
     else:
         checks.append(Check("cuda", "info", "no CUDA device; the node will train on CPU"))
     return checks
@@ -90,8 +115,12 @@ def _port_check(host: str, port: int) -> Check:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        return Check("port", "fail", f"cannot bind {host}:{port}: {exc.strerror}",
-                     "stop what uses the port or pick another with --port (network.port)")
+        return Check(
+            "port",
+            "fail",
+            f"cannot bind {host}:{port}: {exc.strerror}",
+            "stop what uses the port or pick another with --port (network.port)",
+        )
     bound = sock.getsockname()[1]
     sock.close()
     return Check("port", "ok", f"{host}:{bound} is free")
@@ -111,21 +140,38 @@ async def _run_checks(config, args) -> list[Check]:
     try:
         directory = await PeerDirectory.start(
             DirectoryIdentity(config.run.run_id, "", __version__, config.pipeline.num_stages),
-            initial_peers=list(net.initial_peers), host=net.host, startup_timeout_s=config.timeouts.startup_s,
-            client_mode=True, swarm_key=read_swarm_key(config.security), max_skew_s=config.security.max_clock_skew_s)
+            initial_peers=list(net.initial_peers),
+            host=net.host,
+            startup_timeout_s=config.timeouts.startup_s,
+            client_mode=True,
+            swarm_key=read_swarm_key(config.security),
+            max_skew_s=config.security.max_clock_skew_s,
+        )
     except BootstrapError as exc:
         checks.append(Check("dht", "fail", str(exc), BootstrapError.hint))
         return checks + [Check(n, "skip", "needs the DHT") for n in ("reach", "clock", "compat")]
     try:
-        records = [r for s in range(config.pipeline.num_stages) for r in await directory.all_records(s)
-                   if r.status != Status.LEAVING]
+        records = [
+            r
+            for s in range(config.pipeline.num_stages)
+            for r in await directory.all_records(s)
+            if r.status != Status.LEAVING
+        ]
     finally:
         await directory.shutdown()
-    checks.append(Check("dht", "ok", f"joined through {len(net.initial_peers)} initial peer(s); "
-                        f"{len(records)} live node(s) in run {config.run.run_id!r}"))
+    checks.append(
+        Check(
+            "dht",
+            "ok",
+            f"joined through {len(net.initial_peers)} initial peer(s); "
+            f"{len(records)} live node(s) in run {config.run.run_id!r}",
+        )
+    )
     if not records:
         return checks + [Check(n, "skip", "no live node to ask yet") for n in ("reach", "clock", "compat")]
-    checks += await _reach_and_clock(config, args, [r for r in records if r.reach == "direct"], port_check.outcome == "ok")
+    checks += await _reach_and_clock(
+        config, args, [r for r in records if r.reach == "direct"], port_check.outcome == "ok"
+    )
     checks.append(_compat_check(config, records, __version__, compatible_version))
     return checks
 
@@ -156,34 +202,59 @@ async def _reach_and_clock(config, args, probers: list, port_free: bool) -> list
 
     dialer = Dialer(CallSigner(NodeIdentity.generate(), read_swarm_key(config.security)), lookup=lookup)
     try:
-        results, errors = await probe_from_peers(address, list(contacts)[:4], run_id=config.run.run_id,
-                                                 timeout_s=config.timeouts.connect_s, dialer=dialer,
-                                                 tls_cert=certificate.cert_der)
+        results, errors = await probe_from_peers(
+            address,
+            list(contacts)[:4],
+            run_id=config.run.run_id,
+            timeout_s=config.timeouts.connect_s,
+            dialer=dialer,
+            tls_cert=certificate.cert_der,
+        )
     finally:
         await dialer.close()
         await server.stop(0.5)
     if not results:
-        return [Check("reach", "skip", f"no live node answered a probe request ({'; '.join(errors)[:200]})"),
-                Check("clock", "skip", "needs a probe")]
+        return [
+            Check("reach", "skip", f"no live node answered a probe request ({'; '.join(errors)[:200]})"),
+            Check("clock", "skip", "needs a probe"),
+        ]
     reached = [r for r in results if r.reachable]
-    forward = ("for direct (faster) links, forward a fixed gRPC port (--port) to this machine and announce the "
-               "public host:port with --announce-addr; check the firewall")
+    forward = (
+        "for direct (faster) links, forward a fixed gRPC port (--port) to this machine and announce the "
+        "public host:port with --announce-addr; check the firewall"
+    )
     if reached:
-        reach = Check("reach", "ok", f"{len(reached)}/{len(results)} peer(s) reached {address}: peers will dial us "
-                      "directly over TLS")
+        reach = Check(
+            "reach",
+            "ok",
+            f"{len(reached)}/{len(results)} peer(s) reached {address}: peers will dial us directly over TLS",
+        )
     elif net.reach == "direct":
-        reach = Check("reach", "fail", f"no peer could reach {address}: {results[0].detail} (network.reach = direct)",
-                      forward + ", or set network.reach = \"auto\" to be reached over libp2p instead")
+        reach = Check(
+            "reach",
+            "fail",
+            f"no peer could reach {address}: {results[0].detail} (network.reach = direct)",
+            forward + ', or set network.reach = "auto" to be reached over libp2p instead',
+        )
     else:
-        reach = Check("reach", "info", f"no peer could reach {address} ({results[0].detail}): this node is behind "
-                      "NAT or a firewall and will be reached over libp2p, hole-punched where the routers allow, "
-                      "else through a relay (a public peer; slower). Nothing to configure", forward)
+        reach = Check(
+            "reach",
+            "info",
+            f"no peer could reach {address} ({results[0].detail}): this node is behind "
+            "NAT or a firewall and will be reached over libp2p, hole-punched where the routers allow, "
+            "else through a relay (a public peer; slower). Nothing to configure",
+            forward,
+        )
     skew = max((r.skew_s for r in results), key=abs)
     if abs(skew) <= args.max_skew:
         clock = Check("clock", "ok", f"clock offset to peers {skew:+.3f} s")
     else:
-        clock = Check("clock", "fail", f"clock offset to a peer is {skew:+.1f} s (limit {args.max_skew} s)",
-                      "enable time sync (NTP: `timedatectl set-ntp true`); DHT records expire by wall clock")
+        clock = Check(
+            "clock",
+            "fail",
+            f"clock offset to a peer is {skew:+.1f} s (limit {args.max_skew} s)",
+            "enable time sync (NTP: `timedatectl set-ntp true`); DHT records expire by wall clock",
+        )
     return [reach, clock]
 
 
@@ -194,9 +265,17 @@ def _compat_check(config, records, version: str, compatible_version) -> Check:
     bad_version = sorted({r.version for r in records if not compatible_version(version, r.version)})
     bad_manifest = sorted({r.manifest_hash for r in records if r.manifest_hash != manifest})
     if bad_version:
-        return Check("compat", "fail", f"peers run version(s) {', '.join(bad_version)}, we run {version}",
-                     "install the swarm's noloco-node version (same major.minor)")
+        return Check(
+            "compat",
+            "fail",
+            f"peers run version(s) {', '.join(bad_version)}, we run {version}",
+            "install the swarm's noloco-node version (same major.minor)",
+        )
     if bad_manifest:
-        return Check("compat", "fail", f"peers use manifest {', '.join(bad_manifest)}, ours is {manifest}",
-                     "use the swarm's config file (--config) and data/tokenizer; `noloco-node config show` prints yours")
+        return Check(
+            "compat",
+            "fail",
+            f"peers use manifest {', '.join(bad_manifest)}, ours is {manifest}",
+            "use the swarm's config file (--config) and data/tokenizer; `noloco-node config show` prints yours",
+        )
     return Check("compat", "ok", f"version {version} and manifest {manifest} match {len(records)} node(s)")

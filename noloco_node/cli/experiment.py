@@ -12,8 +12,9 @@ from pathlib import Path
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("experiment", help="run a WAN latency experiment grid and write a report",
-                              description=__doc__)
+    p = subparsers.add_parser(
+        "experiment", help="run a WAN latency experiment grid and write a report", description=__doc__
+    )
     p.add_argument("scenario", nargs="?", help="scenario TOML (default: built-in defaults)")
     p.add_argument("--out", default="runs/experiment", help="output folder (default runs/experiment)")
     p.add_argument("--methods", nargs="+", choices=["noloco", "diloco", "dp", "none"], help="override scenario.methods")
@@ -26,12 +27,16 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from noloco_node.experiments.scenario import load_scenario
 
-    scenario = load_scenario(args.scenario, methods=args.methods, steps=args.steps, seeds=args.seeds,
-                             outer_sync_sizes=args.outer_sync_sizes)
+    scenario = load_scenario(
+        args.scenario, methods=args.methods, steps=args.steps, seeds=args.seeds, outer_sync_sizes=args.outer_sync_sizes
+    )
     from noloco_node.experiments.runner import run_experiment
 
-    command = "noloco-node " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["experiment"] \
+    command = (
+        "noloco-node " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+        if sys.argv[1:2] == ["experiment"]
         else f"noloco-node experiment {args.scenario or ''} --out {args.out}"
+    )
     from noloco_node.experiments.process_group import Interrupted, raise_on_signals
 
     # A stop signal unwinds through the running cell's `finally`: its swarm and relay are stopped.

@@ -11,10 +11,15 @@ import sys
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("health", help="check that a node on this machine is serving (for healthchecks)",
-                              description=__doc__)
-    p.add_argument("--address", default="127.0.0.1:31337", metavar="HOST:PORT",
-                   help="the node's gRPC address (network.port; default 127.0.0.1:31337)")
+    p = subparsers.add_parser(
+        "health", help="check that a node on this machine is serving (for healthchecks)", description=__doc__
+    )
+    p.add_argument(
+        "--address",
+        default="127.0.0.1:31337",
+        metavar="HOST:PORT",
+        help="the node's gRPC address (network.port; default 127.0.0.1:31337)",
+    )
     p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer")
     p.set_defaults(run=run)
 

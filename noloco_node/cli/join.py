@@ -8,7 +8,13 @@ import json
 import logging
 from pathlib import Path
 
-from noloco_node.cli.common import add_config_flags, check_listen, require_initial_peers, resolve_config, stop_on_signals
+from noloco_node.cli.common import (
+    add_config_flags,
+    check_listen,
+    require_initial_peers,
+    resolve_config,
+    stop_on_signals,
+)
 from noloco_node.runtime.files import atomic_write_text
 from noloco_node.runtime.node_status import Status
 
@@ -19,33 +25,68 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("join", help="serve a pipeline stage of a run", description=__doc__)
     add_config_flags(p)
     p.add_argument("--initial-peers", nargs="*", metavar="MADDR", help="DHT multiaddrs to bootstrap from")
-    p.add_argument("--stage", type=_stage, help="the stage to serve, or 'auto': an empty stage, else the one whose replicas "
-                   "sustain the least (measured capacity; fewest replicas until measured), whose state is then "
-                   "fetched from a replica (pipeline.stage)")
-    p.add_argument("--host", help="address to bind (network.host; 0.0.0.0 = every interface, announcing the address "
-                   "peers observe)")
+    p.add_argument(
+        "--stage",
+        type=_stage,
+        help="the stage to serve, or 'auto': an empty stage, else the one whose replicas "
+        "sustain the least (measured capacity; fewest replicas until measured), whose state is then "
+        "fetched from a replica (pipeline.stage)",
+    )
+    p.add_argument(
+        "--host", help="address to bind (network.host; 0.0.0.0 = every interface, announcing the address peers observe)"
+    )
     p.add_argument("--port", type=int, help="gRPC port (network.port, 0 = any)")
-    p.add_argument("--announce-addr", metavar="HOST:PORT", help="the address peers dial (network.announce_addr); "
-                   "checked at join by asking live peers to call our health endpoint; behind NAT, leave it out: "
-                   "the node is then reached over libp2p (hole punching or a relay)")
-    p.add_argument("--dashboard", metavar="[HOST:]PORT", help="serve this node's web page (and the swarm as it sees "
-                   "it, at /swarm) here (network.dashboard); a bare PORT binds 127.0.0.1: this machine only")
+    p.add_argument(
+        "--announce-addr",
+        metavar="HOST:PORT",
+        help="the address peers dial (network.announce_addr); "
+        "checked at join by asking live peers to call our health endpoint; behind NAT, leave it out: "
+        "the node is then reached over libp2p (hole punching or a relay)",
+    )
+    p.add_argument(
+        "--dashboard",
+        metavar="[HOST:]PORT",
+        help="serve this node's web page (and the swarm as it sees "
+        "it, at /swarm) here (network.dashboard); a bare PORT binds 127.0.0.1: this machine only",
+    )
     p.add_argument("--events", metavar="FILE", help="append a JSONL event stream here (log.events_file)")
-    p.add_argument("--steps", type=_whole, metavar="N", help="stage 0: train until inner step N, then leave (a node "
-                   "that resumed from its checkpoint or fetched a replica's state runs only what is left); 0 = train "
-                   "nothing, only serve; without it, stage 0 trains until the run's inner.total_steps and then keeps "
-                   "serving until stopped")
-    p.add_argument("--serve-after", action="store_true", help="stage 0 with --steps: keep serving after the last "
-                   "step (phi for joiners and `export --initial-peers`) until stopped")
-    p.add_argument("--wait-replicas", type=_positive, default=1, metavar="N",
-                   help="stage 0: wait (as long as it takes) until every stage has this many replicas")
+    p.add_argument(
+        "--steps",
+        type=_whole,
+        metavar="N",
+        help="stage 0: train until inner step N, then leave (a node "
+        "that resumed from its checkpoint or fetched a replica's state runs only what is left); 0 = train "
+        "nothing, only serve; without it, stage 0 trains until the run's inner.total_steps and then keeps "
+        "serving until stopped",
+    )
+    p.add_argument(
+        "--serve-after",
+        action="store_true",
+        help="stage 0 with --steps: keep serving after the last "
+        "step (phi for joiners and `export --initial-peers`) until stopped",
+    )
+    p.add_argument(
+        "--wait-replicas",
+        type=_positive,
+        default=1,
+        metavar="N",
+        help="stage 0: wait (as long as it takes) until every stage has this many replicas",
+    )
     p.add_argument("--threads", type=int, help="torch threads for this process (default: all cores)")
     p.add_argument("--out", help="write this node's stats (and weights with --save-weights) here on exit")
     p.add_argument("--save-weights", action="store_true")
-    p.add_argument("--ready-file", help="write {peer_id, address, stage, inner_step, in_flight} here once serving, "
-                   "refreshed every 0.1 s (for launchers and tests)")
-    p.add_argument("--snapshot-every", type=int, default=0, metavar="K",
-                   help="experiments: save theta every K inner steps (and at start) under --snapshot-dir")
+    p.add_argument(
+        "--ready-file",
+        help="write {peer_id, address, stage, inner_step, in_flight} here once serving, "
+        "refreshed every 0.1 s (for launchers and tests)",
+    )
+    p.add_argument(
+        "--snapshot-every",
+        type=int,
+        default=0,
+        metavar="K",
+        help="experiments: save theta every K inner steps (and at start) under --snapshot-dir",
+    )
     p.add_argument("--snapshot-dir", help="where --snapshot-every writes stage{s}-{peer}-step{k}.safetensors")
     p.set_defaults(run=run)
 
@@ -78,15 +119,26 @@ def _stage(value: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    config = resolve_config(args, flags={
-        "network": {"initial_peers": args.initial_peers, "host": args.host, "port": args.port,
-                    "announce_addr": args.announce_addr, "dashboard": args.dashboard},
-        "pipeline": {"stage": args.stage},
-        "log": {"events_file": args.events},
-    })
+    config = resolve_config(
+        args,
+        flags={
+            "network": {
+                "initial_peers": args.initial_peers,
+                "host": args.host,
+                "port": args.port,
+                "announce_addr": args.announce_addr,
+                "dashboard": args.dashboard,
+            },
+            "pipeline": {"stage": args.stage},
+            "log": {"events_file": args.events},
+        },
+    )
     net = config.network
-    check_listen(net.host, {"network.port": net.port, "network.dht_port": net.dht_port,
-                            "network.metrics_port": net.metrics_port}, "network.host")
+    check_listen(
+        net.host,
+        {"network.port": net.port, "network.dht_port": net.dht_port, "network.metrics_port": net.metrics_port},
+        "network.host",
+    )
     if net.dashboard is not None:
         check_listen(*_dashboard_listen(net.dashboard), "network.dashboard")
     require_initial_peers(config)
@@ -102,8 +154,12 @@ async def _serve(config, args: argparse.Namespace) -> int:
     from noloco_node.node.serving import ServePlan, serve
 
     stop = stop_on_signals()
-    outputs = NodeOutputs(out_dir=Path(args.out) if args.out else None, save_weights=args.save_weights,
-                          snapshot_every=args.snapshot_every, snapshot_dir=Path(args.snapshot_dir or "snapshots"))
+    outputs = NodeOutputs(
+        out_dir=Path(args.out) if args.out else None,
+        save_weights=args.save_weights,
+        snapshot_every=args.snapshot_every,
+        snapshot_dir=Path(args.snapshot_dir or "snapshots"),
+    )
     node = Node(config, outputs=outputs)
     try:
         await node.start()
@@ -128,12 +184,15 @@ class _JoinReporter:
         from noloco_node.runtime.logging import setup_logging
 
         self.node = node
-        setup_logging(logging.getLevelName(logging.getLogger().level), prefix=f"{node.peer_id[-6:]} s{node.stage_index}")
+        setup_logging(
+            logging.getLevelName(logging.getLogger().level), prefix=f"{node.peer_id[-6:]} s{node.stage_index}"
+        )
         self.maddrs = await node.directory.visible_maddrs()
         # The progress line shows the same on a terminal; without one, step lines go to the log instead.
         steps = self.args.steps or self.config.inner.total_steps
-        self.training = TrainingLog(self.config.log.every_steps if self.progress is None else 0,
-                                    total=steps if node.stage_index == 0 else None)
+        self.training = TrainingLog(
+            self.config.log.every_steps if self.progress is None else 0, total=steps if node.stage_index == 0 else None
+        )
         self.warned: set[str] = set()
         await self()
 
@@ -184,9 +243,11 @@ def _progress_text(node) -> str:
         doing = f"trained all {node.done_at_step} steps; serving until stopped"
     elif doing == Status.SERVING and node.stage_index > 0 and node.progress.since_progress_s() > 5:
         doing = f"waiting for microbatches from stage {node.stage_index - 1}; {node.progress.since_progress_s():.0f} s"
-    text = (f"stage {node.stage_index} | {doing} | inner step {node.worker.inner_steps} | outer round "
-            f"{node.outer_round} | {node.tokens_per_s:.0f} tok/s | "
-            f"in flight {len(node.runtime.in_flight)} | sent {stats.forwards_sent} fwd {stats.backwards_sent} bwd")
+    text = (
+        f"stage {node.stage_index} | {doing} | inner step {node.worker.inner_steps} | outer round "
+        f"{node.outer_round} | {node.tokens_per_s:.0f} tok/s | "
+        f"in flight {len(node.runtime.in_flight)} | sent {stats.forwards_sent} fwd {stats.backwards_sent} bwd"
+    )
     if node.driver is not None and node.driver.log.step_losses:
         text += f" | loss {node.driver.log.step_losses[-1]:.3f}"
     notes = node.attention()

@@ -12,8 +12,19 @@ import os
 import sys
 
 from noloco_node import __version__
-from noloco_node.cli import (bootstrap, config_cmd, demo, doctor, experiment, health, join, keygen, model_cmds, plan,
-                             status)
+from noloco_node.cli import (
+    bootstrap,
+    config_cmd,
+    demo,
+    doctor,
+    experiment,
+    health,
+    join,
+    keygen,
+    model_cmds,
+    plan,
+    status,
+)
 from noloco_node.config import ConfigError
 from noloco_node.errors import BootstrapError, DataError, NodeError, UnreachableAddress
 
@@ -21,8 +32,11 @@ COMMANDS = (join, bootstrap, status, doctor, health, keygen, demo, experiment, c
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="noloco-node", description="A NoLoCo peer node: pipeline stages with random "
-                                     "routing and pairwise outer steps, no all-reduce.", allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        prog="noloco-node",
+        description="A NoLoCo peer node: pipeline stages with random routing and pairwise outer steps, no all-reduce.",
+        allow_abbrev=False,
+    )
     parser.add_argument("--version", action="version", version=f"noloco-node {__version__}")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

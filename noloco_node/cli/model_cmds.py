@@ -13,28 +13,44 @@ from noloco_node.cli.common import add_config_flags, resolve_config
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("export", help="write the trained model as a Hugging Face model directory",
-                              description="Build a standard Hugging Face model directory (config.json, safetensors "
-                                          "weights, tokenizer) from a live swarm (phi of a replica of every stage, "
-                                          "over FetchState) or from node checkpoints of every stage. The run's "
-                                          "config (--config/--set) names the model and tokenizer.")
+    p = subparsers.add_parser(
+        "export",
+        help="write the trained model as a Hugging Face model directory",
+        description="Build a standard Hugging Face model directory (config.json, safetensors "
+        "weights, tokenizer) from a live swarm (phi of a replica of every stage, "
+        "over FetchState) or from node checkpoints of every stage. The run's "
+        "config (--config/--set) names the model and tokenizer.",
+    )
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--initial-peers", nargs="+", metavar="MADDR", help="a live swarm's DHT multiaddrs")
-    source.add_argument("--from-checkpoint", nargs="+", type=Path, metavar="DIR",
-                        help="checkpoint directories (checkpoint.dir of the nodes) that hold every stage between them")
+    source.add_argument(
+        "--from-checkpoint",
+        nargs="+",
+        type=Path,
+        metavar="DIR",
+        help="checkpoint directories (checkpoint.dir of the nodes) that hold every stage between them",
+    )
     p.add_argument("--out", type=Path, required=True, help="the model directory to write")
-    p.add_argument("--average", action="store_true",
-                   help="average every live replica (or every checkpoint) of a stage instead of taking one")
+    p.add_argument(
+        "--average",
+        action="store_true",
+        help="average every live replica (or every checkpoint) of a stage instead of taking one",
+    )
     p.add_argument("--timeout-s", type=float, default=300.0, help="deadline of each state download (live export)")
     add_config_flags(p)
     p.set_defaults(run=run_export)
 
-    p = subparsers.add_parser("eval", help="held-out loss and perplexity of a model directory, or of a live swarm, "
-                                           "on the run's data")
+    p = subparsers.add_parser(
+        "eval", help="held-out loss and perplexity of a model directory, or of a live swarm, on the run's data"
+    )
     p.add_argument("model_dir", type=Path, nargs="?", help="a model directory `export` wrote")
-    p.add_argument("--initial-peers", nargs="+", metavar="MADDR",
-                   help="instead: evaluate the live swarm as the reference does (column d = replica d of every "
-                        "stage, fixed routing; the ensemble's loss is the columns' mean)")
+    p.add_argument(
+        "--initial-peers",
+        nargs="+",
+        metavar="MADDR",
+        help="instead: evaluate the live swarm as the reference does (column d = replica d of every "
+        "stage, fixed routing; the ensemble's loss is the columns' mean)",
+    )
     p.add_argument("--sequences", type=int, default=32, help="held-out sequences to evaluate (default 32)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     add_config_flags(p)
@@ -53,7 +69,9 @@ def _model_dir(path: Path) -> Path:
     from noloco_node.config import ConfigError
 
     if not (path / "config.json").is_file():
-        raise ConfigError("model_dir", f"{path} holds no config.json", "point at a directory `noloco-node export` wrote")
+        raise ConfigError(
+            "model_dir", f"{path} holds no config.json", "point at a directory `noloco-node export` wrote"
+        )
     return path
 
 
@@ -72,12 +90,19 @@ def run_export(args: argparse.Namespace) -> int:
             from noloco_node.model.build import run_model
 
             llama, ranges = run_model(config, len(tokenizer))
-            found = asyncio.run(fetch_replicas(config, manifest_hash, llama, ranges, every_replica=args.average,
-                                               timeout_s=args.timeout_s))
+            found = asyncio.run(
+                fetch_replicas(
+                    config, manifest_hash, llama, ranges, every_replica=args.average, timeout_s=args.timeout_s
+                )
+            )
             weights = merge_stages({s: [phi for _, phi, _ in got] for s, got in found.items()}, args.average)
-            kind = "phi of " + ", ".join(f"stage {s}: {' + '.join(p[-8:] for p, _, _ in got)}" for s, got in sorted(found.items()))
+            kind = "phi of " + ", ".join(
+                f"stage {s}: {' + '.join(p[-8:] for p, _, _ in got)}" for s, got in sorted(found.items())
+            )
         else:
-            weights, kind = weights_from_checkpoints(list(args.from_checkpoint), config, manifest_hash, average=args.average)
+            weights, kind = weights_from_checkpoints(
+                list(args.from_checkpoint), config, manifest_hash, average=args.average
+            )
         llama = resolve_llama_config(config.model, len(tokenizer))
         if config.model.residual_subspace:  # a plain Llama: the subspace's weights written out dense
             from noloco_node.model.stage import residual_subspace
@@ -89,8 +114,10 @@ def run_export(args: argparse.Namespace) -> int:
     except ExportError as exc:
         print(f"noloco-node export: {exc}", file=sys.stderr)
         return 1
-    print(f"wrote {out} ({sum(t.numel() for t in weights.values()):,} parameters, {kind}"
-          f"{', replicas averaged' if args.average else ''})")
+    print(
+        f"wrote {out} ({sum(t.numel() for t in weights.values()):,} parameters, {kind}"
+        f"{', replicas averaged' if args.average else ''})"
+    )
     return 0
 
 
@@ -110,21 +137,33 @@ def run_eval(args: argparse.Namespace) -> int:
     model.eval()
     inputs, labels, tokenizer = held_out_windows(config, args.sequences)
     if len(tokenizer) > model.config.vocab_size:
-        print(f"noloco-node eval: the run's tokenizer has {len(tokenizer)} tokens, the model {model.config.vocab_size}; "
-              "pass the run's --config", file=sys.stderr)
+        print(
+            f"noloco-node eval: the run's tokenizer has {len(tokenizer)} tokens, the model {model.config.vocab_size}; "
+            "pass the run's --config",
+            file=sys.stderr,
+        )
         return 1
     total, count = 0.0, 0
     with torch.no_grad():
         for i in range(0, len(inputs), 8):
-            logits = model(input_ids=inputs[i:i + 8]).logits.float()
-            total += torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[i:i + 8].reshape(-1),
-                                                       reduction="sum").item()
-            count += labels[i:i + 8].numel()
+            logits = model(input_ids=inputs[i : i + 8]).logits.float()
+            total += torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), labels[i : i + 8].reshape(-1), reduction="sum"
+            ).item()
+            count += labels[i : i + 8].numel()
     loss = total / count
-    result = {"model_dir": str(args.model_dir), "sequences": len(inputs), "tokens": count, "loss": loss,
-              "perplexity": math.exp(loss)}
-    print(json.dumps(result) if args.json else f"held-out loss {loss:.4f}, perplexity {math.exp(loss):.2f} "
-                                               f"({len(inputs)} sequences, {count} tokens)")
+    result = {
+        "model_dir": str(args.model_dir),
+        "sequences": len(inputs),
+        "tokens": count,
+        "loss": loss,
+        "perplexity": math.exp(loss),
+    }
+    print(
+        json.dumps(result)
+        if args.json
+        else f"held-out loss {loss:.4f}, perplexity {math.exp(loss):.2f} ({len(inputs)} sequences, {count} tokens)"
+    )
     return 0
 
 
@@ -140,10 +179,17 @@ def run_generate(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     sampling = args.temperature > 0
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
-                             do_sample=sampling, temperature=args.temperature if sampling else None, top_p=None, top_k=None,
-                             pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
-    print(args.prompt + tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=args.max_new_tokens,
+            do_sample=sampling,
+            temperature=args.temperature if sampling else None,
+            top_p=None,
+            top_k=None,
+            pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
+        )
+    print(args.prompt + tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
     return 0
 
 
@@ -169,10 +215,20 @@ def _eval_swarm(config, args: argparse.Namespace) -> int:
     stages = [build_run_stage(config, llama, ranges, s).eval() for s in range(len(per_stage))]
     losses = column_losses(stages, columns, inputs, labels)
     loss = sum(losses) / len(losses)
-    result = {"swarm": list(config.network.initial_peers), "columns": width, "column_losses": losses, "loss": loss,
-              "perplexity": math.exp(loss), "spread": weight_spread(columns) if width > 1 else 0.0,
-              "replicas": [[peer for peer, _, _ in r] for r in per_stage], "sequences": len(inputs)}
-    print(json.dumps(result) if args.json else
-          f"swarm held-out loss {loss:.4f} (mean of {width} columns: {', '.join(f'{x:.4f}' for x in losses)}), "
-          f"perplexity {math.exp(loss):.2f}, replica spread {result['spread']:.3g}")
+    result = {
+        "swarm": list(config.network.initial_peers),
+        "columns": width,
+        "column_losses": losses,
+        "loss": loss,
+        "perplexity": math.exp(loss),
+        "spread": weight_spread(columns) if width > 1 else 0.0,
+        "replicas": [[peer for peer, _, _ in r] for r in per_stage],
+        "sequences": len(inputs),
+    }
+    print(
+        json.dumps(result)
+        if args.json
+        else f"swarm held-out loss {loss:.4f} (mean of {width} columns: {', '.join(f'{x:.4f}' for x in losses)}), "
+        f"perplexity {math.exp(loss):.2f}, replica spread {result['spread']:.3g}"
+    )
     return 0

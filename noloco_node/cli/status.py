@@ -12,8 +12,12 @@ from noloco_node.cli.common import add_config_flags, require_initial_peers, reso
 def register(subparsers) -> None:
     p = subparsers.add_parser("status", help="show the swarm's stages and replicas", description=__doc__)
     add_config_flags(p)
-    p.add_argument("--initial-peers", nargs="+", metavar="MADDR", help="any peer of the swarm (default: "
-                   "network.initial_peers of --config)")
+    p.add_argument(
+        "--initial-peers",
+        nargs="+",
+        metavar="MADDR",
+        help="any peer of the swarm (default: network.initial_peers of --config)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON for scripts instead of a table")
     p.set_defaults(run=run)
 
@@ -29,15 +33,22 @@ def run(args: argparse.Namespace) -> int:
         return 0
     rows, limit = swarm["replicas"], swarm["limiting_stage"]
     print(f"run {config.run.run_id}: {len(rows)} replicas over {config.pipeline.num_stages} stages")
-    header = (f"{'stage':>5}  {'peer':<10} {'address':<22} {'reach':<12} {'inner':>6} {'round':>5} {'status':<9} "
-              f"{'tok/s':>8} {'cap seq/s':>9} {'busy':>5} {'hop ms':>6} {'link Mb/s':>9} {'round MB':>8} {'mem GiB est/peak':>16} "
-              f"{'version':<8} {'seen':>6}")
+    header = (
+        f"{'stage':>5}  {'peer':<10} {'address':<22} {'reach':<12} {'inner':>6} {'round':>5} {'status':<9} "
+        f"{'tok/s':>8} {'cap seq/s':>9} {'busy':>5} {'hop ms':>6} {'link Mb/s':>9} {'round MB':>8} "
+        f"{'mem GiB est/peak':>16} "
+        f"{'version':<8} {'seen':>6}"
+    )
     print(header)
     for r in rows:
-        print(f"{r['stage']:>5}  {r['peer_id'][-8:]:<10} {r['address']:<22} {r['reach']:<12} {r['inner_step']:>6} {r['outer_round']:>5} "
-              f"{r['status']:<9} {r['tokens_per_s']:>8.0f} {r['capacity']:>9.1f} {r['busy']:>5.2f} {r['hop_s'] * 1e3:>6.0f} "
-              f"{_mbit(r.get('link_mbit_s', 0.0)):>9} {_megabytes(r.get('outer_round_bytes', 0)):>8} {_memory(r):>16} "
-              f"{r['version']:<8} {r['seen_s_ago']:>5.0f}s")
+        print(
+            f"{r['stage']:>5}  {r['peer_id'][-8:]:<10} {r['address']:<22} {r['reach']:<12} {r['inner_step']:>6} "
+            f"{r['outer_round']:>5} "
+            f"{r['status']:<9} {r['tokens_per_s']:>8.0f} {r['capacity']:>9.1f} {r['busy']:>5.2f} "
+            f"{r['hop_s'] * 1e3:>6.0f} "
+            f"{_mbit(r.get('link_mbit_s', 0.0)):>9} {_megabytes(r.get('outer_round_bytes', 0)):>8} {_memory(r):>16} "
+            f"{r['version']:<8} {r['seen_s_ago']:>5.0f}s"
+        )
     for s, total in swarm["stage_capacity"].items():
         count = sum(1 for r in rows if r["stage"] == int(s))
         mark = "  <- limits the swarm" if int(s) == limit else ""
@@ -54,8 +65,10 @@ def _megabytes(value: int) -> str:
 
 def _memory(row: dict) -> str:
     """'estimate/peak' in GiB; '-' for what the node has not published (yet)."""
+
     def gib(value: int) -> str:
         return f"{value / (1 << 30):.2f}" if value else "-"
+
     return f"{gib(row.get('memory_estimate_bytes', 0))}/{gib(row.get('memory_peak_bytes', 0))}"
 
 
@@ -67,9 +80,13 @@ async def _collect(config) -> list[dict]:
 
     directory = await PeerDirectory.start(
         DirectoryIdentity(config.run.run_id, "", __version__, config.pipeline.num_stages),
-        initial_peers=list(config.network.initial_peers), host=config.network.host,
-        startup_timeout_s=config.timeouts.startup_s, client_mode=True, swarm_key=read_swarm_key(config.security),
-        max_skew_s=config.security.max_clock_skew_s)
+        initial_peers=list(config.network.initial_peers),
+        host=config.network.host,
+        startup_timeout_s=config.timeouts.startup_s,
+        client_mode=True,
+        swarm_key=read_swarm_key(config.security),
+        max_skew_s=config.security.max_clock_skew_s,
+    )
     try:
         return await read_rows(directory.all_records, config.pipeline.num_stages)
     finally:

@@ -66,6 +66,7 @@ def bytes_per_element(codec: str) -> float:
         return blockwise_payload_bytes(name, n, DEFAULT_BLOCK) / n
     dense = {"none": 4.0, "bf16": 2.0}
     if name not in dense:
-        raise ValueError(f"unknown codec {codec!r}; expected one of {', '.join((*dense, *BLOCKWISE, *TOPK_BITS))}, "
-                         "topk or slice")
+        raise ValueError(
+            f"unknown codec {codec!r}; expected one of {', '.join((*dense, *BLOCKWISE, *TOPK_BITS))}, topk or slice"
+        )
     return dense[name]

@@ -51,7 +51,7 @@ def encode_chunked_topk(flat: Tensor, codec: str, per_chunk: int, max_abs: float
     blocks = flat[: full * CHUNK].view(full, CHUNK)
     pieces = [(blocks, per_chunk)] if full else []
     if n % CHUNK:
-        pieces.append((flat[full * CHUNK:].view(1, -1), kept_in_last(n, per_chunk)))
+        pieces.append((flat[full * CHUNK :].view(1, -1), kept_in_last(n, per_chunk)))
     indices, values = [], []
     for piece, k in pieces:
         chosen = torch.topk(piece.abs(), k, dim=1, sorted=False).indices.sort(dim=1).values
@@ -64,20 +64,32 @@ def encode_chunked_topk(flat: Tensor, codec: str, per_chunk: int, max_abs: float
     scales = (absmax / levels).clamp_(min=min_scale)
     flat_indices = torch.cat(indices) if indices else torch.empty(0, dtype=torch.long)
     # values come in chunk order (the whole chunks, then the short one), one row per chunk
-    flat_scaled = torch.cat([(v / scales[first: first + v.shape[0], None]).reshape(-1)
-                             for first, v in zip((0, full) if full else (0,), values)]) if values else torch.empty(0)
+    flat_scaled = (
+        torch.cat(
+            [
+                (v / scales[first : first + v.shape[0], None]).reshape(-1)
+                for first, v in zip((0, full) if full else (0,), values)
+            ]
+        )
+        if values
+        else torch.empty(0)
+    )
     if codec == "topk_int2":
         codes = ((flat_scaled + 3.0) / 2.0).round_().clamp_(0, 3).to(torch.uint8)
         packed_codes = _pack_bits(codes, 2, pad=0)
     else:
         codes = flat_scaled.round_().clamp_(-7, 7).to(torch.int8).to(torch.uint8).add_(8) & 0x0F
         packed_codes = _pack_bits(codes, 4, pad=8)
-    return (scales.float().numpy().tobytes() + _pack_indices(flat_indices).numpy().tobytes()
-            + packed_codes.numpy().tobytes())
+    return (
+        scales.float().numpy().tobytes()
+        + _pack_indices(flat_indices).numpy().tobytes()
+        + packed_codes.numpy().tobytes()
+    )
 
 
-def decode_chunked_topk(payload: memoryview, codec: str, numel: int, per_chunk: int, max_scale: float,
-                        target: Tensor) -> None:
+def decode_chunked_topk(
+    payload: memoryview, codec: str, numel: int, per_chunk: int, max_scale: float, target: Tensor
+) -> None:
     """Validate and decode into `target` (flat, numel elements)."""
     chunks = math.ceil(numel / CHUNK)
     kept = kept_count(numel, per_chunk)
@@ -85,7 +97,7 @@ def decode_chunked_topk(payload: memoryview, codec: str, numel: int, per_chunk: 
     scales = frombuffer(payload[: 4 * chunks], torch.float32)
     if not torch.isfinite(scales).all() or (scales < 0).any() or (scales > max_scale).any():
         raise SparseCodecError(f"{codec} payload has a non-finite, negative or out-of-range scale")
-    indices = _unpack_indices(frombuffer(payload[4 * chunks: 4 * chunks + index_bytes], torch.uint8), kept)
+    indices = _unpack_indices(frombuffer(payload[4 * chunks : 4 * chunks + index_bytes], torch.uint8), kept)
     counts = torch.full((chunks,), per_chunk, dtype=torch.long)
     if chunks:
         counts[-1] = kept_in_last(numel, per_chunk)
@@ -97,8 +109,10 @@ def decode_chunked_topk(payload: memoryview, codec: str, numel: int, per_chunk: 
         raise SparseCodecError(f"{codec} index outside its chunk")
     same_chunk = chunk_of[1:] == chunk_of[:-1]
     if kept > 1 and not bool((indices[1:] > indices[:-1])[same_chunk].all()):
-        raise SparseCodecError(f"{codec} indices must be strictly increasing within a chunk (a duplicate or out of order)")
-    raw = frombuffer(payload[4 * chunks + index_bytes:], torch.uint8)
+        raise SparseCodecError(
+            f"{codec} indices must be strictly increasing within a chunk (a duplicate or out of order)"
+        )
+    raw = frombuffer(payload[4 * chunks + index_bytes :], torch.uint8)
     bits = TOPK_BITS[codec]
     codes = _unpack_bits(raw, bits, kept, pad=0 if bits == 2 else 8, codec=codec)
     if bits == 2:

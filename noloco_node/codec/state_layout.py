@@ -67,8 +67,9 @@ def state_codec(tensor_name: str, dtype: torch.dtype, compact: bool) -> str:
 def state_spec(tensor_name: str, shape: tuple[int, ...], dtype: torch.dtype, compact: bool) -> TensorSpec:
     """The spec (and so the payload size) of one state tensor in the chosen encoding."""
     codec = state_codec(tensor_name, dtype, compact)
-    spec = TensorSpec(dtype=DTYPE_NAMES[dtype], shape=tuple(shape), codec=codec,
-                      block_size=STATE_BLOCK if codec == "int8" else 0)
+    spec = TensorSpec(
+        dtype=DTYPE_NAMES[dtype], shape=tuple(shape), codec=codec, block_size=STATE_BLOCK if codec == "int8" else 0
+    )
     return replace(spec, payload_bytes=expected_payload_bytes(spec))
 
 
@@ -105,7 +106,9 @@ def select_state(tensor_names, requested: list[str]) -> dict[str, list[str]]:
         if parameter in out:
             raise ValueError(f"parameter {parameter!r} is asked for twice")
         if parameter not in grouped:
-            raise ValueError(f"unknown parameter {parameter!r}: not one of this stage's {len(grouped)} parameters "
-                             f"(names as in the donor's phi/<name> tensors, e.g. {next(iter(grouped))!r})")
+            raise ValueError(
+                f"unknown parameter {parameter!r}: not one of this stage's {len(grouped)} parameters "
+                f"(names as in the donor's phi/<name> tensors, e.g. {next(iter(grouped))!r})"
+            )
         out[parameter] = grouped[parameter]
     return out

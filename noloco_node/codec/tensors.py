@@ -61,8 +61,15 @@ from torch import Tensor
 
 from noloco_node.codec import sparse
 from noloco_node.codec.names import WIRE_CODECS as CODECS
-from noloco_node.codec.sizes import (BLOCKWISE, CHUNK, DEFAULT_BLOCK, SparseCodecError, blockwise_payload_bytes,
-                                     chunked_payload_bytes, per_chunk_count)
+from noloco_node.codec.sizes import (
+    BLOCKWISE,
+    CHUNK,
+    DEFAULT_BLOCK,
+    SparseCodecError,
+    blockwise_payload_bytes,
+    chunked_payload_bytes,
+    per_chunk_count,
+)
 
 DEFAULT_INT8_BLOCK = DEFAULT_BLOCK
 DTYPES: dict[str, torch.dtype] = {
@@ -134,17 +141,25 @@ def expected_payload_bytes(spec: TensorSpec) -> int:
             raise CodecError(str(exc)) from None
     if spec.codec == "slice":
         if not 0 <= spec.nnz <= n or spec.slice_parts < 1 or spec.slice_part >= spec.slice_parts:
-            raise CodecError(f"slice declares {spec.nnz} values, part {spec.slice_part} of {spec.slice_parts}, "
-                             f"for a tensor of {n}")
+            raise CodecError(
+                f"slice declares {spec.nnz} values, part {spec.slice_part} of {spec.slice_parts}, for a tensor of {n}"
+            )
         return spec.nnz * DTYPES[spec.dtype].itemsize
     if spec.block_size < 1:
         raise CodecError(f"{spec.codec} codec needs block_size >= 1, got {spec.block_size}")
     return blockwise_payload_bytes(spec.codec, n, spec.block_size)
 
 
-def encode(tensor: Tensor, codec: str, *, block_size: int = DEFAULT_BLOCK, fraction: float = 0.01,
-           stochastic: torch.Generator | None = None, dtype: str | None = None,
-           slice_key: tuple[int, int, int] | None = None) -> tuple[TensorSpec, bytes]:
+def encode(
+    tensor: Tensor,
+    codec: str,
+    *,
+    block_size: int = DEFAULT_BLOCK,
+    fraction: float = 0.01,
+    stochastic: torch.Generator | None = None,
+    dtype: str | None = None,
+    slice_key: tuple[int, int, int] | None = None,
+) -> tuple[TensorSpec, bytes]:
     """Encode `tensor` (any device) with `codec`; returns its spec and the payload bytes.
     `fraction` is topk's share of elements sent (the largest magnitudes). `stochastic`: int4
     rounds stochastically (unbiased) with draws from this CPU generator; None = to nearest. The
@@ -158,7 +173,9 @@ def encode(tensor: Tensor, codec: str, *, block_size: int = DEFAULT_BLOCK, fract
     if actual is None:
         raise CodecError(f"cannot encode dtype {tensor.dtype}")
     dtype = dtype or actual
-    if dtype != actual and (codec in ("none", "topk", "slice") or dtype not in FLOAT_DTYPES or actual not in FLOAT_DTYPES):
+    if dtype != actual and (
+        codec in ("none", "topk", "slice") or dtype not in FLOAT_DTYPES or actual not in FLOAT_DTYPES
+    ):
         raise CodecError(f"codec {codec!r} cannot send a {actual} tensor as {dtype}")
     flat = tensor.detach().reshape(-1).cpu()
     nnz = 0
@@ -186,8 +203,17 @@ def encode(tensor: Tensor, codec: str, *, block_size: int = DEFAULT_BLOCK, fract
         payload = _to_bytes(flat[coordinates].contiguous())
     else:
         raise CodecError(f"unknown codec {codec!r}; expected one of {', '.join(CODECS)}")
-    spec = TensorSpec(dtype=dtype, shape=tuple(tensor.shape), codec=codec, block_size=spec_block,
-                      payload_bytes=len(payload), nnz=nnz, slice_seed=seed, slice_parts=parts, slice_part=part)
+    spec = TensorSpec(
+        dtype=dtype,
+        shape=tuple(tensor.shape),
+        codec=codec,
+        block_size=spec_block,
+        payload_bytes=len(payload),
+        nnz=nnz,
+        slice_seed=seed,
+        slice_parts=parts,
+        slice_part=part,
+    )
     expected_payload_bytes(spec)  # rejects e.g. bf16 of int64
     return spec, payload
 
@@ -196,7 +222,9 @@ def decode_into(spec: TensorSpec, payload: bytes | bytearray | memoryview, out: 
     """Decode `payload` into the preallocated `out` (same numel and dtype as the spec)."""
     expected = expected_payload_bytes(spec)
     if len(payload) != expected or spec.payload_bytes not in (0, expected):
-        raise CodecError(f"payload is {len(payload)} bytes; spec {spec.codec}/{spec.dtype}{list(spec.shape)} needs {expected}")
+        raise CodecError(
+            f"payload is {len(payload)} bytes; spec {spec.codec}/{spec.dtype}{list(spec.shape)} needs {expected}"
+        )
     if out.numel() != spec.numel or DTYPE_NAMES.get(out.dtype) != spec.dtype:
         raise CodecError(f"output tensor is {out.dtype}{list(out.shape)}, spec says {spec.dtype}{list(spec.shape)}")
     target = out.view(-1)
@@ -208,7 +236,9 @@ def decode_into(spec: TensorSpec, payload: bytes | bytearray | memoryview, out: 
         _decode_topk(payload, spec, target)
     elif spec.codec in sparse.TOPK_LEVELS:
         max_scale = float(torch.tensor(_max_abs(spec.dtype), dtype=torch.float32) / sparse.TOPK_LEVELS[spec.codec])
-        _sparse(lambda: sparse.decode_chunked_topk(memoryview(payload), spec.codec, spec.numel, spec.nnz, max_scale, target))
+        _sparse(
+            lambda: sparse.decode_chunked_topk(memoryview(payload), spec.codec, spec.numel, spec.nnz, max_scale, target)
+        )
     elif spec.codec == "slice":
         _decode_slice(payload, spec, target)
     else:
@@ -265,7 +295,7 @@ def _encode_blockwise(flat: Tensor, codec: str, block_size: int, generator: torc
 def _uniform16(numel: int, generator: torch.Generator) -> Tensor:
     """Uniform draws (k + 1/2) / 2^16, k in 0..2^16-1, cut from 64-bit random integers: a quarter of
     torch.rand's generator calls. Stochastic rounding with them is unbiased to within 2^-16 of a step."""
-    words = torch.randint(-2**63, 2**63 - 1, (math.ceil(numel / 4),), dtype=torch.int64, generator=generator)
+    words = torch.randint(-(2**63), 2**63 - 1, (math.ceil(numel / 4),), dtype=torch.int64, generator=generator)
     return words.view(torch.int16)[:numel].float().add_(32768.5).mul_(2.0**-16)
 
 
@@ -300,7 +330,7 @@ def _decode_blockwise(payload: bytes | bytearray | memoryview, spec: TensorSpec,
     max_scale = torch.tensor(_max_abs(spec.dtype), dtype=torch.float32) / LEVELS[spec.codec]
     if not torch.isfinite(scales).all() or (scales < 0).any() or (scales > max_scale).any():
         raise CodecError(f"{spec.codec} payload has a non-finite, negative or out-of-range scale")
-    raw = _from_bytes(view[4 * num_blocks:], torch.uint8 if spec.codec != "int8" else torch.int8)
+    raw = _from_bytes(view[4 * num_blocks :], torch.uint8 if spec.codec != "int8" else torch.int8)
     if spec.codec == "fp8":
         codes = _FP8_TABLE.index_select(0, raw.int())
         if torch.isnan(codes).any():
@@ -337,8 +367,10 @@ def _sparse(run):
 def _decode_slice(payload: bytes | bytearray | memoryview, spec: TensorSpec, target: Tensor) -> None:
     coordinates = _sparse(lambda: sparse.slice_indices(spec.numel, spec.slice_parts, spec.slice_part, spec.slice_seed))
     if coordinates.numel() != spec.nnz:
-        raise CodecError(f"slice part {spec.slice_part} of {spec.slice_parts} holds {coordinates.numel()} values, "
-                         f"the header declares {spec.nnz}")
+        raise CodecError(
+            f"slice part {spec.slice_part} of {spec.slice_parts} holds {coordinates.numel()} values, "
+            f"the header declares {spec.nnz}"
+        )
     target.zero_()
     target[coordinates] = _from_bytes(payload, DTYPES[spec.dtype]).to(target.dtype)
 
@@ -358,7 +390,9 @@ def _encode_topk(flat: Tensor, k: int) -> bytes:
     # Sorted indices make the payload canonical (one encoding per selection) and easy to validate.
     indices = torch.topk(flat.abs(), k, sorted=False).indices.sort().values if k else torch.empty(0, dtype=torch.long)
     values = flat[indices].contiguous()
-    return _to_bytes(indices.to(torch.int32)) + _to_bytes(values.view(torch.int16) if values.dtype == torch.bfloat16 else values)
+    return _to_bytes(indices.to(torch.int32)) + _to_bytes(
+        values.view(torch.int16) if values.dtype == torch.bfloat16 else values
+    )
 
 
 def _decode_topk(payload: bytes | bytearray | memoryview, spec: TensorSpec, target: Tensor) -> None:
@@ -369,5 +403,9 @@ def _decode_topk(payload: bytes | bytearray | memoryview, spec: TensorSpec, targ
         raise CodecError(f"topk indices must be strictly increasing within [0, {n})")
     target.zero_()
     dtype = DTYPES[spec.dtype]
-    values = _from_bytes(view[4 * k:], torch.int16).view(dtype) if dtype == torch.bfloat16 else _from_bytes(view[4 * k:], dtype)
+    values = (
+        _from_bytes(view[4 * k :], torch.int16).view(dtype)
+        if dtype == torch.bfloat16
+        else _from_bytes(view[4 * k :], dtype)
+    )
     target[indices] = values.to(target.dtype)

@@ -30,7 +30,25 @@ from noloco_node.config.sections import (
     TimeoutsConfig,
 )
 
-__all__ = ["METHOD_DEFAULTS", "METHODS", "SECTIONS", "CheckpointConfig", "ConfigError", "DataConfig",
-           "FaultsConfig", "InnerConfig", "LogConfig", "ModelConfig", "NetworkConfig", "NodeConfig", "OuterConfig",
-           "PipelineConfig", "RunConfig", "SecurityConfig", "TimeoutsConfig", "build_config", "load_config",
-           "parse_overrides"]
+__all__ = [
+    "METHOD_DEFAULTS",
+    "METHODS",
+    "SECTIONS",
+    "CheckpointConfig",
+    "ConfigError",
+    "DataConfig",
+    "FaultsConfig",
+    "InnerConfig",
+    "LogConfig",
+    "ModelConfig",
+    "NetworkConfig",
+    "NodeConfig",
+    "OuterConfig",
+    "PipelineConfig",
+    "RunConfig",
+    "SecurityConfig",
+    "TimeoutsConfig",
+    "build_config",
+    "load_config",
+    "parse_overrides",
+]

@@ -50,24 +50,47 @@ class NetworkConfig:
 
     def __post_init__(self) -> None:
         if self.metrics_port is not None:
-            _require(0 <= self.metrics_port <= 65535, "metrics_port", f"{self.metrics_port} is not a TCP port", "use 0..65535")
+            _require(
+                0 <= self.metrics_port <= 65535,
+                "metrics_port",
+                f"{self.metrics_port} is not a TCP port",
+                "use 0..65535",
+            )
         if self.dashboard is not None:
             try:
                 parse_listen(self.dashboard)
             except ValueError as exc:
                 _require(False, "dashboard", str(exc), 'e.g. dashboard = "8080"')
-        _require(self.dashboard_poll_s > 0, "dashboard_poll_s", f"must be > 0 seconds, got {self.dashboard_poll_s}",
-                 "use e.g. 5")
+        _require(
+            self.dashboard_poll_s > 0,
+            "dashboard_poll_s",
+            f"must be > 0 seconds, got {self.dashboard_poll_s}",
+            "use e.g. 5",
+        )
         for name in ("port", "dht_port", "allreduce_port"):
-            _require(0 <= getattr(self, name) <= 65535, name, f"{getattr(self, name)} is not a TCP port", "use 0..65535")
+            _require(
+                0 <= getattr(self, name) <= 65535, name, f"{getattr(self, name)} is not a TCP port", "use 0..65535"
+            )
         if self.announce_addr is not None:
             host, _, port = self.announce_addr.rpartition(":")
-            _require(bool(host) and port.isdigit(), "announce_addr", f"{self.announce_addr!r} is not host:port",
-                     "use e.g. 203.0.113.7:31337")
-        _require(self.reach in ("auto", "direct", "libp2p"), "reach", f"unknown reach {self.reach!r}",
-                 "use auto, direct or libp2p")
-        _require(self.reprobe_s >= 0, "reprobe_s", f"must be >= 0 seconds, got {self.reprobe_s}",
-                 "use a number of seconds, e.g. 60, or 0 to never re-probe")
+            _require(
+                bool(host) and port.isdigit(),
+                "announce_addr",
+                f"{self.announce_addr!r} is not host:port",
+                "use e.g. 203.0.113.7:31337",
+            )
+        _require(
+            self.reach in ("auto", "direct", "libp2p"),
+            "reach",
+            f"unknown reach {self.reach!r}",
+            "use auto, direct or libp2p",
+        )
+        _require(
+            self.reprobe_s >= 0,
+            "reprobe_s",
+            f"must be >= 0 seconds, got {self.reprobe_s}",
+            "use a number of seconds, e.g. 60, or 0 to never re-probe",
+        )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -111,16 +134,38 @@ class SecurityConfig:
     like 3e38 overflow the next layer's norm into NaN)."""
 
     def __post_init__(self) -> None:
-        _require(self.payload_rms_factor > 1, "payload_rms_factor", f"must be > 1, got {self.payload_rms_factor}",
-                 "use e.g. 1000 (a tenfold margin below the 1e4x scaling a hostile peer would use)")
-        for name in ("max_clock_skew_s", "peer_requests_per_s", "ban_s", "ban_max_s", "min_receive_bytes_per_s",
-                     "payload_max_abs"):
+        _require(
+            self.payload_rms_factor > 1,
+            "payload_rms_factor",
+            f"must be > 1, got {self.payload_rms_factor}",
+            "use e.g. 1000 (a tenfold margin below the 1e4x scaling a hostile peer would use)",
+        )
+        for name in (
+            "max_clock_skew_s",
+            "peer_requests_per_s",
+            "ban_s",
+            "ban_max_s",
+            "min_receive_bytes_per_s",
+            "payload_max_abs",
+        ):
             _require(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}", "use a positive number")
-        for name in ("max_concurrent_rpcs", "peer_max_streams", "peer_burst", "ban_after_invalid", "ban_after_poisoned"):
-            _require(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}", "use a positive integer")
+        for name in (
+            "max_concurrent_rpcs",
+            "peer_max_streams",
+            "peer_burst",
+            "ban_after_invalid",
+            "ban_after_poisoned",
+        ):
+            _require(
+                getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}", "use a positive integer"
+            )
         if self.swarm_key_file is not None:
-            _require(Path(self.swarm_key_file).is_file(), "swarm_key_file", f"{self.swarm_key_file} is not a file",
-                     "create one with `noloco-node keygen --out swarm.key` and give every peer the same file")
+            _require(
+                Path(self.swarm_key_file).is_file(),
+                "swarm_key_file",
+                f"{self.swarm_key_file} is not a file",
+                "create one with `noloco-node keygen --out swarm.key` and give every peer the same file",
+            )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -169,18 +214,37 @@ class TimeoutsConfig:
         for f in dataclasses.fields(self):
             if f.name in ("assumed_mbit_s", "deadline_slack"):
                 continue
-            _require(getattr(self, f.name) > 0, f.name, f"must be > 0 seconds, got {getattr(self, f.name)}",
-                     "use a positive number of seconds")
-        _require(self.record_ttl_s > self.heartbeat_s, "record_ttl_s",
-                 f"{self.record_ttl_s} must exceed heartbeat_s {self.heartbeat_s}", "use about 3x heartbeat_s")
-        _require(self.assumed_mbit_s > 0, "assumed_mbit_s", f"must be > 0 Mbit/s, got {self.assumed_mbit_s}",
-                 "use your link's uplink bandwidth in Mbit/s, e.g. 5")
-        _require(self.deadline_slack >= 1, "deadline_slack", f"must be >= 1, got {self.deadline_slack}",
-                 "use e.g. 3 (a transfer may take three times its time at the measured bandwidth)")
+            _require(
+                getattr(self, f.name) > 0,
+                f.name,
+                f"must be > 0 seconds, got {getattr(self, f.name)}",
+                "use a positive number of seconds",
+            )
+        _require(
+            self.record_ttl_s > self.heartbeat_s,
+            "record_ttl_s",
+            f"{self.record_ttl_s} must exceed heartbeat_s {self.heartbeat_s}",
+            "use about 3x heartbeat_s",
+        )
+        _require(
+            self.assumed_mbit_s > 0,
+            "assumed_mbit_s",
+            f"must be > 0 Mbit/s, got {self.assumed_mbit_s}",
+            "use your link's uplink bandwidth in Mbit/s, e.g. 5",
+        )
+        _require(
+            self.deadline_slack >= 1,
+            "deadline_slack",
+            f"must be >= 1, got {self.deadline_slack}",
+            "use e.g. 3 (a transfer may take three times its time at the measured bandwidth)",
+        )
         for name in ("rpc_s", "match_s", "receive_s", "stall_s"):
-            _require(self.deadline_ceiling_s >= getattr(self, name), "deadline_ceiling_s",
-                     f"{self.deadline_ceiling_s} is below {name} {getattr(self, name)}",
-                     f"use at least {name}; e.g. 3600 for large models on home links")
+            _require(
+                self.deadline_ceiling_s >= getattr(self, name),
+                "deadline_ceiling_s",
+                f"{self.deadline_ceiling_s} is below {name} {getattr(self, name)}",
+                f"use at least {name}; e.g. 3600 for large models on home links",
+            )
 
     @property
     def outer_round_s(self) -> float:

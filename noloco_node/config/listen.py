@@ -11,6 +11,8 @@ def parse_listen(value: str, *, default_host: str = LOCAL_ONLY) -> tuple[str, in
     host, sep, port = value.strip().rpartition(":")
     host = host.strip("[]") if sep else default_host
     if not port.isdigit() or not 0 <= int(port) <= 65535 or (sep and not host):
-        raise ValueError(f"{value!r} is not [HOST:]PORT; use e.g. 8080 (this machine only) or 0.0.0.0:8080 "
-                         f"(everyone who can reach the port)")
+        raise ValueError(
+            f"{value!r} is not [HOST:]PORT; use e.g. 8080 (this machine only) or 0.0.0.0:8080 "
+            f"(everyone who can reach the port)"
+        )
     return host, int(port)

@@ -66,8 +66,9 @@ def _build_section(section: str, cls: type, values: Mapping[str, Any]) -> Any:
     kwargs = {}
     for key, value in values.items():
         if key not in hints:
-            raise ConfigError(f"{section}.{key}", "unknown field",
-                              f"{_suggest(key, list(hints))}valid fields: {', '.join(hints)}")
+            raise ConfigError(
+                f"{section}.{key}", "unknown field", f"{_suggest(key, list(hints))}valid fields: {', '.join(hints)}"
+            )
         if (section, key) == ("pipeline", "stage") and isinstance(value, str) and value.strip().lower() == "auto":
             value = None
         if (section, key) in NONE_IS_A_VALUE and isinstance(value, str) and value.strip().lower() == "none":
@@ -86,9 +87,13 @@ def build_config(values: Mapping[str, Mapping[str, Any]] | None = None) -> NodeC
     sections = {}
     for section, content in values.items():
         if section not in SECTIONS:
-            raise ConfigError(section, "unknown section", f"{_suggest(section, list(SECTIONS))}sections: {', '.join(SECTIONS)}")
+            raise ConfigError(
+                section, "unknown section", f"{_suggest(section, list(SECTIONS))}sections: {', '.join(SECTIONS)}"
+            )
         if not isinstance(content, Mapping):
-            raise ConfigError(section, f"expected a table, got {content!r}", f"write it as [{section}] with fields below")
+            raise ConfigError(
+                section, f"expected a table, got {content!r}", f"write it as [{section}] with fields below"
+            )
     for section, cls in SECTIONS.items():
         sections[section] = _build_section(section, cls, values.get(section, {}))
     return NodeConfig(**sections)
@@ -101,13 +106,19 @@ def parse_overrides(pairs: list[str]) -> dict[str, dict[str, str]]:
         key, sep, value = pair.partition("=")
         section, dot, name = key.strip().partition(".")
         if not sep or not dot or not name:
-            raise ConfigError(key or pair, f"override {pair!r} is not section.field=value", "write e.g. --set outer.alpha=0.5")
+            raise ConfigError(
+                key or pair, f"override {pair!r} is not section.field=value", "write e.g. --set outer.alpha=0.5"
+            )
         nested.setdefault(section, {})[name] = value.strip()
     return nested
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | Mapping[str, Mapping[str, Any]] = (),
-                *, base: Mapping[str, Mapping[str, Any]] | None = None) -> NodeConfig:
+def load_config(
+    path: str | Path | None = None,
+    overrides: list[str] | Mapping[str, Mapping[str, Any]] = (),
+    *,
+    base: Mapping[str, Mapping[str, Any]] | None = None,
+) -> NodeConfig:
     """Defaults, then `base` (a command's own defaults), then the TOML file at `path`, then
     `overrides` (flags win)."""
     values: dict[str, dict[str, Any]] = {k: dict(v) for k, v in (base or {}).items()}
@@ -120,18 +131,29 @@ def load_config(path: str | Path | None = None, overrides: list[str] | Mapping[s
                     else:
                         values[section] = content
         except FileNotFoundError:
-            raise ConfigError("--config", f"no such file {str(path)!r}", "pass the path of an existing TOML file") from None
+            raise ConfigError(
+                "--config", f"no such file {str(path)!r}", "pass the path of an existing TOML file"
+            ) from None
         except IsADirectoryError:
-            raise ConfigError("--config", f"{str(path)!r} is a directory", "pass the path of a TOML file in it, "
-                              "e.g. deploy/node.example.toml") from None
+            raise ConfigError(
+                "--config",
+                f"{str(path)!r} is a directory",
+                "pass the path of a TOML file in it, e.g. deploy/node.example.toml",
+            ) from None
         except PermissionError:
-            raise ConfigError("--config", f"{str(path)!r} cannot be read (permission denied)",
-                              "make it readable by this user") from None
+            raise ConfigError(
+                "--config", f"{str(path)!r} cannot be read (permission denied)", "make it readable by this user"
+            ) from None
         except UnicodeDecodeError as exc:
-            raise ConfigError("--config", f"{path} is not UTF-8 text (byte {exc.start})",
-                              "save it as UTF-8 TOML (a binary file or another encoding was given)") from None
+            raise ConfigError(
+                "--config",
+                f"{path} is not UTF-8 text (byte {exc.start})",
+                "save it as UTF-8 TOML (a binary file or another encoding was given)",
+            ) from None
         except tomllib.TOMLDecodeError as exc:
-            raise ConfigError("--config", f"{path} is not valid TOML ({exc})", "fix the TOML syntax at that line") from None
+            raise ConfigError(
+                "--config", f"{path} is not valid TOML ({exc})", "fix the TOML syntax at that line"
+            ) from None
     extra = overrides if isinstance(overrides, Mapping) else parse_overrides(list(overrides))
     for section, content in extra.items():
         base = values.setdefault(section, {})

@@ -28,14 +28,22 @@ class RunConfig:
     """Initial weights (phi_0) and data order derive from it; part of the manifest hash."""
 
     def __post_init__(self) -> None:
-        _require(bool(self.run_id) and "/" not in self.run_id, "run_id", f"{self.run_id!r} is empty or contains '/'",
-                 "use letters, digits, '-' or '_'")
+        _require(
+            bool(self.run_id) and "/" not in self.run_id,
+            "run_id",
+            f"{self.run_id!r} is empty or contains '/'",
+            "use letters, digits, '-' or '_'",
+        )
 
 
 # The paper's shapes as the authors' configs build them (docs/volunteer.md, Training a real model), and
 # today's tiny default: hidden, intermediate, decoder layers, attention heads.
-MODEL_PRESETS = {"tiny": (128, 352, 4, 4), "small": (768, 3072, 12, 12), "medium": (2048, 8192, 24, 32),
-                 "large": (4096, 16384, 32, 32)}
+MODEL_PRESETS = {
+    "tiny": (128, 352, 4, 4),
+    "small": (768, 3072, 12, 12),
+    "medium": (2048, 8192, 24, 32),
+    "large": (4096, 16384, 32, 32),
+}
 _SHAPE_FIELDS = ("hidden_size", "intermediate_size", "num_layers", "num_heads")
 
 
@@ -61,33 +69,62 @@ class ModelConfig:
     docs/architecture.md: Residual-subspace hops); 0: the dense model."""
 
     def __post_init__(self) -> None:
-        _require(self.preset in MODEL_PRESETS, "preset", f"unknown preset {self.preset!r}",
-                 f"use one of {', '.join(MODEL_PRESETS)}, or model.config = PATH")
-        _require(not (self.config and self.init_from), "config", "model.config and model.init_from are both set",
-                 "keep only init_from: the checkpoint's config.json is the model's config")
+        _require(
+            self.preset in MODEL_PRESETS,
+            "preset",
+            f"unknown preset {self.preset!r}",
+            f"use one of {', '.join(MODEL_PRESETS)}, or model.config = PATH",
+        )
+        _require(
+            not (self.config and self.init_from),
+            "config",
+            "model.config and model.init_from are both set",
+            "keep only init_from: the checkpoint's config.json is the model's config",
+        )
         for name in _SHAPE_FIELDS:
             value = getattr(self, name)
-            _require(value is None or not (self.config or self.init_from), name,
-                     f"is set, but the model comes from {'model.config' if self.config else 'model.init_from'}",
-                     f"remove model.{name} (edit the config JSON instead)")
+            _require(
+                value is None or not (self.config or self.init_from),
+                name,
+                f"is set, but the model comes from {'model.config' if self.config else 'model.init_from'}",
+                f"remove model.{name} (edit the config JSON instead)",
+            )
             _require(value is None or value >= 1, name, f"must be >= 1, got {value}", "use a positive integer")
         _require(self.seq_len >= 1, "seq_len", f"must be >= 1, got {self.seq_len}", "use a positive integer")
         if not (self.config or self.init_from):
             shape = self.shape()
-            _require(shape["hidden_size"] % shape["num_heads"] == 0, "num_heads",
-                     f"hidden_size {shape['hidden_size']} is not divisible by num_heads {shape['num_heads']}",
-                     "choose num_heads that divides hidden_size")
-        _require(self.residual_subspace >= 0, "residual_subspace", f"must be >= 0, got {self.residual_subspace}",
-                 "use 0 (dense) or a rank such as hidden_size / 32")
-        _require(not (self.residual_subspace and self.init_from), "residual_subspace",
-                 "is set with model.init_from: a dense checkpoint's layers write outside any subspace",
-                 "set model.residual_subspace = 0 to continue from a checkpoint")
+            _require(
+                shape["hidden_size"] % shape["num_heads"] == 0,
+                "num_heads",
+                f"hidden_size {shape['hidden_size']} is not divisible by num_heads {shape['num_heads']}",
+                "choose num_heads that divides hidden_size",
+            )
+        _require(
+            self.residual_subspace >= 0,
+            "residual_subspace",
+            f"must be >= 0, got {self.residual_subspace}",
+            "use 0 (dense) or a rank such as hidden_size / 32",
+        )
+        _require(
+            not (self.residual_subspace and self.init_from),
+            "residual_subspace",
+            "is set with model.init_from: a dense checkpoint's layers write outside any subspace",
+            "set model.residual_subspace = 0 to continue from a checkpoint",
+        )
         if self.residual_subspace and not (self.config or self.init_from):
             hidden = self.shape()["hidden_size"]
-            _require(self.residual_subspace <= hidden, "residual_subspace",
-                     f"{self.residual_subspace} is more than hidden_size {hidden}", f"use a rank below {hidden}, e.g. {max(1, hidden // 32)}")
-        _require(self.attn_implementation in ("sdpa", "eager"), "attn_implementation",
-                 f"unknown value {self.attn_implementation!r}", "use 'sdpa' or 'eager'")
+            _require(
+                self.residual_subspace <= hidden,
+                "residual_subspace",
+                f"{self.residual_subspace} is more than hidden_size {hidden}",
+                f"use a rank below {hidden}, e.g. {max(1, hidden // 32)}",
+            )
+        _require(
+            self.attn_implementation in ("sdpa", "eager"),
+            "attn_implementation",
+            f"unknown value {self.attn_implementation!r}",
+            "use 'sdpa' or 'eager'",
+        )
 
     def shape(self) -> dict[str, int]:
         """The preset's shape with the fields that are set applied over it."""
@@ -109,10 +146,18 @@ class DataConfig:
     cache_dir: str = "~/.cache/noloco-node"
 
     def __post_init__(self) -> None:
-        _require(self.vocab_size >= 258, "vocab_size", f"must be >= 258 (256 bytes + 2 specials), got {self.vocab_size}",
-                 "use e.g. 4096")
-        _require(0.0 <= self.holdout_fraction < 1.0, "holdout_fraction", f"must be in [0, 1), got {self.holdout_fraction}",
-                 "use e.g. 0.02")
+        _require(
+            self.vocab_size >= 258,
+            "vocab_size",
+            f"must be >= 258 (256 bytes + 2 specials), got {self.vocab_size}",
+            "use e.g. 4096",
+        )
+        _require(
+            0.0 <= self.holdout_fraction < 1.0,
+            "holdout_fraction",
+            f"must be in [0, 1), got {self.holdout_fraction}",
+            "use e.g. 0.02",
+        )
 
     @property
     def cache_path(self) -> Path:
@@ -135,7 +180,8 @@ class PipelineConfig:
     """capacity: a random replica, drawn in proportion to its measured capacity (from its record;
     uniform until measured); random: each sender's own shuffled cycle over the live replicas, equal
     shares whatever their speed; fixed: always the next stage's replica at this sender's own index
-    (D fixed pipelines, the paper's ablation of random routing); balanced: the reference's per-microbatch permutation (equal
+    (D fixed pipelines, the paper's ablation of random routing); balanced: the reference's
+    per-microbatch permutation (equal
     shares per replica while the stages' memberships match, else random). The all-reduce
     baselines (dp, diloco) always route balanced: every round's group is all D replicas at that
     round, so every replica must get exactly one batch per step."""
@@ -178,36 +224,81 @@ class PipelineConfig:
 
     def __post_init__(self) -> None:
         _require(self.num_stages >= 1, "num_stages", f"must be >= 1, got {self.num_stages}", "use a positive integer")
-        _require(self.stage is None or 0 <= self.stage < self.num_stages, "stage", f"{self.stage} is outside 0..{self.num_stages - 1}",
-                 "pick a stage index below num_stages, or 'auto'")
-        _require(self.routing in ("capacity", "balanced", "random", "fixed"), "routing", f"unknown routing {self.routing!r}",
-                 "use capacity, balanced, random or fixed")
-        _require(self.batch_size >= 1 and self.microbatch_size >= 1, "batch_size",
-                 "batch_size and microbatch_size must be >= 1", "use positive integers")
-        _require(self.batch_size % self.microbatch_size == 0, "microbatch_size",
-                 f"batch_size {self.batch_size} is not a multiple of microbatch_size {self.microbatch_size}",
-                 "make batch_size a multiple of microbatch_size")
-        _require(self.schedule in ("exact", "overlap"), "schedule", f"unknown schedule {self.schedule!r}",
-                 "use exact or overlap")
-        _require(0.0 < self.rebalance_margin < 1.0, "rebalance_margin", f"must be in (0, 1), got {self.rebalance_margin}",
-                 "use e.g. 0.75")
-        _require(self.rebalance_period_s > 0, "rebalance_period_s", f"must be > 0, got {self.rebalance_period_s}",
-                 "use e.g. 120 (set pipeline.rebalance = false to pin the node)")
+        _require(
+            self.stage is None or 0 <= self.stage < self.num_stages,
+            "stage",
+            f"{self.stage} is outside 0..{self.num_stages - 1}",
+            "pick a stage index below num_stages, or 'auto'",
+        )
+        _require(
+            self.routing in ("capacity", "balanced", "random", "fixed"),
+            "routing",
+            f"unknown routing {self.routing!r}",
+            "use capacity, balanced, random or fixed",
+        )
+        _require(
+            self.batch_size >= 1 and self.microbatch_size >= 1,
+            "batch_size",
+            "batch_size and microbatch_size must be >= 1",
+            "use positive integers",
+        )
+        _require(
+            self.batch_size % self.microbatch_size == 0,
+            "microbatch_size",
+            f"batch_size {self.batch_size} is not a multiple of microbatch_size {self.microbatch_size}",
+            "make batch_size a multiple of microbatch_size",
+        )
+        _require(
+            self.schedule in ("exact", "overlap"),
+            "schedule",
+            f"unknown schedule {self.schedule!r}",
+            "use exact or overlap",
+        )
+        _require(
+            0.0 < self.rebalance_margin < 1.0,
+            "rebalance_margin",
+            f"must be in (0, 1), got {self.rebalance_margin}",
+            "use e.g. 0.75",
+        )
+        _require(
+            self.rebalance_period_s > 0,
+            "rebalance_period_s",
+            f"must be > 0, got {self.rebalance_period_s}",
+            "use e.g. 120 (set pipeline.rebalance = false to pin the node)",
+        )
         _require(self.max_in_flight >= 1, "max_in_flight", f"must be >= 1, got {self.max_in_flight}", "use e.g. 8")
-        _require(self.device in ("auto", "cpu", "cuda") or (self.device.startswith("cuda:") and self.device[5:].isdigit()),
-                 "device", f"unknown device {self.device!r}", "use auto, cpu, cuda or cuda:N")
-        _require(self.activation_codec in PIPELINE_CODECS, "activation_codec", f"unknown codec {self.activation_codec!r}",
-                 f"use one of {', '.join(PIPELINE_CODECS)}")
+        _require(
+            self.device in ("auto", "cpu", "cuda") or (self.device.startswith("cuda:") and self.device[5:].isdigit()),
+            "device",
+            f"unknown device {self.device!r}",
+            "use auto, cpu, cuda or cuda:N",
+        )
+        _require(
+            self.activation_codec in PIPELINE_CODECS,
+            "activation_codec",
+            f"unknown codec {self.activation_codec!r}",
+            f"use one of {', '.join(PIPELINE_CODECS)}",
+        )
         if self.gradient_codec is None:
             object.__setattr__(self, "gradient_codec", self.activation_codec)
-        _require(self.gradient_codec in PIPELINE_CODECS, "gradient_codec", f"unknown codec {self.gradient_codec!r}",
-                 f"use one of {', '.join(PIPELINE_CODECS)}, or leave it unset to follow activation_codec")
-        _require(not self.layers_per_stage or len(self.layers_per_stage) == self.num_stages, "layers_per_stage",
-                 f"has {len(self.layers_per_stage)} entries but num_stages is {self.num_stages}",
-                 f"give one layer count per stage ({self.num_stages}), or leave it empty to split by cost")
-        _require(all(n >= 1 for n in self.layers_per_stage), "layers_per_stage",
-                 f"{list(self.layers_per_stage)} gives a stage no decoder layer",
-                 "give every stage >= 1 layer, or leave it empty to split by cost")
+        _require(
+            self.gradient_codec in PIPELINE_CODECS,
+            "gradient_codec",
+            f"unknown codec {self.gradient_codec!r}",
+            f"use one of {', '.join(PIPELINE_CODECS)}, or leave it unset to follow activation_codec",
+        )
+        _require(
+            not self.layers_per_stage or len(self.layers_per_stage) == self.num_stages,
+            "layers_per_stage",
+            f"has {len(self.layers_per_stage)} entries but num_stages is {self.num_stages}",
+            f"give one layer count per stage ({self.num_stages}), or leave it empty to split by cost",
+        )
+        _require(
+            all(n >= 1 for n in self.layers_per_stage),
+            "layers_per_stage",
+            f"{list(self.layers_per_stage)} gives a stage no decoder layer",
+            "give every stage >= 1 layer, or leave it empty to split by cost",
+        )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -228,12 +319,23 @@ class InnerConfig:
     def __post_init__(self) -> None:
         _require(self.lr > 0, "lr", f"must be > 0, got {self.lr}", "use e.g. 6e-4")
         _require(self.warmup_steps >= 1, "warmup_steps", f"must be >= 1, got {self.warmup_steps}", "use e.g. 1000")
-        _require(self.total_steps >= self.warmup_steps, "total_steps",
-                 f"{self.total_steps} is below warmup_steps {self.warmup_steps}", "raise total_steps or lower warmup_steps")
-        _require(0.0 <= self.min_lr_ratio <= 1.0, "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}", "use 0.1")
+        _require(
+            self.total_steps >= self.warmup_steps,
+            "total_steps",
+            f"{self.total_steps} is below warmup_steps {self.warmup_steps}",
+            "raise total_steps or lower warmup_steps",
+        )
+        _require(
+            0.0 <= self.min_lr_ratio <= 1.0, "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}", "use 0.1"
+        )
         _require(self.clip_norm > 0, "clip_norm", f"must be > 0, got {self.clip_norm}", "use 1.0")
         for name in ("beta1", "beta2"):
-            _require(0.0 <= getattr(self, name) < 1.0, name, f"must be in [0, 1), got {getattr(self, name)}", "use 0.9 / 0.999")
+            _require(
+                0.0 <= getattr(self, name) < 1.0,
+                name,
+                f"must be in [0, 1), got {getattr(self, name)}",
+                "use 0.9 / 0.999",
+            )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -275,30 +377,46 @@ class OuterConfig:
     (counted). 0 = unknown: any 2 to 64 replicas of the round that meet within timeouts.match_s."""
 
     def __post_init__(self) -> None:
-        _require(self.method in METHODS, "method", f"unknown method {self.method!r}", f"use one of {', '.join(METHODS)}")
+        _require(
+            self.method in METHODS, "method", f"unknown method {self.method!r}", f"use one of {', '.join(METHODS)}"
+        )
         h, alpha, beta = METHOD_DEFAULTS[self.method]
         for name, default in (("inner_steps_per_outer", h), ("alpha", alpha), ("beta", beta)):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, default)
         if self.gamma is None:
             object.__setattr__(self, "gamma", self.beta)
-        _require(self.inner_steps_per_outer >= 1, "inner_steps_per_outer", f"must be >= 1, got {self.inner_steps_per_outer}",
-                 "use e.g. 50")
-        _require(0.0 <= self.alpha < 1.0, "alpha", f"must be in [0, 1), got {self.alpha}", "use 0.5 (noloco) or 0.3 (diloco)")
+        _require(
+            self.inner_steps_per_outer >= 1,
+            "inner_steps_per_outer",
+            f"must be >= 1, got {self.inner_steps_per_outer}",
+            "use e.g. 50",
+        )
+        _require(
+            0.0 <= self.alpha < 1.0, "alpha", f"must be in [0, 1), got {self.alpha}", "use 0.5 (noloco) or 0.3 (diloco)"
+        )
         _require(self.beta >= 0.0, "beta", f"must be >= 0, got {self.beta}", "use 0.7")
         _require(self.codec in DENSE, "codec", f"unknown codec {self.codec!r}", f"use one of {', '.join(DENSE)}")
         for name in ("codec_phi", "codec_delta"):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, self.codec)
-        for name, check, example in (("codec_phi", check_phi_codec, "slice:0.03125"),
-                                     ("codec_delta", check_delta_codec, "topk:0.02+int2")):
+        for name, check, example in (
+            ("codec_phi", check_phi_codec, "slice:0.03125"),
+            ("codec_delta", check_delta_codec, "topk:0.02+int2"),
+        ):
             try:
                 check(getattr(self, name))
             except ValueError as exc:
-                _require(False, name, str(exc), f"e.g. {name} = \"{example}\"")
-        _require(self.max_distance_ratio > 0, "max_distance_ratio", f"must be > 0, got {self.max_distance_ratio}", "use 10")
-        _require(self.allreduce_group_size >= 0, "allreduce_group_size", f"must be >= 0, got {self.allreduce_group_size}",
-                 "use the number of replicas per stage, or 0")
+                _require(False, name, str(exc), f'e.g. {name} = "{example}"')
+        _require(
+            self.max_distance_ratio > 0, "max_distance_ratio", f"must be > 0, got {self.max_distance_ratio}", "use 10"
+        )
+        _require(
+            self.allreduce_group_size >= 0,
+            "allreduce_group_size",
+            f"must be >= 0, got {self.allreduce_group_size}",
+            "use the number of replicas per stage, or 0",
+        )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -327,10 +445,18 @@ class LogConfig:
     summary is logged either way."""
 
     def __post_init__(self) -> None:
-        _require(self.progress in ("auto", "on", "off"), "progress", f"unknown value {self.progress!r}",
-                 "use auto, on or off")
-        _require(isinstance(self.every_steps, int) and self.every_steps >= 0, "every_steps",
-                 f"must be an integer >= 0, got {self.every_steps!r}", "use e.g. 10, or 0 for no step lines")
+        _require(
+            self.progress in ("auto", "on", "off"),
+            "progress",
+            f"unknown value {self.progress!r}",
+            "use auto, on or off",
+        )
+        _require(
+            isinstance(self.every_steps, int) and self.every_steps >= 0,
+            "every_steps",
+            f"must be an integer >= 0, got {self.every_steps!r}",
+            "use e.g. 10, or 0 for no step lines",
+        )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -360,7 +486,9 @@ class FaultsConfig:
             try:
                 parse_fault(spec)
             except FaultSpecError as exc:
-                raise ConfigError("inject", str(exc), 'use e.g. "mid_backward:crash@3" or "during_exchange:delay=0.5"') from None
+                raise ConfigError(
+                    "inject", str(exc), 'use e.g. "mid_backward:crash@3" or "during_exchange:delay=0.5"'
+                ) from None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -379,19 +507,28 @@ class NodeConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def __post_init__(self) -> None:
-        _require(not (self.pipeline.schedule == "overlap" and self.outer.method == "dp"), "pipeline.schedule",
-                 "overlap lets a batch's forwards run before the previous step, which dp's lockstep forbids",
-                 "use pipeline.schedule = exact with outer.method = dp")
+        _require(
+            not (self.pipeline.schedule == "overlap" and self.outer.method == "dp"),
+            "pipeline.schedule",
+            "overlap lets a batch's forwards run before the previous step, which dp's lockstep forbids",
+            "use pipeline.schedule = exact with outer.method = dp",
+        )
         if self.model.config or self.model.init_from:
             return  # the layer count is in the model's config.json (checked when the model is built)
         layers = self.model.shape()["num_layers"]
-        _require(layers >= self.pipeline.num_stages, "pipeline.num_stages",
-                 f"{self.pipeline.num_stages} stages but only {layers} decoder layers (model.num_layers)",
-                 "use at most model.num_layers stages, or more layers")
-        _require(not self.pipeline.layers_per_stage or sum(self.pipeline.layers_per_stage) == layers,
-                 "pipeline.layers_per_stage", f"{list(self.pipeline.layers_per_stage)} sums to "
-                 f"{sum(self.pipeline.layers_per_stage)} but the model has {layers} decoder layers",
-                 f"give {self.pipeline.num_stages} counts that sum to {layers}, or leave it empty to split by cost")
+        _require(
+            layers >= self.pipeline.num_stages,
+            "pipeline.num_stages",
+            f"{self.pipeline.num_stages} stages but only {layers} decoder layers (model.num_layers)",
+            "use at most model.num_layers stages, or more layers",
+        )
+        _require(
+            not self.pipeline.layers_per_stage or sum(self.pipeline.layers_per_stage) == layers,
+            "pipeline.layers_per_stage",
+            f"{list(self.pipeline.layers_per_stage)} sums to "
+            f"{sum(self.pipeline.layers_per_stage)} but the model has {layers} decoder layers",
+            f"give {self.pipeline.num_stages} counts that sum to {layers}, or leave it empty to split by cost",
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -404,9 +541,16 @@ class NodeConfig:
         model = {k: v for k, v in d["model"].items() if k not in ("config", "init_from")}
         if not model.get("residual_subspace"):  # the dense model's hash is the one it had before the option
             model.pop("residual_subspace", None)
-        manifest = {"run": d["run"], "model": model, "num_stages": d["pipeline"]["num_stages"],
-                    "layers_per_stage": d["pipeline"]["layers_per_stage"],
-                    "inner": d["inner"], "outer": d["outer"], "vocab_size": d["data"]["vocab_size"], "extra": list(extra)}
+        manifest = {
+            "run": d["run"],
+            "model": model,
+            "num_stages": d["pipeline"]["num_stages"],
+            "layers_per_stage": d["pipeline"]["layers_per_stage"],
+            "inner": d["inner"],
+            "outer": d["outer"],
+            "vocab_size": d["data"]["vocab_size"],
+            "extra": list(extra),
+        }
         return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -57,9 +57,12 @@ class SwarmHistory:
             table.pop(oldest, None)
 
     def as_json(self) -> dict:
-        return {"schema": "noloco-node/history/1", "tokens_per_s": self.tokens_per_s.as_list(),
-                "loss": {peer: s.as_list() for peer, s in self.loss.items()},
-                "inner_step": {peer: s.as_list() for peer, s in self.inner_step.items()}}
+        return {
+            "schema": "noloco-node/history/1",
+            "tokens_per_s": self.tokens_per_s.as_list(),
+            "loss": {peer: s.as_list() for peer, s in self.loss.items()},
+            "inner_step": {peer: s.as_list() for peer, s in self.inner_step.items()},
+        }
 
 
 class NodeHistory:
@@ -76,5 +79,8 @@ class NodeHistory:
             self.loss.add(at, inner_step, loss)
 
     def as_json(self) -> dict:
-        return {"schema": "noloco-node/node-history/1", "tokens_per_s": self.tokens_per_s.as_list(),
-                "loss": self.loss.as_list()}
+        return {
+            "schema": "noloco-node/node-history/1",
+            "tokens_per_s": self.tokens_per_s.as_list(),
+            "loss": self.loss.as_list(),
+        }

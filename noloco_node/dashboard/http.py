@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 STATIC_TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css"}
 SECURITY_HEADERS = {
     "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; style-src 'self' 'unsafe-inline'; "
-                               "frame-ancestors 'none'; form-action 'none'; base-uri 'none'",
+    "frame-ancestors 'none'; form-action 'none'; base-uri 'none'",
     "X-Content-Type-Options": "nosniff",
     "Referrer-Policy": "no-referrer",
     "Cache-Control": "no-store",
@@ -82,19 +82,22 @@ class DashboardServer:
     def _page(self, name: str):
         async def handle(request: web.Request) -> web.Response:
             return web.Response(body=_static_file(name), content_type="text/html", charset="utf-8")
+
         return handle
 
     def _json(self, source: JsonSource):
         async def handle(request: web.Request) -> web.Response:
             body = json.dumps(finite(await source()), allow_nan=False, default=_plain)
             # Others build on the JSON (docs/dashboard.md): any origin may read it; nothing writes.
-            return web.Response(text=body, content_type="application/json",
-                                headers={"Access-Control-Allow-Origin": "*"})
+            return web.Response(
+                text=body, content_type="application/json", headers={"Access-Control-Allow-Origin": "*"}
+            )
+
         return handle
 
     async def _static(self, request: web.Request) -> web.Response:
         name = request.match_info["name"]
-        suffix = name[name.rfind("."):] if "." in name else ""
+        suffix = name[name.rfind(".") :] if "." in name else ""
         if ".." in name.split("/") or suffix not in STATIC_TYPES:
             raise web.HTTPNotFound()
         try:

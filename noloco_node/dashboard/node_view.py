@@ -31,30 +31,55 @@ def partners(history: list[dict]) -> dict[str, int]:
     return dict(Counter(h["partner"] for h in history if h.get("outcome") == "paired" and h.get("partner")))
 
 
-def node_json(stats: Mapping, record: Mapping, *, online_s: float, flops_per_token: float, method: str,
-              last_error: dict | None, swarm_page: str = "/swarm", now: float | None = None) -> dict:
+def node_json(
+    stats: Mapping,
+    record: Mapping,
+    *,
+    online_s: float,
+    flops_per_token: float,
+    method: str,
+    last_error: dict | None,
+    swarm_page: str = "/swarm",
+    now: float | None = None,
+) -> dict:
     """`/api/node` from `node_stats(node)` and the node's StageRecord fields."""
     outer, history = stats.get("outer") or {}, stats.get("outer_history") or []
     losses = stats.get("losses") or []
     return {
-        "schema": SCHEMA, "generated_at": time.time() if now is None else now,
-        "peer_id": stats["peer_id"], "stage": stats["stage"], "address": stats["address"], "status": record["status"],
-        "version": record["version"], "run_id": record["run_id"], "manifest_hash": record["manifest_hash"],
+        "schema": SCHEMA,
+        "generated_at": time.time() if now is None else now,
+        "peer_id": stats["peer_id"],
+        "stage": stats["stage"],
+        "address": stats["address"],
+        "status": record["status"],
+        "version": record["version"],
+        "run_id": record["run_id"],
+        "manifest_hash": record["manifest_hash"],
         "method": method,
         "contribution": {
-            "tokens": stats["tokens"], "flops": stats["tokens"] * flops_per_token, "hours_online": online_s / 3600,
-            "inner_steps": stats["inner_steps"], "microbatches_served": sum(stats["forwards_received"].values()),
+            "tokens": stats["tokens"],
+            "flops": stats["tokens"] * flops_per_token,
+            "hours_online": online_s / 3600,
+            "inner_steps": stats["inner_steps"],
+            "microbatches_served": sum(stats["forwards_received"].values()),
             "microbatches_driven": (stats.get("microbatches") or {}).get("completed", 0),
-            "outer_rounds": outer.get("rounds", 0), "outer_paired": outer.get("paired", 0),
+            "outer_rounds": outer.get("rounds", 0),
+            "outer_paired": outer.get("paired", 0),
             "partners": partners(history),
             "bytes_sent": stats["bytes_sent"] + stats.get("bytes_sent_outer", 0),
-            "bytes_received": stats["bytes_received"]},
+            "bytes_received": stats["bytes_received"],
+        },
         "health": {
-            "reach": record["reach"], "link_mbit_s": record["link_mbit_s"],
-            "memory_estimate_bytes": record["memory_estimate_bytes"], "memory_peak_bytes": record["memory_peak_bytes"],
-            "in_flight": stats["in_flight"], "tokens_per_s": stats["tokens_per_s"],
-            "loss": losses[-1] if losses else None, "last_error": last_error,
-            "attention": list(stats.get("attention") or [])},
+            "reach": record["reach"],
+            "link_mbit_s": record["link_mbit_s"],
+            "memory_estimate_bytes": record["memory_estimate_bytes"],
+            "memory_peak_bytes": record["memory_peak_bytes"],
+            "in_flight": stats["in_flight"],
+            "tokens_per_s": stats["tokens_per_s"],
+            "loss": losses[-1] if losses else None,
+            "last_error": last_error,
+            "attention": list(stats.get("attention") or []),
+        },
         "swarm_page": swarm_page,
     }
 
@@ -87,9 +112,17 @@ class NodeView:
     """The node page's data: `node()` reads the node now (stats are in memory: no lookup), and
     `run()` samples its tokens/s and loss every `poll_s` for the charts."""
 
-    def __init__(self, read: Callable[[], tuple[Mapping, Mapping]], *, method: str, flops_per_token: float,
-                 poll_s: float, problems: LastProblem, limit: int = HISTORY_POINTS,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        read: Callable[[], tuple[Mapping, Mapping]],
+        *,
+        method: str,
+        flops_per_token: float,
+        poll_s: float,
+        problems: LastProblem,
+        limit: int = HISTORY_POINTS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.read, self.method, self.flops_per_token = read, method, flops_per_token
         self.poll_s, self.problems, self.clock = poll_s, problems, clock
         self.started = clock()
@@ -97,8 +130,14 @@ class NodeView:
 
     async def node(self) -> dict:
         stats, record = self.read()
-        return node_json(stats, record, online_s=self.clock() - self.started, flops_per_token=self.flops_per_token,
-                         method=self.method, last_error=self.problems.last)
+        return node_json(
+            stats,
+            record,
+            online_s=self.clock() - self.started,
+            flops_per_token=self.flops_per_token,
+            method=self.method,
+            last_error=self.problems.last,
+        )
 
     async def history_json(self) -> dict:
         return self.history.as_json()
@@ -106,8 +145,12 @@ class NodeView:
     def sample(self) -> None:
         stats, _ = self.read()
         losses = stats.get("losses") or []
-        self.history.observe(time.time(), tokens_per_s=stats["tokens_per_s"], inner_step=stats["inner_steps"],
-                             loss=losses[-1] if losses else None)
+        self.history.observe(
+            time.time(),
+            tokens_per_s=stats["tokens_per_s"],
+            inner_step=stats["inner_steps"],
+            loss=losses[-1] if losses else None,
+        )
 
     async def run(self) -> None:
         while True:

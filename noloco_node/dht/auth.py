@@ -37,8 +37,12 @@ class SwarmKeyAuthorizer(AuthorizerBase):
         auth = request.auth
         signature = auth.signature
         auth.signature = b""
-        ok = (abs(auth.time - get_dht_time()) <= self.max_skew_s and len(auth.nonce) == 16
-              and auth.nonce not in self._seen_nonces and hmac.compare_digest(signature, _mac(self.key, request)))
+        ok = (
+            abs(auth.time - get_dht_time()) <= self.max_skew_s
+            and len(auth.nonce) == 16
+            and auth.nonce not in self._seen_nonces
+            and hmac.compare_digest(signature, _mac(self.key, request))
+        )
         auth.signature = signature
         if ok:
             self._seen_nonces.store(auth.nonce, None, get_dht_time() + 2 * self.max_skew_s)

@@ -112,36 +112,56 @@ class DhtPeer:
 class HivemindAllReduce:
     """Averages a fixed list of tensors with every replica of a stage that joins the same round."""
 
-    def __init__(self, shapes: list[torch.Size], group: GroupSettings, *, peer: DhtPeer | None = None, dht=None) -> None:
+    def __init__(
+        self, shapes: list[torch.Size], group: GroupSettings, *, peer: DhtPeer | None = None, dht=None
+    ) -> None:
         """Give `peer` to start a DHT peer of its own, or a running hivemind `dht`."""
         from hivemind.averaging import DecentralizedAverager
 
         dtype, matchmaking_s, target_group_size = group.dtype, group.matchmaking_s, group.target_group_size
         min_group_size, allreduce_s, prefix = group.min_group_size, group.allreduce_s, group.prefix
-        self.dht = dht if dht is not None else self.start_dht(list(peer.initial_peers), peer.host, peer.port,
-                                                              peer.announce, peer.swarm_key, peer.max_skew_s)
+        self.dht = (
+            dht
+            if dht is not None
+            else self.start_dht(
+                list(peer.initial_peers), peer.host, peer.port, peer.announce, peer.swarm_key, peer.max_skew_s
+            )
+        )
         # Shared with the averager process, which is forked below and inherits the handler.
         self.partial_warnings = multiprocessing.get_context("fork").Value("i", 0)
         self._handler = _PartialResultCounter(self.partial_warnings)
         for name in _PARTIAL_LOGGERS:
             logging.getLogger(name).addHandler(self._handler)
         self.averager = DecentralizedAverager(
-            [torch.zeros(s, dtype=dtype) for s in shapes], dht=self.dht, prefix=prefix, target_group_size=target_group_size,
+            [torch.zeros(s, dtype=dtype) for s in shapes],
+            dht=self.dht,
+            prefix=prefix,
+            target_group_size=target_group_size,
             # hivemind: request_timeout must stay below min_matchmaking_time, or matchmaking can deadlock.
-            min_group_size=max(2, min(min_group_size, target_group_size)), min_matchmaking_time=max(1.0, matchmaking_s),
+            min_group_size=max(2, min(min_group_size, target_group_size)),
+            min_matchmaking_time=max(1.0, matchmaking_s),
             request_timeout=max(1.0, matchmaking_s) / 2,
             # Without these an all-reduce whose peer stream stalls waits forever (seen: two of three
             # replicas stuck until our own deadline, then no further rounds).
-            next_chunk_timeout=max(5.0, 2 * matchmaking_s), allreduce_timeout=allreduce_s,
-            initial_group_bits=round_key_bits(0), start=True)
+            next_chunk_timeout=max(5.0, 2 * matchmaking_s),
+            allreduce_timeout=allreduce_s,
+            initial_group_bits=round_key_bits(0),
+            start=True,
+        )
         self.allreduce_s = allreduce_s
         self.bytes_sent = 0
         self.element_size = torch.finfo(dtype).bits // 8
         self.partial_rounds = 0
 
     @staticmethod
-    def start_dht(initial_peers: list[str], host: str, port: int = 0, announce: str | None = None,
-                  swarm_key: bytes | None = None, max_skew_s: float = 60.0):
+    def start_dht(
+        initial_peers: list[str],
+        host: str,
+        port: int = 0,
+        announce: str | None = None,
+        swarm_key: bytes | None = None,
+        max_skew_s: float = 60.0,
+    ):
         """hivemind's DHT process. Blocks until it has pinged an initial peer: when that peer is
         served by this process's own event loop, call this from a worker thread. `announce`
         (host:port) is the address other peers should dial, e.g. a WAN relay in front of `port`."""
@@ -155,10 +175,13 @@ class HivemindAllReduce:
             from noloco_node.dht.auth import SwarmKeyAuthorizer
 
             extra["authorizer"] = SwarmKeyAuthorizer(swarm_key, max_skew_s=max_skew_s)
-        return hivemind.DHT(initial_peers=list(initial_peers), host_maddrs=[f"/ip4/{host}/tcp/{port}"], start=True, **extra)
+        return hivemind.DHT(
+            initial_peers=list(initial_peers), host_maddrs=[f"/ip4/{host}/tcp/{port}"], start=True, **extra
+        )
 
-    async def mean(self, tensors: list[Tensor], timeout_s: float,
-                   round_index: int = 0) -> tuple[list[Tensor], int, bool, bool]:
+    async def mean(
+        self, tensors: list[Tensor], timeout_s: float, round_index: int = 0
+    ) -> tuple[list[Tensor], int, bool, bool]:
         """Mean of `tensors` over the group that forms; returns (means, group size, whether every
         member was at `round_index`, whether the whole mean arrived). A group of one (nobody else
         joined in time) returns the inputs unchanged with size 1. Only averagers at `round_index`
@@ -172,13 +195,15 @@ class HivemindAllReduce:
         # Both calls wait on the averager process, which a loaded machine can keep busy for a
         # while: off the event loop, so this node's gRPC keeps serving meanwhile.
         await loop.run_in_executor(None, partial(self.averager.set_group_bits, round_key_bits(round_index)))
-        control = await loop.run_in_executor(None, partial(self.averager.step, gather=round_index, timeout=timeout_s,
-                                                           allow_retries=True, wait=False))
+        control = await loop.run_in_executor(
+            None, partial(self.averager.step, gather=round_index, timeout=timeout_s, allow_retries=True, wait=False)
+        )
         try:
             # hivemind's own timeout covers matchmaking only; an all-reduce whose group stalls could
             # block forever, so the round has a hard deadline of its own.
-            group = await asyncio.wait_for(loop.run_in_executor(None, control.result),
-                                           timeout=timeout_s + self.allreduce_s + 10)
+            group = await asyncio.wait_for(
+                loop.run_in_executor(None, control.result), timeout=timeout_s + self.allreduce_s + 10
+            )
         except Exception as exc:  # noqa: BLE001 - hivemind raises several types; the caller falls back
             control.cancel()
             log.warning("all-reduce failed: %s", exc or type(exc).__name__)
@@ -190,8 +215,10 @@ class HivemindAllReduce:
         complete = self.partial_warnings.value == warnings_before
         if not complete:
             self.partial_rounds += 1
-            log.warning("round %d: the all-reduce delivered part of the mean only (hivemind kept local values "
-                        "for the rest)", round_index)
+            log.warning(
+                "round %d: the all-reduce delivered part of the mean only (hivemind kept local values for the rest)",
+                round_index,
+            )
         self.bytes_sent += 2 * sum(t.numel() * self.element_size for t in tensors) * (len(group) - 1) // len(group)
         return means, len(group), all(value == round_index for value in group.values()), complete
 
@@ -212,11 +239,21 @@ def build_all_reduce(cfg, stage: int, shapes: list[torch.Size], swarm_key: bytes
 
     outer, net, dp = cfg.outer, cfg.network, cfg.outer.method == "dp"
     known = outer.allreduce_group_size
-    group = GroupSettings(prefix=f"{key_prefix(cfg.run.run_id)}_stage{stage}_{outer.method}",
-                          target_group_size=known or 64, min_group_size=known or 2, matchmaking_s=cfg.timeouts.match_s,
-                          allreduce_s=cfg.timeouts.allreduce_s,
-                          # dp: gradients averaged in float64 so every replica rounds the same mean (module docstring)
-                          dtype=torch.float64 if dp else torch.float32)
-    peer = DhtPeer(initial_peers=tuple(net.initial_peers), host=net.host, port=net.allreduce_port,
-                   announce=net.allreduce_announce, swarm_key=swarm_key, max_skew_s=cfg.security.max_clock_skew_s)
+    group = GroupSettings(
+        prefix=f"{key_prefix(cfg.run.run_id)}_stage{stage}_{outer.method}",
+        target_group_size=known or 64,
+        min_group_size=known or 2,
+        matchmaking_s=cfg.timeouts.match_s,
+        allreduce_s=cfg.timeouts.allreduce_s,
+        # dp: gradients averaged in float64 so every replica rounds the same mean (module docstring)
+        dtype=torch.float64 if dp else torch.float32,
+    )
+    peer = DhtPeer(
+        initial_peers=tuple(net.initial_peers),
+        host=net.host,
+        port=net.allreduce_port,
+        announce=net.allreduce_announce,
+        swarm_key=swarm_key,
+        max_skew_s=cfg.security.max_clock_skew_s,
+    )
     return HivemindAllReduce(shapes, group, peer=peer)

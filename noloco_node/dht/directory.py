@@ -42,8 +42,15 @@ class DirectoryIdentity:
 
 
 class PeerDirectory:
-    def __init__(self, node: DHTNode, identity: DirectoryIdentity, signer: RSASignatureValidator, *,
-                 key: NodeIdentity, cache_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        node: DHTNode,
+        identity: DirectoryIdentity,
+        signer: RSASignatureValidator,
+        *,
+        key: NodeIdentity,
+        cache_s: float = 1.0,
+    ) -> None:
         self.node, self.identity, self.signer, self.key = node, identity, signer, key
         self.cache_s = cache_s
         self._cache: dict[int, tuple[float, list[StageRecord]]] = {}
@@ -62,10 +69,21 @@ class PeerDirectory:
         return self.node.p2p
 
     @classmethod
-    async def start(cls, identity: DirectoryIdentity, *, initial_peers: list[str], host: str = "127.0.0.1",
-                    port: int = 0, identity_path: str | None = None, startup_timeout_s: float = 30.0,
-                    client_mode: bool = False, swarm_key: bytes | None = None, max_skew_s: float = 60.0,
-                    key: NodeIdentity | None = None, p2p_options: dict | None = None) -> PeerDirectory:
+    async def start(
+        cls,
+        identity: DirectoryIdentity,
+        *,
+        initial_peers: list[str],
+        host: str = "127.0.0.1",
+        port: int = 0,
+        identity_path: str | None = None,
+        startup_timeout_s: float = 30.0,
+        client_mode: bool = False,
+        swarm_key: bytes | None = None,
+        max_skew_s: float = 60.0,
+        key: NodeIdentity | None = None,
+        p2p_options: dict | None = None,
+    ) -> PeerDirectory:
         """Start the DHT node under `key` (the node's identity: its libp2p key and record-signing key
         at once); raises BootstrapError with a fix when the initial peers cannot be reached.
         `p2p_options` go to hivemind.P2P.create (relay and reachability settings)."""
@@ -84,12 +102,24 @@ class PeerDirectory:
         try:
             # Our own P2P (DHTNode would make one without the flags hivemind does not expose).
             p2p = await daemon_with_flags(daemon_flags).create(
-                initial_peers=list(initial_peers), host_maddrs=[f"/ip4/{host}/tcp/{port}"],
-                identity_path=key.identity_path(), check_if_identity_free=False, startup_timeout=startup_timeout_s,
-                dht_mode="client" if client_mode else "server", **options)
-            node = await asyncio.wait_for(DHTNode.create(
-                p2p=p2p, initial_peers=list(initial_peers), record_validator=validator, client_mode=client_mode,
-                authorizer=authorizer), timeout=startup_timeout_s + 5)
+                initial_peers=list(initial_peers),
+                host_maddrs=[f"/ip4/{host}/tcp/{port}"],
+                identity_path=key.identity_path(),
+                check_if_identity_free=False,
+                startup_timeout=startup_timeout_s,
+                dht_mode="client" if client_mode else "server",
+                **options,
+            )
+            node = await asyncio.wait_for(
+                DHTNode.create(
+                    p2p=p2p,
+                    initial_peers=list(initial_peers),
+                    record_validator=validator,
+                    client_mode=client_mode,
+                    authorizer=authorizer,
+                ),
+                timeout=startup_timeout_s + 5,
+            )
         except (P2PDaemonError, asyncio.TimeoutError, OSError, RuntimeError) as exc:
             # hivemind raises RuntimeError when no initial peer answered a ping: they are down,
             # unreachable, or (in a keyed swarm) ignoring us because our swarm key differs.
@@ -100,8 +130,16 @@ class PeerDirectory:
             raise BootstrapError(f"could not join the DHT through initial peers {where}: {exc}{hint}".strip()) from None
         directory = cls(node, identity, signer, key=key)
         directory._own_p2p = p2p
-        directory._start_args = dict(initial_peers=initial_peers, host=host, port=port, startup_timeout_s=startup_timeout_s,
-                                     client_mode=client_mode, swarm_key=swarm_key, max_skew_s=max_skew_s, key=key)
+        directory._start_args = dict(
+            initial_peers=initial_peers,
+            host=host,
+            port=port,
+            startup_timeout_s=startup_timeout_s,
+            client_mode=client_mode,
+            swarm_key=swarm_key,
+            max_skew_s=max_skew_s,
+            key=key,
+        )
         return directory
 
     @property
@@ -130,8 +168,12 @@ class PeerDirectory:
         """Store our record under our own signed subkey for ttl_s seconds."""
         if self._restarting:
             return False
-        return await self.node.store(stage_key(self.identity.run_id, record.stage), subkey=self.signer.local_public_key,
-                                     value=record.dict(), expiration_time=get_dht_time() + ttl_s)
+        return await self.node.store(
+            stage_key(self.identity.run_id, record.stage),
+            subkey=self.signer.local_public_key,
+            value=record.dict(),
+            expiration_time=get_dht_time() + ttl_s,
+        )
 
     async def replicas(self, stage: int, *, fresh: bool = False) -> list[StageRecord]:
         """Live, compatible replicas of `stage` (ours included), sorted by peer id. A joiner's claim
@@ -267,10 +309,17 @@ class PeerDirectory:
         answered = await self._ping({p: a for p, a in targets.items() if p not in connected}, timeout_s)
         answered += sum(peer in connected for peer in targets)
         if answered == 0:
-            met = {r.peer_id: r.p2p_addrs for _, r in sorted(self._by_peer.values(), key=lambda v: -v[0])
-                   if r.peer_id != self.peer_id and r.status != Status.LEAVING}
-            addrs = [a if "/p2p/" in a else f"{a}/p2p/{peer}" for peer, found in list(met.items())[:max_met]
-                     for a in found if "p2p-circuit" not in a]
+            met = {
+                r.peer_id: r.p2p_addrs
+                for _, r in sorted(self._by_peer.values(), key=lambda v: -v[0])
+                if r.peer_id != self.peer_id and r.status != Status.LEAVING
+            }
+            addrs = [
+                a if "/p2p/" in a else f"{a}/p2p/{peer}"
+                for peer, found in list(met.items())[:max_met]
+                for a in found
+                if "p2p-circuit" not in a
+            ]
             answered = await self._ping(_targets(addrs, self.peer_id), timeout_s)
         return answered
 
@@ -283,8 +332,10 @@ class PeerDirectory:
             peer = PeerID.from_base58(peer_id)
             try:
                 await asyncio.wait_for(self.p2p._client.connect(peer, [DaemonMaddr(a) for a in addrs]), timeout_s)
-                return await asyncio.wait_for(self.node.protocol.call_ping(peer, validate=False, strict=False),
-                                              timeout_s) is not None
+                return (
+                    await asyncio.wait_for(self.node.protocol.call_ping(peer, validate=False, strict=False), timeout_s)
+                    is not None
+                )
             except Exception as exc:  # noqa: BLE001 - tried again on the next heartbeat
                 log.debug("peer %s did not answer: %r", peer_id[-8:], exc)
                 return False

@@ -79,29 +79,36 @@ def summarize_groups(cells: list[dict]) -> list[dict]:
                 curve.setdefault(e["step"], []).append(e["val_loss"])
                 spread.setdefault(e["step"], []).append(e["spread"])
         lr = {t["step"]: t["lr"] for c in members[:1] for t in c["train"]}
-        rows.append({
-            "group": name, "method": first["method"], "variant": first.get("variant", ""),
-            "replicas": first["replicas"], "stages": first["stages"], "profile": first["profile"],
-            "seeds": len(members), "cells": sum(c["row"].get("group", c["row"]["cell"]) == name for c in cells),
-            "eval_step": stat(values("final_eval_step")).mean,
-            "val_loss": stat(values("final_val_loss")),
-            "val_loss_equal_time": stat(loss_at_time(c["evals"], t_equal) for c in members),
-            "equal_time_s": t_equal,
-            "train_wall_s": stat(values("train_wall_s")),
-            "spread": stat(values("final_spread")),
-            "peak_spread": stat(max((e["spread"] for e in c["evals"]), default=math.nan) for c in members),
-            "pearson": stat(values("spread_lr_pearson")),
-            "bytes_per_node": stat(values("bytes_per_node")),
-            "pipeline_bytes_per_node": stat(values("pipeline_bytes_per_node")),
-            "outer_bytes_per_round": stat(values("outer_bytes_per_round")),
-            "outer_lag_steps": stat(values("outer_lag_steps")),
-            "val_loss_by_seed": {c["row"]["seed"]: c["row"].get("final_val_loss", math.nan) for c in members},
-            "delta_rel_error": stat(values("delta_rel_error")),
-            "idle": stat(values("idle_fraction")),
-            "curve": {k: stat(v) for k, v in sorted(curve.items())},
-            "spread_curve": {k: stat(v) for k, v in sorted(spread.items())},
-            "lr": lr,
-        })
+        rows.append(
+            {
+                "group": name,
+                "method": first["method"],
+                "variant": first.get("variant", ""),
+                "replicas": first["replicas"],
+                "stages": first["stages"],
+                "profile": first["profile"],
+                "seeds": len(members),
+                "cells": sum(c["row"].get("group", c["row"]["cell"]) == name for c in cells),
+                "eval_step": stat(values("final_eval_step")).mean,
+                "val_loss": stat(values("final_val_loss")),
+                "val_loss_equal_time": stat(loss_at_time(c["evals"], t_equal) for c in members),
+                "equal_time_s": t_equal,
+                "train_wall_s": stat(values("train_wall_s")),
+                "spread": stat(values("final_spread")),
+                "peak_spread": stat(max((e["spread"] for e in c["evals"]), default=math.nan) for c in members),
+                "pearson": stat(values("spread_lr_pearson")),
+                "bytes_per_node": stat(values("bytes_per_node")),
+                "pipeline_bytes_per_node": stat(values("pipeline_bytes_per_node")),
+                "outer_bytes_per_round": stat(values("outer_bytes_per_round")),
+                "outer_lag_steps": stat(values("outer_lag_steps")),
+                "val_loss_by_seed": {c["row"]["seed"]: c["row"].get("final_val_loss", math.nan) for c in members},
+                "delta_rel_error": stat(values("delta_rel_error")),
+                "idle": stat(values("idle_fraction")),
+                "curve": {k: stat(v) for k, v in sorted(curve.items())},
+                "spread_curve": {k: stat(v) for k, v in sorted(spread.items())},
+                "lr": lr,
+            }
+        )
     return rows
 
 
@@ -112,7 +119,7 @@ def compare(a: Stat, b: Stat) -> tuple[float, float, bool | None]:
     diff = a.mean - b.mean
     if a.n < 2 or b.n < 2:
         return diff, math.nan, None
-    se = math.sqrt(a.std ** 2 / a.n + b.std ** 2 / b.n)
+    se = math.sqrt(a.std**2 / a.n + b.std**2 / b.n)
     return diff, se, abs(diff) > 2 * se
 
 
@@ -140,8 +147,10 @@ def paired_verdict(label_a: str, label_b: str, diffs: Stat, quantity: str) -> st
     if diffs.n < 2:
         return f"{quantity}, seed by seed: {label_a} - {label_b} over {diffs.n} common seed(s): no verdict."
     se = diffs.std / math.sqrt(diffs.n)
-    text = (f"{quantity}, seed by seed: {label_a} - {label_b} = {diffs.mean:+.4g} ± {se:.2g} (SE over "
-            f"{diffs.n} common seeds)")
+    text = (
+        f"{quantity}, seed by seed: {label_a} - {label_b} = {diffs.mean:+.4g} ± {se:.2g} (SE over "
+        f"{diffs.n} common seeds)"
+    )
     if abs(diffs.mean) > 2 * se:
         lower = label_a if diffs.mean < 0 else label_b
         return text + f": {lower} is lower, outside the noise (|diff| > 2 SE)."

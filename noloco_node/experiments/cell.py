@@ -23,8 +23,15 @@ from noloco_node.runtime.events import read_events
 def cell_overrides(scenario: Scenario, cell: Cell) -> list[str]:
     values = {f"{k}": v for k, v in scenario.overrides.items()}
     values.update(dict(cell.variant.overrides) if cell.variant else {})
-    values.update({"run.run_id": cell.name, "run.seed": cell.seed, "outer.method": cell.method,
-                   "pipeline.num_stages": cell.stages, "log.progress": "off"})
+    values.update(
+        {
+            "run.run_id": cell.name,
+            "run.seed": cell.seed,
+            "outer.method": cell.method,
+            "pipeline.num_stages": cell.stages,
+            "log.progress": "off",
+        }
+    )
     if cell.method in ("diloco", "dp"):
         values["outer.allreduce_group_size"] = cell.replicas
     return [f"{k}={v}" for k, v in values.items()]
@@ -41,7 +48,7 @@ def run_cell(scenario: Scenario, cell: Cell, out_dir: Path) -> dict:
     events_dir, snapshots = out_dir / "events", out_dir / "snapshots"
     slots = [(s, d) for s in range(cell.stages) for d in range(cell.replicas)]
     ports = free_ports(4 * len(slots))
-    grpc, grpc_relay, ar, ar_relay = (ports[i * len(slots):(i + 1) * len(slots)] for i in range(4))
+    grpc, grpc_relay, ar, ar_relay = (ports[i * len(slots) : (i + 1) * len(slots)] for i in range(4))
     routes = dict(zip(grpc_relay, grpc)) | (dict(zip(ar_relay, ar)) if cell.method in ("diloco", "dp") else {})
     relay = RelayProcess(cell.profile, routes, out_dir)
     swarm = LocalSwarm(out_dir / "swarm", overrides=overrides, threads=scenario.threads, startup_timeout_s=120)
@@ -51,20 +58,42 @@ def run_cell(scenario: Scenario, cell: Cell, out_dir: Path) -> dict:
 
         def start(slot_index: int, *extra: str):
             s, d = slots[slot_index]
-            args = ["--port", str(grpc[slot_index]), "--announce-addr", f"127.0.0.1:{grpc_relay[slot_index]}",
-                    "--events", str(events_dir / f"stage{s}-r{d}.jsonl"), "--snapshot-every", str(scenario.eval_every),
-                    "--snapshot-dir", str(snapshots), *extra]
+            args = [
+                "--port",
+                str(grpc[slot_index]),
+                "--announce-addr",
+                f"127.0.0.1:{grpc_relay[slot_index]}",
+                "--events",
+                str(events_dir / f"stage{s}-r{d}.jsonl"),
+                "--snapshot-every",
+                str(scenario.eval_every),
+                "--snapshot-dir",
+                str(snapshots),
+                *extra,
+            ]
             if scenario.chaos_action == "kill":  # a killed node restarts from its own checkpoint
-                args += ["--set", f"checkpoint.dir={out_dir / 'checkpoints' / f'{s}-{d}'}", "--set", "checkpoint.every_steps=1"]
+                args += [
+                    "--set",
+                    f"checkpoint.dir={out_dir / 'checkpoints' / f'{s}-{d}'}",
+                    "--set",
+                    "checkpoint.every_steps=1",
+                ]
             if cell.method in ("diloco", "dp"):
-                args += ["--set", f"network.allreduce_port={ar[slot_index]}",
-                         "--set", f"network.allreduce_announce=127.0.0.1:{ar_relay[slot_index]}"]
+                args += [
+                    "--set",
+                    f"network.allreduce_port={ar[slot_index]}",
+                    "--set",
+                    f"network.allreduce_announce=127.0.0.1:{ar_relay[slot_index]}",
+                ]
             return swarm.start_node(s, d, *args)
 
         servers = [start(i) for i, (s, _) in enumerate(slots) if s > 0]
         swarm.wait_ready(servers)
-        drivers = [start(i, "--steps", str(scenario.steps), "--wait-replicas", str(cell.replicas))
-                   for i, (s, _) in enumerate(slots) if s == 0]
+        drivers = [
+            start(i, "--steps", str(scenario.steps), "--wait-replicas", str(cell.replicas))
+            for i, (s, _) in enumerate(slots)
+            if s == 0
+        ]
         swarm.wait_ready(drivers)
         if scenario.chaos_action is None:
             swarm.wait_exit(drivers, timeout_s=scenario.cell_timeout_s)
@@ -78,8 +107,9 @@ def run_cell(scenario: Scenario, cell: Cell, out_dir: Path) -> dict:
         # that ended short of it (routing gave it fewer microbatches) has nothing more to do;
         # its final snapshot is written when it is stopped.
         deadline, settle = time.monotonic() + 30, time.monotonic() + 1.0
-        while time.monotonic() < deadline and (time.monotonic() < settle or
-                                               _last_snapshots_pending(scenario, swarm, events_dir, snapshots)):
+        while time.monotonic() < deadline and (
+            time.monotonic() < settle or _last_snapshots_pending(scenario, swarm, events_dir, snapshots)
+        ):
             time.sleep(0.2)
     finally:
         swarm.stop()
@@ -95,8 +125,9 @@ def _last_snapshots_pending(scenario: Scenario, swarm: LocalSwarm, events_dir: P
         if node.stage == 0 or not node.info:
             continue
         events = events_dir / f"stage{node.stage}-r{node.replica}.jsonl"
-        reached = events.exists() and any(e["event"] == "inner_step" and e["inner_step"] >= scenario.steps
-                                          for e in read_events(events))
+        reached = events.exists() and any(
+            e["event"] == "inner_step" and e["inner_step"] >= scenario.steps for e in read_events(events)
+        )
         name = f"stage{node.stage}-{node.info['peer_id'][-8:]}-step{scenario.steps}.safetensors"
         if reached and not (snapshots / name).exists():
             return True
@@ -109,8 +140,10 @@ def _wait_under_chaos(scenario: Scenario, cell: Cell, swarm: LocalSwarm, out_dir
     from noloco_node.experiments.chaos import ChaosMonkey
 
     def eligible(node) -> bool:
-        return scenario.chaos_action != "kill" or (out_dir / "checkpoints" / f"{node.stage}-{node.replica}"
-                                                   / f"stage{node.stage}.json").exists()
+        return (
+            scenario.chaos_action != "kill"
+            or (out_dir / "checkpoints" / f"{node.stage}-{node.replica}" / f"stage{node.stage}.json").exists()
+        )
 
     with ChaosMonkey(swarm, scenario.chaos_profile(), seed=cell.seed, eligible=eligible) as monkey:
         drivers = monkey.wait_for_drivers(cell.replicas, scenario.cell_timeout_s)
@@ -121,19 +154,24 @@ def _wait_under_chaos(scenario: Scenario, cell: Cell, swarm: LocalSwarm, out_dir
 def outer_lag_steps(history: list[dict]) -> float:
     """Mean inner steps between a paired NoLoCo round's boundary and the step its update landed at:
     0 when blocking; under outer.overlap, the staleness the rounds actually had. NaN: no such round."""
-    lags = [r["applied_at_step"] - r["inner_step"] for r in history
-            if r.get("outcome") == "paired" and "applied_at_step" in r and "inner_step" in r]
+    lags = [
+        r["applied_at_step"] - r["inner_step"]
+        for r in history
+        if r.get("outcome") == "paired" and "applied_at_step" in r and "inner_step" in r
+    ]
     return statistics.fmean(lags) if lags else math.nan
 
 
-def summarize(scenario: Scenario, cell: Cell, config, swarm: LocalSwarm, events_dir: Path, snapshots: Path,
-              wall_s: float) -> dict:
+def summarize(
+    scenario: Scenario, cell: Cell, config, swarm: LocalSwarm, events_dir: Path, snapshots: Path, wall_s: float
+) -> dict:
     """The cell's results row, its evaluations and its training curve, from what its nodes left."""
     stats = swarm.node_stats()
     by_slot = {(n.stage, n.replica): n.info["peer_id"] for n in swarm.nodes}
     columns = [[by_slot[(s, d)][-8:] for s in range(cell.stages)] for d in range(cell.replicas)]
-    evals = evaluate_snapshots(config, snapshots, columns, eval_sequences=scenario.eval_sequences,
-                               final_step=scenario.steps)
+    evals = evaluate_snapshots(
+        config, snapshots, columns, eval_sequences=scenario.eval_sequences, final_step=scenario.steps
+    )
     train = _train_curve(events_dir, cell.replicas)
     _place_evaluations(evals, train)
     idle = _idle_fractions(events_dir)
@@ -141,9 +179,16 @@ def summarize(scenario: Scenario, cell: Cell, config, swarm: LocalSwarm, events_
     driver_stats = [stats[by_slot[(0, d)]] for d in range(cell.replicas)]
     mb = {k: sum(s["microbatches"][k] for s in driver_stats) for k in ("issued", "completed", "reissued", "dropped")}
     row = {
-        "cell": cell.name, "group": cell.group, "variant": cell.variant.name if cell.variant else "",
-        "method": cell.method, "replicas": cell.replicas, "stages": cell.stages,
-        "profile": cell.profile.name, "seed": cell.seed, "status": "ok", "steps": scenario.steps,
+        "cell": cell.name,
+        "group": cell.group,
+        "variant": cell.variant.name if cell.variant else "",
+        "method": cell.method,
+        "replicas": cell.replicas,
+        "stages": cell.stages,
+        "profile": cell.profile.name,
+        "seed": cell.seed,
+        "status": "ok",
+        "steps": scenario.steps,
         **_training_columns(evals, train, config.inner.warmup_steps, wall_s=wall_s, idle=idle, node_bytes=node_bytes),
         **_outer_columns(stats),
         **{f"mb_{k}": v for k, v in mb.items()},
@@ -163,8 +208,15 @@ def _train_curve(events_dir: Path, replicas: int) -> list[dict]:
                 entry["loss"].append(e.get("loss", math.nan))
                 entry["lr"].append(e["lr"])
                 entry["t"].append(e["ts"] - t0)
-    return [{"step": k, "train_loss": statistics.fmean(v["loss"]), "lr": statistics.fmean(v["lr"]),
-             "wall_s": statistics.fmean(v["t"])} for k, v in sorted(steps.items())]
+    return [
+        {
+            "step": k,
+            "train_loss": statistics.fmean(v["loss"]),
+            "lr": statistics.fmean(v["lr"]),
+            "wall_s": statistics.fmean(v["t"]),
+        }
+        for k, v in sorted(steps.items())
+    ]
 
 
 def _place_evaluations(evals: list[dict], train: list[dict]) -> None:
@@ -187,15 +239,23 @@ def _idle_fractions(events_dir: Path) -> list[float]:
     return idle
 
 
-def _training_columns(evals: list[dict], train: list[dict], warmup_steps: int, *, wall_s: float, idle: list[float],
-                      node_bytes: list[float]) -> dict:
+def _training_columns(
+    evals: list[dict],
+    train: list[dict],
+    warmup_steps: int,
+    *,
+    wall_s: float,
+    idle: list[float],
+    node_bytes: list[float],
+) -> dict:
     """The results row's losses, times, bytes per node, idle share and replica spread."""
     after_warmup = [r for r in evals if r["step"] > warmup_steps]
     return {
         "final_val_loss": evals[-1]["val_loss"] if evals else math.nan,
         "final_eval_step": evals[-1]["step"] if evals else -1,
         "final_train_loss": train[-1]["train_loss"] if train else math.nan,
-        "wall_s": round(wall_s, 2), "train_wall_s": round(train[-1]["wall_s"], 2) if train else math.nan,
+        "wall_s": round(wall_s, 2),
+        "train_wall_s": round(train[-1]["wall_s"], 2) if train else math.nan,
         "bytes_per_node": statistics.fmean(node_bytes) if node_bytes else 0.0,
         "idle_fraction": statistics.fmean(idle) if idle else math.nan,
         "final_spread": evals[-1]["spread"] if evals else math.nan,
@@ -206,10 +266,15 @@ def _training_columns(evals: list[dict], train: list[dict], warmup_steps: int, *
 def _outer_columns(stats: dict) -> dict:
     """The results row's outer-round counts and lag, and the bytes the pipeline and the exchanges sent."""
     outer = [s["outer"] for s in stats.values() if "outer" in s]
-    exchanged = [r for s in stats.values() for r in s.get("outer_history", [])
-                 if r.get("outcome") == "paired" and isinstance(r.get("bytes"), dict)]
+    exchanged = [
+        r
+        for s in stats.values()
+        for r in s.get("outer_history", [])
+        if r.get("outcome") == "paired" and isinstance(r.get("bytes"), dict)
+    ]
     return {
-        "outer_rounds": sum(o.get("rounds", 0) for o in outer), "outer_paired": sum(o.get("paired", 0) for o in outer),
+        "outer_rounds": sum(o.get("rounds", 0) for o in outer),
+        "outer_paired": sum(o.get("paired", 0) for o in outer),
         "outer_solo": sum(o.get("solo", 0) for o in outer),
         "outer_partial": sum(o.get("partial_rounds", 0) for o in outer),
         "outer_skipped": sum(o.get("skipped", 0) for o in outer),  # dp: rounds all replicas skipped together
@@ -218,6 +283,10 @@ def _outer_columns(stats: dict) -> dict:
         "pipeline_bytes_per_node": statistics.fmean(s.get("bytes_sent", 0) for s in stats.values()) if stats else 0.0,
         # What one node sends in one NoLoCo exchange (all kinds), and the relative error of its Delta
         # on the wire; the all-reduce baselines leave these empty.
-        "outer_bytes_per_round": statistics.fmean(sum(r["bytes"].values()) for r in exchanged) if exchanged else math.nan,
-        "delta_rel_error": statistics.fmean(r.get("delta_rel_error", math.nan) for r in exchanged) if exchanged else math.nan,
+        "outer_bytes_per_round": statistics.fmean(sum(r["bytes"].values()) for r in exchanged)
+        if exchanged
+        else math.nan,
+        "delta_rel_error": statistics.fmean(r.get("delta_rel_error", math.nan) for r in exchanged)
+        if exchanged
+        else math.nan,
     }

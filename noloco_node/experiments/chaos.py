@@ -36,8 +36,14 @@ class ChaosProfile:
 
 
 class ChaosMonkey:
-    def __init__(self, swarm: LocalSwarm, profile: ChaosProfile, *, seed: int = 0,
-                 eligible: Callable[[NodeProcess], bool] = lambda node: True) -> None:
+    def __init__(
+        self,
+        swarm: LocalSwarm,
+        profile: ChaosProfile,
+        *,
+        seed: int = 0,
+        eligible: Callable[[NodeProcess], bool] = lambda node: True,
+    ) -> None:
         self.swarm, self.profile, self.eligible = swarm, profile, eligible
         self.rng = random.Random(seed)
         self.events: list[dict] = []
@@ -68,7 +74,9 @@ class ChaosMonkey:
                 if len(drivers) == replicas and all(n.proc.poll() is not None for n in drivers):
                     return drivers
             if time.monotonic() > deadline:
-                raise TimeoutError(f"drivers still running after {timeout_s:.0f} s under chaos; chaos so far: {self.events}")
+                raise TimeoutError(
+                    f"drivers still running after {timeout_s:.0f} s under chaos; chaos so far: {self.events}"
+                )
             time.sleep(0.5)
 
     def _loop(self) -> None:
@@ -85,7 +93,12 @@ class ChaosMonkey:
                 self.events.append(self._event(node, f"{self.profile.action} failed: {exc}"))
 
     def _event(self, node: NodeProcess, what: str) -> dict:
-        return {"t_s": round(time.monotonic() - self._start, 2), "node": node.label, "pid": node.proc.pid, "action": what}
+        return {
+            "t_s": round(time.monotonic() - self._start, 2),
+            "node": node.label,
+            "pid": node.proc.pid,
+            "action": what,
+        }
 
     def _act(self, node: NodeProcess) -> None:
         action = self.profile.action

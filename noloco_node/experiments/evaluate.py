@@ -29,11 +29,19 @@ SNAPSHOT = re.compile(r"stage(\d+)-(\w{8})-(?:step(\d+)|final)\.safetensors$")
 
 def held_out_windows(config: NodeConfig, count: int) -> tuple[torch.Tensor, torch.Tensor, object]:
     if config.data.holdout_fraction <= 0:
-        raise DataError("data.holdout_fraction: is 0, so the run holds no data out for evaluation; "
-                        "set it (e.g. 0.02) for the run")
+        raise DataError(
+            "data.holdout_fraction: is 0, so the run holds no data out for evaluation; set it (e.g. 0.02) for the run"
+        )
     corpus, tokenizer, _ = load_run_inputs(config)
-    windows = PackedSequences(corpus, tokenizer, seq_len=config.model.seq_len, split="validation",
-                              holdout_fraction=config.data.holdout_fraction, seed=config.run.seed, shuffle_buffer=0)
+    windows = PackedSequences(
+        corpus,
+        tokenizer,
+        seq_len=config.model.seq_len,
+        split="validation",
+        holdout_fraction=config.data.holdout_fraction,
+        seed=config.run.seed,
+        shuffle_buffer=0,
+    )
     inputs, labels = [], []
     for x, y in windows:
         inputs.append(x)
@@ -56,8 +64,9 @@ def _index(snapshot_dir: Path) -> dict[int | str, dict[tuple[int, str], Path]]:
     return found
 
 
-def evaluation_points(index: dict[int | str, dict[tuple[int, str], Path]], columns: list[list[str]],
-                      final_step: int | None) -> list[tuple[int, dict[tuple[int, str], Path], bool]]:
+def evaluation_points(
+    index: dict[int | str, dict[tuple[int, str], Path]], columns: list[list[str]], final_step: int | None
+) -> list[tuple[int, dict[tuple[int, str], Path], bool]]:
     """(step, files, is_final) in step order; the final snapshots, when every node wrote one,
     stand at `final_step` in place of that step's own snapshots."""
     index = dict(index)
@@ -69,8 +78,14 @@ def evaluation_points(index: dict[int | str, dict[tuple[int, str], Path]], colum
     return points
 
 
-def evaluate_snapshots(config: NodeConfig, snapshot_dir: Path, columns: list[list[str]], *,
-                       eval_sequences: int, final_step: int | None = None) -> list[dict]:
+def evaluate_snapshots(
+    config: NodeConfig,
+    snapshot_dir: Path,
+    columns: list[list[str]],
+    *,
+    eval_sequences: int,
+    final_step: int | None = None,
+) -> list[dict]:
     """`columns[d][s]` is the short peer id (last 8 chars) of replica d's stage-s node. Returns one
     row per step that every column has a snapshot of: step, val_loss (ensemble mean), spread.
 
@@ -91,13 +106,21 @@ def evaluate_snapshots(config: NodeConfig, snapshot_dir: Path, columns: list[lis
             continue  # a node left before this step: the step is not comparable
         weights = [[load_file(str(f)) for f in column] for column in wanted]
         losses = column_losses(stages, weights, inputs, labels)
-        rows.append({"step": step, "val_loss": sum(losses) / len(losses), "column_losses": losses,
-                     "spread": weight_spread(weights), "final": is_final})
+        rows.append(
+            {
+                "step": step,
+                "val_loss": sum(losses) / len(losses),
+                "column_losses": losses,
+                "spread": weight_spread(weights),
+                "final": is_final,
+            }
+        )
     return rows
 
 
-def column_losses(stages: list[LlamaStage], columns: list[list[dict[str, torch.Tensor]]], inputs: torch.Tensor,
-                  labels: torch.Tensor) -> list[float]:
+def column_losses(
+    stages: list[LlamaStage], columns: list[list[dict[str, torch.Tensor]]], inputs: torch.Tensor, labels: torch.Tensor
+) -> list[float]:
     """The reference's evaluation: column d routes every sequence through replica d of each stage
     (fixed routing); one held-out loss per column (their mean is the ensemble's val_loss)."""
     losses = []

@@ -36,7 +36,9 @@ class NodeProcess:
 
 
 class LocalSwarm:
-    def __init__(self, out_dir: Path, *, overrides: list[str], threads: int = 1, startup_timeout_s: float = 60.0) -> None:
+    def __init__(
+        self, out_dir: Path, *, overrides: list[str], threads: int = 1, startup_timeout_s: float = 60.0
+    ) -> None:
         self.out_dir = Path(out_dir)
         self.overrides, self.threads, self.startup_timeout_s = overrides, threads, startup_timeout_s
         self.bootstrap: subprocess.Popen | None = None
@@ -49,8 +51,14 @@ class LocalSwarm:
 
     def _env(self) -> dict:
         env = dict(os.environ)
-        env.update(OMP_NUM_THREADS=str(self.threads), MKL_NUM_THREADS=str(self.threads), TOKENIZERS_PARALLELISM="false",
-                   HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONUNBUFFERED="1")
+        env.update(
+            OMP_NUM_THREADS=str(self.threads),
+            MKL_NUM_THREADS=str(self.threads),
+            TOKENIZERS_PARALLELISM="false",
+            HF_HUB_OFFLINE="1",
+            HF_DATASETS_OFFLINE="1",
+            PYTHONUNBUFFERED="1",
+        )
         return env
 
     def _cmd(self, *args: str) -> list[str]:
@@ -61,9 +69,20 @@ class LocalSwarm:
         maddr_file = self.out_dir / "bootstrap.maddr"
         with open(self.out_dir / "logs" / "bootstrap.log", "w") as log:
             self.bootstrap = self.group.spawn(
-                self._cmd("bootstrap", "--port", "0", "--identity", str(self.out_dir / "bootstrap.key"),
-                          "--maddr-file", str(maddr_file), *extra),
-                stdout=log, stderr=subprocess.STDOUT, env=self._env())
+                self._cmd(
+                    "bootstrap",
+                    "--port",
+                    "0",
+                    "--identity",
+                    str(self.out_dir / "bootstrap.key"),
+                    "--maddr-file",
+                    str(maddr_file),
+                    *extra,
+                ),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self._env(),
+            )
         deadline = time.monotonic() + self.startup_timeout_s
         while not maddr_file.exists():
             if self.bootstrap.poll() is not None or time.monotonic() > deadline:
@@ -92,9 +111,24 @@ class LocalSwarm:
         log_path = self.out_dir / "logs" / f"{name}.log"
         with open(log_path, "a") as log:
             proc = self.group.spawn(
-                self._cmd("join", "--stage", str(stage), "--initial-peers", self.maddr, "--threads", str(self.threads),
-                          "--out", str(self.out_dir / "nodes"), "--ready-file", str(ready), *extra),
-                stdout=log, stderr=subprocess.STDOUT, env=self._env())
+                self._cmd(
+                    "join",
+                    "--stage",
+                    str(stage),
+                    "--initial-peers",
+                    self.maddr,
+                    "--threads",
+                    str(self.threads),
+                    "--out",
+                    str(self.out_dir / "nodes"),
+                    "--ready-file",
+                    str(ready),
+                    *extra,
+                ),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self._env(),
+            )
         node = NodeProcess(stage, replica, proc, ready, log_path, extra=tuple(extra))
         self.nodes.append(node)
         return node

@@ -45,8 +45,14 @@ def read_csv(path: Path) -> list[dict]:
 def read_cells(folder: Path) -> list[dict]:
     """The cells of an experiment folder as the runner holds them: {'row', 'evals', 'train'}."""
     curves = {c["cell"]: c for c in json.loads((folder / "curves.json").read_text())}
-    return [{"row": row, "evals": curves.get(row["cell"], {}).get("evals", []),
-             "train": curves.get(row["cell"], {}).get("train", [])} for row in read_csv(folder / "results.csv")]
+    return [
+        {
+            "row": row,
+            "evals": curves.get(row["cell"], {}).get("evals", []),
+            "train": curves.get(row["cell"], {}).get("train", []),
+        }
+        for row in read_csv(folder / "results.csv")
+    ]
 
 
 def merge_cells(scenario: Scenario, kept: list[dict], rerun: list[dict]) -> list[dict]:
@@ -82,9 +88,16 @@ def merge_rerun(scenario: Scenario, folder: Path, rerun: Path, notes: tuple[str,
                 shutil.copy2(source, folder / "cells" / name / part)
     command = re.search(r"Reproduce: `([^`]*)`", (folder / "report.md").read_text()).group(1)
     minutes = total_minutes(folder / "report.md") + total_minutes(rerun / "report.md")
-    return write_outputs(folder, scenario, cells, read_csv(folder / "outer_sync.csv"),
-                         json.loads((folder / "link_check.json").read_text()), command=command,
-                         elapsed_s=60 * minutes, notes=notes)
+    return write_outputs(
+        folder,
+        scenario,
+        cells,
+        read_csv(folder / "outer_sync.csv"),
+        json.loads((folder / "link_check.json").read_text()),
+        command=command,
+        elapsed_s=60 * minutes,
+        notes=notes,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

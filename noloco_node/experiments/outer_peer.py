@@ -72,7 +72,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--initial-peers", nargs="*", default=[])
     p.add_argument("--codec", default="none", help="phi (or theta) codec, e.g. bf16 or slice:0.03125")
     p.add_argument("--codec-delta", help="outer delta codec (default: --codec), e.g. topk:0.05")
-    p.add_argument("--payload", choices=["theta", "phi+delta"], help="force the snapshot form (default: the node picks)")
+    p.add_argument(
+        "--payload", choices=["theta", "phi+delta"], help="force the snapshot form (default: the node picks)"
+    )
     p.add_argument("--gamma", type=float, help="default: beta")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--alpha", type=float, default=0.5)
@@ -90,8 +92,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--assumed-mbit", type=float, default=5.0, help="timeouts.assumed_mbit_s")
     p.add_argument("--stall-s", type=float, default=10.0, help="timeouts.stall_s (progress deadline)")
     p.add_argument("--deadline-slack", type=float, default=3.0, help="timeouts.deadline_slack")
-    p.add_argument("--deadline-ceiling-s", type=float, default=3600.0,
-                   help="timeouts.deadline_ceiling_s (= --match-s: the fixed deadlines before they followed the link)")
+    p.add_argument(
+        "--deadline-ceiling-s",
+        type=float,
+        default=3600.0,
+        help="timeouts.deadline_ceiling_s (= --match-s: the fixed deadlines before they followed the link)",
+    )
     p.add_argument("--fetch-state", action="store_true", help="copy another peer's state instead of running rounds")
     p.add_argument("--rpc-s", type=float, default=30.0, help="--fetch-state: the deadline's floor (timeouts.rpc_s)")
     p.add_argument("--serve-until", help="keep serving after the rounds until this file exists")
@@ -101,8 +107,16 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def outer_config(args: argparse.Namespace) -> OuterConfig:
     # --codec is phi's (and theta's); OuterConfig.codec, the default of both, takes dense codecs only.
     dense = args.codec if args.codec in ("none", "bf16", "int8") else "none"
-    return OuterConfig(method=args.method, alpha=args.alpha, beta=args.beta, gamma=args.gamma, codec=dense,
-                       codec_phi=args.codec, codec_delta=args.codec_delta or args.codec, inner_steps_per_outer=50)
+    return OuterConfig(
+        method=args.method,
+        alpha=args.alpha,
+        beta=args.beta,
+        gamma=args.gamma,
+        codec=dense,
+        codec_phi=args.codec,
+        codec_delta=args.codec_delta or args.codec,
+        inner_steps_per_outer=50,
+    )
 
 
 def initial_state(args: argparse.Namespace) -> tuple[nn.Module, OuterState, dict]:
@@ -113,8 +127,7 @@ def initial_state(args: argparse.Namespace) -> tuple[nn.Module, OuterState, dict
         # Replicas share phi (the run's slow weights); their fast weights drifted apart.
         phi = torch.randn(args.numel, generator=torch.Generator().manual_seed(0)) * 0.02
         drift = torch.randn(args.numel, generator=torch.Generator().manual_seed(1 + args.seed))
-        tensors = {"phi": phi, "theta": phi + 1e-3 * drift,
-                   "momentum": torch.zeros(args.numel)}
+        tensors = {"phi": phi, "theta": phi + 1e-3 * drift, "momentum": torch.zeros(args.numel)}
     model = nn.Module()
     model.w = nn.Parameter(tensors["phi"].clone())
     state = OuterState(model.named_parameters(), alpha=args.alpha, beta=args.beta, gamma=args.gamma)
@@ -128,7 +141,9 @@ def initial_state(args: argparse.Namespace) -> tuple[nn.Module, OuterState, dict
     return model, state, tensors
 
 
-async def run_rounds(args: argparse.Namespace, sync, model: nn.Module, state: OuterState, tensors: dict) -> tuple[str, dict]:
+async def run_rounds(
+    args: argparse.Namespace, sync, model: nn.Module, state: OuterState, tensors: dict
+) -> tuple[str, dict]:
     """The --rounds outer rounds (theta reset to phi + offset<r> before round r >= 2)."""
     per_round, outcome = {}, "solo"
     for round_index in range(1, args.rounds + 1):
@@ -137,7 +152,9 @@ async def run_rounds(args: argparse.Namespace, sync, model: nn.Module, state: Ou
                 model.w.copy_(state.phi["w"] + tensors[f"offset{round_index}"])
         outcome = await sync.outer_step(inner_step=50 * round_index, round_index=round_index)
         log.info("round %d done: %s", round_index, outcome)
-        per_round.update({f"phi@{round_index}": state.phi["w"].clone(), f"momentum@{round_index}": state.momentum["w"].clone()})
+        per_round.update(
+            {f"phi@{round_index}": state.phi["w"].clone(), f"momentum@{round_index}": state.momentum["w"].clone()}
+        )
     return outcome, per_round
 
 
@@ -152,63 +169,116 @@ class _Donor:
         return tensors, json.dumps({"inner_step": 0, "outer_round": self.state.round})
 
 
-async def fetch_from_peer(args: argparse.Namespace, directory: PeerDirectory, client: OuterClient,
-                          state: OuterState) -> tuple[dict, dict]:
+async def fetch_from_peer(
+    args: argparse.Namespace, directory: PeerDirectory, client: OuterClient, state: OuterState
+) -> tuple[dict, dict]:
     """--fetch-state: another peer's phi and momentum, and how long the copy took."""
     donors = [r.peer_id for r in await directory.replicas(0, fresh=True) if r.peer_id != directory.peer_id]
     if not donors:
         raise RuntimeError("--fetch-state: no other peer to copy from")
     expected = {f"{kind}/w": (tuple(state.phi["w"].shape), state.phi["w"].dtype) for kind in ("phi", "momentum")}
     start = time.monotonic()
-    tensors, counters = await client.fetch_state(donors[0], stage=0, requester=directory.peer_id, timeout_s=args.rpc_s,
-                                                 expected=expected)
+    tensors, counters = await client.fetch_state(
+        donors[0], stage=0, requester=directory.peer_id, timeout_s=args.rpc_s, expected=expected
+    )
     seconds = time.monotonic() - start
-    log.info("fetched %d bytes of state from %s in %.1f s", sum(t.numel() * t.element_size() for t in tensors.values()),
-             donors[0][-8:], seconds)
-    return {"phi": tensors["phi/w"], "momentum": tensors["momentum/w"]}, {"outcome": "fetched", "fetch_s": seconds,
-                                                                          "donor": donors[0], "counters": counters}
+    log.info(
+        "fetched %d bytes of state from %s in %.1f s",
+        sum(t.numel() * t.element_size() for t in tensors.values()),
+        donors[0][-8:],
+        seconds,
+    )
+    return {"phi": tensors["phi/w"], "momentum": tensors["momentum/w"]}, {
+        "outcome": "fetched",
+        "fetch_s": seconds,
+        "donor": donors[0],
+        "counters": counters,
+    }
 
 
 async def main(args: argparse.Namespace) -> None:
     model, state, tensors = initial_state(args)
     faults = _fault_injector(args)
     deadlines = _link_deadlines(args)
-    directory = await PeerDirectory.start(DirectoryIdentity(RUN, MANIFEST, __version__, 1),
-                                          initial_peers=args.initial_peers, startup_timeout_s=20)
+    directory = await PeerDirectory.start(
+        DirectoryIdentity(RUN, MANIFEST, __version__, 1), initial_peers=args.initial_peers, startup_timeout_s=20
+    )
     all_reduce = await _all_reduce(args, directory, model) if args.method == "diloco" else None
-    links = Links(directory.key, swarm_key=None, max_skew_s=60.0, options=GRPC_OPTIONS, lookup=_contact_lookup(directory))
+    links = Links(
+        directory.key, swarm_key=None, max_skew_s=60.0, options=GRPC_OPTIONS, lookup=_contact_lookup(directory)
+    )
     compute, bans = ComputeThread(), Bans()
     config = outer_config(args)
     server = _node_server(args, links)
     announcer = _Announcer(directory, links, deadlines)
     max_bytes = 16 * max(1, model.w.numel()) + (1 << 20)  # phi and delta, float64
     traffic = Traffic()
-    client = OuterClient(run_id=RUN, manifest_hash=MANIFEST, max_bytes=max_bytes, traffic=traffic, dialer=links.dialer,
-                         faults=faults, deadlines=deadlines)
-    parts = SyncParts(compute=compute, peer_id=directory.peer_id, stage=0, set_status=announcer.set_status, faults=faults)
+    client = OuterClient(
+        run_id=RUN,
+        manifest_hash=MANIFEST,
+        max_bytes=max_bytes,
+        traffic=traffic,
+        dialer=links.dialer,
+        faults=faults,
+        deadlines=deadlines,
+    )
+    parts = SyncParts(
+        compute=compute, peer_id=directory.peer_id, stage=0, set_status=announcer.set_status, faults=faults
+    )
     if all_reduce is not None:
         sync = DiLoCoSync(state, config, parts, all_reduce=all_reduce, timeout_s=args.match_s + 10)
     else:
-        sync = NoLoCoSync(state, config, parts, transport=client, directory=DhtMatching(directory),
-                          match_s=args.match_s, bans=bans, payload=args.payload)
-        server.add_outer(OuterServicer(sync, peer_id=directory.peer_id, run_id=RUN, manifest_hash=MANIFEST, stage=0,
-                                       max_bytes=max_bytes, deadlines=deadlines, traffic=traffic, faults=faults,
-                                       donor=_Donor(state)))
+        sync = NoLoCoSync(
+            state,
+            config,
+            parts,
+            transport=client,
+            directory=DhtMatching(directory),
+            match_s=args.match_s,
+            bans=bans,
+            payload=args.payload,
+        )
+        server.add_outer(
+            OuterServicer(
+                sync,
+                peer_id=directory.peer_id,
+                run_id=RUN,
+                manifest_hash=MANIFEST,
+                stage=0,
+                max_bytes=max_bytes,
+                deadlines=deadlines,
+                traffic=traffic,
+                faults=faults,
+                donor=_Donor(state),
+            )
+        )
     port = await server.start()
     address = args.announce_addr or f"127.0.0.1:{port}"
     await announcer.serve_at(address)
-    atomic_write_text(args.ready_file, json.dumps({"peer_id": directory.peer_id, "address": address,
-                                                   "maddrs": await directory.visible_maddrs()}))
+    atomic_write_text(
+        args.ready_file,
+        json.dumps({"peer_id": directory.peer_id, "address": address, "maddrs": await directory.visible_maddrs()}),
+    )
     await _wait_for(args.go_file, poll_s=0.02)
     log.info("round starts")
     if args.fetch_state:
         outputs, summary = await fetch_from_peer(args, directory, client, state)
     else:
         outcome, per_round = await run_rounds(args, sync, model, state, tensors)
-        outputs = {"phi": state.phi["w"], "momentum": state.momentum["w"], "theta": model.w.detach().clone(), **per_round}
-        summary = {"outcome": outcome, "bytes_sent": sync.bytes_sent, "method": args.method,
-                   "counters": {k: v for k, v in vars(sync.counters).items() if k != "history"},
-                   "history": sync.counters.history, "banned": bans.total}
+        outputs = {
+            "phi": state.phi["w"],
+            "momentum": state.momentum["w"],
+            "theta": model.w.detach().clone(),
+            **per_round,
+        }
+        summary = {
+            "outcome": outcome,
+            "bytes_sent": sync.bytes_sent,
+            "method": args.method,
+            "counters": {k: v for k, v in vars(sync.counters).items() if k != "history"},
+            "history": sync.counters.history,
+            "banned": bans.total,
+        }
     _write_outputs(args, directory.peer_id, outputs, summary, deadlines)
     await asyncio.sleep(1.0)  # let a partner finish reading our receipt before we close
     if args.serve_until:
@@ -222,14 +292,19 @@ async def main(args: argparse.Namespace) -> None:
 def _fault_injector(args: argparse.Namespace) -> FaultInjector:
     """The faults of --fault, and --die-after-writes N's: the process exits at its (N+1)th write of
     an exchange, mid-stream."""
-    return FaultInjector(([f"exchange_write:crash@{args.die_after_writes + 1}"] if args.die_after_writes else [])
-                         + list(args.fault))
+    return FaultInjector(
+        ([f"exchange_write:crash@{args.die_after_writes + 1}"] if args.die_after_writes else []) + list(args.fault)
+    )
 
 
 def _link_deadlines(args: argparse.Namespace) -> LinkDeadlines:
     """Deadlines that follow the measured link, under the --assumed-mbit, --stall-s, --deadline-* policy."""
-    policy = DeadlinePolicy(assumed_bytes_per_s=args.assumed_mbit * 1e6 / 8, slack=args.deadline_slack,
-                            ceiling_s=args.deadline_ceiling_s, stall_s=args.stall_s)
+    policy = DeadlinePolicy(
+        assumed_bytes_per_s=args.assumed_mbit * 1e6 / 8,
+        slack=args.deadline_slack,
+        ceiling_s=args.deadline_ceiling_s,
+        stall_s=args.stall_s,
+    )
     return LinkDeadlines(LinkEstimates(), policy, floor_s=args.match_s)
 
 
@@ -239,12 +314,14 @@ async def _wait_for(path: str, *, poll_s: float) -> None:
         await asyncio.sleep(poll_s)
 
 
-def _write_outputs(args: argparse.Namespace, peer_id: str, outputs: dict, summary: dict,
-                   deadlines: LinkDeadlines) -> None:
+def _write_outputs(
+    args: argparse.Namespace, peer_id: str, outputs: dict, summary: dict, deadlines: LinkDeadlines
+) -> None:
     """The tensors to --out, and the summary with the measured links to --out's JSON."""
     save_file(outputs, args.out)
-    Path(args.out + ".json").write_text(json.dumps({"peer_id": peer_id, **summary,
-                                                    "links": deadlines.estimates.summary()}))
+    Path(args.out + ".json").write_text(
+        json.dumps({"peer_id": peer_id, **summary, "links": deadlines.estimates.summary()})
+    )
 
 
 async def _close(server: NodeServer, client: OuterClient, links: Links, directory: PeerDirectory) -> None:
@@ -258,18 +335,23 @@ async def _close(server: NodeServer, client: OuterClient, links: Links, director
 
 def _contact_lookup(directory: PeerDirectory) -> Callable[[str], Awaitable[Contact | None]]:
     """The dialer's lookup: a peer's current record as a transport Contact."""
+
     async def lookup(peer_id: str):
         r = await directory.record_of(peer_id)
         return None if r is None else Contact(r.peer_id, r.address, r.reach, r.tls_cert, tuple(r.p2p_addrs))
+
     return lookup
 
 
 def _node_server(args: argparse.Namespace, links: Links) -> NodeServer:
     """The gRPC server on --port, behind the admission checks (a guard generous enough for tests)."""
     guard = PeerGuard(requests_per_s=1000, burst=1000, max_streams=64, ban_after_invalid=5, ban_s=30, ban_max_s=60)
-    return NodeServer("127.0.0.1", args.port, credentials=links.certificate.server_credentials(),
-                      admission=AdmissionInterceptor(verifier=links.verifier, swarm_key=None, guard=guard,
-                                                     bridged=links.origin))
+    return NodeServer(
+        "127.0.0.1",
+        args.port,
+        credentials=links.certificate.server_credentials(),
+        admission=AdmissionInterceptor(verifier=links.verifier, swarm_key=None, guard=guard, bridged=links.origin),
+    )
 
 
 class _Announcer:
@@ -287,11 +369,21 @@ class _Announcer:
     async def set_status(self, value: str, round_index: int) -> None:
         """sync.ports.SyncParts.set_status: announce `value` at `round_index`."""
         self.status.update(status=value, round=round_index)
-        record = StageRecord(peer_id=self.directory.peer_id, address=self.status["address"], stage=0, inner_step=0,
-                             outer_round=round_index, status=value, tokens_per_s=0.0, version=__version__,
-                             manifest_hash=MANIFEST, run_id=RUN, updated_at=time.time(),
-                             tls_cert=self.links.certificate.b64,
-                             link_mbit_s=round(self.deadlines.estimates.link_mbit_s(), 3))
+        record = StageRecord(
+            peer_id=self.directory.peer_id,
+            address=self.status["address"],
+            stage=0,
+            inner_step=0,
+            outer_round=round_index,
+            status=value,
+            tokens_per_s=0.0,
+            version=__version__,
+            manifest_hash=MANIFEST,
+            run_id=RUN,
+            updated_at=time.time(),
+            tls_cert=self.links.certificate.b64,
+            link_mbit_s=round(self.deadlines.estimates.link_mbit_s(), 3),
+        )
         await self.directory.announce(record, ttl_s=30)
 
 
@@ -304,8 +396,11 @@ async def _all_reduce(args: argparse.Namespace, directory: PeerDirectory, model:
     # The DHT in a thread (it pings ours, which needs this loop running); the averager on
     # the main thread (hivemind installs signal handlers there).
     dht = await asyncio.to_thread(HivemindAllReduce.start_dht, peers, "127.0.0.1", args.dht_port, args.dht_announce)
-    return HivemindAllReduce([model.w.shape], GroupSettings(prefix="outer_test_diloco", target_group_size=args.group_size,
-                                                            matchmaking_s=args.matchmaking_s), dht=dht)
+    return HivemindAllReduce(
+        [model.w.shape],
+        GroupSettings(prefix="outer_test_diloco", target_group_size=args.group_size, matchmaking_s=args.matchmaking_s),
+        dht=dht,
+    )
 
 
 if __name__ == "__main__":

@@ -17,8 +17,17 @@ from noloco_node.experiments.process_group import ProcessGroup
 from noloco_node.netem.relay import LinkProfile
 
 
-def run_round(method: str, n: int, work: Path, *, numel: int, codec: str = "bf16", match_s: float = 10.0,
-              matchmaking_s: float = 1.0, profile: LinkProfile | None = None) -> list[dict]:
+def run_round(
+    method: str,
+    n: int,
+    work: Path,
+    *,
+    numel: int,
+    codec: str = "bf16",
+    match_s: float = 10.0,
+    matchmaking_s: float = 1.0,
+    profile: LinkProfile | None = None,
+) -> list[dict]:
     """Each peer's result dict (outcome, bytes_sent, history with the round's seconds)."""
     work.mkdir(parents=True, exist_ok=True)
     go = work / "go"
@@ -26,20 +35,49 @@ def run_round(method: str, n: int, work: Path, *, numel: int, codec: str = "bf16
     procs, maddr, relay, group = [], None, None, ProcessGroup()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     ports = free_ports(4 * n)
-    grpc_ports, grpc_relays, dht_ports, dht_relays = (ports[i * n:(i + 1) * n] for i in range(4))
+    grpc_ports, grpc_relays, dht_ports, dht_relays = (ports[i * n : (i + 1) * n] for i in range(4))
     try:
         if profile is not None:
             routes = dict(zip(grpc_relays, grpc_ports)) | dict(zip(dht_relays, dht_ports))
             relay = RelayProcess(profile, routes, work)
         for i in range(n):
             ready = work / f"p{i}.ready"
-            cmd = [sys.executable, "-m", "noloco_node.experiments.outer_peer", "--numel", str(numel), "--seed", str(i),
-                   "--method", method, "--codec", codec, "--match-s", str(match_s), "--matchmaking-s", str(matchmaking_s),
-                   "--group-size", str(n), "--out", str(work / f"p{i}.out"), "--ready-file", str(ready),
-                   "--go-file", str(go)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "noloco_node.experiments.outer_peer",
+                "--numel",
+                str(numel),
+                "--seed",
+                str(i),
+                "--method",
+                method,
+                "--codec",
+                codec,
+                "--match-s",
+                str(match_s),
+                "--matchmaking-s",
+                str(matchmaking_s),
+                "--group-size",
+                str(n),
+                "--out",
+                str(work / f"p{i}.out"),
+                "--ready-file",
+                str(ready),
+                "--go-file",
+                str(go),
+            ]
             if relay is not None:
-                cmd += ["--port", str(grpc_ports[i]), "--announce-addr", f"127.0.0.1:{grpc_relays[i]}",
-                        "--dht-port", str(dht_ports[i]), "--dht-announce", f"127.0.0.1:{dht_relays[i]}"]
+                cmd += [
+                    "--port",
+                    str(grpc_ports[i]),
+                    "--announce-addr",
+                    f"127.0.0.1:{grpc_relays[i]}",
+                    "--dht-port",
+                    str(dht_ports[i]),
+                    "--dht-announce",
+                    f"127.0.0.1:{dht_relays[i]}",
+                ]
             if maddr:
                 cmd += ["--initial-peers", maddr]
             with open(work / f"p{i}.log", "w") as log:

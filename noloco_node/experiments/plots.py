@@ -37,16 +37,29 @@ def validation_loss(groups: list[dict], cells: list[dict], path: Path) -> None:
     fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4))
     for i, g in enumerate(groups):
         if g["curve"]:
-            _band(by_step, list(g["curve"]), list(g["curve"].values()), _color(g, i), label=f"{g['group']} ({g['seeds']} seeds)")
+            _band(
+                by_step,
+                list(g["curve"]),
+                list(g["curve"].values()),
+                _color(g, i),
+                label=f"{g['group']} ({g['seeds']} seeds)",
+            )
         for c in cells:
             if c["row"].get("group") == g["group"] and c["row"]["status"] == "ok" and c["evals"]:
-                by_time.plot([e["wall_s"] for e in c["evals"]], [e["val_loss"] for e in c["evals"]], color=_color(g, i),
-                             alpha=0.7, linewidth=1)
+                by_time.plot(
+                    [e["wall_s"] for e in c["evals"]],
+                    [e["val_loss"] for e in c["evals"]],
+                    color=_color(g, i),
+                    alpha=0.7,
+                    linewidth=1,
+                )
     t = groups[0]["equal_time_s"] if groups else math.nan
     if not math.isnan(t):
         by_time.axvline(t, color="gray", linestyle=":", label="equal wall time")
         by_time.legend(fontsize=7)
-    by_step.set(xlabel="inner step", ylabel="validation loss (ensemble mean, nats)", title="validation loss vs inner step")
+    by_step.set(
+        xlabel="inner step", ylabel="validation loss (ensemble mean, nats)", title="validation loss vs inner step"
+    )
     by_time.set(xlabel="wall time since training start (s)", title="validation loss vs wall time (each seed)")
     by_step.legend(fontsize=6)
     _save(fig, path)
@@ -57,7 +70,7 @@ def spread_vs_lr(groups: list[dict], path: Path) -> None:
     cols = min(4, max(1, len(shown)))
     rows = max(1, math.ceil(len(shown) / cols))
     fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.4 * rows), squeeze=False)
-    for ax in axes.flat[len(shown):]:
+    for ax in axes.flat[len(shown) :]:
         ax.set_visible(False)
     for i, (ax, g) in enumerate(zip(axes.flat, shown)):
         steps = [k for k in g["spread_curve"] if k > 0]
@@ -79,14 +92,28 @@ def outer_sync(rows: list[dict], path: Path) -> None:
         pts = [r for r in rows if r["profile"] == profile]
         ns = [r["n"] for r in pts]
         for method in ("noloco", "diloco"):
-            ax.plot(ns, [r[method] for r in pts], marker="o", color=COLORS[method],
-                    linestyle=styles[row_profile_index % 4], label=f"{method} ({profile})")
+            ax.plot(
+                ns,
+                [r[method] for r in pts],
+                marker="o",
+                color=COLORS[method],
+                linestyle=styles[row_profile_index % 4],
+                label=f"{method} ({profile})",
+            )
         base = next((r["noloco"] for r in pts if r["n"] == 2 and not math.isnan(r["noloco"])), math.nan)
         if not math.isnan(base):
-            ax.plot(ns, [base * math.log2(n) for n in ns], color="black", alpha=0.4, linestyle=styles[row_profile_index % 4],
-                    label=f"NoLoCo(N=2) x log2 N ({profile})")
+            ax.plot(
+                ns,
+                [base * math.log2(n) for n in ns],
+                color="black",
+                alpha=0.4,
+                linestyle=styles[row_profile_index % 4],
+                label=f"NoLoCo(N=2) x log2 N ({profile})",
+            )
     ns = sorted({r["n"] for r in rows})
-    ax.set(xlabel="replicas N", ylabel="one outer round, median over peers (s)", title="outer sync time vs N", xscale="log")
+    ax.set(
+        xlabel="replicas N", ylabel="one outer round, median over peers (s)", title="outer sync time vs N", xscale="log"
+    )
     ax.set_xticks(ns, labels=[str(n) for n in ns])
     ax.minorticks_off()  # the log axis' minor labels (3 x 10^0 ...) say nothing here
     ax.legend(fontsize=6)
@@ -96,8 +123,13 @@ def outer_sync(rows: list[dict], path: Path) -> None:
 def group_bars(groups: list[dict], key: str, ylabel: str, title: str, path: Path, scale: float = 1.0) -> None:
     shown = [g for g in groups if g[key].n]
     fig, ax = plt.subplots(figsize=(max(5, 0.9 * len(shown)), 4))
-    ax.bar(range(len(shown)), [g[key].mean * scale for g in shown], yerr=[g[key].std * scale for g in shown],
-           color=[_color(g, i) for i, g in enumerate(shown)], capsize=3)
+    ax.bar(
+        range(len(shown)),
+        [g[key].mean * scale for g in shown],
+        yerr=[g[key].std * scale for g in shown],
+        color=[_color(g, i) for i, g in enumerate(shown)],
+        capsize=3,
+    )
     ax.set_xticks(range(len(shown)), labels=[g["group"] for g in shown], rotation=30, ha="right", fontsize=7)
     ax.set(ylabel=ylabel, title=title)
     _save(fig, path)

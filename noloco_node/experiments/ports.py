@@ -34,9 +34,21 @@ class RelayProcess:
         work_dir.mkdir(parents=True, exist_ok=True)
         ready = work_dir / "relay.ready"
         ready.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "noloco_node.netem.relay", "--name", profile.name, "--one-way-ms",
-               str(profile.one_way_ms), "--jitter-ms", str(profile.jitter_ms), "--mbit", str(profile.mbit),
-               "--ready-file", str(ready)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "noloco_node.netem.relay",
+            "--name",
+            profile.name,
+            "--one-way-ms",
+            str(profile.one_way_ms),
+            "--jitter-ms",
+            str(profile.jitter_ms),
+            "--mbit",
+            str(profile.mbit),
+            "--ready-file",
+            str(ready),
+        ]
         for listen, upstream in routes.items():
             cmd += ["--route", f"{listen}=127.0.0.1:{upstream}"]
         self.log = open(work_dir / "relay.log", "w")

@@ -29,12 +29,40 @@ log = logging.getLogger(__name__)
 
 # Environment variables read while torch, transformers, tokenizers, hivemind and grpc import
 # (thread pools, hub paths, offline flags, interpreter options): a zygote serves one set of them.
-IMPORT_ENV = ("PYTHON", "OMP_", "MKL_", "OPENBLAS_", "KMP_", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "TORCH",
-              "PYTORCH_", "CUDA_", "NCCL_", "GRPC_", "LD_", "HOME", "XDG_", "TMPDIR")
+IMPORT_ENV = (
+    "PYTHON",
+    "OMP_",
+    "MKL_",
+    "OPENBLAS_",
+    "KMP_",
+    "HF_",
+    "TRANSFORMERS_",
+    "TOKENIZERS_",
+    "TORCH",
+    "PYTORCH_",
+    "CUDA_",
+    "NCCL_",
+    "GRPC_",
+    "LD_",
+    "HOME",
+    "XDG_",
+    "TMPDIR",
+)
 # What `join`, `bootstrap` and the experiments' outer peers import before they do anything.
-NODE_IMPORTS = ("torch", "numpy", "grpc", "hivemind", "transformers", "transformers.models.llama.modeling_llama",
-                "noloco_node.cli.main", "noloco_node.cli.join", "noloco_node.cli.bootstrap", "noloco_node.node.assembly",
-                "noloco_node.node.lifecycle", "noloco_node.experiments.outer_peer")
+NODE_IMPORTS = (
+    "torch",
+    "numpy",
+    "grpc",
+    "hivemind",
+    "transformers",
+    "transformers.models.llama.modeling_llama",
+    "noloco_node.cli.main",
+    "noloco_node.cli.join",
+    "noloco_node.cli.bootstrap",
+    "noloco_node.node.assembly",
+    "noloco_node.node.lifecycle",
+    "noloco_node.experiments.outer_peer",
+)
 READY_TIMEOUT_S = 180.0  # the zygote's imports: ~10 s on an idle laptop, far more on a loaded CI box
 REPLY_TIMEOUT_S = 30.0
 MAX_ZYGOTES = 2
@@ -85,13 +113,19 @@ class PreloadedProcess:
 class Zygote:
     """One zygote process and the children it forked for this launcher."""
 
-    def __init__(self, env: Mapping[str, str], start: Callable[..., subprocess.Popen],
-                 preload: tuple[str, ...] = NODE_IMPORTS) -> None:
+    def __init__(
+        self, env: Mapping[str, str], start: Callable[..., subprocess.Popen], preload: tuple[str, ...] = NODE_IMPORTS
+    ) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            self.proc = start([sys.executable, "-m", "noloco_node.experiments.zygote", str(theirs.fileno()), *preload],
-                              pass_fds=(theirs.fileno(),), env=dict(env), stdin=subprocess.DEVNULL,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            self.proc = start(
+                [sys.executable, "-m", "noloco_node.experiments.zygote", str(theirs.fileno()), *preload],
+                pass_fds=(theirs.fileno(),),
+                env=dict(env),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
         finally:
             theirs.close()
         self._control = ours
@@ -110,11 +144,15 @@ class Zygote:
             raise ZygoteUnavailable(f"the zygote did not start in {READY_TIMEOUT_S:.0f} s ({exc})") from None
         if not first or "ready" not in first:
             self._abandon()
-            raise ZygoteUnavailable(f"the zygote could not import what nodes need:\n{(first or {}).get('error', 'it exited')}")
+            raise ZygoteUnavailable(
+                f"the zygote could not import what nodes need:\n{(first or {}).get('error', 'it exited')}"
+            )
         ours.settimeout(None)
         threading.Thread(target=self._read, name="zygote-reader", daemon=True).start()
 
-    def spawn(self, argv: list[str], env: Mapping[str, str], cwd: str, pgid: int, fds: tuple[int, int, int]) -> tuple[PreloadedProcess, int]:
+    def spawn(
+        self, argv: list[str], env: Mapping[str, str], cwd: str, pgid: int, fds: tuple[int, int, int]
+    ) -> tuple[PreloadedProcess, int]:
         """Fork a child running `python *argv`; (the process, the group it is in)."""
         with self._request_lock:
             if self.lost:
@@ -206,10 +244,14 @@ def import_env(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
 
 def preloadable(cmd: list[str], popen_kwargs: dict[str, Any]) -> bool:
     """A command the zygote can run, with output it can hand over: files, fds or nowhere."""
-    return (len(cmd) >= 3 and cmd[0] == sys.executable and cmd[1] == "-m"
-            and (cmd[2] == "noloco_node" or cmd[2].startswith("noloco_node."))
-            and set(popen_kwargs) <= POPEN_KEYS
-            and all(popen_kwargs.get(k) is not subprocess.PIPE for k in ("stdin", "stdout", "stderr")))
+    return (
+        len(cmd) >= 3
+        and cmd[0] == sys.executable
+        and cmd[1] == "-m"
+        and (cmd[2] == "noloco_node" or cmd[2].startswith("noloco_node."))
+        and set(popen_kwargs) <= POPEN_KEYS
+        and all(popen_kwargs.get(k) is not subprocess.PIPE for k in ("stdin", "stdout", "stderr"))
+    )
 
 
 def std_fds(popen_kwargs: dict[str, Any]) -> tuple[tuple[int, int, int], list[int]]:
@@ -224,6 +266,7 @@ def std_fds(popen_kwargs: dict[str, Any]) -> tuple[tuple[int, int, int], list[in
             opened.append(os.open(os.devnull, os.O_RDWR))
             return opened[-1]
         return value if isinstance(value, int) else value.fileno()
+
     stdin = fd_of(popen_kwargs.get("stdin"), 0)
     stdout = fd_of(popen_kwargs.get("stdout"), 1)
     stderr_value = popen_kwargs.get("stderr")

@@ -37,6 +37,7 @@ _prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)  # absent out
 
 class Interrupted(KeyboardInterrupt):
     """A stop signal arrived; a KeyboardInterrupt so that `except Exception` cannot swallow it."""
+
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
@@ -56,6 +57,7 @@ def raise_on_signals(signals: Sequence[int] = STOP_SIGNALS) -> Iterator[None]:
         if not seen:
             seen.append(signum)
             raise Interrupted(signum)
+
     previous = {sig: signal.signal(sig, handler) for sig in signals}
     try:
         yield
@@ -76,18 +78,24 @@ def _child_setup(launcher: int) -> Callable[[], None]:
         set_death_signal(signal.SIGTERM)
         if os.getppid() != launcher:  # the launcher died before prctl: no signal will ever come
             os._exit(1)
+
     return setup
 
 
-_spawner = ThreadPoolExecutor(1, "process-group-spawner",  # never exits before the process
-                              initializer=lambda: signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS))
+_spawner = ThreadPoolExecutor(
+    1,
+    "process-group-spawner",  # never exits before the process
+    initializer=lambda: signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS),
+)
 
 
 def _start_zygote(cmd: list[str], **popen_kwargs: Any) -> subprocess.Popen:
     """The zygote: in a group of its own (a terminal's signals are the launcher's, and draining a
     swarm must not stop it), dying with the launcher like every child."""
+
     def start() -> subprocess.Popen:
         return subprocess.Popen(cmd, process_group=0, preexec_fn=_child_setup(os.getpid()), **popen_kwargs)
+
     if threading.current_thread() is threading.main_thread():
         return start()
     return _spawner.submit(start).result()
@@ -127,8 +135,9 @@ class ProcessGroup:
         fds, opened = std_fds(kwargs)
         try:
             with self._lock:
-                proc, pgid = zygote.spawn(cmd[1:], kwargs.get("env") or os.environ, str(kwargs.get("cwd") or os.getcwd()),
-                                          self.pgid or 0, fds)
+                proc, pgid = zygote.spawn(
+                    cmd[1:], kwargs.get("env") or os.environ, str(kwargs.get("cwd") or os.getcwd()), self.pgid or 0, fds
+                )
                 self.pgid = pgid  # ours, or the child's own where every member of ours had exited
                 self.procs.append(proc)
                 return proc
@@ -165,7 +174,7 @@ class ProcessGroup:
                     stat = Path(entry.path, "stat").read_text()
                 except OSError:
                     continue
-                state, _ppid, pgrp = stat[stat.rindex(")") + 2:].split()[:3]
+                state, _ppid, pgrp = stat[stat.rindex(")") + 2 :].split()[:3]
                 if state != "Z" and int(pgrp) == self.pgid:
                     found.append(int(entry.name))
         return found

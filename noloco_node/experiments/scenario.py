@@ -105,8 +105,9 @@ class Scenario:
     def chaos_profile(self):
         from noloco_node.experiments.chaos import ChaosProfile
 
-        return ChaosProfile(action=self.chaos_action, every_s=self.chaos_every_s, stall_s=self.chaos_stall_s,
-                            delay_s=self.chaos_delay_s)
+        return ChaosProfile(
+            action=self.chaos_action, every_s=self.chaos_every_s, stall_s=self.chaos_stall_s, delay_s=self.chaos_delay_s
+        )
 
     def __post_init__(self) -> None:
         for method in self.methods:
@@ -114,7 +115,9 @@ class Scenario:
                 raise ConfigError("scenario.methods", f"unknown method {method!r}", f"use {', '.join(GRID_METHODS)}")
         for method in self.outer_sync_methods:
             if method not in SYNC_METHODS:
-                raise ConfigError("scenario.outer_sync_methods", f"unknown method {method!r}", "use noloco and/or diloco")
+                raise ConfigError(
+                    "scenario.outer_sync_methods", f"unknown method {method!r}", "use noloco and/or diloco"
+                )
         for name in ("replicas", "stages", "outer_sync_sizes"):
             if not getattr(self, name) or min(getattr(self, name)) < 1:
                 raise ConfigError(f"scenario.{name}", "must be a non-empty list of positive integers", "e.g. [2]")
@@ -122,12 +125,16 @@ class Scenario:
             raise ConfigError("scenario.outer_sync_sizes", "an outer round needs N >= 2", "e.g. [2, 4, 8]")
         for name in ("steps", "eval_every", "eval_sequences", "threads", "outer_sync_repeats"):
             if getattr(self, name) < 1:
-                raise ConfigError(f"scenario.{name}", f"must be >= 1, got {getattr(self, name)}", "use a positive integer")
+                raise ConfigError(
+                    f"scenario.{name}", f"must be >= 1, got {getattr(self, name)}", "use a positive integer"
+                )
         if self.chaos_action is not None:
             try:
                 self.chaos_profile()
             except ValueError as exc:
-                raise ConfigError("scenario.chaos_action", str(exc), "use kill, stall or delay with positive seconds") from None
+                raise ConfigError(
+                    "scenario.chaos_action", str(exc), "use kill, stall or delay with positive seconds"
+                ) from None
         if len({p.name for p in self.profiles}) != len(self.profiles):
             raise ConfigError("scenario.profiles", "profile names repeat", "give every [[profiles]] a distinct name")
         if len({v.name for v in self.variants}) != len(self.variants):
@@ -141,9 +148,12 @@ class Scenario:
 
     def cells(self) -> list[Cell]:
         """Seeds innermost, so a group's cells run back to back."""
-        return [Cell(m, d, p, prof, s, v) for prof, d, p, m, v, s in
-                itertools.product(self.profiles, self.replicas, self.stages, self.methods, self.variants or (None,),
-                                  self.seeds)]
+        return [
+            Cell(m, d, p, prof, s, v)
+            for prof, d, p, m, v, s in itertools.product(
+                self.profiles, self.replicas, self.stages, self.methods, self.variants or (None,), self.seeds
+            )
+        ]
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -15,7 +15,8 @@ MODULEs, then serves FD, one end of an AF_UNIX SOCK_SEQPACKET pair; one JSON mes
                         {"exited": N, "returncode": R}                           as each child ends
 
 argv is what would follow `python`: ["-m", MODULE, *args] (launchers send MODULEs of noloco_node). The child
-runs it as `python -m` would, and ends as an interpreter does (see _exit). It dies with the zygote (PR_SET_PDEATHSIG=SIGTERM, as a node dies with
+runs it as `python -m` would, and ends as an interpreter does (see _exit). It dies with the zygote
+(PR_SET_PDEATHSIG=SIGTERM, as a node dies with
 its launcher), and the zygote ends when the launcher closes its end or dies: children are never
 orphaned without a signal. The zygote does no torch compute and opens no gRPC channel, so nothing
 the fork copies is in use: a forked node is the same as an exec'd one after its imports.
@@ -140,7 +141,10 @@ def _serve(control: socket.socket) -> tuple[dict, list[int]]:
                 return request, fds
             for fd in fds:
                 os.close(fd)
-            send(control, {"pid": pid, "pgid": _place_in_group(pid, request.get("pgid", 0)), "serial": request.get("serial")})
+            send(
+                control,
+                {"pid": pid, "pgid": _place_in_group(pid, request.get("pgid", 0)), "serial": request.get("serial")},
+            )
 
 
 def _drained(fd: int) -> bool:
@@ -210,9 +214,17 @@ def _become(request: dict, fds: list[int]) -> tuple[str, list[str]]:
 def _reopen_std_streams(unbuffered: bool) -> None:
     def text(fd: int, mode: str) -> io.TextIOWrapper:
         raw = io.FileIO(fd, mode, closefd=False)
-        binary = raw if unbuffered and mode == "w" else (io.BufferedWriter(raw) if mode == "w" else io.BufferedReader(raw))
-        return io.TextIOWrapper(binary, encoding="utf-8", errors="backslashreplace" if fd == 2 else "strict",
-                                line_buffering=fd == 2, write_through=unbuffered)
+        binary = (
+            raw if unbuffered and mode == "w" else (io.BufferedWriter(raw) if mode == "w" else io.BufferedReader(raw))
+        )
+        return io.TextIOWrapper(
+            binary,
+            encoding="utf-8",
+            errors="backslashreplace" if fd == 2 else "strict",
+            line_buffering=fd == 2,
+            write_through=unbuffered,
+        )
+
     sys.stdin = sys.__stdin__ = text(0, "r")
     sys.stdout = sys.__stdout__ = text(1, "w")
     sys.stderr = sys.__stderr__ = text(2, "w")

@@ -28,7 +28,9 @@ def _config_json(path: str, field: str) -> Path:
     if p.is_dir():
         p = p / "config.json"
     if not p.is_file():
-        raise ConfigError(field, f"{p} does not exist", "point it at a Hugging Face Llama config.json (or its directory)")
+        raise ConfigError(
+            field, f"{p} does not exist", "point it at a Hugging Face Llama config.json (or its directory)"
+        )
     return p
 
 
@@ -36,11 +38,15 @@ def _read_json(p: Path, field: str) -> dict:
     try:
         data = json.loads(p.read_text())
     except (OSError, ValueError) as exc:
-        raise ConfigError(field, f"{p} is not readable JSON ({exc})", "point it at a Hugging Face config.json") from None
+        raise ConfigError(
+            field, f"{p} is not readable JSON ({exc})", "point it at a Hugging Face config.json"
+        ) from None
     if not isinstance(data, dict):
         raise ConfigError(field, f"{p} holds no JSON object", "point it at a Hugging Face config.json")
     if data.get("model_type", "llama") != "llama":
-        raise ConfigError(field, f"{p} describes a {data['model_type']!r} model", "use a Llama config (model_type 'llama')")
+        raise ConfigError(
+            field, f"{p} describes a {data['model_type']!r} model", "use a Llama config (model_type 'llama')"
+        )
     return data
 
 
@@ -50,30 +56,50 @@ def resolve_llama_config(model: ModelConfig, vocab_size: int) -> LlamaConfig:
         field = "model.config" if model.config else "model.init_from"
         data = _read_json(_config_json(model.config or model.init_from, field), field)
         if data.get("vocab_size", 0) < vocab_size:
-            raise ConfigError(field, f"the model's vocab_size {data.get('vocab_size')} is smaller than the tokenizer's "
-                                     f"{vocab_size} tokens", "use the tokenizer the model was made for (data.tokenizer = "
-                                                             "its directory), or raise vocab_size in the config")
+            raise ConfigError(
+                field,
+                f"the model's vocab_size {data.get('vocab_size')} is smaller than the tokenizer's {vocab_size} tokens",
+                "use the tokenizer the model was made for (data.tokenizer = "
+                "its directory), or raise vocab_size in the config",
+            )
         if data.get("tie_word_embeddings"):
             # The embedding and the LM head live on different stages: each gets its own copy.
             log.info("%s ties its embedding and LM head; the pipeline unties them (the head starts as a copy)", field)
         data.update(tie_word_embeddings=False, attn_implementation=model.attn_implementation)
-        config = LlamaConfig(**{k: v for k, v in data.items() if k not in ("architectures", "transformers_version",
-                                                                           "torch_dtype", "model_type")})
+        config = LlamaConfig(
+            **{
+                k: v
+                for k, v in data.items()
+                if k not in ("architectures", "transformers_version", "torch_dtype", "model_type")
+            }
+        )
         if config.max_position_embeddings < model.seq_len:
-            raise ConfigError("model.seq_len", f"{model.seq_len} exceeds the model's max_position_embeddings "
-                                               f"{config.max_position_embeddings}", "lower model.seq_len")
+            raise ConfigError(
+                "model.seq_len",
+                f"{model.seq_len} exceeds the model's max_position_embeddings {config.max_position_embeddings}",
+                "lower model.seq_len",
+            )
         return config
     shape = model.shape()
-    return llama_config(vocab_size=vocab_size, hidden_size=shape["hidden_size"], intermediate_size=shape["intermediate_size"],
-                        num_layers=shape["num_layers"], num_heads=shape["num_heads"], max_seq_len=model.seq_len,
-                        attn_implementation=model.attn_implementation)
+    return llama_config(
+        vocab_size=vocab_size,
+        hidden_size=shape["hidden_size"],
+        intermediate_size=shape["intermediate_size"],
+        num_layers=shape["num_layers"],
+        num_heads=shape["num_heads"],
+        max_seq_len=model.seq_len,
+        attn_implementation=model.attn_implementation,
+    )
 
 
 def weight_files(path: str) -> list[Path]:
     files = checkpoint_weight_files(path)
     if not files:
-        raise ConfigError("model.init_from", f"{Path(path).expanduser()} holds no *.safetensors or pytorch_model*.bin "
-                                             "weights", "point it at a Hugging Face checkpoint directory (save_pretrained output)")
+        raise ConfigError(
+            "model.init_from",
+            f"{Path(path).expanduser()} holds no *.safetensors or pytorch_model*.bin weights",
+            "point it at a Hugging Face checkpoint directory (save_pretrained output)",
+        )
     return files
 
 
@@ -92,19 +118,26 @@ def files_fingerprint(model: ModelConfig) -> str:
     return "model-files:" + digest.hexdigest()[:16]
 
 
-def stage_ranges(config: LlamaConfig, num_stages: int, *, seq_len: int,
-                 layers_per_stage: tuple[int, ...] | list[int] = ()) -> list[range]:
+def stage_ranges(
+    config: LlamaConfig, num_stages: int, *, seq_len: int, layers_per_stage: tuple[int, ...] | list[int] = ()
+) -> list[range]:
     """Decoder-layer ranges per stage: `layers_per_stage` if given, else split by per-token cost."""
     layers = config.num_hidden_layers
     if layers_per_stage:
         try:
             return ranges_from_counts(layers_per_stage, layers, num_stages)
         except ValueError as exc:
-            raise ConfigError("pipeline.layers_per_stage", str(exc),
-                              f"give {num_stages} counts >= 1 that sum to {layers}, or leave it empty to split by cost") from None
+            raise ConfigError(
+                "pipeline.layers_per_stage",
+                str(exc),
+                f"give {num_stages} counts >= 1 that sum to {layers}, or leave it empty to split by cost",
+            ) from None
     if layers < num_stages:
-        raise ConfigError("pipeline.num_stages", f"{num_stages} stages for a model of {layers} decoder layers",
-                          f"use at most {layers} stages")
+        raise ConfigError(
+            "pipeline.num_stages",
+            f"{num_stages} stages for a model of {layers} decoder layers",
+            f"use at most {layers} stages",
+        )
     embed, layer, head = model_costs(config, seq_len=seq_len)
     return balanced_layer_ranges(layers, num_stages, embed_cost=embed, layer_cost=layer, head_cost=head)
 
@@ -112,8 +145,9 @@ def stage_ranges(config: LlamaConfig, num_stages: int, *, seq_len: int,
 def run_model(cfg, vocab_size: int) -> tuple[LlamaConfig, list[range]]:
     """(LlamaConfig, layer ranges per stage) of a run's NodeConfig."""
     config = resolve_llama_config(cfg.model, vocab_size)
-    return config, stage_ranges(config, cfg.pipeline.num_stages, seq_len=cfg.model.seq_len,
-                                layers_per_stage=cfg.pipeline.layers_per_stage)
+    return config, stage_ranges(
+        config, cfg.pipeline.num_stages, seq_len=cfg.model.seq_len, layers_per_stage=cfg.pipeline.layers_per_stage
+    )
 
 
 def build_run_stage(cfg, config: LlamaConfig, ranges: list[range], stage_index: int, *, device="cpu"):
@@ -121,8 +155,15 @@ def build_run_stage(cfg, config: LlamaConfig, ranges: list[range], stage_index: 
     and each parameter's name, or read from model.init_from (only this stage's tensors)."""
     if cfg.model.init_from:
         weight_files(cfg.model.init_from)  # the error names the config field
-    stage = build_stage(config, seed=cfg.run.seed, stage_index=stage_index, num_stages=cfg.pipeline.num_stages,
-                        layer_range=ranges[stage_index], init_from=cfg.model.init_from, device=device,
-                        subspace_rank=cfg.model.residual_subspace)
+    stage = build_stage(
+        config,
+        seed=cfg.run.seed,
+        stage_index=stage_index,
+        num_stages=cfg.pipeline.num_stages,
+        layer_range=ranges[stage_index],
+        init_from=cfg.model.init_from,
+        device=device,
+        subspace_rank=cfg.model.residual_subspace,
+    )
     stage.activation_checkpointing = cfg.pipeline.activation_checkpointing
     return stage

@@ -5,7 +5,8 @@ device's speed, the codecs, H and the link (bandwidth, RTT); no torch, no networ
 Notation: P stages, stage s holds `layers_s` decoder layers; a microbatch is b sequences of T
 tokens (n = b T h activation elements); M = batch / b microbatches per inner step; W =
 pipeline.max_in_flight; F = device TFLOP/s x MFU; B = link bandwidth (bytes/s, each direction, every
-node on its own access link; with an asymmetric line, B is the uplink and B_d the downlink); r = RTT; c_a, c_g = bytes per element of the activation and gradient
+node on its own access link; with an asymmetric line, B is the uplink and B_d the downlink);
+r = RTT; c_a, c_g = bytes per element of the activation and gradient
 codecs (codec/tensors.py: none 4, bf16 2, int8 and fp8 1 + 4/64, int4 0.5 + 4/64); w = outer
 payload bytes per parameter (theta, or phi and delta); O = seconds a round costs whatever the
 link (pairing through the DHT, freezing and applying the snapshot; 0 unless measured).
@@ -123,11 +124,23 @@ class Prediction:
     extra: dict = field(default_factory=dict)
 
 
-def pipeline_costs(config, ranges: list[range], *, microbatch: int, seq_len: int, microbatches_per_batch: int,
-                   max_in_flight: int, schedule: str = "exact", checkpointing: bool = False,
-                   activation_codec: str = "bf16", gradient_codec: str | None = None,
-                   outer_payload: tuple[str, ...] = ("bf16",), inner_steps_per_outer: int = 50,
-                   outer_overlap: bool = False, subspace: int = 0) -> PipelineCosts:
+def pipeline_costs(
+    config,
+    ranges: list[range],
+    *,
+    microbatch: int,
+    seq_len: int,
+    microbatches_per_batch: int,
+    max_in_flight: int,
+    schedule: str = "exact",
+    checkpointing: bool = False,
+    activation_codec: str = "bf16",
+    gradient_codec: str | None = None,
+    outer_payload: tuple[str, ...] = ("bf16",),
+    inner_steps_per_outer: int = 50,
+    outer_overlap: bool = False,
+    subspace: int = 0,
+) -> PipelineCosts:
     """The costs of the model `config` split into `ranges`, run with these settings; `subspace` is
     model.residual_subspace (hops of k values per token, plus the token ids as varints)."""
     embed, layer, head = model_costs(config, seq_len=seq_len)
@@ -139,14 +152,20 @@ def pipeline_costs(config, ranges: list[range], *, microbatch: int, seq_len: int
         flops.append(passes * 2 * macs * tokens)
         params.append(stage_params(config, r, first=s == 0, last=s == last, subspace=subspace))
     id_bytes = (max(1, config.vocab_size - 1).bit_length() + 6) // 7  # protobuf varint of the largest id
-    return PipelineCosts(stage_flops=tuple(flops), stage_params=tuple(params),
-                         hop_elements=tokens * (subspace or config.hidden_size),
-                         forward_extra_bytes=tokens * id_bytes * (2 if subspace else 1),  # labels (+ token ids)
-                         microbatches_per_batch=microbatches_per_batch, max_in_flight=max_in_flight, schedule=schedule,
-                         activation_bytes=bytes_per_element(activation_codec),
-                         gradient_bytes=bytes_per_element(gradient_codec or activation_codec),
-                         outer_bytes_per_param=sum(bytes_per_element(c) for c in outer_payload),
-                         inner_steps_per_outer=inner_steps_per_outer, outer_overlap=outer_overlap)
+    return PipelineCosts(
+        stage_flops=tuple(flops),
+        stage_params=tuple(params),
+        hop_elements=tokens * (subspace or config.hidden_size),
+        forward_extra_bytes=tokens * id_bytes * (2 if subspace else 1),  # labels (+ token ids)
+        microbatches_per_batch=microbatches_per_batch,
+        max_in_flight=max_in_flight,
+        schedule=schedule,
+        activation_bytes=bytes_per_element(activation_codec),
+        gradient_bytes=bytes_per_element(gradient_codec or activation_codec),
+        outer_bytes_per_param=sum(bytes_per_element(c) for c in outer_payload),
+        inner_steps_per_outer=inner_steps_per_outer,
+        outer_overlap=outer_overlap,
+    )
 
 
 def inner_step_seconds(costs: PipelineCosts, compute: tuple[float, ...], link: Link) -> tuple[float, tuple, str]:
@@ -158,8 +177,10 @@ def inner_step_seconds(costs: PipelineCosts, compute: tuple[float, ...], link: L
     fwd, bwd = link.seconds(fwd_bytes), link.seconds(bwd_bytes)
     join = (lambda a, b: a + b) if link.shared else max
     uplink = tuple(join(fwd if s < p - 1 else 0.0, bwd if s > 0 else 0.0) for s in range(p))
-    downlink = tuple(join(link.receive_seconds(fwd_bytes) if s > 0 else 0.0,
-                          link.receive_seconds(bwd_bytes) if s < p - 1 else 0.0) for s in range(p))
+    downlink = tuple(
+        join(link.receive_seconds(fwd_bytes) if s > 0 else 0.0, link.receive_seconds(bwd_bytes) if s < p - 1 else 0.0)
+        for s in range(p)
+    )
     rtt = link.rtt_ms / 1e3
     round_trip = sum(compute) + (p - 1) * (link.transfer_seconds(fwd_bytes) + link.transfer_seconds(bwd_bytes) + rtt)
     m = costs.microbatches_per_batch
@@ -180,14 +201,25 @@ def inner_step_seconds(costs: PipelineCosts, compute: tuple[float, ...], link: L
     return step, uplink, limit
 
 
-def round_seconds(costs: PipelineCosts, step: float, uplink: tuple, link: Link, overhead_s: float) -> tuple[float, float]:
+def round_seconds(
+    costs: PipelineCosts, step: float, uplink: tuple, link: Link, overhead_s: float
+) -> tuple[float, float]:
     """(one exchange's transfer, the whole round: H inner steps and the exchange)."""
     h = costs.inner_steps_per_outer
     outer = link.transfer_seconds(max(costs.stage_params) * costs.outer_bytes_per_param) + 2 * link.rtt_ms / 1e3
     if not costs.outer_overlap:
         return outer, h * step + outer + overhead_s
-    shared = max((h * costs.microbatches_per_batch * x + link.seconds(n * costs.outer_bytes_per_param)
-                  for x, n in zip(uplink, costs.stage_params)), default=0.0) if link.shared else 0.0
+    shared = (
+        max(
+            (
+                h * costs.microbatches_per_batch * x + link.seconds(n * costs.outer_bytes_per_param)
+                for x, n in zip(uplink, costs.stage_params)
+            ),
+            default=0.0,
+        )
+        if link.shared
+        else 0.0
+    )
     return outer, max(h * step, outer + overhead_s, shared)
 
 
@@ -203,8 +235,15 @@ def _what_limits(step_limit: str, lost_in_steps: float, lost_to_outer: float, ro
     return step_limit
 
 
-def predict(costs: PipelineCosts, *, tflops: float | None = None, mfu: float = DEFAULT_MFU, link: Link = Link(),
-            stage_seconds: tuple[float, ...] | None = None, round_overhead_s: float = 0.0) -> Prediction:
+def predict(
+    costs: PipelineCosts,
+    *,
+    tflops: float | None = None,
+    mfu: float = DEFAULT_MFU,
+    link: Link = Link(),
+    stage_seconds: tuple[float, ...] | None = None,
+    round_overhead_s: float = 0.0,
+) -> Prediction:
     """Predicted inner step, outer round and tokens/s ratio against an unlimited link (module
     docstring). The device's speed is `tflops` x `mfu`, or each stage's measured compute seconds
     per microbatch (`stage_seconds`, forward and backward); `round_overhead_s` is O."""
@@ -223,13 +262,23 @@ def predict(costs: PipelineCosts, *, tflops: float | None = None, mfu: float = D
     _, round_unlimited = round_seconds(costs, unlimited, unlimited_uplink, Link(), round_overhead_s)
     limit = _what_limits(limit, h * (step - unlimited), round_s - h * step, round_s)
     ratio = round_unlimited / round_s if round_s > 0 else 1.0
-    return Prediction(compute_s=compute, uplink_s=uplink, step_s=step, step_unlimited_s=unlimited, outer_s=outer,
-                      round_s=round_s, ratio=min(1.0, ratio), limited_by=limit,
-                      extra={"outer_bytes_per_stage": max(costs.stage_params) * costs.outer_bytes_per_param,
-                             "hop_bytes": costs.hop_elements * costs.activation_bytes,
-                             "round_unlimited_s": round_unlimited,
-                             # the busiest stage's compute over the round: the device's busy share
-                             "busy": min(1.0, h * costs.microbatches_per_batch * max(compute) / round_s)})
+    return Prediction(
+        compute_s=compute,
+        uplink_s=uplink,
+        step_s=step,
+        step_unlimited_s=unlimited,
+        outer_s=outer,
+        round_s=round_s,
+        ratio=min(1.0, ratio),
+        limited_by=limit,
+        extra={
+            "outer_bytes_per_stage": max(costs.stage_params) * costs.outer_bytes_per_param,
+            "hop_bytes": costs.hop_elements * costs.activation_bytes,
+            "round_unlimited_s": round_unlimited,
+            # the busiest stage's compute over the round: the device's busy share
+            "busy": min(1.0, h * costs.microbatches_per_batch * max(compute) / round_s),
+        },
+    )
 
 
 @dataclass(frozen=True)
@@ -243,8 +292,13 @@ class Option:
     schedule: str = "exact"
 
     def settings(self) -> dict[str, object]:
-        return {"pipeline.activation_codec": self.activation_codec, "pipeline.gradient_codec": self.gradient_codec,
-                "outer.overlap": self.outer_overlap, "outer.codec": self.outer_codec, "pipeline.schedule": self.schedule}
+        return {
+            "pipeline.activation_codec": self.activation_codec,
+            "pipeline.gradient_codec": self.gradient_codec,
+            "outer.overlap": self.outer_overlap,
+            "outer.codec": self.outer_codec,
+            "pipeline.schedule": self.schedule,
+        }
 
 
 # The defaults before the loss price set them (bf16 hops, blocking exchange): issue 26's reference,
@@ -252,11 +306,18 @@ class Option:
 BF16_BLOCKING = Option("bf16", "bf16", False, "bf16")
 # The defaults first, then fewer bytes: the loss price grows down the list (docs/volunteer.md has it).
 # fp8 sends as many bytes as int8 and predicts the same.
-OPTIONS = (Option(), Option(outer_codec="int8"), Option("int4", "int8", outer_codec="int8"),
-           Option("int4", "int4", outer_codec="int8"), Option("int4", "int4", outer_codec="int8", schedule="overlap"))
+OPTIONS = (
+    Option(),
+    Option(outer_codec="int8"),
+    Option("int4", "int8", outer_codec="int8"),
+    Option("int4", "int4", outer_codec="int8"),
+    Option("int4", "int4", outer_codec="int8", schedule="overlap"),
+)
 
 
-def choose(costs_for, *, link: Link, target: float = 0.9, **speed) -> tuple[int, list[tuple[Option, Prediction, float]]]:
+def choose(
+    costs_for, *, link: Link, target: float = 0.9, **speed
+) -> tuple[int, list[tuple[Option, Prediction, float]]]:
     """Each of OPTIONS with its prediction on `link` and its tokens/s relative to the defaults on an
     unlimited link (the same tokens per round: R_inf of the defaults / R); and the index of the first
     reaching `target`, else of the best. `costs_for(option)` builds its PipelineCosts; `speed` is

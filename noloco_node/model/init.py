@@ -53,9 +53,9 @@ def normal_(out: torch.Tensor, std: float, seed: int, buffer: torch.Tensor | Non
     if buffer is None:
         buffer = torch.empty(min(_BLOCK, flat.numel()), dtype=torch.float64)
     for start in range(0, flat.numel(), _BLOCK):
-        block = buffer[:min(_BLOCK, flat.numel() - start)]
+        block = buffer[: min(_BLOCK, flat.numel() - start)]
         block.normal_(0.0, std, generator=gen)
-        flat[start:start + block.numel()].copy_(block)
+        flat[start : start + block.numel()].copy_(block)
 
 
 def _is_norm(module: nn.Module) -> bool:
@@ -63,8 +63,9 @@ def _is_norm(module: nn.Module) -> bool:
     return "RMSNorm" in type(module).__name__ or "LayerNorm" in type(module).__name__
 
 
-def _fill(module: nn.Module, leaf: str, name: str, out: torch.Tensor, *, seed: int, std: float,
-          buffer: torch.Tensor) -> None:
+def _fill(
+    module: nn.Module, leaf: str, name: str, out: torch.Tensor, *, seed: int, std: float, buffer: torch.Tensor
+) -> None:
     if leaf == "bias":
         out.zero_()
     elif _is_norm(module) and leaf == "weight":
@@ -74,12 +75,19 @@ def _fill(module: nn.Module, leaf: str, name: str, out: torch.Tensor, *, seed: i
         if isinstance(module, nn.Embedding) and module.padding_idx is not None:
             out[module.padding_idx].zero_()
     else:
-        raise TypeError(f"no phi_0 rule for {name} ({type(module).__name__}.{leaf}): add one to model/init.py "
-                        "and bump INIT_SCHEME")
+        raise TypeError(
+            f"no phi_0 rule for {name} ({type(module).__name__}.{leaf}): add one to model/init.py and bump INIT_SCHEME"
+        )
 
 
-def materialise_from_seed(model: nn.Module, *, seed: int, initializer_range: float | None,
-                          device: torch.device | str = "cpu", threads: int | None = None) -> int:
+def materialise_from_seed(
+    model: nn.Module,
+    *,
+    seed: int,
+    initializer_range: float | None,
+    device: torch.device | str = "cpu",
+    threads: int | None = None,
+) -> int:
     """Give every parameter of `model` still on the meta device real float32 storage on `device`,
     filled by the rule in the module docstring; `model`'s parameter names must be the whole
     model's. Parameters are drawn on `threads` threads (default torch's intra-op count): each has
@@ -119,6 +127,7 @@ def _meta_parameters(model: nn.Module):
 @dataclass
 class CheckpointReads:
     """What `materialise_from_checkpoint` read: tensors and bytes as stored in the files."""
+
     tensors: int = 0
     bytes: int = 0
     names: list[str] = field(default_factory=list)
@@ -158,8 +167,9 @@ class _Checkpoint:
         return source[name] if isinstance(source, dict) else source.get_tensor(name)
 
 
-def materialise_from_checkpoint(model: nn.Module, directory: str | Path, *,
-                                device: torch.device | str = "cpu") -> CheckpointReads:
+def materialise_from_checkpoint(
+    model: nn.Module, directory: str | Path, *, device: torch.device | str = "cpu"
+) -> CheckpointReads:
     """Give every parameter of `model` still on the meta device the tensor of the same name in the
     checkpoint directory's weight files, in float32 on `device`, reading no other tensor. A
     checkpoint that ties its LM head to the embedding (no `lm_head.weight` stored) gives the head
@@ -171,12 +181,16 @@ def materialise_from_checkpoint(model: nn.Module, directory: str | Path, *,
     for module, leaf, name, param in list(_meta_parameters(model)):
         stored = name if name in checkpoint or name != "lm_head.weight" else "model.embed_tokens.weight"
         if stored not in checkpoint:
-            raise ValueError(f"the checkpoint {directory} has no tensor {name!r}: is it a Llama checkpoint "
-                             "saved by save_pretrained, matching its config.json?")
+            raise ValueError(
+                f"the checkpoint {directory} has no tensor {name!r}: is it a Llama checkpoint "
+                "saved by save_pretrained, matching its config.json?"
+            )
         tensor = checkpoint.get(stored)
         if tuple(tensor.shape) != tuple(param.shape):
-            raise ValueError(f"the checkpoint's {stored} has shape {tuple(tensor.shape)}, its config.json "
-                             f"gives {tuple(param.shape)}: the weights do not match the config")
+            raise ValueError(
+                f"the checkpoint's {stored} has shape {tuple(tensor.shape)}, its config.json "
+                f"gives {tuple(param.shape)}: the weights do not match the config"
+            )
         reads.tensors, reads.bytes = reads.tensors + 1, reads.bytes + tensor.numel() * tensor.element_size()
         reads.names.append(stored)
         out = torch.empty(param.shape, dtype=torch.float32, device=device)

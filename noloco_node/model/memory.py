@@ -142,11 +142,22 @@ class StageMemory:
 
     def breakdown(self) -> dict[str, int]:
         """Each part in bytes, for tables and JSON."""
-        return {"weights": self.weights, "gradients": self.gradients, "adam": self.optimizer, "outer_state": self.outer,
-                "weight_stash": self.stash, "weight_casts": self.weight_casts, "saved_inputs": self.saved_inputs,
-                "activations": self.activations, "step_temporaries": self.step_temporaries,
-                "outer_exchange": self.exchange, "heap_retained": self.retained, "runtime": self.runtime,
-                "subspace_tables": self.subspace_tables, "total": self.total}
+        return {
+            "weights": self.weights,
+            "gradients": self.gradients,
+            "adam": self.optimizer,
+            "outer_state": self.outer,
+            "weight_stash": self.stash,
+            "weight_casts": self.weight_casts,
+            "saved_inputs": self.saved_inputs,
+            "activations": self.activations,
+            "step_temporaries": self.step_temporaries,
+            "outer_exchange": self.exchange,
+            "heap_retained": self.retained,
+            "runtime": self.runtime,
+            "subspace_tables": self.subspace_tables,
+            "total": self.total,
+        }
 
 
 def layer_params(config) -> tuple[int, int]:
@@ -191,8 +202,9 @@ def layer_activation_bytes_per_token(config, *, autocast: bool, attention: str, 
 def _graph_bytes(config, layers: int, tokens: int, w: Workload, *, last: bool) -> tuple[int, int]:
     """(bytes one microbatch's graph keeps, bytes its backward needs on top at most)."""
     h, v = config.hidden_size, config.vocab_size
-    per_layer = tokens * layer_activation_bytes_per_token(config, autocast=w.autocast, attention=w.attention,
-                                                          seq_len=w.seq_len)
+    per_layer = tokens * layer_activation_bytes_per_token(
+        config, autocast=w.autocast, attention=w.attention, seq_len=w.seq_len
+    )
     kept = layers * tokens * 4 * h if w.checkpointing else layers * per_layer
     # A layer's backward: the gradients of its saved tensors next to them (measured up to ~2x one
     # layer's activations); with checkpointing, the recomputed layer and then those gradients.
@@ -225,15 +237,24 @@ def estimate_stage(config, layer_range: range, *, first: bool, last: bool, work:
     # activations, which glibc then places in fresh memory: there the exchange always adds.
     blocking = first and not work.outer_overlap and work.method == "noloco" and not work.host_heap
     return StageMemory(
-        params=params, weights=4 * params, gradients=4 * params, optimizer=8 * params,
-        outer=(8 if outer else 4) * params, stash=(8 * params if overlap else 0),
-        weight_casts=graphs * casts_per_graph, saved_inputs=saved, activations=graphs * graph + working,
+        params=params,
+        weights=4 * params,
+        gradients=4 * params,
+        optimizer=8 * params,
+        outer=(8 if outer else 4) * params,
+        stash=(8 * params if overlap else 0),
+        weight_casts=graphs * casts_per_graph,
+        saved_inputs=saved,
+        activations=graphs * graph + working,
         exchange=exchange_device + (0 if work.autocast else exchange_host),
         exchange_host=exchange_host if work.autocast else 0,
-        exchange_adds=not blocking, step_temporaries=4 * params,
-        retained=(8 * params if outer and work.host_heap else 0), runtime=CPU_RUNTIME_BYTES if work.host_heap else 0,
+        exchange_adds=not blocking,
+        step_temporaries=4 * params,
+        retained=(8 * params if outer and work.host_heap else 0),
+        runtime=CPU_RUNTIME_BYTES if work.host_heap else 0,
         boundary_activations=(work.microbatches_per_batch * (graph + casts_per_graph) if overlap and first else 0),
-        subspace_tables=(4 * config.vocab_size * h + 8 * h * work.subspace if work.subspace else 0))
+        subspace_tables=(4 * config.vocab_size * h + 8 * h * work.subspace if work.subspace else 0),
+    )
 
 
 def _exchange_bytes(params: int, largest: int, work: Workload) -> tuple[int, int]:
@@ -249,14 +270,33 @@ def _exchange_bytes(params: int, largest: int, work: Workload) -> tuple[int, int
     return (4 + 4 * sent) * params + per_tensor, int((2 * wire + 4 * sent) * params)
 
 
-def estimate(config, layer_range: range, *, first: bool, last: bool, outer: bool, max_in_flight: int,
-             microbatch: int, seq_len: int, checkpointing: bool, graphs: int = 1, weight_stash: bool = False,
-             autocast: bool = False) -> StageMemory:
+def estimate(
+    config,
+    layer_range: range,
+    *,
+    first: bool,
+    last: bool,
+    outer: bool,
+    max_in_flight: int,
+    microbatch: int,
+    seq_len: int,
+    checkpointing: bool,
+    graphs: int = 1,
+    weight_stash: bool = False,
+    autocast: bool = False,
+) -> StageMemory:
     """`estimate_stage` with the older keyword form: `graphs` microbatches per batch on stage 0,
     `weight_stash` for the overlap schedule, `outer` for noloco (else none)."""
-    work = Workload(microbatch=microbatch, seq_len=seq_len, microbatches_per_batch=max(1, graphs),
-                    max_in_flight=max_in_flight, schedule="overlap" if weight_stash else "exact",
-                    checkpointing=checkpointing, autocast=autocast, method="noloco" if outer else "none")
+    work = Workload(
+        microbatch=microbatch,
+        seq_len=seq_len,
+        microbatches_per_batch=max(1, graphs),
+        max_in_flight=max_in_flight,
+        schedule="overlap" if weight_stash else "exact",
+        checkpointing=checkpointing,
+        autocast=autocast,
+        method="noloco" if outer else "none",
+    )
     return estimate_stage(config, layer_range, first=first, last=last, work=work)
 
 
@@ -266,19 +306,29 @@ def workload_for(cfg, device_type: str) -> Workload:
     # theta alone travels when gamma == beta with one dense codec (sync/snapshot.py choose_payload)
     same_dense = o.codec_phi == o.codec_delta and parse_outer_codec(o.codec_delta).dense
     payload = (o.codec_phi,) if o.gamma == o.beta and same_dense else (o.codec_phi, o.codec_delta)
-    return Workload(microbatch=p.microbatch_size, seq_len=cfg.model.seq_len,
-                    microbatches_per_batch=p.batch_size // p.microbatch_size, max_in_flight=p.max_in_flight,
-                    schedule=p.schedule, checkpointing=p.activation_checkpointing,
-                    autocast=device_type == "cuda" and p.bf16_autocast, attention=cfg.model.attn_implementation,
-                    host_heap=device_type == "cpu", method=o.method, outer_overlap=bool(getattr(o, "overlap", False)),
-                    outer_payload=payload, subspace=cfg.model.residual_subspace)
+    return Workload(
+        microbatch=p.microbatch_size,
+        seq_len=cfg.model.seq_len,
+        microbatches_per_batch=p.batch_size // p.microbatch_size,
+        max_in_flight=p.max_in_flight,
+        schedule=p.schedule,
+        checkpointing=p.activation_checkpointing,
+        autocast=device_type == "cuda" and p.bf16_autocast,
+        attention=cfg.model.attn_implementation,
+        host_heap=device_type == "cpu",
+        method=o.method,
+        outer_overlap=bool(getattr(o, "overlap", False)),
+        outer_payload=payload,
+        subspace=cfg.model.residual_subspace,
+    )
 
 
 def estimate_for_run(cfg, config, ranges: list[range], stage_index: int, device_type: str) -> StageMemory:
     """The estimate for stage `stage_index` of a run's NodeConfig on a `device_type` device."""
     last = stage_index == len(ranges) - 1
-    return estimate_stage(config, ranges[stage_index], first=stage_index == 0, last=last,
-                          work=workload_for(cfg, device_type))
+    return estimate_stage(
+        config, ranges[stage_index], first=stage_index == 0, last=last, work=workload_for(cfg, device_type)
+    )
 
 
 def available_bytes(device) -> int | None:
@@ -319,15 +369,23 @@ def check_fits(cfg, config, ranges: list[range], stage_index: int, device, *, he
     if p.max_in_flight > 1 and need.saved_inputs_bytes > 0.1 * need.total:
         fixes.append("a smaller pipeline.max_in_flight")
     fixes.append("a smaller model (model.preset)")
-    raise ConfigError("model", f"stage {stage_index} needs about {describe(need)}, but {device} has "
-                               f"{free / GIB:.2f} GiB free", "use " + ", or ".join(fixes) +
-                      " (`noloco-node plan` finds the fewest stages that fit)")
+    raise ConfigError(
+        "model",
+        f"stage {stage_index} needs about {describe(need)}, but {device} has {free / GIB:.2f} GiB free",
+        "use " + ", or ".join(fixes) + " (`noloco-node plan` finds the fewest stages that fit)",
+    )
 
 
 def describe(m: StageMemory) -> str:
-    kept = "weights, gradients, Adam, phi and m" if m.outer == 2 * m.weights else "weights, gradients, Adam and a repair copy"
-    text = (f"{m.total / GIB:.2f} GiB ({m.params:,} parameters: {m.state_bytes / GIB:.2f} GiB for {kept}; "
-            f"{m.saved_inputs / GIB:.2f} GiB of saved inputs; {m.activation_bytes / GIB:.2f} GiB of activations")
+    kept = (
+        "weights, gradients, Adam, phi and m"
+        if m.outer == 2 * m.weights
+        else "weights, gradients, Adam and a repair copy"
+    )
+    text = (
+        f"{m.total / GIB:.2f} GiB ({m.params:,} parameters: {m.state_bytes / GIB:.2f} GiB for {kept}; "
+        f"{m.saved_inputs / GIB:.2f} GiB of saved inputs; {m.activation_bytes / GIB:.2f} GiB of activations"
+    )
     if m.stash:
         text += f"; {m.stash / GIB:.2f} GiB of weight copies (overlap schedule)"
     if m.exchange:

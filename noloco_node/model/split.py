@@ -19,7 +19,9 @@ def stage_layer_ranges(num_layers: int, num_stages: int) -> list[range]:
     if num_stages < 1:
         raise ValueError(f"num_stages must be >= 1, got {num_stages}")
     if num_layers < num_stages:
-        raise ValueError(f"cannot split {num_layers} decoder layers into {num_stages} stages: every stage needs >= 1 layer")
+        raise ValueError(
+            f"cannot split {num_layers} decoder layers into {num_stages} stages: every stage needs >= 1 layer"
+        )
     base, extra = divmod(num_layers, num_stages)
     sizes = [base + (1 if 1 <= s <= extra else 0) for s in range(num_stages)]
     if extra and num_stages == 1:
@@ -31,7 +33,9 @@ def stage_layer_ranges(num_layers: int, num_stages: int) -> list[range]:
     return ranges
 
 
-def per_token_costs(*, hidden: int, intermediate: int, kv_hidden: int, vocab: int, seq_len: int) -> tuple[float, float, float]:
+def per_token_costs(
+    *, hidden: int, intermediate: int, kv_hidden: int, vocab: int, seq_len: int
+) -> tuple[float, float, float]:
     """(embedding, one decoder layer, final norm + LM head): multiply-adds per token of the forward
     pass (backward is ~2x of each, so the proportions hold for a training step).
 
@@ -47,8 +51,13 @@ def model_costs(config, *, seq_len: int) -> tuple[float, float, float]:
     LlamaConfig (`per_token_costs`; only its sizes are read)."""
     heads = config.num_attention_heads
     kv_hidden = config.hidden_size * (config.num_key_value_heads or heads) // heads
-    return per_token_costs(hidden=config.hidden_size, intermediate=config.intermediate_size,
-                           kv_hidden=kv_hidden, vocab=config.vocab_size, seq_len=seq_len)
+    return per_token_costs(
+        hidden=config.hidden_size,
+        intermediate=config.intermediate_size,
+        kv_hidden=kv_hidden,
+        vocab=config.vocab_size,
+        seq_len=seq_len,
+    )
 
 
 def constrained_layers(num_layers: int) -> range:
@@ -56,8 +65,9 @@ def constrained_layers(num_layers: int) -> range:
     return range(max(0, num_layers - FREE_FINAL_LAYERS))
 
 
-def balanced_layer_ranges(num_layers: int, num_stages: int, *, embed_cost: float, layer_cost: float,
-                          head_cost: float) -> list[range]:
+def balanced_layer_ranges(
+    num_layers: int, num_stages: int, *, embed_cost: float, layer_cost: float, head_cost: float
+) -> list[range]:
     """Contiguous ranges (>= 1 layer each) minimising the most expensive stage, where stage 0 also
     pays `embed_cost` and the last stage `head_cost` per token. Among equally good splits the one
     that puts layers earliest wins, so every node computes the same split.
@@ -68,10 +78,14 @@ def balanced_layer_ranges(num_layers: int, num_stages: int, *, embed_cost: float
     if num_stages < 1:
         raise ValueError(f"num_stages must be >= 1, got {num_stages}")
     if num_layers < num_stages:
-        raise ValueError(f"cannot split {num_layers} decoder layers into {num_stages} stages: every stage needs >= 1 layer")
+        raise ValueError(
+            f"cannot split {num_layers} decoder layers into {num_stages} stages: every stage needs >= 1 layer"
+        )
 
     def cost(stage: int, layers: int) -> float:
-        return layers * layer_cost + (embed_cost if stage == 0 else 0.0) + (head_cost if stage == num_stages - 1 else 0.0)
+        return (
+            layers * layer_cost + (embed_cost if stage == 0 else 0.0) + (head_cost if stage == num_stages - 1 else 0.0)
+        )
 
     # best[s][n]: the smallest possible maximum stage cost placing the first n layers on stages 0..s.
     inf = float("inf")

@@ -47,13 +47,22 @@ class LlamaStage(nn.Module):
     The constructor makes the parameters on the meta device (no storage); `build_stage` gives
     them their values."""
 
-    def __init__(self, config: LlamaConfig, stage_index: int, num_stages: int, layer_range: range | None = None,
-                 subspace: ResidualSubspace | None = None) -> None:
+    def __init__(
+        self,
+        config: LlamaConfig,
+        stage_index: int,
+        num_stages: int,
+        layer_range: range | None = None,
+        subspace: ResidualSubspace | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
         self.stage_index, self.num_stages = stage_index, num_stages
-        self.layer_range = layer_range if layer_range is not None else \
-            stage_layer_ranges(config.num_hidden_layers, num_stages)[stage_index]
+        self.layer_range = (
+            layer_range
+            if layer_range is not None
+            else stage_layer_ranges(config.num_hidden_layers, num_stages)[stage_index]
+        )
         self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
         self.model = nn.Module()
         with torch.device("meta"):  # the same modules LlamaForCausalLM makes, under the same names
@@ -104,11 +113,17 @@ class LlamaStage(nn.Module):
             if self.activation_checkpointing and self.training and torch.is_grad_enabled():
                 # Keep only each layer's input; recompute its inside during backward.
                 hidden = torch.utils.checkpoint.checkpoint(
-                    layer, hidden, attention_mask=mask, position_ids=position_ids,
-                    position_embeddings=position_embeddings, use_reentrant=False)
+                    layer,
+                    hidden,
+                    attention_mask=mask,
+                    position_ids=position_ids,
+                    position_embeddings=position_embeddings,
+                    use_reentrant=False,
+                )
             else:
-                hidden = layer(hidden, attention_mask=mask, position_ids=position_ids,
-                               position_embeddings=position_embeddings)
+                hidden = layer(
+                    hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=position_embeddings
+                )
             hidden = hidden[0] if isinstance(hidden, tuple) else hidden
         if self.is_last:
             return self.lm_head(self.model.norm(hidden))
@@ -125,16 +140,25 @@ def _refuse_tied(config: LlamaConfig) -> None:
         raise ValueError("tie_word_embeddings must be False: the embedding and the LM head live on different stages")
 
 
-def residual_subspace(config: LlamaConfig, seed: int, rank: int, device: torch.device | str = "cpu") -> ResidualSubspace | None:
+def residual_subspace(
+    config: LlamaConfig, seed: int, rank: int, device: torch.device | str = "cpu"
+) -> ResidualSubspace | None:
     """The run's residual subspace of `rank` (None when 0: the dense model)."""
     if not rank:
         return None
-    return ResidualSubspace(seed=seed, vocab_size=config.vocab_size, hidden_size=config.hidden_size, rank=rank,
-                            initializer_range=config.initializer_range or 0.02, device=device)
+    return ResidualSubspace(
+        seed=seed,
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        rank=rank,
+        initializer_range=config.initializer_range or 0.02,
+        device=device,
+    )
 
 
-def build_full_model(config: LlamaConfig, seed: int, device: torch.device | str = "cpu", *,
-                     subspace_rank: int = 0) -> LlamaForCausalLM:
+def build_full_model(
+    config: LlamaConfig, seed: int, device: torch.device | str = "cpu", *, subspace_rank: int = 0
+) -> LlamaForCausalLM:
     """The whole model in one process with the stages' phi_0 (model/init.py: each parameter from
     `seed` and its name), so it equals the stages of any split put together, bit for bit. The
     global RNG is not touched. With `subspace_rank` its residual stream lives in the subspace
@@ -150,9 +174,17 @@ def build_full_model(config: LlamaConfig, seed: int, device: torch.device | str 
     return model.to(device)
 
 
-def build_stage(config: LlamaConfig, *, seed: int, stage_index: int, num_stages: int,
-                layer_range: range | None = None, init_from: str | Path | None = None,
-                device: torch.device | str = "cpu", subspace_rank: int = 0) -> LlamaStage:
+def build_stage(
+    config: LlamaConfig,
+    *,
+    seed: int,
+    stage_index: int,
+    num_stages: int,
+    layer_range: range | None = None,
+    init_from: str | Path | None = None,
+    device: torch.device | str = "cpu",
+    subspace_rank: int = 0,
+) -> LlamaStage:
     """Exactly stage `stage_index` of `num_stages` (decoder layers `layer_range`; even split if
     None), its parameters materialised on `device` and nothing else: from `seed`, identical on
     every replica and for every split, or from the Hugging Face checkpoint directory `init_from`
@@ -160,7 +192,9 @@ def build_stage(config: LlamaConfig, *, seed: int, stage_index: int, num_stages:
     if not 0 <= stage_index < num_stages:
         raise ValueError(f"stage_index {stage_index} is outside 0..{num_stages - 1}")
     _refuse_tied(config)
-    stage = LlamaStage(config, stage_index, num_stages, layer_range, residual_subspace(config, seed, subspace_rank, device))
+    stage = LlamaStage(
+        config, stage_index, num_stages, layer_range, residual_subspace(config, seed, subspace_rank, device)
+    )
     if init_from:
         stage.checkpoint_reads = materialise_from_checkpoint(stage, init_from, device=device)
     else:
@@ -168,12 +202,26 @@ def build_stage(config: LlamaConfig, *, seed: int, stage_index: int, num_stages:
     return stage.to(device)
 
 
-def llama_config(*, vocab_size: int, hidden_size: int, intermediate_size: int, num_layers: int,
-                 num_heads: int, max_seq_len: int, attn_implementation: str = "sdpa") -> LlamaConfig:
+def llama_config(
+    *,
+    vocab_size: int,
+    hidden_size: int,
+    intermediate_size: int,
+    num_layers: int,
+    num_heads: int,
+    max_seq_len: int,
+    attn_implementation: str = "sdpa",
+) -> LlamaConfig:
     """A LlamaConfig with the reference's defaults (untied head, RMSNorm eps 1e-6, MHA)."""
     return LlamaConfig(
-        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_heads,
-        max_position_embeddings=max_seq_len, tie_word_embeddings=False, rms_norm_eps=1e-6,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        max_position_embeddings=max_seq_len,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
         attn_implementation=attn_implementation,
     )

@@ -57,8 +57,16 @@ class ResidualSubspace(nn.Module):
     """U and the fixed embedding (non-persistent buffers: derived from the seed, never sent or
     saved), and the maps between a hidden state and its coordinates."""
 
-    def __init__(self, *, seed: int, vocab_size: int, hidden_size: int, rank: int, initializer_range: float,
-                 device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        *,
+        seed: int,
+        vocab_size: int,
+        hidden_size: int,
+        rank: int,
+        initializer_range: float,
+        device: torch.device | str = "cpu",
+    ) -> None:
         super().__init__()
         self.rank = rank
         self.register_buffer("basis", residual_basis(seed, hidden_size, rank).to(device), persistent=False)
@@ -150,8 +158,12 @@ def is_constrained(name: str, num_layers: int) -> bool:
     if name == "model.embed_tokens.weight":
         return True
     parts = name.split(".")
-    return (len(parts) == 6 and parts[:2] == ["model", "layers"] and int(parts[2]) in constrained_layers(num_layers)
-            and ".".join(parts[3:]) in ("self_attn.o_proj.weight", "mlp.down_proj.weight"))
+    return (
+        len(parts) == 6
+        and parts[:2] == ["model", "layers"]
+        and int(parts[2]) in constrained_layers(num_layers)
+        and ".".join(parts[3:]) in ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+    )
 
 
 def subspace_shape(name: str, dense_shape: tuple[int, ...], rank: int, num_layers: int) -> tuple[int, ...]:
@@ -166,5 +178,7 @@ def subspace_shape(name: str, dense_shape: tuple[int, ...], rank: int, num_layer
 def dense_weights(weights: dict[str, Tensor], subspace: ResidualSubspace, num_layers: int) -> dict[str, Tensor]:
     """The whole model's weights as a plain Llama's: each constrained tensor replaced by the dense
     weight it stands for (U Z; fixed + E U^T), the rest as they are."""
-    return {name: subspace.dense(name, tensor) if is_constrained(name, num_layers) else tensor
-            for name, tensor in weights.items()}
+    return {
+        name: subspace.dense(name, tensor) if is_constrained(name, num_layers) else tensor
+        for name, tensor in weights.items()
+    }

@@ -48,8 +48,9 @@ class LinkProfile:
         return asdict(self)
 
 
-async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, profile: LinkProfile,
-                rng: random.Random) -> None:
+async def _pump(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, profile: LinkProfile, rng: random.Random
+) -> None:
     loop = asyncio.get_running_loop()
     rate, delay, jitter = profile.bytes_per_s, profile.one_way_ms / 1e3, profile.jitter_ms / 1e3
     limit = max(4 * PIECE, rate * 0.05) if rate else 64 * PIECE
@@ -101,8 +102,15 @@ async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, prof
 class Relay:
     """Listens on `listen_host:listen_port` and relays each connection to `upstream` (host:port)."""
 
-    def __init__(self, upstream: str, profile: LinkProfile, *, listen_host: str = "127.0.0.1", listen_port: int = 0,
-                 seed: int = 0) -> None:
+    def __init__(
+        self,
+        upstream: str,
+        profile: LinkProfile,
+        *,
+        listen_host: str = "127.0.0.1",
+        listen_port: int = 0,
+        seed: int = 0,
+    ) -> None:
         self.upstream_host, _, port = upstream.rpartition(":")
         self.upstream_port = int(port)
         self.profile, self.listen_host, self.listen_port = profile, listen_host, listen_port
@@ -123,13 +131,16 @@ class Relay:
         self.connections += 1
         try:
             up_reader, up_writer = await asyncio.wait_for(
-                asyncio.open_connection(self.upstream_host, self.upstream_port), timeout=10)
+                asyncio.open_connection(self.upstream_host, self.upstream_port), timeout=10
+            )
         except (OSError, asyncio.TimeoutError):
             client_writer.close()
             return
         try:
-            await asyncio.gather(_pump(client_reader, up_writer, self.profile, self.rng),
-                                 _pump(up_reader, client_writer, self.profile, self.rng))
+            await asyncio.gather(
+                _pump(client_reader, up_writer, self.profile, self.rng),
+                _pump(up_reader, client_writer, self.profile, self.rng),
+            )
         except asyncio.CancelledError:
             pass  # the relay is shutting down
         finally:

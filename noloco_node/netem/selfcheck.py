@@ -14,7 +14,7 @@ from noloco_node.netem.relay import LinkProfile, Relay
 async def _echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     """1-byte pings are echoed; a b'B' + 8-byte length starts a bulk upload acknowledged at its end."""
     try:
-        while (head := await reader.read(1)):
+        while head := await reader.read(1):
             if head == b"B":
                 size = int.from_bytes(await reader.readexactly(8), "big")
                 await reader.readexactly(size)
@@ -49,7 +49,7 @@ async def measure_link(profile: LinkProfile, *, pings: int = 15, upload_bytes: i
         start = time.perf_counter()
         writer.write(b"B" + upload_bytes.to_bytes(8, "big"))
         for i in range(0, upload_bytes, 1 << 16):
-            writer.write(payload[i:i + (1 << 16)])
+            writer.write(payload[i : i + (1 << 16)])
             await writer.drain()
         await reader.readexactly(1)
         elapsed = time.perf_counter() - start
@@ -61,6 +61,11 @@ async def measure_link(profile: LinkProfile, *, pings: int = 15, upload_bytes: i
         server.close()
         await server.wait_closed()
     transfer_s = max(1e-6, elapsed - rtt)
-    return {"profile": profile.to_dict(), "rtt_ms": rtt * 1e3, "rtt_ms_expected": 2 * profile.one_way_ms,
-            "mbit": upload_bytes * 8 / transfer_s / 1e6, "mbit_expected": profile.mbit or None,
-            "upload_bytes": upload_bytes}
+    return {
+        "profile": profile.to_dict(),
+        "rtt_ms": rtt * 1e3,
+        "rtt_ms_expected": 2 * profile.one_way_ms,
+        "mbit": upload_bytes * 8 / transfer_s / 1e6,
+        "mbit_expected": profile.mbit or None,
+        "upload_bytes": upload_bytes,
+    }

@@ -29,8 +29,11 @@ class DhtMatching:
         self.directory = directory
 
     async def matching(self, stage: int, round_index: int) -> list[Peer]:
-        return [Peer(r.peer_id, r.address, r.reach, r.capacity) for r in await self.directory.replicas(stage, fresh=True)
-                if r.status == Status.MATCHING and r.outer_round == round_index]
+        return [
+            Peer(r.peer_id, r.address, r.reach, r.capacity)
+            for r in await self.directory.replicas(stage, fresh=True)
+            if r.status == Status.MATCHING and r.outer_round == round_index
+        ]
 
     async def replica_count(self, stage: int) -> int:
         """Live replicas of `stage`, ours included (a cached lookup is fine)."""
@@ -43,5 +46,7 @@ class DhtMatching:
 
 async def swarm_replicas(directory: PeerDirectory) -> list[Replica]:
     """Every compatible record in the DHT as a rebalancing Replica (pipeline/rebalance.py)."""
-    return [Replica(r.peer_id, r.stage, r.capacity, r.throughput, r.status, r.movable, r.moved_at, r.move_claimed_at)
-            for r in await directory.compatible_records()]
+    return [
+        Replica(r.peer_id, r.stage, r.capacity, r.throughput, r.status, r.movable, r.moved_at, r.move_claimed_at)
+        for r in await directory.compatible_records()
+    ]

@@ -58,8 +58,16 @@ class ComputeParts:
     """What the process held before the stage was built: its peak is reported above this."""
 
 
-def build_compute(config: NodeConfig, llama, ranges: list[range], stage_index: int, *, vocab_size: int,
-                  events: EventLog, faults: FaultInjector) -> ComputeParts:
+def build_compute(
+    config: NodeConfig,
+    llama,
+    ranges: list[range],
+    stage_index: int,
+    *,
+    vocab_size: int,
+    events: EventLog,
+    faults: FaultInjector,
+) -> ComputeParts:
     """Build (and check the fit of) stage `stage_index` with its optimizers and worker."""
     pipe, inner, traits = config.pipeline, config.inner, method_traits(config.outer.method)
     device = compute_device(pipe.device)
@@ -68,40 +76,89 @@ def build_compute(config: NodeConfig, llama, ranges: list[range], stage_index: i
     # Drawn on the CPU (model/init.py) and materialised on the device: every device starts from the
     # same phi_0, and a GPU node never holds its stage in host RAM.
     stage = build_run_stage(config, llama, ranges, stage_index, device=device)
-    schedule = InnerSchedule(lr_max=inner.lr, warmup_steps=inner.warmup_steps, total_steps=inner.total_steps,
-                             min_lr_ratio=inner.min_lr_ratio)
-    optimizer = InnerOptimizer(stage.parameters(), schedule, betas=(inner.beta1, inner.beta2), eps=inner.eps,
-                               weight_decay=inner.weight_decay, clip_norm=inner.clip_norm)
+    schedule = InnerSchedule(
+        lr_max=inner.lr, warmup_steps=inner.warmup_steps, total_steps=inner.total_steps, min_lr_ratio=inner.min_lr_ratio
+    )
+    optimizer = InnerOptimizer(
+        stage.parameters(),
+        schedule,
+        betas=(inner.beta1, inner.beta2),
+        eps=inner.eps,
+        weight_decay=inner.weight_decay,
+        clip_norm=inner.clip_norm,
+    )
     outer_state = None
     if traits.outer_rounds:  # slow weights phi and outer momentum m
-        outer_state = OuterState(stage.named_parameters(), alpha=config.outer.alpha, beta=config.outer.beta,
-                                 gamma=config.outer.gamma)
+        outer_state = OuterState(
+            stage.named_parameters(), alpha=config.outer.alpha, beta=config.outer.beta, gamma=config.outer.gamma
+        )
     # Stages > 0 step every batch worth of sequences, the step left due until the batch's last
     # gradient is on its way upstream; a method that takes the step (dp, after its all-reduce) does it itself.
     auto_step = stage_index != 0 and not traits.takes_inner_step
-    settings = WorkerSettings(batch_size=pipe.batch_size, saved_ttl_s=config.timeouts.saved_input_ttl_s,
-                              auto_step=auto_step, defer_step=auto_step,
-                              # Overlap: a step can fall between a microbatch's forward and its backward here.
-                              stash_weights=pipe.schedule == "overlap" and not stage.is_last,
-                              device=device, bf16_autocast=pipe.bf16_autocast,
-                              compute_delay_s=config.faults.compute_delay_s,
-                              host_dtypes=tuple(torch.bfloat16 if device.type == "cuda" and codec == "bf16" else torch.float32
-                                                for codec in (pipe.activation_codec, pipe.gradient_codec)))
-    worker = StageWorker(stage, optimizer, settings, faults=faults, emit=events.emit,
-                         slow_weights=None if outer_state is None else (lambda: outer_state.phi))
-    shape = StageShape(stage=stage_index, num_stages=pipe.num_stages, boundary_width=stage.boundary_width,
-                       seq_len=config.model.seq_len, microbatch_size=pipe.microbatch_size, vocab_size=vocab_size,
-                       carries_token_ids=stage.subspace is not None)
-    return ComputeParts(stage, device, worker, ComputeThread(), outer_state, shape,
-                        memory_estimate_bytes=int(estimate.total), memory_baseline_bytes=baseline)
+    settings = WorkerSettings(
+        batch_size=pipe.batch_size,
+        saved_ttl_s=config.timeouts.saved_input_ttl_s,
+        auto_step=auto_step,
+        defer_step=auto_step,
+        # Overlap: a step can fall between a microbatch's forward and its backward here.
+        stash_weights=pipe.schedule == "overlap" and not stage.is_last,
+        device=device,
+        bf16_autocast=pipe.bf16_autocast,
+        compute_delay_s=config.faults.compute_delay_s,
+        host_dtypes=tuple(
+            torch.bfloat16 if device.type == "cuda" and codec == "bf16" else torch.float32
+            for codec in (pipe.activation_codec, pipe.gradient_codec)
+        ),
+    )
+    worker = StageWorker(
+        stage,
+        optimizer,
+        settings,
+        faults=faults,
+        emit=events.emit,
+        slow_weights=None if outer_state is None else (lambda: outer_state.phi),
+    )
+    shape = StageShape(
+        stage=stage_index,
+        num_stages=pipe.num_stages,
+        boundary_width=stage.boundary_width,
+        seq_len=config.model.seq_len,
+        microbatch_size=pipe.microbatch_size,
+        vocab_size=vocab_size,
+        carries_token_ids=stage.subspace is not None,
+    )
+    return ComputeParts(
+        stage,
+        device,
+        worker,
+        ComputeThread(),
+        outer_state,
+        shape,
+        memory_estimate_bytes=int(estimate.total),
+        memory_baseline_bytes=baseline,
+    )
 
 
-def build_sync(config: NodeConfig, parts: ComputeParts, ports: SyncPorts, *, peer_id: str,
-               set_status: Callable[[str, int], Awaitable[None]], events: EventLog,
-               faults: FaultInjector) -> OuterSync:
+def build_sync(
+    config: NodeConfig,
+    parts: ComputeParts,
+    ports: SyncPorts,
+    *,
+    peer_id: str,
+    set_status: Callable[[str, int], Awaitable[None]],
+    events: EventLog,
+    faults: FaultInjector,
+) -> OuterSync:
     worker = parts.worker
-    sync_parts = SyncParts(compute=parts.compute, peer_id=peer_id, stage=parts.shape.stage, set_status=set_status,
-                           emit=events.emit, faults=faults, inner_steps=lambda: worker.inner_steps)
+    sync_parts = SyncParts(
+        compute=parts.compute,
+        peer_id=peer_id,
+        stage=parts.shape.stage,
+        set_status=set_status,
+        emit=events.emit,
+        faults=faults,
+        inner_steps=lambda: worker.inner_steps,
+    )
     return build_outer_sync(config, sync_parts, ports, worker=parts.worker, state=parts.outer_state)
 
 
@@ -110,10 +167,15 @@ def runtime_settings(config: NodeConfig) -> RuntimeSettings:
     # of a stage's replicas reach each round together.
     traits = method_traits(config.outer.method)
     routing = "balanced" if traits.balanced_routing else config.pipeline.routing
-    return RuntimeSettings(max_in_flight=config.pipeline.max_in_flight, send_deadline_s=config.timeouts.rpc_s,
-                           routing=routing, routing_seed=config.run.seed, lockstep=traits.lockstep,
-                           lockstep_replicas=config.outer.allreduce_group_size if traits.lockstep else 0,
-                           delay_before_forward_s=config.faults.delay_before_forward_s)
+    return RuntimeSettings(
+        max_in_flight=config.pipeline.max_in_flight,
+        send_deadline_s=config.timeouts.rpc_s,
+        routing=routing,
+        routing_seed=config.run.seed,
+        lockstep=traits.lockstep,
+        lockstep_replicas=config.outer.allreduce_group_size if traits.lockstep else 0,
+        delay_before_forward_s=config.faults.delay_before_forward_s,
+    )
 
 
 @dataclass
@@ -123,37 +185,72 @@ class PipelineParts:
     bans: Bans
 
 
-def build_pipeline(config: NodeConfig, parts: ComputeParts, *, transport: StageTransport,
-                   directory: ReplicaDirectory, me: Hop, sync: OuterSync,
-                   on_inner_step: Callable[[int], Awaitable[None]], faults: FaultInjector) -> PipelineParts:
+def build_pipeline(
+    config: NodeConfig,
+    parts: ComputeParts,
+    *,
+    transport: StageTransport,
+    directory: ReplicaDirectory,
+    me: Hop,
+    sync: OuterSync,
+    on_inner_step: Callable[[int], Awaitable[None]],
+    faults: FaultInjector,
+) -> PipelineParts:
     """The stage's microbatch lifecycle. `on_inner_step` runs after each inner step the runtime
     takes (stages > 0); stage 0's driver calls the boundary itself."""
     completions = None
     if parts.shape.is_first:
         completions = Stage0Completions(gated=overlapped(driver_settings(config), parts.shape.is_last))
-    hooks = RuntimeHooks(on_inner_step=None if parts.shape.is_first else on_inner_step,
-                         inner_step=sync.inner_step if sync.traits.takes_inner_step and not parts.shape.is_first else None,
-                         stage0=completions)
+    hooks = RuntimeHooks(
+        on_inner_step=None if parts.shape.is_first else on_inner_step,
+        inner_step=sync.inner_step if sync.traits.takes_inner_step and not parts.shape.is_first else None,
+        stage0=completions,
+    )
     bans = Bans()
     router = Router(bans, random.Random(me.peer_id), by_capacity=config.pipeline.routing == "capacity")
-    runtime = StageRuntime(shape=parts.shape, worker=parts.worker, compute=parts.compute, transport=transport,
-                           directory=directory, router=router, me=me, settings=runtime_settings(config), hooks=hooks,
-                           faults=faults)
+    runtime = StageRuntime(
+        shape=parts.shape,
+        worker=parts.worker,
+        compute=parts.compute,
+        transport=transport,
+        directory=directory,
+        router=router,
+        me=me,
+        settings=runtime_settings(config),
+        hooks=hooks,
+        faults=faults,
+    )
     return PipelineParts(runtime, completions, bans)
 
 
 def driver_settings(config: NodeConfig) -> DriverSettings:
     pipe = config.pipeline
-    return DriverSettings(microbatch_size=pipe.microbatch_size, microbatch_timeout_s=config.timeouts.microbatch_s,
-                          sequential=pipe.deterministic, overlap=pipe.schedule == "overlap")
+    return DriverSettings(
+        microbatch_size=pipe.microbatch_size,
+        microbatch_timeout_s=config.timeouts.microbatch_s,
+        sequential=pipe.deterministic,
+        overlap=pipe.schedule == "overlap",
+    )
 
 
-def build_driver(config: NodeConfig, pipeline: PipelineParts, sync: OuterSync,
-                 batches: Iterator[tuple[Tensor, Tensor]], *, restored: dict | None = None,
-                 before_batch: Callable[[], Awaitable[None]] | None = None) -> Stage0Driver:
-    return Stage0Driver(pipeline.runtime, batches, driver_settings(config), completions=pipeline.completions,
-                        inner_step=sync.inner_step if sync.traits.takes_inner_step else None,
-                        counters=DriverCounters.restored(restored) if restored else None, before_batch=before_batch)
+def build_driver(
+    config: NodeConfig,
+    pipeline: PipelineParts,
+    sync: OuterSync,
+    batches: Iterator[tuple[Tensor, Tensor]],
+    *,
+    restored: dict | None = None,
+    before_batch: Callable[[], Awaitable[None]] | None = None,
+) -> Stage0Driver:
+    return Stage0Driver(
+        pipeline.runtime,
+        batches,
+        driver_settings(config),
+        completions=pipeline.completions,
+        inner_step=sync.inner_step if sync.traits.takes_inner_step else None,
+        counters=DriverCounters.restored(restored) if restored else None,
+        before_batch=before_batch,
+    )
 
 
 @dataclass(frozen=True)
@@ -177,16 +274,39 @@ class Assembly:
     pipeline: PipelineParts
 
 
-def assemble(config: NodeConfig, parts: ComputeParts, ports: AssemblyPorts, *, events: EventLog,
-             faults: FaultInjector, checkpoints: Checkpointer | None = None,
-             snapshots: Snapshots | None = None) -> Assembly:
+def assemble(
+    config: NodeConfig,
+    parts: ComputeParts,
+    ports: AssemblyPorts,
+    *,
+    events: EventLog,
+    faults: FaultInjector,
+    checkpoints: Checkpointer | None = None,
+    snapshots: Snapshots | None = None,
+) -> Assembly:
     """The wiring every node shares, in the order each part needs the one before: the outer-sync
     method, the inner-step boundary, the stage's pipeline."""
-    sync = build_sync(config, parts, ports.sync, peer_id=ports.me.peer_id, set_status=ports.set_status,
-                      events=events, faults=faults)
-    boundary = InnerStepBoundary(worker=parts.worker, sync=sync, events=events, compute=parts.compute,
-                                 stage_index=parts.shape.stage, bytes_sent=ports.bytes_sent,
-                                 checkpoints=checkpoints, snapshots=snapshots)
-    pipeline = build_pipeline(config, parts, transport=ports.transport, directory=ports.directory, me=ports.me,
-                              sync=sync, on_inner_step=boundary, faults=faults)
+    sync = build_sync(
+        config, parts, ports.sync, peer_id=ports.me.peer_id, set_status=ports.set_status, events=events, faults=faults
+    )
+    boundary = InnerStepBoundary(
+        worker=parts.worker,
+        sync=sync,
+        events=events,
+        compute=parts.compute,
+        stage_index=parts.shape.stage,
+        bytes_sent=ports.bytes_sent,
+        checkpoints=checkpoints,
+        snapshots=snapshots,
+    )
+    pipeline = build_pipeline(
+        config,
+        parts,
+        transport=ports.transport,
+        directory=ports.directory,
+        me=ports.me,
+        sync=sync,
+        on_inner_step=boundary,
+        faults=faults,
+    )
     return Assembly(sync, boundary, pipeline)

@@ -64,23 +64,35 @@ def _solo_note(view: NodeView) -> str | None:
     n = len(latest)
     rounds = f"the last {n} outer rounds went solo" if n > 1 else "the last outer round went solo"
     if view.replicas_of_stage == 1:
-        return (f"{rounds}: stage {view.stage} has no second replica to average with (another node on stage "
-                f"{view.stage} fixes it)")
+        return (
+            f"{rounds}: stage {view.stage} has no second replica to average with (another node on stage "
+            f"{view.stage} fixes it)"
+        )
     if view.all_reduce:
-        return (f"{rounds}: the all-reduce group never formed in time (a loaded machine or a slow link); "
-                f"raise timeouts.match_s")
-    return (f"{rounds}: no replica of stage {view.stage} answered within timeouts.match_s (a loaded machine, a slow "
-            f"link, or partners that are unreachable: see `noloco-node status`); raise timeouts.match_s")
+        return (
+            f"{rounds}: the all-reduce group never formed in time (a loaded machine or a slow link); "
+            f"raise timeouts.match_s"
+        )
+    return (
+        f"{rounds}: no replica of stage {view.stage} answered within timeouts.match_s (a loaded machine, a slow "
+        f"link, or partners that are unreachable: see `noloco-node status`); raise timeouts.match_s"
+    )
 
 
 def _stall_note(view: NodeView) -> str:
     minutes = view.since_progress_s / 60
-    since = f"no inner step for {minutes:.0f} min" if minutes >= 2 else f"no inner step for {view.since_progress_s:.0f} s"
+    since = (
+        f"no inner step for {minutes:.0f} min" if minutes >= 2 else f"no inner step for {view.since_progress_s:.0f} s"
+    )
     if view.stage == 0:
-        return (f"{since}: microbatches are not coming back (a later stage slow, overloaded or unreachable); "
-                f"see `noloco-node status`")
-    return (f"{since}: no microbatches arrive from stage {view.stage - 1} (its replicas finished, stopped, or "
-            f"cannot reach this node); see `noloco-node status` and `noloco-node doctor`")
+        return (
+            f"{since}: microbatches are not coming back (a later stage slow, overloaded or unreachable); "
+            f"see `noloco-node status`"
+        )
+    return (
+        f"{since}: no microbatches arrive from stage {view.stage - 1} (its replicas finished, stopped, or "
+        f"cannot reach this node); see `noloco-node status` and `noloco-node doctor`"
+    )
 
 
 class Progress:
@@ -124,19 +136,24 @@ def swarm_attention(rows: Sequence[dict], num_stages: int, *, behind_steps: int)
     for s in range(num_stages):
         here = [r for r in live if r["stage"] == s]
         if not here:
-            notes.append(f"stage {s} has no replica: nothing trains until one joins (`noloco-node join --stage auto` "
-                         f"takes it)")
+            notes.append(
+                f"stage {s} has no replica: nothing trains until one joins (`noloco-node join --stage auto` takes it)"
+            )
         elif len(here) == 1:
             notes.append(f"stage {s} has a single replica: its outer rounds have nobody to average with")
         else:
             lead = max(r["inner_step"] for r in here)
             for r in here:
                 if lead - r["inner_step"] > behind_steps:
-                    notes.append(f"replica {r['peer_id'][-8:]} (stage {s}) is {lead - r['inner_step']} inner steps "
-                                 f"behind its stage: a slow machine or link")
+                    notes.append(
+                        f"replica {r['peer_id'][-8:]} (stage {s}) is {lead - r['inner_step']} inner steps "
+                        f"behind its stage: a slow machine or link"
+                    )
     for r in live:
         if r.get("reach") == "relayed":
-            notes.append(f"replica {r['peer_id'][-8:]} (stage {r['stage']}) is reached only through a relay (slower): "
-                         f"forward its port and pass --announce-addr; `noloco-node doctor` says how")
+            notes.append(
+                f"replica {r['peer_id'][-8:]} (stage {r['stage']}) is reached only through a relay (slower): "
+                f"forward its port and pass --announce-addr; `noloco-node doctor` says how"
+            )
         notes.extend(f"replica {r['peer_id'][-8:]} (stage {r['stage']}): {note}" for note in r.get("attention") or [])
     return notes

@@ -32,17 +32,27 @@ class Snapshots:
     async def save(self, inner_step: int, *, final: bool = False) -> None:
         from safetensors.torch import save_file
 
-        tensors = await self.compute.run(lambda: {n: p.detach().to("cpu", copy=True).contiguous()
-                                                  for n, p in self.stage.named_parameters()})
+        tensors = await self.compute.run(
+            lambda: {n: p.detach().to("cpu", copy=True).contiguous() for n, p in self.stage.named_parameters()}
+        )
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.directory / f"{self.name}-{'final' if final else f'step{inner_step}'}.safetensors"
         await asyncio.to_thread(save_file, tensors, str(path))
 
 
 class InnerStepBoundary:
-    def __init__(self, *, worker: StageWorker, sync: OuterSync, events: EventLog, compute: ComputeThread,
-                 stage_index: int, bytes_sent: Callable[[], int], checkpoints: Checkpointer | None = None,
-                 snapshots: Snapshots | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        worker: StageWorker,
+        sync: OuterSync,
+        events: EventLog,
+        compute: ComputeThread,
+        stage_index: int,
+        bytes_sent: Callable[[], int],
+        checkpoints: Checkpointer | None = None,
+        snapshots: Snapshots | None = None,
+    ) -> None:
         self.worker, self.sync, self.events, self.compute = worker, sync, events, compute
         self.stage_index, self.bytes_sent = stage_index, bytes_sent
         self.checkpoints, self.snapshots = checkpoints, snapshots
@@ -67,9 +77,14 @@ class InnerStepBoundary:
         self.events.emit("checkpoint", inner_step=self.worker.inner_steps, file=str(path))
 
     def _emit(self, inner_step: int, driver: Stage0Driver | None) -> None:
-        fields = {"inner_step": inner_step, "lr": self.worker.last_lr, "tokens": self.worker.tokens_total,
-                  "bytes_sent": self.bytes_sent(), "idle_s": round(self.compute.idle_s, 4),
-                  "busy_s": round(self.compute.busy_s, 4)}
+        fields = {
+            "inner_step": inner_step,
+            "lr": self.worker.last_lr,
+            "tokens": self.worker.tokens_total,
+            "bytes_sent": self.bytes_sent(),
+            "idle_s": round(self.compute.idle_s, 4),
+            "busy_s": round(self.compute.busy_s, 4),
+        }
         if driver is not None and driver.log.step_losses:
             fields["loss"] = driver.log.step_losses[-1]
             fields["lr"] = driver.log.lrs[-1]

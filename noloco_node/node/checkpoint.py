@@ -24,8 +24,11 @@ def collect(stage: nn.Module, inner: InnerOptimizer, outer: OuterState | None) -
     tensors.update({k: v.to("cpu").contiguous() for k, v in moments.items()})
     if outer is not None:
         tensors.update({k: v.detach().to("cpu", copy=True).contiguous() for k, v in outer.state_dict().items()})
-    counters = {"inner_step": inner.step_count, "outer_round": outer.round if outer is not None else 0,
-                "adam_steps": adam_steps}
+    counters = {
+        "inner_step": inner.step_count,
+        "outer_round": outer.round if outer is not None else 0,
+        "adam_steps": adam_steps,
+    }
     return tensors, counters
 
 
@@ -63,7 +66,9 @@ def load(directory: Path, stage_index: int) -> tuple[dict[str, Tensor], dict] | 
     return load_file(str(directory / meta["file"])), meta
 
 
-def restore(stage: nn.Module, inner: InnerOptimizer, outer: OuterState | None, tensors: dict[str, Tensor], meta: dict) -> None:
+def restore(
+    stage: nn.Module, inner: InnerOptimizer, outer: OuterState | None, tensors: dict[str, Tensor], meta: dict
+) -> None:
     """Put a checkpoint back (on the compute thread): theta, then phi and m, Adam, counters."""
     with torch.no_grad():
         for name, param in stage.named_parameters():
@@ -82,8 +87,17 @@ class Checkpointer:
     """Saves this node's training state every `every_steps` inner steps (and when asked), and
     resumes from the directory's checkpoint of its stage if one belongs to this run."""
 
-    def __init__(self, directory: Path, every_steps: int, *, identity: dict, compute, stage: nn.Module,
-                 inner: InnerOptimizer, outer: OuterState | None) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        every_steps: int,
+        *,
+        identity: dict,
+        compute,
+        stage: nn.Module,
+        inner: InnerOptimizer,
+        outer: OuterState | None,
+    ) -> None:
         """`identity`: {run_id, manifest_hash, peer_id}, written with every checkpoint."""
         self.directory, self.every_steps, self.identity = directory, every_steps, identity
         self.compute, self.stage, self.inner, self.outer = compute, stage, inner, outer
@@ -112,9 +126,17 @@ class Checkpointer:
             return None
         tensors, meta = found
         if meta.get("run_id") != self.identity["run_id"] or meta.get("manifest_hash") != self.identity["manifest_hash"]:
-            logging.getLogger(__name__).warning("ignoring the checkpoint in %s: it belongs to run %s / manifest %s",
-                                                self.directory, meta.get("run_id"), meta.get("manifest_hash"))
+            logging.getLogger(__name__).warning(
+                "ignoring the checkpoint in %s: it belongs to run %s / manifest %s",
+                self.directory,
+                meta.get("run_id"),
+                meta.get("manifest_hash"),
+            )
             return None
         await self.compute.run(restore, self.stage, self.inner, self.outer, tensors, meta)
-        return {"inner_step": int(meta["inner_step"]), "outer_round": int(meta["outer_round"]), "file": meta["file"],
-                "microbatches": meta.get("microbatches")}
+        return {
+            "inner_step": int(meta["inner_step"]),
+            "outer_round": int(meta["outer_round"]),
+            "file": meta["file"],
+            "microbatches": meta.get("microbatches"),
+        }

@@ -27,13 +27,23 @@ class NodeDashboard:
         cfg = node.config
         host, port = parse_listen(cfg.network.dashboard)
         problems = LastProblem().__enter__()
-        view = NodeView(lambda: (node.stats(), node.record().dict(exclude={"tls_cert"})), method=cfg.outer.method,
-                        flops_per_token=training_flops_per_token(node.parts.stage, cfg.model.seq_len),
-                        poll_s=cfg.network.dashboard_poll_s, problems=problems)
+        view = NodeView(
+            lambda: (node.stats(), node.record().dict(exclude={"tls_cert"})),
+            method=cfg.outer.method,
+            flops_per_token=training_flops_per_token(node.parts.stage, cfg.model.seq_len),
+            poll_s=cfg.network.dashboard_poll_s,
+            problems=problems,
+        )
         swarm = SwarmView(node.directory.all_records, cfg, poll_s=cfg.network.dashboard_poll_s)
-        server = DashboardServer(pages={"/": "node.html", "/swarm": "swarm.html"},
-                                 api={"/api/node": view.node, "/api/node/history": view.history_json,
-                                      "/api/swarm": swarm.swarm, "/api/history": swarm.history_json})
+        server = DashboardServer(
+            pages={"/": "node.html", "/swarm": "swarm.html"},
+            api={
+                "/api/node": view.node,
+                "/api/node/history": view.history_json,
+                "/api/swarm": swarm.swarm,
+                "/api/history": swarm.history_json,
+            },
+        )
         try:
             bound = await server.start(host, port)
         except BaseException:

@@ -16,17 +16,24 @@ from noloco_node.transport.identity import NodeIdentity
 log = logging.getLogger(__name__)
 
 
-async def start_directory(cfg: NodeConfig, manifest_hash: str, identity: NodeIdentity,
-                          swarm_key: bytes | None) -> PeerDirectory:
+async def start_directory(
+    cfg: NodeConfig, manifest_hash: str, identity: NodeIdentity, swarm_key: bytes | None
+) -> PeerDirectory:
     return await PeerDirectory.start(
         DirectoryIdentity(cfg.run.run_id, manifest_hash, __version__, cfg.pipeline.num_stages),
-        initial_peers=list(cfg.network.initial_peers), host=cfg.network.host, port=cfg.network.dht_port,
-        startup_timeout_s=cfg.timeouts.startup_s, swarm_key=swarm_key, max_skew_s=cfg.security.max_clock_skew_s,
-        key=identity)
+        initial_peers=list(cfg.network.initial_peers),
+        host=cfg.network.host,
+        port=cfg.network.dht_port,
+        startup_timeout_s=cfg.timeouts.startup_s,
+        swarm_key=swarm_key,
+        max_skew_s=cfg.security.max_clock_skew_s,
+        key=identity,
+    )
 
 
-async def choose_stage(cfg: NodeConfig, manifest_hash: str, identity: NodeIdentity,
-                       swarm_key: bytes | None) -> tuple[PeerDirectory | None, int]:
+async def choose_stage(
+    cfg: NodeConfig, manifest_hash: str, identity: NodeIdentity, swarm_key: bytes | None
+) -> tuple[PeerDirectory | None, int]:
     """`--stage auto`: (the directory, if it had to be started, and) the stage of our own checkpoint
     if there is exactly one, else the stage that sustains the least (runtime/throughput.py:
     weakest_stage), claimed in the DHT first (pipeline/stage_choice.py)."""
@@ -41,10 +48,22 @@ async def choose_stage(cfg: NodeConfig, manifest_hash: str, identity: NodeIdenti
 
     def claim_record(stage: int, status: str, claimed_at: float) -> StageRecord:
         """A joiner's claim on a stage: no address yet, never routed to."""
-        return StageRecord(peer_id=directory.peer_id, address="", stage=stage, inner_step=0, outer_round=0,
-                           status=status, tokens_per_s=0.0, version=__version__, manifest_hash=manifest_hash,
-                           run_id=cfg.run.run_id, updated_at=claimed_at)
+        return StageRecord(
+            peer_id=directory.peer_id,
+            address="",
+            stage=stage,
+            inner_step=0,
+            outer_round=0,
+            status=status,
+            tokens_per_s=0.0,
+            version=__version__,
+            manifest_hash=manifest_hash,
+            run_id=cfg.run.run_id,
+            updated_at=claimed_at,
+        )
 
     stage = await claim_stage_in(directory, claim_record, ttl_s=cfg.timeouts.record_ttl_s)
-    log.info("stage auto: replicas' capacities per stage %s -> serving stage %d", await directory.replica_capacities(), stage)
+    log.info(
+        "stage auto: replicas' capacities per stage %s -> serving stage %d", await directory.replica_capacities(), stage
+    )
     return directory, stage

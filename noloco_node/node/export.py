@@ -46,12 +46,16 @@ def gather_checkpoints(dirs: list[Path], *, num_stages: int, manifest_hash: str)
     for directory in dirs:
         metas = sorted(Path(directory).expanduser().glob("stage*.json"))
         if not metas:
-            raise ExportError(f"{directory} holds no node checkpoint (stage<N>.json); point --from-checkpoint at checkpoint.dir")
+            raise ExportError(
+                f"{directory} holds no node checkpoint (stage<N>.json); point --from-checkpoint at checkpoint.dir"
+            )
         for meta_path in metas:
             meta = json.loads(meta_path.read_text())
             if meta.get("manifest_hash") != manifest_hash:
-                raise ExportError(f"{meta_path} is from another run or model (manifest {meta.get('manifest_hash')}, this "
-                                  f"config gives {manifest_hash}); pass the run's --config / --set")
+                raise ExportError(
+                    f"{meta_path} is from another run or model (manifest {meta.get('manifest_hash')}, this "
+                    f"config gives {manifest_hash}); pass the run's --config / --set"
+                )
             found.setdefault(int(meta["stage"]), []).append((meta, meta_path.parent / meta["file"]))
     missing = [s for s in range(num_stages) if s not in found]
     if missing:
@@ -72,8 +76,9 @@ def merge_stages(per_stage: dict[int, list[dict[str, torch.Tensor]]], average: b
     return merged
 
 
-def weights_from_checkpoints(dirs: list[Path], config: NodeConfig, manifest_hash: str, *,
-                             average: bool = False) -> tuple[dict[str, torch.Tensor], str]:
+def weights_from_checkpoints(
+    dirs: list[Path], config: NodeConfig, manifest_hash: str, *, average: bool = False
+) -> tuple[dict[str, torch.Tensor], str]:
     found = gather_checkpoints(dirs, num_stages=config.pipeline.num_stages, manifest_hash=manifest_hash)
     per_stage, kinds = {}, set()
     for stage, entries in found.items():
@@ -102,8 +107,10 @@ def write_model_dir(out: Path, llama_config, weights: dict[str, torch.Tensor], t
         model = LlamaForCausalLM(llama_config)
     expected = set(model.state_dict())
     if set(weights) != expected:
-        raise ExportError(f"the stages' weights do not make the whole model: missing {sorted(expected - set(weights))[:5]}, "
-                          f"unexpected {sorted(set(weights) - expected)[:5]}")
+        raise ExportError(
+            f"the stages' weights do not make the whole model: missing {sorted(expected - set(weights))[:5]}, "
+            f"unexpected {sorted(set(weights) - expected)[:5]}"
+        )
     model.load_state_dict({k: v.contiguous() for k, v in weights.items()}, assign=True)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
@@ -111,8 +118,9 @@ def write_model_dir(out: Path, llama_config, weights: dict[str, torch.Tensor], t
     return out
 
 
-def expected_state(llama_config, layer_range: range, stage: int, num_stages: int,
-                   subspace_rank: int = 0) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def expected_state(
+    llama_config, layer_range: range, stage: int, num_stages: int, subspace_rank: int = 0
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """The tensors a donor's FetchState may send for one stage (phi, m, Adam moments), from the
     model's config alone (on the meta device: nothing is allocated), in subspace coordinates
     where the model has a residual subspace of `subspace_rank`."""
@@ -125,9 +133,11 @@ def expected_state(llama_config, layer_range: range, stage: int, num_stages: int
     out = {}
     for name, param in full.named_parameters():
         parts = name.split(".")
-        mine = (name.startswith("model.embed_tokens") and stage == 0) or \
-               (name.startswith(("model.norm", "lm_head")) and stage == num_stages - 1) or \
-               (parts[:2] == ["model", "layers"] and int(parts[2]) in layer_range)
+        mine = (
+            (name.startswith("model.embed_tokens") and stage == 0)
+            or (name.startswith(("model.norm", "lm_head")) and stage == num_stages - 1)
+            or (parts[:2] == ["model", "layers"] and int(parts[2]) in layer_range)
+        )
         if mine:
             shape = subspace_shape(name, tuple(param.shape), subspace_rank, llama_config.num_hidden_layers)
             for kind in ("phi", "momentum", "adam_exp_avg", "adam_exp_avg_sq"):
@@ -135,8 +145,9 @@ def expected_state(llama_config, layer_range: range, stage: int, num_stages: int
     return out
 
 
-async def fetch_replicas(config: NodeConfig, manifest_hash: str, llama_config, ranges: list[range], *,
-                         every_replica: bool, timeout_s: float) -> dict[int, list[tuple[str, dict[str, torch.Tensor], dict]]]:
+async def fetch_replicas(
+    config: NodeConfig, manifest_hash: str, llama_config, ranges: list[range], *, every_replica: bool, timeout_s: float
+) -> dict[int, list[tuple[str, dict[str, torch.Tensor], dict]]]:
     """stage -> [(peer id, phi, counters)] fetched over FetchState from live replicas: one per
     stage (the first of a random order that answers), or every replica with `every_replica`."""
     from noloco_node.rpc.outer_service import OuterClient
@@ -145,16 +156,27 @@ async def fetch_replicas(config: NodeConfig, manifest_hash: str, llama_config, r
     directory, links = await _join_as_client(config, manifest_hash)
     # The largest stage's state in bytes (float32): the bound on what a donor may send us.
     rank = config.model.residual_subspace
-    max_bytes = 4 * max(sum(_numel(shape) for shape, _ in expected_state(llama_config, r, i, p.num_stages, rank).values())
-                        for i, r in enumerate(ranges))
-    client = OuterClient(run_id=config.run.run_id, manifest_hash=manifest_hash, max_bytes=max_bytes, dialer=links.dialer)
+    max_bytes = 4 * max(
+        sum(_numel(shape) for shape, _ in expected_state(llama_config, r, i, p.num_stages, rank).values())
+        for i, r in enumerate(ranges)
+    )
+    client = OuterClient(
+        run_id=config.run.run_id, manifest_hash=manifest_hash, max_bytes=max_bytes, dialer=links.dialer
+    )
     found: dict[int, list[tuple[str, dict[str, torch.Tensor], dict]]] = {}
     try:
         for stage in range(p.num_stages):
             expected = expected_state(llama_config, ranges[stage], stage, p.num_stages, rank)
             replicas = await _live_replicas(directory, stage, config.run.run_id, manifest_hash)
-            fetched, errors = await _fetch_stage(client, replicas, stage, requester=links.peer_id, timeout_s=timeout_s,
-                                                 expected=expected, every_replica=every_replica)
+            fetched, errors = await _fetch_stage(
+                client,
+                replicas,
+                stage,
+                requester=links.peer_id,
+                timeout_s=timeout_s,
+                expected=expected,
+                every_replica=every_replica,
+            )
             if fetched:
                 found[stage] = fetched
             if stage not in found:
@@ -181,10 +203,20 @@ async def _join_as_client(config: NodeConfig, manifest_hash: str) -> tuple[PeerD
     swarm_key = read_swarm_key(config.security)
     directory = await PeerDirectory.start(
         DirectoryIdentity(config.run.run_id, manifest_hash, __version__, config.pipeline.num_stages),
-        initial_peers=list(config.network.initial_peers), host=config.network.host, client_mode=True,
-        startup_timeout_s=config.timeouts.startup_s, swarm_key=swarm_key, max_skew_s=config.security.max_clock_skew_s)
-    links = Links(NodeIdentity.generate(), swarm_key=swarm_key, max_skew_s=config.security.max_clock_skew_s,
-                  lookup=contact_lookup(directory), options=GRPC_OPTIONS)
+        initial_peers=list(config.network.initial_peers),
+        host=config.network.host,
+        client_mode=True,
+        startup_timeout_s=config.timeouts.startup_s,
+        swarm_key=swarm_key,
+        max_skew_s=config.security.max_clock_skew_s,
+    )
+    links = Links(
+        NodeIdentity.generate(),
+        swarm_key=swarm_key,
+        max_skew_s=config.security.max_clock_skew_s,
+        lookup=contact_lookup(directory),
+        options=GRPC_OPTIONS,
+    )
     await links.dial_over(directory.p2p)
     return directory, links
 
@@ -195,14 +227,24 @@ async def _live_replicas(directory: PeerDirectory, stage: int, run_id: str, mani
 
     replicas = [r.peer_id for r in await directory.replicas(stage, fresh=True)]
     if not replicas:
-        raise ExportError(f"no live replica of stage {stage} in run {run_id!r} with this model "
-                          f"(manifest {manifest_hash}); is the swarm up, and is this its --config?")
+        raise ExportError(
+            f"no live replica of stage {stage} in run {run_id!r} with this model "
+            f"(manifest {manifest_hash}); is the swarm up, and is this its --config?"
+        )
     random.shuffle(replicas)
     return replicas
 
 
-async def _fetch_stage(client: OuterClient, replicas: list[str], stage: int, *, requester: str, timeout_s: float, expected: dict,
-                       every_replica: bool) -> tuple[list[tuple[str, dict[str, torch.Tensor], dict]], list[str]]:
+async def _fetch_stage(
+    client: OuterClient,
+    replicas: list[str],
+    stage: int,
+    *,
+    requester: str,
+    timeout_s: float,
+    expected: dict,
+    every_replica: bool,
+) -> tuple[list[tuple[str, dict[str, torch.Tensor], dict]], list[str]]:
     """[(peer id, phi, counters)] from `replicas` in turn (the first that answers, or each one with
     `every_replica`), and an error line for each replica that failed."""
     from noloco_node.errors import NodeError
@@ -210,15 +252,21 @@ async def _fetch_stage(client: OuterClient, replicas: list[str], stage: int, *, 
     fetched, errors = [], []
     for peer in replicas:
         try:
-            tensors, counters = await client.fetch_state(peer, stage=stage, requester=requester,
-                                                         timeout_s=timeout_s, expected=expected)
+            tensors, counters = await client.fetch_state(
+                peer, stage=stage, requester=requester, timeout_s=timeout_s, expected=expected
+            )
         except NodeError as exc:
             errors.append(f"{peer[-8:]}: {exc}")
             continue
         phi = {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("phi/")}
         fetched.append((peer, phi, counters))
-        log.info("stage %d: phi of %s (inner step %s, outer round %s)", stage, peer[-8:],
-                 counters.get("inner_step"), counters.get("outer_round"))
+        log.info(
+            "stage %d: phi of %s (inner step %s, outer round %s)",
+            stage,
+            peer[-8:],
+            counters.get("inner_step"),
+            counters.get("outer_round"),
+        )
         if not every_replica:
             break
     return fetched, errors

@@ -68,12 +68,19 @@ class InProcessSwarm:
     """`replicas` replicas of every stage of `config`'s pipeline. `config_for(stage, replica)`
     may give a replica a config of its own (faults, delays); by default all share `config`."""
 
-    def __init__(self, config: NodeConfig, *, replicas: int, codec: str | None = None,
-                 config_for: Callable[[int, int], NodeConfig] | None = None) -> None:
+    def __init__(
+        self,
+        config: NodeConfig,
+        *,
+        replicas: int,
+        codec: str | None = None,
+        config_for: Callable[[int, int], NodeConfig] | None = None,
+    ) -> None:
         self.config, self.replicas = config, replicas
         self.config_for = config_for or (lambda stage, replica: config)
-        self.network = MemoryNetwork(codec=codec or config.pipeline.activation_codec,
-                                     gradient_codec=codec or config.pipeline.gradient_codec)
+        self.network = MemoryNetwork(
+            codec=codec or config.pipeline.activation_codec, gradient_codec=codec or config.pipeline.gradient_codec
+        )
         self.hub = MemoryPairingHub()
         self.all_reduce = {stage: MemoryAllReduceHub(replicas) for stage in range(config.pipeline.num_stages)}
         """Per stage, for diloco and dp: tests may inject partial or missed rounds into it."""
@@ -95,18 +102,27 @@ class InProcessSwarm:
         peer_id = f"s{stage}r{replica}"
         events, faults = EventLog(config.log.events_file), FaultInjector(config.faults.inject)
         events.bind(peer=peer_id, stage=stage)
-        parts = build_compute(config, llama, ranges, stage, vocab_size=len(self.tokenizer), events=events, faults=faults)
+        parts = build_compute(
+            config, llama, ranges, stage, vocab_size=len(self.tokenizer), events=events, faults=faults
+        )
         pairing, transport = self.hub.transport(peer_id, faults), self.network.transport(peer_id)
 
         async def set_status(status: str, round_index: int) -> None:
             await self.network.set_status(peer_id, status, round_index)
 
-        ports = AssemblyPorts(sync=SyncPorts(pairing=pairing, matching=self.network.directory(),
-                                             all_reduce=self.all_reduce[stage].member(peer_id),
-                                             progress=self.network.directory()),
-                              transport=transport, directory=self.network.directory(),
-                              me=Hop(peer_id, f"memory:{peer_id}", stage), set_status=set_status,
-                              bytes_sent=lambda: transport.bytes_sent + pairing.bytes_sent)
+        ports = AssemblyPorts(
+            sync=SyncPorts(
+                pairing=pairing,
+                matching=self.network.directory(),
+                all_reduce=self.all_reduce[stage].member(peer_id),
+                progress=self.network.directory(),
+            ),
+            transport=transport,
+            directory=self.network.directory(),
+            me=Hop(peer_id, f"memory:{peer_id}", stage),
+            set_status=set_status,
+            bytes_sent=lambda: transport.bytes_sent + pairing.bytes_sent,
+        )
         assembly = assemble(config, parts, ports, events=events, faults=faults)
         sync, boundary, pipeline = assembly.sync, assembly.boundary, assembly.pipeline
         self.network.register(peer_id, stage, pipeline.runtime, inner_steps=lambda: parts.worker.inner_steps)
@@ -117,8 +133,9 @@ class InProcessSwarm:
         shard = ShardSpec(shard_index=node.replica, num_shards=self.replicas)
         return training_batches(node.config, self.corpus, self.tokenizer, shard)
 
-    async def train(self, steps: int, timeout_s: float = 120.0,
-                    on_inner_step: Callable[[InProcessNode, int], None] | None = None) -> None:
+    async def train(
+        self, steps: int, timeout_s: float = 120.0, on_inner_step: Callable[[InProcessNode, int], None] | None = None
+    ) -> None:
         """Every stage-0 replica drives `steps` inner steps; all run at once on this event loop.
         `on_inner_step(node, step)` is called after each stage-0 node's boundary."""
         drivers = []
@@ -146,7 +163,6 @@ class InProcessSwarm:
 
     async def __aexit__(self, *exc) -> None:
         await self.stop()
-
 
     def replica_spread(self) -> float:
         """RMS deviation of each replica's weights from its stage's replica mean, over all parameters."""
@@ -177,8 +193,7 @@ class InProcessSwarm:
 
     def routes(self) -> dict[str, dict[str, int]]:
         """Per node past stage 0: forwards received from each upstream peer."""
-        return {n.peer_id: dict(sorted(n.runtime.stats.forwards_received.items()))
-                for n in self.nodes if n.stage > 0}
+        return {n.peer_id: dict(sorted(n.runtime.stats.forwards_received.items())) for n in self.nodes if n.stage > 0}
 
     def outer_rounds(self) -> dict[str, int]:
         """Each node's outer counters (node/stats.py's "outer"), summed over the swarm."""
@@ -191,4 +206,5 @@ def _boundary_of(node: InProcessNode, on_inner_step: Callable[[InProcessNode, in
         await node.boundary(step, node.driver)
         if on_inner_step is not None:
             on_inner_step(node, step)
+
     return after_step

@@ -67,22 +67,37 @@ def peer_ids_of(maddrs: Iterable[str]) -> list[str]:
     return list(dict.fromkeys(i for i in ids if i))
 
 
-async def probe_reachable(directory: PeerDirectory, dialer, *, address: str, tls_cert: bytes, peer_id: str,
-                          num_stages: int, run_id: str, timeout_s: float, initial_peers: Iterable[str] = ()) -> bool | None:
+async def probe_reachable(
+    directory: PeerDirectory,
+    dialer,
+    *,
+    address: str,
+    tls_cert: bytes,
+    peer_id: str,
+    num_stages: int,
+    run_id: str,
+    timeout_s: float,
+    initial_peers: Iterable[str] = (),
+) -> bool | None:
     """Ask up to four peers to dial `address` (our TLS health endpoint): live direct replicas
     first, then the initial peers (public by definition; a bootstrap answers probes over libp2p).
     True if one could, False if peers answered and none could, None when nobody could be asked."""
     from noloco_node.rpc.diagnostics import probe_from_peers
 
-    peers = [r.peer_id for s in range(num_stages) for r in await directory.replicas(s, fresh=True)
-             if r.peer_id != peer_id and r.reach == "direct"]
+    peers = [
+        r.peer_id
+        for s in range(num_stages)
+        for r in await directory.replicas(s, fresh=True)
+        if r.peer_id != peer_id and r.reach == "direct"
+    ]
     random.Random(peer_id).shuffle(peers)
     peers += [p for p in peer_ids_of(initial_peers) if p != peer_id and p not in peers]
     for attempt in range(2):
         # Once more with twice the deadline when no prober answered at all (a loaded machine):
         # an unanswered probe would otherwise read as "nobody to ask".
-        results, errors = await probe_from_peers(address, peers[:4], run_id=run_id, timeout_s=timeout_s * (1 + attempt),
-                                                 dialer=dialer, tls_cert=tls_cert)
+        results, errors = await probe_from_peers(
+            address, peers[:4], run_id=run_id, timeout_s=timeout_s * (1 + attempt), dialer=dialer, tls_cert=tls_cert
+        )
         if results or not errors:
             break
     if results:
@@ -96,8 +111,9 @@ async def probe_reachable(directory: PeerDirectory, dialer, *, address: str, tls
     return None
 
 
-async def decide_reach(mode: str, probe: Callable[[], Awaitable[bool | None]], *, address: str,
-                       peers: Iterable[str] = ()) -> str:
+async def decide_reach(
+    mode: str, probe: Callable[[], Awaitable[bool | None]], *, address: str, peers: Iterable[str] = ()
+) -> str:
     """`direct` or `relayed` for network.reach = auto | direct | libp2p, or `declared` (the
     operator turned network.check_reachability off: direct without asking). `direct` only on
     proof (a peer dialled `address`) or declaration; never a loopback address while `peers`
@@ -107,10 +123,14 @@ async def decide_reach(mode: str, probe: Callable[[], Awaitable[bool | None]], *
         return "relayed"
     if loopback_to_remote_peers(address, peers):
         if mode in ("direct", "declared"):
-            raise UnreachableAddress(f"{address} is a loopback address and the initial peers are on other machines "
-                                     f"(network.reach = {mode})")
-        log.info("%s is a loopback address and the initial peers are on other machines: serving over libp2p; "
-                 "to be dialled directly, bind --host 0.0.0.0, forward --port and pass --announce-addr", address)
+            raise UnreachableAddress(
+                f"{address} is a loopback address and the initial peers are on other machines (network.reach = {mode})"
+            )
+        log.info(
+            "%s is a loopback address and the initial peers are on other machines: serving over libp2p; "
+            "to be dialled directly, bind --host 0.0.0.0, forward --port and pass --announce-addr",
+            address,
+        )
         return "relayed"
     if mode == "declared":
         return "direct"
@@ -130,8 +150,14 @@ class Reprobe:
     (up to 16 x period_s); the first success awaits `go_direct` and ends the probing. The heartbeat
     asks `due()` and runs `run()` as a task of its own, so a slow probe never delays a heartbeat."""
 
-    def __init__(self, probe: Callable[[], Awaitable[bool | None]], go_direct: Callable[[], Awaitable[None]], *,
-                 period_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        probe: Callable[[], Awaitable[bool | None]],
+        go_direct: Callable[[], Awaitable[None]],
+        *,
+        period_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._probe, self._go_direct, self._clock = probe, go_direct, clock
         self.period_s = self._wait_s = period_s
         self._next = clock() + period_s
@@ -161,8 +187,9 @@ class Reprobe:
         return False
 
 
-async def wait_for_replicas(directory: PeerDirectory, stages: range, count: int,
-                            waiting: Callable[[str | None], None], poll_s: float = 0.5) -> None:
+async def wait_for_replicas(
+    directory: PeerDirectory, stages: range, count: int, waiting: Callable[[str | None], None], poll_s: float = 0.5
+) -> None:
     """Block until each of `stages` shows at least `count` live replicas, however long that takes (in
     a volunteer swarm someone is always first); meanwhile `waiting(what)` says which stage is short,
     and `waiting(None)` once none is."""
@@ -204,20 +231,31 @@ def contact_lookup(directory: PeerDirectory):
         addrs = tuple(m for m in directory.initial_peers if peer_ids_of([m]) == [peer_id])
         # Not a circuit address, so the dialer opens a libp2p stream to the peer itself.
         return Contact(peer_id, "", "holepunched", "", addrs) if addrs else None
+
     return lookup
 
 
-async def settle_reach(directory: PeerDirectory, links, cfg, *, address: str, server,
-                       announce: Callable[[], Awaitable[None]] | None = None) -> Reprobe | None:
+async def settle_reach(
+    directory: PeerDirectory, links, cfg, *, address: str, server, announce: Callable[[], Awaitable[None]] | None = None
+) -> Reprobe | None:
     """Direct TLS if a peer proved it can dial `address` (and then relay for peers behind NAT);
     otherwise the relayed path (go_relayed). Returns the Reprobe that may move the node to direct
     later (None when it is direct, reach = libp2p, or its address is loopback to remote peers);
     `announce` publishes our record once it switched."""
     net = cfg.network
     peers = [*net.initial_peers, *net.relays]
-    probe = functools.partial(probe_reachable, directory, links.dialer, address=address, peer_id=directory.peer_id,
-                              tls_cert=links.certificate.cert_der, num_stages=cfg.pipeline.num_stages,
-                              run_id=cfg.run.run_id, timeout_s=cfg.timeouts.connect_s, initial_peers=net.initial_peers)
+    probe = functools.partial(
+        probe_reachable,
+        directory,
+        links.dialer,
+        address=address,
+        peer_id=directory.peer_id,
+        tls_cert=links.certificate.cert_der,
+        num_stages=cfg.pipeline.num_stages,
+        run_id=cfg.run.run_id,
+        timeout_s=cfg.timeouts.connect_s,
+        initial_peers=net.initial_peers,
+    )
     mode = net.reach if net.check_reachability else "declared"
     if await decide_reach(mode, probe, address=address, peers=peers) == "direct":
         await _serve_direct(directory, links)
@@ -246,8 +284,14 @@ async def go_relayed(directory: PeerDirectory, links, cfg, server) -> None:
     links.reach = "relayed"
     relays = list(net.relays or net.initial_peers)
     # relayDiscovery=0 makes the trusted relays static: a reservation in ~0.2 s, not after 3 min.
-    await directory.restart({"force_reachability": "private", "use_auto_relay": True, "trusted_relays": relays,
-                             "daemon_flags": {"relayDiscovery": False}})
+    await directory.restart(
+        {
+            "force_reachability": "private",
+            "use_auto_relay": True,
+            "trusted_relays": relays,
+            "daemon_flags": {"relayDiscovery": False},
+        }
+    )
     await links.attach(directory.p2p, server.bridge_port, server.tls_target)
     links.p2p_addrs = await links.reserve_relays(relays, timeouts.relay_s)
     if not links.p2p_addrs:
@@ -255,7 +299,9 @@ async def go_relayed(directory: PeerDirectory, links, cfg, server) -> None:
     await links.bridge.dial_out(await public_libp2p_addrs(directory, cfg.pipeline.num_stages))
 
 
-async def go_direct(directory: PeerDirectory, links, cfg, server, announce: Callable[[], Awaitable[None]] | None) -> None:
+async def go_direct(
+    directory: PeerDirectory, links, cfg, server, announce: Callable[[], Awaitable[None]] | None
+) -> None:
     """A peer reached us: restart our libp2p daemon in public mode (as a node that started direct
     runs it), serve over it, relay for NATed peers, and announce the record that says `direct`.
     If the restart fails the node goes back to the relayed path."""
@@ -276,13 +322,27 @@ async def go_direct(directory: PeerDirectory, links, cfg, server, announce: Call
 async def public_libp2p_addrs(directory: PeerDirectory, num_stages: int) -> dict[str, list[str]]:
     """Directly reachable peers and their libp2p addresses: a node behind NAT dials out to them so
     their calls to it run over that connection instead of a relay (whose circuits p2pd caps)."""
-    return {r.peer_id: list(r.p2p_addrs) for s in range(num_stages) for r in await directory.replicas(s)
-            if r.reach == "direct" and r.p2p_addrs and r.peer_id != directory.peer_id}
+    return {
+        r.peer_id: list(r.p2p_addrs)
+        for s in range(num_stages)
+        for r in await directory.replicas(s)
+        if r.reach == "direct" and r.p2p_addrs and r.peer_id != directory.peer_id
+    }
 
 
-async def fetch_state(directory: PeerDirectory, client: OuterClient, compute: ComputeThread, state: OuterState,
-                      inner: InnerOptimizer, *, stage: int, peer_id: str, timeout_s: float, compact: bool = True,
-                      max_donors: int = 4) -> dict | None:
+async def fetch_state(
+    directory: PeerDirectory,
+    client: OuterClient,
+    compute: ComputeThread,
+    state: OuterState,
+    inner: InnerOptimizer,
+    *,
+    stage: int,
+    peer_id: str,
+    timeout_s: float,
+    compact: bool = True,
+    max_donors: int = 4,
+) -> dict | None:
     """Joining a stage that already has replicas: copy its phi, m, Adam moments and counters
     (theta <- phi) from up to `max_donors` of them at once, each sending its share of the
     parameters, compactly unless `compact` is False (sync/state_fetch.py, codec/state_layout.py).
@@ -295,16 +355,36 @@ async def fetch_state(directory: PeerDirectory, client: OuterClient, compute: Co
     random.Random(peer_id).shuffle(donors)
     began = time.monotonic()
     try:
-        fetched = await fetch_from_donors(client, donors, stage=stage, requester=peer_id, timeout_s=timeout_s,
-                                          expected=expected_tensors(state), compact=compact, max_donors=max_donors)
+        fetched = await fetch_from_donors(
+            client,
+            donors,
+            stage=stage,
+            requester=peer_id,
+            timeout_s=timeout_s,
+            expected=expected_tensors(state),
+            compact=compact,
+            max_donors=max_donors,
+        )
         step = await compute.run(import_state, state, inner, fetched.tensors, fetched.counters)
     except NodeError as exc:
         log.warning("state transfer failed (%s); starting from the run's initial weights", exc)
         return None
     outer_round = int(fetched.counters["outer_round"])
-    log.info("joined at inner step %d, outer round %d with state from %s in %.1f s%s", step, outer_round,
-             ", ".join(f"{d[-8:]} ({n} parameters)" for d, n in fetched.parameters_from.items()), time.monotonic() - began,
-             f"; {fetched.reasked} parameters asked again after {', '.join(d[-8:] for d in fetched.failed)} failed"
-             if fetched.failed else "")
-    return {"donor": fetched.donor, "inner_step": step, "outer_round": outer_round, "donors": fetched.parameters_from,
-            "reasked": fetched.reasked, "failed": fetched.failed}
+    log.info(
+        "joined at inner step %d, outer round %d with state from %s in %.1f s%s",
+        step,
+        outer_round,
+        ", ".join(f"{d[-8:]} ({n} parameters)" for d, n in fetched.parameters_from.items()),
+        time.monotonic() - began,
+        f"; {fetched.reasked} parameters asked again after {', '.join(d[-8:] for d in fetched.failed)} failed"
+        if fetched.failed
+        else "",
+    )
+    return {
+        "donor": fetched.donor,
+        "inner_step": step,
+        "outer_round": outer_round,
+        "donors": fetched.parameters_from,
+        "reasked": fetched.reasked,
+        "failed": fetched.failed,
+    }

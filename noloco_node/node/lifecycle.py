@@ -17,13 +17,19 @@ from noloco_node.dht.records import StageRecord
 from noloco_node.model.build import run_model
 from noloco_node.node.adapters import DhtMatching, DhtReplicas, swarm_replicas
 from noloco_node.node.attention import Progress
-from noloco_node.node.assembly import (AssemblyPorts, ComputeParts, PipelineParts, assemble, build_compute,
-                                      build_driver)
+from noloco_node.node.assembly import AssemblyPorts, ComputeParts, PipelineParts, assemble, build_compute, build_driver
 from noloco_node.node.boundary import InnerStepBoundary, Snapshots
 from noloco_node.node.checkpoint import Checkpointer
 from noloco_node.node.discovery import choose_stage, start_directory
-from noloco_node.node.joining import (announced_address, contact_lookup, fetch_state, look_around, public_libp2p_addrs,
-                                      settle_reach, wait_for_replicas)
+from noloco_node.node.joining import (
+    announced_address,
+    contact_lookup,
+    fetch_state,
+    look_around,
+    public_libp2p_addrs,
+    settle_reach,
+    wait_for_replicas,
+)
 from noloco_node.node.manifest import load_run_inputs
 from noloco_node.pipeline.driver import Stage0Driver
 from noloco_node.pipeline.ports import Hop
@@ -70,8 +76,9 @@ class Membership:
 
 
 class Node:
-    def __init__(self, config: NodeConfig, *, outputs: NodeOutputs = NodeOutputs(),
-                 membership: Membership | None = None) -> None:
+    def __init__(
+        self, config: NodeConfig, *, outputs: NodeOutputs = NodeOutputs(), membership: Membership | None = None
+    ) -> None:
         """A node that moved between stages keeps its identity (peer id) and the record of its
         moves. Only a method whose traits say so moves (NoLoCo): the mover needs a replica's state
         (FetchState), and the all-reduce baselines' groups have a fixed size."""
@@ -81,8 +88,11 @@ class Node:
         self.identity = membership.identity or NodeIdentity.from_file_or_fresh(config.security.identity_file)
         self.moves = list(membership.moves)
         rebalance = config.pipeline.rebalance
-        self.movable = (config.pipeline.stage is None if rebalance is None else rebalance) and \
-            config.pipeline.num_stages > 1 and self.traits.movable
+        self.movable = (
+            (config.pipeline.stage is None if rebalance is None else rebalance)
+            and config.pipeline.num_stages > 1
+            and self.traits.movable
+        )
         self.move: Move | None = None
         self.move_claimed_at = 0.0
         self.move_requested = asyncio.Event()
@@ -118,8 +128,9 @@ class Node:
         if self.stage_index is None:
             self.directory, self.stage_index = await choose_stage(cfg, self.manifest_hash, identity, swarm_key)
         llama, ranges = run_model(cfg, len(self.tokenizer))
-        self.parts: ComputeParts = build_compute(cfg, llama, ranges, self.stage_index, vocab_size=len(self.tokenizer),
-                                                 events=self.events, faults=self.faults)
+        self.parts: ComputeParts = build_compute(
+            cfg, llama, ranges, self.stage_index, vocab_size=len(self.tokenizer), events=self.events, faults=self.faults
+        )
         all_reduce = None
         if self.traits.all_reduce:
             # hivemind forks its DHT and averager processes: do it before gRPC starts any thread.
@@ -130,15 +141,25 @@ class Node:
         if self.directory is None:
             self.directory = await start_directory(cfg, self.manifest_hash, identity, swarm_key)
         self.peer_id = self.directory.peer_id
-        self.links = Links(identity, swarm_key=swarm_key, max_skew_s=cfg.security.max_clock_skew_s,
-                           lookup=contact_lookup(self.directory), options=GRPC_OPTIONS)
+        self.links = Links(
+            identity,
+            swarm_key=swarm_key,
+            max_skew_s=cfg.security.max_clock_skew_s,
+            lookup=contact_lookup(self.directory),
+            options=GRPC_OPTIONS,
+        )
         self.admission = build_admission(cfg.security, self.links)
-        self.server = NodeServer(cfg.network.host, cfg.network.port, admission=self.admission.interceptor,
-                                 credentials=self.links.certificate.server_credentials(),
-                                 max_concurrent_rpcs=cfg.security.max_concurrent_rpcs)
+        self.server = NodeServer(
+            cfg.network.host,
+            cfg.network.port,
+            admission=self.admission.interceptor,
+            credentials=self.links.certificate.server_credentials(),
+            max_concurrent_rpcs=cfg.security.max_concurrent_rpcs,
+        )
         port = self.server.bind()
-        self.address = announced_address(cfg.network.host, port, cfg.network.announce_addr,
-                                         await self.directory.visible_maddrs())
+        self.address = announced_address(
+            cfg.network.host, port, cfg.network.announce_addr, await self.directory.visible_maddrs()
+        )
         self._wire(all_reduce)
         await self._serve()
         await self._join_state()
@@ -150,10 +171,21 @@ class Node:
         if self.snapshots is not None:
             await self.snapshots.save(self.worker.inner_steps)
         self.events.bind(peer=self.peer_id, stage=self.stage_index)
-        self.events.emit("started", address=self.address, manifest_hash=self.manifest_hash, method=cfg.outer.method,
-                         resumed_from=self.resumed_from, fetched_state=self.fetched_state)
-        log.info("stage %d serving at %s (peer %s, manifest %s)", self.stage_index, self.address, self.peer_id,
-                 self.manifest_hash)
+        self.events.emit(
+            "started",
+            address=self.address,
+            manifest_hash=self.manifest_hash,
+            method=cfg.outer.method,
+            resumed_from=self.resumed_from,
+            fetched_state=self.fetched_state,
+        )
+        log.info(
+            "stage %d serving at %s (peer %s, manifest %s)",
+            self.stage_index,
+            self.address,
+            self.peer_id,
+            self.manifest_hash,
+        )
 
     def _wire(self, all_reduce) -> None:
         """Clients, the outer-sync method, the boundary, the pipeline and the services, in the order
@@ -161,50 +193,114 @@ class Node:
         cfg, parts = self.config, self.parts
         # Every call's deadline follows its peer's link, as measured by the meter's estimates (announced).
         deadlines = LinkDeadlines(self.meter.links, DeadlinePolicy.from_timeouts(cfg.timeouts))
-        self.client = StageClient(run_id=cfg.run.run_id, manifest_hash=self.manifest_hash,
-                                  codec=cfg.pipeline.activation_codec, gradient_codec=cfg.pipeline.gradient_codec,
-                                  timeout_s=cfg.timeouts.rpc_s, deadlines=deadlines,
-                                  observe=self._observe_rpc, dialer=self.links.dialer)
+        self.client = StageClient(
+            run_id=cfg.run.run_id,
+            manifest_hash=self.manifest_hash,
+            codec=cfg.pipeline.activation_codec,
+            gradient_codec=cfg.pipeline.gradient_codec,
+            timeout_s=cfg.timeouts.rpc_s,
+            deadlines=deadlines,
+            observe=self._observe_rpc,
+            dialer=self.links.dialer,
+        )
         state_bytes = sum(p.numel() * 16 for p in parts.stage.parameters())
         self.outer_traffic = Traffic()
-        outer_client = OuterClient(run_id=cfg.run.run_id, manifest_hash=self.manifest_hash, max_bytes=state_bytes,
-                                   traffic=self.outer_traffic, faults=self.faults, dialer=self.links.dialer,
-                                   deadlines=deadlines.floored(cfg.timeouts.match_s))
+        outer_client = OuterClient(
+            run_id=cfg.run.run_id,
+            manifest_hash=self.manifest_hash,
+            max_bytes=state_bytes,
+            traffic=self.outer_traffic,
+            faults=self.faults,
+            dialer=self.links.dialer,
+            deadlines=deadlines.floored(cfg.timeouts.match_s),
+        )
         self.outer_client = outer_client
         stage_directory = DhtMatching(self.directory)
-        ports = AssemblyPorts(sync=SyncPorts(pairing=outer_client, matching=stage_directory, all_reduce=all_reduce,
-                                             progress=stage_directory),
-                              transport=GrpcStageTransport(self.client), directory=DhtReplicas(self.directory),
-                              me=Hop(self.peer_id, self.address, self.stage_index), set_status=self._set_status,
-                              bytes_sent=self.bytes_sent)
+        ports = AssemblyPorts(
+            sync=SyncPorts(
+                pairing=outer_client, matching=stage_directory, all_reduce=all_reduce, progress=stage_directory
+            ),
+            transport=GrpcStageTransport(self.client),
+            directory=DhtReplicas(self.directory),
+            me=Hop(self.peer_id, self.address, self.stage_index),
+            set_status=self._set_status,
+            bytes_sent=self.bytes_sent,
+        )
         name = f"stage{self.stage_index}-{self.peer_id[-8:]}"
-        self.checkpoints = None if cfg.checkpoint.dir is None else Checkpointer(
-            Path(cfg.checkpoint.dir).expanduser(), cfg.checkpoint.every_steps, compute=parts.compute, stage=parts.stage,
-            identity={"run_id": cfg.run.run_id, "manifest_hash": self.manifest_hash, "peer_id": self.peer_id},
-            inner=parts.worker.inner, outer=parts.outer_state)
-        self.snapshots = None if not self.outputs.snapshot_every else Snapshots(
-            self.outputs.snapshot_dir, self.outputs.snapshot_every, compute=parts.compute, stage=parts.stage, name=name)
-        assembly = assemble(cfg, parts, ports, events=self.events, faults=self.faults, checkpoints=self.checkpoints,
-                            snapshots=self.snapshots)
+        self.checkpoints = (
+            None
+            if cfg.checkpoint.dir is None
+            else Checkpointer(
+                Path(cfg.checkpoint.dir).expanduser(),
+                cfg.checkpoint.every_steps,
+                compute=parts.compute,
+                stage=parts.stage,
+                identity={"run_id": cfg.run.run_id, "manifest_hash": self.manifest_hash, "peer_id": self.peer_id},
+                inner=parts.worker.inner,
+                outer=parts.outer_state,
+            )
+        )
+        self.snapshots = (
+            None
+            if not self.outputs.snapshot_every
+            else Snapshots(
+                self.outputs.snapshot_dir,
+                self.outputs.snapshot_every,
+                compute=parts.compute,
+                stage=parts.stage,
+                name=name,
+            )
+        )
+        assembly = assemble(
+            cfg,
+            parts,
+            ports,
+            events=self.events,
+            faults=self.faults,
+            checkpoints=self.checkpoints,
+            snapshots=self.snapshots,
+        )
         self.sync: OuterSync = assembly.sync
         self.boundary: InnerStepBoundary = assembly.boundary
         self.pipeline: PipelineParts = assembly.pipeline
         max_bytes = cfg.pipeline.microbatch_size * cfg.model.seq_len * parts.shape.boundary_width * 4
-        self.servicer = StageServicer(self.runtime, run_id=cfg.run.run_id, manifest_hash=self.manifest_hash,
-                                      max_payload_bytes=max_bytes, receive_s=cfg.timeouts.receive_s,
-                                      min_bytes_per_s=cfg.security.min_receive_bytes_per_s,
-                                      rms_factor=cfg.security.payload_rms_factor, max_abs=cfg.security.payload_max_abs,
-                                      deadlines=deadlines)
+        self.servicer = StageServicer(
+            self.runtime,
+            run_id=cfg.run.run_id,
+            manifest_hash=self.manifest_hash,
+            max_payload_bytes=max_bytes,
+            receive_s=cfg.timeouts.receive_s,
+            min_bytes_per_s=cfg.security.min_receive_bytes_per_s,
+            rms_factor=cfg.security.payload_rms_factor,
+            max_abs=cfg.security.payload_max_abs,
+            deadlines=deadlines,
+        )
         self.server.add_stage(self.servicer)
         if self.sync.responder is not None:  # pairing, and state for joiners (traits.donates_state)
-            self.server.add_outer(OuterServicer(self.sync.responder, peer_id=self.peer_id, run_id=cfg.run.run_id,
-                                                manifest_hash=self.manifest_hash, stage=self.stage_index,
-                                                max_bytes=state_bytes, deadlines=deadlines.floored(cfg.timeouts.match_s),
-                                                traffic=self.outer_traffic, faults=self.faults, donor=self))
+            self.server.add_outer(
+                OuterServicer(
+                    self.sync.responder,
+                    peer_id=self.peer_id,
+                    run_id=cfg.run.run_id,
+                    manifest_hash=self.manifest_hash,
+                    stage=self.stage_index,
+                    max_bytes=state_bytes,
+                    deadlines=deadlines.floored(cfg.timeouts.match_s),
+                    traffic=self.outer_traffic,
+                    faults=self.faults,
+                    donor=self,
+                )
+            )
         from noloco_node.rpc.diagnostics import DiagnosticsServicer
 
-        self.server.add_diagnostics(DiagnosticsServicer(run_id=cfg.run.run_id, version=__version__,
-                                                        manifest_hash=self.manifest_hash, timeout_s=cfg.timeouts.connect_s))
+        self.server.add_diagnostics(
+            DiagnosticsServicer(
+                run_id=cfg.run.run_id,
+                version=__version__,
+                manifest_hash=self.manifest_hash,
+                timeout_s=cfg.timeouts.connect_s,
+            )
+        )
 
     async def _serve(self) -> None:
         """Start the services, find out how peers reach us, and open /metrics."""
@@ -212,8 +308,9 @@ class Node:
         await self.server.start()
         await self.links.attach(self.directory.p2p, self.server.bridge_port, self.server.tls_target)
         # Relayed until a peer proves it dials us; the heartbeat then asks again (node/joining.py).
-        self.reprobe = await settle_reach(self.directory, self.links, cfg, address=self.address, server=self.server,
-                                          announce=self.announce)
+        self.reprobe = await settle_reach(
+            self.directory, self.links, cfg, address=self.address, server=self.server, announce=self.announce
+        )
         if cfg.network.metrics_port is not None:
             from noloco_node.node.metrics import NodeMetrics
 
@@ -233,9 +330,16 @@ class Node:
                 log.info("resumed from checkpoint at inner step %d", self.resumed_from["inner_step"])
                 self.sync.start_at(self.resumed_from["outer_round"])
         if self.resumed_from is None and self.traits.donates_state:
-            self.fetched_state = await fetch_state(self.directory, self.outer_client, self.parts.compute,
-                                                   self.parts.outer_state, self.worker.inner, stage=self.stage_index,
-                                                   peer_id=self.peer_id, timeout_s=self.config.timeouts.rpc_s)
+            self.fetched_state = await fetch_state(
+                self.directory,
+                self.outer_client,
+                self.parts.compute,
+                self.parts.outer_state,
+                self.worker.inner,
+                stage=self.stage_index,
+                peer_id=self.peer_id,
+                timeout_s=self.config.timeouts.rpc_s,
+            )
             if self.fetched_state is not None:
                 self.sync.start_at(self.fetched_state["outer_round"])
 
@@ -258,8 +362,9 @@ class Node:
 
     async def export_state(self) -> tuple[dict, str]:
         """sync.ports.StateDonor: a consistent copy of our state, taken on the compute thread."""
-        tensors, counters = await self.parts.compute.run(export_state, self.parts.outer_state, self.worker.inner,
-                                                         inner_step=self.worker.inner_steps)
+        tensors, counters = await self.parts.compute.run(
+            export_state, self.parts.outer_state, self.worker.inner, inner_step=self.worker.inner_steps
+        )
         return tensors, counters_json(counters)
 
     def stats(self) -> dict:
@@ -295,8 +400,12 @@ class Node:
         while True:
             await asyncio.sleep(self.config.timeouts.heartbeat_s)
             try:
-                self.meter.sample(sequences=self.worker.sequences_total, busy_s=self.parts.compute.busy_s,
-                                  in_flight=len(self.runtime.in_flight), window=self.config.pipeline.max_in_flight)
+                self.meter.sample(
+                    sequences=self.worker.sequences_total,
+                    busy_s=self.parts.compute.busy_s,
+                    in_flight=len(self.runtime.in_flight),
+                    window=self.config.pipeline.max_in_flight,
+                )
                 if (self._touching is None or self._touching.done()) and self._touch.due(TOUCH_PERIOD_S):
                     # Its own task: a dead peer takes seconds.
                     self._touching = asyncio.create_task(self.directory.keep_in_touch())
@@ -307,8 +416,9 @@ class Node:
                 if self.reprobe is not None and self.reprobe.due():  # its own task: a probe takes seconds
                     self._spawn(self.reprobe.run())
                 if self.links.reach != "direct" and self.links.bridge is not None:  # behind NAT: see joining.py
-                    await self.links.bridge.dial_out(await public_libp2p_addrs(self.directory,
-                                                                               self.config.pipeline.num_stages))
+                    await self.links.bridge.dial_out(
+                        await public_libp2p_addrs(self.directory, self.config.pipeline.num_stages)
+                    )
             except Exception:  # noqa: BLE001 - a failed heartbeat is retried next period
                 log.exception("heartbeat failed")
 
@@ -324,8 +434,9 @@ class Node:
         lone = (self.stage_replicas or 0) < 2
         if not self._look.due(LOOK_BUSY_S if busy and not lone else LOOK_IDLE_S):
             return
-        self.stage_replicas, missing = await look_around(self.directory, self.stage_index,
-                                                         self.config.pipeline.num_stages)
+        self.stage_replicas, missing = await look_around(
+            self.directory, self.stage_index, self.config.pipeline.num_stages
+        )
         if self.progress.waiting_for is None or self.progress.waiting_for.startswith("a stage-"):
             self.progress.wait(missing)
 
@@ -333,11 +444,23 @@ class Node:
         """Rebalancing (pipeline/rebalance.py): when the plan names this node, ask whoever serves it
         to move it (node/serving.py: it drains, leaves and comes back on the target stage)."""
         p = self.config.pipeline
-        self.move = await watch(me=self.peer_id, read=lambda: swarm_replicas(self.directory), claim=self._claim_move,
-                                num_stages=p.num_stages, margin=p.rebalance_margin, period_s=p.rebalance_period_s,
-                                settle_s=2 * p.rebalance_period_s, cooldown_s=10 * p.rebalance_period_s)
-        self.events.emit("move_planned", source=self.move.source, target=self.move.target,
-                         throughput_now=self.move.throughput_now, throughput_after=self.move.throughput_after)
+        self.move = await watch(
+            me=self.peer_id,
+            read=lambda: swarm_replicas(self.directory),
+            claim=self._claim_move,
+            num_stages=p.num_stages,
+            margin=p.rebalance_margin,
+            period_s=p.rebalance_period_s,
+            settle_s=2 * p.rebalance_period_s,
+            cooldown_s=10 * p.rebalance_period_s,
+        )
+        self.events.emit(
+            "move_planned",
+            source=self.move.source,
+            target=self.move.target,
+            throughput_now=self.move.throughput_now,
+            throughput_after=self.move.throughput_after,
+        )
         self.move_requested.set()
 
     async def _claim_move(self, claimed_at: float) -> None:
@@ -362,7 +485,9 @@ class Node:
         """Block until every stage (or every stage after ours) shows at least `count` live replicas;
         `progress` says which is short."""
         first = self.stage_index + 1 if later_stages_only else 0
-        await wait_for_replicas(self.directory, range(first, self.config.pipeline.num_stages), count, self.progress.wait)
+        await wait_for_replicas(
+            self.directory, range(first, self.config.pipeline.num_stages), count, self.progress.wait
+        )
 
     async def train(self, steps: int, on_inner_step=None) -> None:
         """Stage 0 only: run `steps` inner steps over this replica's data shard; `on_inner_step(step)`
@@ -372,12 +497,19 @@ class Node:
         cfg = self.config
         replicas = await self.directory.replicas(0, fresh=True)
         ids = sorted(r.peer_id for r in replicas)
-        shard = ShardSpec(shard_index=ids.index(self.peer_id) if self.peer_id in ids else 0, num_shards=max(1, len(ids)))
+        shard = ShardSpec(
+            shard_index=ids.index(self.peer_id) if self.peer_id in ids else 0, num_shards=max(1, len(ids))
+        )
         batches = training_batches(cfg, self.corpus, self.tokenizer, shard)
-        self.driver = build_driver(cfg, self.pipeline, self.sync, batches,
-                                   restored=(self.resumed_from or {}).get("microbatches"),
-                                   # Not our own stage: under load our record can lapse for a moment.
-                                   before_batch=lambda: self.wait_for_replicas(1, later_stages_only=True))
+        self.driver = build_driver(
+            cfg,
+            self.pipeline,
+            self.sync,
+            batches,
+            restored=(self.resumed_from or {}).get("microbatches"),
+            # Not our own stage: under load our record can lapse for a moment.
+            before_batch=lambda: self.wait_for_replicas(1, later_stages_only=True),
+        )
 
         async def after_step(step: int) -> None:
             await self.boundary(step, self.driver)
@@ -428,9 +560,12 @@ class Node:
         """After a start that failed: close what it had opened (its gRPC server, libp2p links and
         DHT peer; no record to withdraw, nothing to drain), so the process exits quietly with the
         error that stopped it."""
-        closers = {"dashboard": self.dashboard and self.dashboard.close,
-                   "server": self.server and (lambda: self.server.stop(0)), "links": self.links and self.links.close,
-                   "dht": self.directory and self.directory.shutdown}
+        closers = {
+            "dashboard": self.dashboard and self.dashboard.close,
+            "server": self.server and (lambda: self.server.stop(0)),
+            "links": self.links and self.links.close,
+            "dht": self.directory and self.directory.shutdown,
+        }
         for name, close in closers.items():
             if not close:
                 continue
@@ -443,9 +578,14 @@ class Node:
         timeout_s = self.config.timeouts.connect_s + 5
         await self.sync.close()
         dashboard = self.dashboard.close() if self.dashboard is not None else asyncio.sleep(0)
-        for name, step in (("dashboard", dashboard), ("server", self.server.stop(1.0)), ("client", self.client.close()),
-                           ("outer client", self.outer_client.close()), ("links", self.links.close()),
-                           ("dht", self.directory.shutdown())):
+        for name, step in (
+            ("dashboard", dashboard),
+            ("server", self.server.stop(1.0)),
+            ("client", self.client.close()),
+            ("outer client", self.outer_client.close()),
+            ("links", self.links.close()),
+            ("dht", self.directory.shutdown()),
+        ):
             try:
                 await asyncio.wait_for(step, timeout=timeout_s)
             except asyncio.TimeoutError:

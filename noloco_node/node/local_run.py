@@ -18,19 +18,28 @@ Progress = Callable[[int, int, float], None]
 """(inner step, steps, that step's loss on replica 0)"""
 
 
-def run_in_process(config: NodeConfig, *, replicas: int, steps: int, timeout_s: float = 1800.0,
-                   num_val_batches: int = 4, progress: Progress | None = None) -> dict:
+def run_in_process(
+    config: NodeConfig,
+    *,
+    replicas: int,
+    steps: int,
+    timeout_s: float = 1800.0,
+    num_val_batches: int = 4,
+    progress: Progress | None = None,
+) -> dict:
     """Train for `steps` inner steps and return a summary dict (losses, spread, routes, timing)."""
     return asyncio.run(_run(config, replicas, steps, timeout_s, num_val_batches, progress))
 
 
-async def _run(config: NodeConfig, replicas: int, steps: int, timeout_s: float, num_val_batches: int,
-               progress: Progress | None) -> dict:
+async def _run(
+    config: NodeConfig, replicas: int, steps: int, timeout_s: float, num_val_batches: int, progress: Progress | None
+) -> dict:
     torch.manual_seed(config.run.seed)
     swarm = await InProcessSwarm(config, replicas=replicas).start()
     B, T = config.pipeline.batch_size, config.model.seq_len
-    held_out = PackedSequences(swarm.corpus, swarm.tokenizer, seq_len=T, split="validation",
-                               holdout_fraction=config.data.holdout_fraction).batches(B)
+    held_out = PackedSequences(
+        swarm.corpus, swarm.tokenizer, seq_len=T, split="validation", holdout_fraction=config.data.holdout_fraction
+    ).batches(B)
     val_batches = [batch for _, batch in zip(range(num_val_batches), held_out)]
 
     def on_inner_step(node: InProcessNode, step: int) -> None:
@@ -45,7 +54,9 @@ async def _run(config: NodeConfig, replicas: int, steps: int, timeout_s: float, 
         elapsed = time.monotonic() - start
     finally:
         await swarm.stop()
-    return _summary(swarm, steps, elapsed, val_first, swarm.validation_loss(val_batches) if val_batches else float("nan"))
+    return _summary(
+        swarm, steps, elapsed, val_first, swarm.validation_loss(val_batches) if val_batches else float("nan")
+    )
 
 
 def _summary(swarm: InProcessSwarm, steps: int, elapsed: float, val_first: float, val_last: float) -> dict:
@@ -54,13 +65,26 @@ def _summary(swarm: InProcessSwarm, steps: int, elapsed: float, val_first: float
     losses = [sum(step) / len(step) for step in zip(*(d.log.step_losses for d in drivers))]
     tenth = max(1, len(losses) // 10)
     tokens = steps * swarm.replicas * config.pipeline.batch_size * config.model.seq_len
-    microbatches = {k: sum(d.counters.as_dict()[k] for d in drivers) for k in ("issued", "completed", "reissued", "dropped")}
+    microbatches = {
+        k: sum(d.counters.as_dict()[k] for d in drivers) for k in ("issued", "completed", "reissued", "dropped")
+    }
     return {
-        "mode": "local", "method": config.outer.method, "stages": config.pipeline.num_stages,
-        "replicas": swarm.replicas, "inner_steps": min(n.worker.inner_steps for n in swarm.nodes), "tokens": tokens,
-        "tokens_per_s": tokens / elapsed if elapsed > 0 else None, "wall_s": elapsed,
-        "loss_first": sum(losses[:tenth]) / tenth, "loss_last": sum(losses[-tenth:]) / tenth,
-        "val_loss_first": val_first, "val_loss_last": val_last, "microbatches": microbatches,
-        "outer": swarm.outer_rounds(), "replica_spread_last": swarm.replica_spread(), "routes": swarm.routes(),
-        "losses": losses, "lrs": list(drivers[0].log.lrs) if drivers else [],
+        "mode": "local",
+        "method": config.outer.method,
+        "stages": config.pipeline.num_stages,
+        "replicas": swarm.replicas,
+        "inner_steps": min(n.worker.inner_steps for n in swarm.nodes),
+        "tokens": tokens,
+        "tokens_per_s": tokens / elapsed if elapsed > 0 else None,
+        "wall_s": elapsed,
+        "loss_first": sum(losses[:tenth]) / tenth,
+        "loss_last": sum(losses[-tenth:]) / tenth,
+        "val_loss_first": val_first,
+        "val_loss_last": val_last,
+        "microbatches": microbatches,
+        "outer": swarm.outer_rounds(),
+        "replica_spread_last": swarm.replica_spread(),
+        "routes": swarm.routes(),
+        "losses": losses,
+        "lrs": list(drivers[0].log.lrs) if drivers else [],
     }

@@ -26,6 +26,13 @@ def load_run_inputs(config: NodeConfig):
     from noloco_node.model.build import files_fingerprint
 
     # How U and the fixed embedding are drawn enters only a subspace run's hash (a dense run's stays as it was).
-    schemes = [f"init:{init.INIT_SCHEME}"] + ([f"subspace:{subspace.SUBSPACE_SCHEME}"] if config.model.residual_subspace else [])
-    return corpus, tokenizer, config.manifest_hash(f"tokenizer:{tokenizer_fingerprint(tokenizer)}",
-                                                   files_fingerprint(config.model), *schemes)
+    schemes = [f"init:{init.INIT_SCHEME}"] + (
+        [f"subspace:{subspace.SUBSPACE_SCHEME}"] if config.model.residual_subspace else []
+    )
+    return (
+        corpus,
+        tokenizer,
+        config.manifest_hash(
+            f"tokenizer:{tokenizer_fingerprint(tokenizer)}", files_fingerprint(config.model), *schemes
+        ),
+    )

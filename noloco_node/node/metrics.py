@@ -54,64 +54,97 @@ class _StatsCollector:
 
     def _integrity(self, integrity: dict) -> Iterator[Metric]:
         """Steps skipped, weights repaired and payloads refused for not being finite."""
-        yield self._counter("noloco_inner_steps_skipped", "Inner steps skipped: their gradients were not finite",
-                            integrity.get("skipped_steps", 0))
-        yield self._counter("noloco_weights_repaired", "Times this stage's weights went non-finite and were restored",
-                            integrity.get("weights_repaired", 0))
-        yield self._counter("noloco_payloads_refused", "Received tensors refused: non-finite or outside the running bounds",
-                            integrity.get("payloads_refused", 0))
+        yield self._counter(
+            "noloco_inner_steps_skipped",
+            "Inner steps skipped: their gradients were not finite",
+            integrity.get("skipped_steps", 0),
+        )
+        yield self._counter(
+            "noloco_weights_repaired",
+            "Times this stage's weights went non-finite and were restored",
+            integrity.get("weights_repaired", 0),
+        )
+        yield self._counter(
+            "noloco_payloads_refused",
+            "Received tensors refused: non-finite or outside the running bounds",
+            integrity.get("payloads_refused", 0),
+        )
 
     def _transport(self, transport: dict) -> Iterator[Metric]:
         """Bytes per path, how peers reach the node, what the transport refused, and what it relayed."""
-        by_path = CounterMetricFamily("noloco_path_bytes", "Bytes per transport path (direct: TLS gRPC payload sent; "
-                                      "holepunched / relayed: bytes carried over libp2p streams)",
-                                      labels=[*self.labels, "path", "direction"])
+        by_path = CounterMetricFamily(
+            "noloco_path_bytes",
+            "Bytes per transport path (direct: TLS gRPC payload sent; "
+            "holepunched / relayed: bytes carried over libp2p streams)",
+            labels=[*self.labels, "path", "direction"],
+        )
         for path, directions in (transport.get("bytes_by_path") or {}).items():
             for direction, n in directions.items():
                 by_path.add_metric([*self.labels.values(), path, direction], n)
         yield by_path
-        reach = GaugeMetricFamily("noloco_reach", "How peers reach this node (1 on the current path)",
-                                  labels=[*self.labels, "reach"])
+        reach = GaugeMetricFamily(
+            "noloco_reach", "How peers reach this node (1 on the current path)", labels=[*self.labels, "reach"]
+        )
         for name in ("direct", "holepunched", "relayed"):
             reach.add_metric([*self.labels.values(), name], 1.0 if transport.get("reach") == name else 0.0)
         yield reach
-        yield self._counter("noloco_impostor_records", "DHT records refused: they claim another node's peer id",
-                            transport.get("impostor_records", 0))
-        yield self._counter("noloco_replayed_tokens", "Calls refused as replays of a used token",
-                            transport.get("replayed_tokens", 0))
-        yield self._counter("noloco_streams_cut", "Streams cut at this node's receive deadline",
-                            transport.get("cut_at_receive_deadline", 0))
+        yield self._counter(
+            "noloco_impostor_records",
+            "DHT records refused: they claim another node's peer id",
+            transport.get("impostor_records", 0),
+        )
+        yield self._counter(
+            "noloco_replayed_tokens", "Calls refused as replays of a used token", transport.get("replayed_tokens", 0)
+        )
+        yield self._counter(
+            "noloco_streams_cut",
+            "Streams cut at this node's receive deadline",
+            transport.get("cut_at_receive_deadline", 0),
+        )
         served = transport.get("relay_served")
         if served is not None:
-            yield self._counter("noloco_relay_bytes", "Bytes this node relayed between peers behind NAT",
-                                served["bytes_relayed"])
-            yield self._gauge("noloco_relay_circuits_open", "Relay circuits open through this node", served["circuits_open"])
+            yield self._counter(
+                "noloco_relay_bytes", "Bytes this node relayed between peers behind NAT", served["bytes_relayed"]
+            )
+            yield self._gauge(
+                "noloco_relay_circuits_open", "Relay circuits open through this node", served["circuits_open"]
+            )
 
     def _admission(self, admission: dict) -> Iterator[Metric]:
         """Calls refused before any servicer ran, and the peers banned."""
-        refused = CounterMetricFamily("noloco_calls_refused", "Calls refused before any servicer ran, per status code",
-                                      labels=[*self.labels, "code"])
+        refused = CounterMetricFamily(
+            "noloco_calls_refused",
+            "Calls refused before any servicer ran, per status code",
+            labels=[*self.labels, "code"],
+        )
         for code, count in sorted(admission["refused"].items()):
             refused.add_metric([*self.labels.values(), code], count)
         yield refused
-        yield self._counter("noloco_peers_banned", "Peers banned for repeated invalid messages", admission["peers_banned"])
+        yield self._counter(
+            "noloco_peers_banned", "Peers banned for repeated invalid messages", admission["peers_banned"]
+        )
         yield self._gauge("noloco_peers_banned_now", "Peers under a ban now", admission["banned_now"])
 
     def _payload_bytes(self, s: dict) -> Iterator[Metric]:
         """Payload bytes sent and received, per service."""
-        sent = CounterMetricFamily("noloco_bytes_sent", "Payload bytes sent, per service", labels=[*self.labels, "service"])
+        sent = CounterMetricFamily(
+            "noloco_bytes_sent", "Payload bytes sent, per service", labels=[*self.labels, "service"]
+        )
         sent.add_metric([*self.labels.values(), "stage"], s["bytes_sent"])
         sent.add_metric([*self.labels.values(), "outer"], s.get("bytes_sent_outer", 0))
         yield sent
-        received = CounterMetricFamily("noloco_bytes_received", "Payload bytes received, per service",
-                                       labels=[*self.labels, "service"])
+        received = CounterMetricFamily(
+            "noloco_bytes_received", "Payload bytes received, per service", labels=[*self.labels, "service"]
+        )
         received.add_metric([*self.labels.values(), "stage"], s.get("bytes_received", 0))
         yield received
 
     def _outer(self, outer: dict) -> Iterator[Metric]:
         """Outer rounds taken and their outcomes."""
         yield self._gauge("noloco_outer_round", "Outer rounds taken", outer["rounds"])
-        outcomes = CounterMetricFamily("noloco_outer_outcomes", "Outer-round outcomes", labels=[*self.labels, "outcome"])
+        outcomes = CounterMetricFamily(
+            "noloco_outer_outcomes", "Outer-round outcomes", labels=[*self.labels, "outcome"]
+        )
         for outcome in ("paired", "solo", "rejected", "timed_out"):
             outcomes.add_metric([*self.labels.values(), outcome], outer[outcome])
         yield outcomes
@@ -122,8 +155,13 @@ class NodeMetrics:
         self.registry = CollectorRegistry()
         labels = {"peer": peer_id[-8:], "stage": str(stage)}
         self.registry.register(_StatsCollector(stats, labels))
-        self.rpc_latency = Histogram("noloco_rpc_latency_seconds", "Client-side latency of Stage calls", ["method"],
-                                     registry=self.registry, buckets=(0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30))
+        self.rpc_latency = Histogram(
+            "noloco_rpc_latency_seconds",
+            "Client-side latency of Stage calls",
+            ["method"],
+            registry=self.registry,
+            buckets=(0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30),
+        )
         self.server = None
 
     def observe_rpc(self, method: str, seconds: float) -> None:

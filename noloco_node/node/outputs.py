@@ -19,8 +19,13 @@ def write_outputs(node, out_dir: Path) -> None:
     from safetensors.torch import save_file
 
     parts = node.parts
-    save_file({k: v.detach().contiguous() for k, v in parts.stage.state_dict().items()}, str(out_dir / f"{name}.safetensors"))
+    save_file(
+        {k: v.detach().contiguous() for k, v in parts.stage.state_dict().items()}, str(out_dir / f"{name}.safetensors")
+    )
     if parts.outer_state is not None:
         tensors, counters = export_state(parts.outer_state, parts.worker.inner, inner_step=parts.worker.inner_steps)
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / f"{name}.outer.safetensors"),
-                  metadata={"counters": counters_json(counters)})
+        save_file(
+            {k: v.contiguous() for k, v in tensors.items()},
+            str(out_dir / f"{name}.outer.safetensors"),
+            metadata={"counters": counters_json(counters)},
+        )

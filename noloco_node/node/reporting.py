@@ -71,15 +71,28 @@ def step_line(snap: Snapshot, *, total: int | None, tokens_per_s: float) -> str:
         own = f"loss {snap.loss:.3f}" if snap.loss is not None else "loss -"
     else:
         own = f"served {snap.served} mb"
-    return " | ".join([f"step {_steps(snap, total)}", own, _lr(snap.lr), f"{tokens_per_s:.0f} tok/s",
-                       f"in flight {snap.in_flight}", _outer(snap), _bytes(snap)])
+    return " | ".join(
+        [
+            f"step {_steps(snap, total)}",
+            own,
+            _lr(snap.lr),
+            f"{tokens_per_s:.0f} tok/s",
+            f"in flight {snap.in_flight}",
+            _outer(snap),
+            _bytes(snap),
+        ]
+    )
 
 
 def summary_line(snap: Snapshot, *, total: int | None, wall_s: float) -> str:
     """E.g. `summary: stage 0 | 200/200 steps | 61.2 s | 790 tok/s mean | loss 8.301 -> 5.012 | outer 5 rounds:
     4 paired, 1 solo, 0 rejected | sent 12.0 MB recv 11.5 MB | dropped 0 of 800 microbatches`."""
-    parts = [f"summary: stage {snap.stage}", f"{_steps(snap, total)} steps", f"{wall_s:.1f} s",
-             f"{snap.tokens / max(wall_s, 1e-6):.0f} tok/s mean"]
+    parts = [
+        f"summary: stage {snap.stage}",
+        f"{_steps(snap, total)} steps",
+        f"{wall_s:.1f} s",
+        f"{snap.tokens / max(wall_s, 1e-6):.0f} tok/s mean",
+    ]
     if snap.stage == 0:
         parts.append(f"loss {snap.first_loss:.3f} -> {snap.loss:.3f}" if snap.loss is not None else "loss -")
     else:
@@ -88,14 +101,21 @@ def summary_line(snap: Snapshot, *, total: int | None, wall_s: float) -> str:
         parts.append("outer off")
     else:
         o = snap.outer
-        parts.append(f"outer {o.get('rounds', 0)} rounds: {o.get('paired', 0)} paired, {o.get('solo', 0)} solo, "
-                     f"{o.get('rejected', 0)} rejected")
+        parts.append(
+            f"outer {o.get('rounds', 0)} rounds: {o.get('paired', 0)} paired, {o.get('solo', 0)} solo, "
+            f"{o.get('rejected', 0)} rejected"
+        )
         if snap.round_bytes and snap.round_bytes.get("mean"):
-            parts.append(f"{format_bytes(snap.round_bytes['mean'])} per round "
-                         f"({snap.round_bytes['fp32_fraction']:.2%} of fp32 phi + Delta)")
+            parts.append(
+                f"{format_bytes(snap.round_bytes['mean'])} per round "
+                f"({snap.round_bytes['fp32_fraction']:.2%} of fp32 phi + Delta)"
+            )
     parts.append(_bytes(snap))
-    parts.append(f"dropped {snap.dropped} of {snap.issued} microbatches" if snap.issued is not None
-                 else f"dropped {snap.dropped} microbatches")
+    parts.append(
+        f"dropped {snap.dropped} of {snap.issued} microbatches"
+        if snap.issued is not None
+        else f"dropped {snap.dropped} microbatches"
+    )
     parts.extend(f"warning: {note}" for note in snap.attention)
     return " | ".join(parts)
 

@@ -36,6 +36,7 @@ class ServePlan:
     @property
     def trains(self) -> bool:
         return self.steps != 0
+
     wait_replicas: int = 1
     """Stage 0: wait until every stage has this many replicas before training."""
 
@@ -108,8 +109,10 @@ async def _serve_stage(node: Node, plan: ServePlan, stop: asyncio.Event, report)
 
 def _done(node: Node) -> None:
     node.done_at_step = node.worker.inner_steps
-    log.info("trained all %d inner steps; serving the trained state (for joiners and `noloco-node export`) "
-             "until stopped", node.done_at_step)
+    log.info(
+        "trained all %d inner steps; serving the trained state (for joiners and `noloco-node export`) until stopped",
+        node.done_at_step,
+    )
 
 
 async def _train_unless_moved(node: Node, steps: int, stop: asyncio.Event, report) -> bool:

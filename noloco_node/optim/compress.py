@@ -39,8 +39,9 @@ class Encoded:
     """||decoded - input|| / ||input|| (0 for a zero input), input including the carried residual."""
 
 
-def encode_tensor(x: Tensor, codec: str, residual: Tensor | None = None,
-                  slice_key: tuple[int, int, int] | None = None) -> Encoded:
+def encode_tensor(
+    x: Tensor, codec: str, residual: Tensor | None = None, slice_key: tuple[int, int, int] | None = None
+) -> Encoded:
     """Encode `x` (plus `residual`, for topk) with `codec` as written in the config; `slice_key`
     (seed, parts, part) says which slice the slice codec sends. A slice's `decoded` is 0 off the slice."""
     parsed = parse_outer_codec(codec)
@@ -70,4 +71,3 @@ class ErrorFeedback:
 
     def norm(self) -> float:
         return math.sqrt(sum(float(r.double().pow(2).sum()) for r in self.residual.values()))
-

@@ -76,9 +76,11 @@ class InnerOptimizer:
         """Inverse of export_moments; parameters without saved moments are left untouched."""
         for name, param in named_params:
             if f"adam_exp_avg/{name}" in tensors:
-                self.adam.state[param] = {"step": self.step_tensor(param, steps.get(name, 0.0)),
-                                          "exp_avg": tensors[f"adam_exp_avg/{name}"].to(param.device, param.dtype, copy=True),
-                                          "exp_avg_sq": tensors[f"adam_exp_avg_sq/{name}"].to(param.device, param.dtype, copy=True)}
+                self.adam.state[param] = {
+                    "step": self.step_tensor(param, steps.get(name, 0.0)),
+                    "exp_avg": tensors[f"adam_exp_avg/{name}"].to(param.device, param.dtype, copy=True),
+                    "exp_avg_sq": tensors[f"adam_exp_avg_sq/{name}"].to(param.device, param.dtype, copy=True),
+                }
 
     def step_tensor(self, param: torch.Tensor, value: float) -> torch.Tensor:
         """Adam's per-parameter step count as torch keeps it: on the parameter's device for the

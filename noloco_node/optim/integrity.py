@@ -18,6 +18,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
+
 def tensor_rms(tensor: Tensor, peak: float | None = None) -> float:
     """Root mean square, without overflowing on values near float32's limit (+-3e38 squares to inf).
     `peak` is max |x| when the caller has it already."""
@@ -56,8 +57,10 @@ class RunningBounds:
             median = statistics.median(self.recent)
             low, high = median / self.factor, median * self.factor
             if median > 0 and not low <= rms <= high:
-                return self._refuse(f"payload RMS {rms:.3g} is outside [{low:.3g}, {high:.3g}] "
-                                    f"({self.factor:g}x around the median of the last {len(self.recent)} accepted)")
+                return self._refuse(
+                    f"payload RMS {rms:.3g} is outside [{low:.3g}, {high:.3g}] "
+                    f"({self.factor:g}x around the median of the last {len(self.recent)} accepted)"
+                )
         self.recent.append(rms)
         return None
 
@@ -77,8 +80,9 @@ def all_finite(tensors: Iterable[Tensor]) -> bool:
     return all(bool(torch.stack(group).all()) for group in flags.values())
 
 
-def repair_weights(params: dict[str, torch.nn.Parameter], phi: dict[str, Tensor] | None,
-                   adam_state: dict) -> str | None:
+def repair_weights(
+    params: dict[str, torch.nn.Parameter], phi: dict[str, Tensor] | None, adam_state: dict
+) -> str | None:
     """Called when a stage's weights are found non-finite: theta <- phi (the last slow weights,
     which only ever take validated values) and Adam's moments for any parameter whose state is
     not finite are dropped. Returns what was done ("phi"), or None when there is no finite phi to

@@ -29,8 +29,9 @@ class OuterState:
     new phi into them (theta <- phi) in place, leaving any inner optimizer's moments untouched.
     """
 
-    def __init__(self, named_params: Iterable[tuple[str, nn.Parameter]], *, alpha: float, beta: float,
-                 gamma: float | None = None) -> None:
+    def __init__(
+        self, named_params: Iterable[tuple[str, nn.Parameter]], *, alpha: float, beta: float, gamma: float | None = None
+    ) -> None:
         self.params: dict[str, nn.Parameter] = dict(named_params)
         if not self.params:
             raise ValueError("OuterState needs at least one parameter")
@@ -50,19 +51,27 @@ class OuterState:
         """This replica's frozen snapshot: name -> (phi if needed else None, theta in master dtype)."""
         with torch.no_grad():
             return {
-                name: (self.phi[name].clone() if self.needs_slow_weights else None,
-                       p.detach().to(self.phi[name].dtype, copy=True))
+                name: (
+                    self.phi[name].clone() if self.needs_slow_weights else None,
+                    p.detach().to(self.phi[name].dtype, copy=True),
+                )
                 for name, p in self.params.items()
             }
 
     def delta_norm(self) -> float:
         """||theta - phi|| over all parameters (used to bound received snapshots)."""
         with torch.no_grad():
-            total = sum(float((p.detach().to(self.phi[n].dtype) - self.phi[n]).pow(2).sum()) for n, p in self.params.items())
-        return total ** 0.5
+            total = sum(
+                float((p.detach().to(self.phi[n].dtype) - self.phi[n]).pow(2).sum()) for n, p in self.params.items()
+            )
+        return total**0.5
 
-    def apply_noloco(self, peers: list[PeerGroupSnapshot], own: Mapping[str, Tensor] | None = None,
-                     frozen: Mapping[str, Tensor] | None = None) -> None:
+    def apply_noloco(
+        self,
+        peers: list[PeerGroupSnapshot],
+        own: Mapping[str, Tensor] | None = None,
+        frozen: Mapping[str, Tensor] | None = None,
+    ) -> None:
         """Apply the NoLoCo step with the given peer snapshots (empty list = solo step).
 
         Args:
@@ -73,18 +82,32 @@ class OuterState:
                 (while the exchange ran) is kept: theta <- new phi + (theta now - frozen). With no
                 progress in between this is exactly theta <- new phi.
         """
+
         def step(name: str, device: torch.device) -> tuple[Tensor, Tensor]:
             param = self.params[name]
             theta = own[name] if own is not None else (frozen[name] if frozen is not None else param.detach())
-            received = [(None if phi is None else phi.to(device), theta_peer.to(device))
-                        for phi, theta_peer in (peer[name] for peer in peers)]
-            return noloco_step(self.phi[name], theta.to(device), self.momentum[name], received,
-                               alpha=self.alpha, beta=self.beta, gamma=self.gamma)
+            received = [
+                (None if phi is None else phi.to(device), theta_peer.to(device))
+                for phi, theta_peer in (peer[name] for peer in peers)
+            ]
+            return noloco_step(
+                self.phi[name],
+                theta.to(device),
+                self.momentum[name],
+                received,
+                alpha=self.alpha,
+                beta=self.beta,
+                gamma=self.gamma,
+            )
 
         self._apply_pair(peers, step, frozen)
 
-    def apply_noloco_sent(self, peers: list[Mapping[str, tuple[Tensor, Tensor]]],
-                          own: Mapping[str, tuple[Tensor, Tensor]], frozen: Mapping[str, Tensor] | None = None) -> None:
+    def apply_noloco_sent(
+        self,
+        peers: list[Mapping[str, tuple[Tensor, Tensor]]],
+        own: Mapping[str, tuple[Tensor, Tensor]],
+        frozen: Mapping[str, Tensor] | None = None,
+    ) -> None:
         """Apply the NoLoCo step from (phi, Delta) snapshots (`noloco_step_sent`), for any gamma.
 
         Args:
@@ -92,11 +115,13 @@ class OuterState:
             own: name -> this replica's (phi, Delta) as the partner decodes them.
             frozen: as in `apply_noloco`.
         """
+
         def step(name: str, device: torch.device) -> tuple[Tensor, Tensor]:
             mine = (own[name][0].to(device), own[name][1].to(device))
             received = [(peer[name][0].to(device), peer[name][1].to(device)) for peer in peers]
-            return noloco_step_sent(self.phi[name], self.momentum[name], mine, received,
-                                    alpha=self.alpha, beta=self.beta, gamma=self.gamma)
+            return noloco_step_sent(
+                self.phi[name], self.momentum[name], mine, received, alpha=self.alpha, beta=self.beta, gamma=self.gamma
+            )
 
         self._apply_pair(peers, step, frozen)
 
@@ -119,8 +144,13 @@ class OuterState:
         """Apply the DiLoCo step given the all-replica mean of theta for every parameter."""
         with torch.no_grad():
             for name in self.params:
-                new_phi, new_m = diloco_step(self.phi[name], self.momentum[name], theta_mean[name].to(self.phi[name].device),
-                                             alpha=self.alpha, beta=self.beta)
+                new_phi, new_m = diloco_step(
+                    self.phi[name],
+                    self.momentum[name],
+                    theta_mean[name].to(self.phi[name].device),
+                    alpha=self.alpha,
+                    beta=self.beta,
+                )
                 self._commit(name, new_phi, new_m)
         self.round += 1
 
@@ -142,7 +172,9 @@ class OuterState:
                 for kind, store in (("phi", self.phi), ("momentum", self.momentum)):
                     source = flat[f"{kind}/{name}"]
                     if source.shape != store[name].shape:
-                        raise ValueError(f"{kind}/{name}: shape {tuple(source.shape)}, expected {tuple(store[name].shape)}")
+                        raise ValueError(
+                            f"{kind}/{name}: shape {tuple(source.shape)}, expected {tuple(store[name].shape)}"
+                        )
                     store[name] = source.to(store[name].device, store[name].dtype, copy=True)
                 self.params[name].data.copy_(self.phi[name])
         self.round = round_index

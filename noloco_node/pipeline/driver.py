@@ -75,9 +75,17 @@ def overlapped(settings: DriverSettings, is_last: bool) -> bool:
 
 
 class Stage0Driver:
-    def __init__(self, runtime: StageRuntime, batches: Iterator[tuple[Tensor, Tensor]], settings: DriverSettings, *,
-                 completions: Stage0Completions, inner_step: Callable[[], Awaitable[float]] | None = None,
-                 counters: DriverCounters | None = None, before_batch: Callable[[], Awaitable[None]] | None = None) -> None:
+    def __init__(
+        self,
+        runtime: StageRuntime,
+        batches: Iterator[tuple[Tensor, Tensor]],
+        settings: DriverSettings,
+        *,
+        completions: Stage0Completions,
+        inner_step: Callable[[], Awaitable[float]] | None = None,
+        counters: DriverCounters | None = None,
+        before_batch: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
         """`completions` is the one the runtime reports to; `inner_step` replaces the worker's own
         step (a method that takes it, dp); `counters` carries on a predecessor's accounting;
         `before_batch` is awaited before each batch is issued (the node waits there while a later
@@ -111,8 +119,10 @@ class Stage0Driver:
             if self.before_batch is not None:
                 await self.before_batch()
             inputs, labels = next(self.batches)
-            micro = [(inputs[i:i + self.microbatch_size], labels[i:i + self.microbatch_size])
-                     for i in range(0, inputs.shape[0], self.microbatch_size)]
+            micro = [
+                (inputs[i : i + self.microbatch_size], labels[i : i + self.microbatch_size])
+                for i in range(0, inputs.shape[0], self.microbatch_size)
+            ]
             if batch == 0:
                 self.completions.open_gate(0)
             if not self.overlap:
@@ -137,8 +147,9 @@ class Stage0Driver:
         if previous is not None:
             await self._finish_batch(*previous, on_inner_step)
 
-    async def _finish_batch(self, tasks: list[asyncio.Task], batch: int, first: int,
-                            on_inner_step: Callable[[int], Awaitable[None]] | None) -> None:
+    async def _finish_batch(
+        self, tasks: list[asyncio.Task], batch: int, first: int, on_inner_step: Callable[[int], Awaitable[None]] | None
+    ) -> None:
         """Wait for the batch's microbatches, take the inner step, open the next batch's gate."""
         try:
             await asyncio.gather(*tasks)
@@ -207,7 +218,12 @@ class Stage0Driver:
                     return
                 log.info("microbatch %d attempt %d found no stage-1 replica; re-issuing", sequence, attempt)
             except asyncio.TimeoutError:
-                log.info("microbatch %d attempt %d got no gradient within %.0f s; re-issuing", sequence, attempt, self.timeout_s)
+                log.info(
+                    "microbatch %d attempt %d got no gradient within %.0f s; re-issuing",
+                    sequence,
+                    attempt,
+                    self.timeout_s,
+                )
             except asyncio.CancelledError:
                 # Training was stopped (shutdown) with this microbatch in flight: it is dropped,
                 # and said so, so issued == completed + dropped holds for a stopped run too.

@@ -41,8 +41,9 @@ class MemoryNetwork:
         self.hidden: set[str] = set()
         """Peers whose records lookups do not return for now, as an expired DHT record (tests)."""
 
-    def register(self, peer_id: str, stage: int, handler: StageHandler,
-                 inner_steps: Callable[[], int] = lambda: 0) -> None:
+    def register(
+        self, peer_id: str, stage: int, handler: StageHandler, inner_steps: Callable[[], int] = lambda: 0
+    ) -> None:
         """`inner_steps` reads the node's counter: its record's inner step, always fresh."""
         self.handlers[peer_id] = handler
         self.records[peer_id] = MemoryRecord(Peer(peer_id, f"memory:{peer_id}"), stage)
@@ -91,18 +92,33 @@ class MemoryStageTransport:
         self.network, self.me = network, me
         self.bytes_sent = 0
 
-    async def forward(self, peer: Peer, *, key: MicrobatchKey, route: list[Hop], target_stage: int,
-                      activations: Tensor, labels: Tensor, token_ids: Tensor | None = None) -> None:
+    async def forward(
+        self,
+        peer: Peer,
+        *,
+        key: MicrobatchKey,
+        route: list[Hop],
+        target_stage: int,
+        activations: Tensor,
+        labels: Tensor,
+        token_ids: Tensor | None = None,
+    ) -> None:
         handler = self.network.handler_of(peer.peer_id)
         spec, tensor, size = through_wire(activations, self.network.codec)
-        call = ForwardCall(key=key, target_stage=target_stage, route=tuple(route), labels=labels.reshape(-1).tolist(),
-                           token_ids=() if token_ids is None else token_ids.reshape(-1).tolist())
+        call = ForwardCall(
+            key=key,
+            target_stage=target_stage,
+            route=tuple(route),
+            labels=labels.reshape(-1).tolist(),
+            token_ids=() if token_ids is None else token_ids.reshape(-1).tolist(),
+        )
         ticket = handler.admit_forward(call, spec)
         self.bytes_sent += size
         await handler.accept_forward(ticket, tensor)
 
-    async def backward(self, peer_id: str, *, key: MicrobatchKey, target_stage: int, grad: Tensor, loss: float,
-                       num_tokens: int) -> None:
+    async def backward(
+        self, peer_id: str, *, key: MicrobatchKey, target_stage: int, grad: Tensor, loss: float, num_tokens: int
+    ) -> None:
         handler = self.network.handler_of(peer_id)
         spec, tensor, size = through_wire(grad, self.network.gradient_codec)
         call = BackwardCall(key=key, target_stage=target_stage, loss=loss, num_tokens=num_tokens)
@@ -119,8 +135,11 @@ class MemoryDirectory:
         self.network = network
 
     def _live(self, stage: int) -> list[MemoryRecord]:
-        return [r for r in self.network.records.values()
-                if r.stage == stage and r.status != Status.LEAVING and r.peer.peer_id not in self.network.hidden]
+        return [
+            r
+            for r in self.network.records.values()
+            if r.stage == stage and r.status != Status.LEAVING and r.peer.peer_id not in self.network.hidden
+        ]
 
     async def replicas(self, stage: int) -> list[Peer]:
         return [r.peer for r in self._live(stage)]

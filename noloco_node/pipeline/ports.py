@@ -37,13 +37,23 @@ class Hop:
 
 
 class StageTransport(Protocol):
-    async def forward(self, peer: Peer, *, key: MicrobatchKey, route: list[Hop], target_stage: int,
-                      activations: Tensor, labels: Tensor, token_ids: Tensor | None = None) -> None:
+    async def forward(
+        self,
+        peer: Peer,
+        *,
+        key: MicrobatchKey,
+        route: list[Hop],
+        target_stage: int,
+        activations: Tensor,
+        labels: Tensor,
+        token_ids: Tensor | None = None,
+    ) -> None:
         """Deliver activations (with the input token ids when the model has a residual subspace);
         raises PeerBusy, PeerUnavailable, InvalidPayload or ProtocolMismatch."""
 
-    async def backward(self, peer_id: str, *, key: MicrobatchKey, target_stage: int, grad: Tensor,
-                       loss: float, num_tokens: int) -> None:
+    async def backward(
+        self, peer_id: str, *, key: MicrobatchKey, target_stage: int, grad: Tensor, loss: float, num_tokens: int
+    ) -> None:
         """Deliver the gradient of the receiver's output (the upstream hop `peer_id`), with the loss."""
 
 

@@ -74,8 +74,10 @@ class Move:
     throughput_after: float
 
     def __str__(self) -> str:
-        return (f"peer {self.peer_id[-8:]} stage {self.source} -> {self.target}: swarm throughput "
-                f"{self.throughput_now:.2f} -> {self.throughput_after:.2f} sequences/s (estimated)")
+        return (
+            f"peer {self.peer_id[-8:]} stage {self.source} -> {self.target}: swarm throughput "
+            f"{self.throughput_now:.2f} -> {self.throughput_after:.2f} sequences/s (estimated)"
+        )
 
 
 def stage_totals(replicas: Sequence[Replica], num_stages: int) -> list[float]:
@@ -92,13 +94,16 @@ def _measured(r: Replica, stage_members: Sequence[Replica]) -> Replica:
     return dataclasses.replace(r, capacity=sum(known) / len(known))
 
 
-def plan_move(replicas: Sequence[Replica], num_stages: int, *, margin: float, now: float, settle_s: float,
-              cooldown_s: float) -> Move | None:
+def plan_move(
+    replicas: Sequence[Replica], num_stages: int, *, margin: float, now: float, settle_s: float, cooldown_s: float
+) -> Move | None:
     """The one move the swarm should make now, or None (module docstring)."""
     if num_stages < 2 or not replicas:
         return None
-    if any(r.status not in (Status.SERVING, Status.MATCHING) or now - r.moved_at < settle_s or r.move_claimed_at > 0
-           for r in replicas):
+    if any(
+        r.status not in (Status.SERVING, Status.MATCHING) or now - r.moved_at < settle_s or r.move_claimed_at > 0
+        for r in replicas
+    ):
         return None
     by_stage = [[r for r in replicas if r.stage == s] for s in range(num_stages)]
     if any(not members or all(r.capacity <= 0 for r in members) for members in by_stage):
@@ -126,9 +131,18 @@ def plan_move(replicas: Sequence[Replica], num_stages: int, *, margin: float, no
     return best
 
 
-async def watch(*, me: str, read: Callable[[], Awaitable[list[Replica]]], claim: Callable[[float], Awaitable[None]],
-                num_stages: int, margin: float, period_s: float, settle_s: float, cooldown_s: float,
-                clock: Callable[[], float] = time.time) -> Move:
+async def watch(
+    *,
+    me: str,
+    read: Callable[[], Awaitable[list[Replica]]],
+    claim: Callable[[float], Awaitable[None]],
+    num_stages: int,
+    margin: float,
+    period_s: float,
+    settle_s: float,
+    cooldown_s: float,
+    clock: Callable[[], float] = time.time,
+) -> Move:
     """Check every `period_s` until a plan names us and our claim to it holds (module docstring);
     returns that move (the caller carries it out). `claim(t)` announces our claim made at unix
     time t, `claim(0.0)` withdraws it."""
@@ -147,8 +161,14 @@ async def watch(*, me: str, read: Callable[[], Awaitable[list[Replica]]], claim:
                 return move
 
 
-async def _claim_holds(me: str, read: Callable[[], Awaitable[list[Replica]]], claim: Callable[[float], Awaitable[None]],
-                       plan: Callable[..., Move | None], period_s: float, clock: Callable[[], float]) -> bool:
+async def _claim_holds(
+    me: str,
+    read: Callable[[], Awaitable[list[Replica]]],
+    claim: Callable[[float], Awaitable[None]],
+    plan: Callable[..., Move | None],
+    period_s: float,
+    clock: Callable[[], float],
+) -> bool:
     claimed_at = clock()
     await claim(claimed_at)
     await asyncio.sleep(period_s * random.uniform(1.0, 1.5))
@@ -157,12 +177,16 @@ async def _claim_holds(me: str, read: Callable[[], Awaitable[list[Replica]]], cl
     except Exception:  # noqa: BLE001 - a failed lookup: not confirmed, the next period decides
         replicas = None
     if replicas is not None:
-        earliest = min([(claimed_at, me)] + [(r.move_claimed_at, r.peer_id) for r in replicas
-                                             if r.move_claimed_at > 0 and r.peer_id != me])
+        earliest = min(
+            [(claimed_at, me)]
+            + [(r.move_claimed_at, r.peer_id) for r in replicas if r.move_claimed_at > 0 and r.peer_id != me]
+        )
         again = plan([dataclasses.replace(r, move_claimed_at=0.0) for r in replicas], now=clock())
         if earliest[1] == me and again is not None and again.peer_id == me:
             return True
-        log.info("rebalance: not moving after all (%s)", "an earlier claim by peer " + earliest[1][-8:]
-                 if earliest[1] != me else "the plan changed")
+        log.info(
+            "rebalance: not moving after all (%s)",
+            "an earlier claim by peer " + earliest[1][-8:] if earliest[1] != me else "the plan changed",
+        )
     await claim(0.0)
     return False

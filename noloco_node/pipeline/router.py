@@ -90,8 +90,9 @@ class Router:
         self.rng = rng or random.Random()
         self._cycle: list[str] = []
 
-    def pick_permuted(self, candidates: list[Peer], senders: list[str], me: str, seed: str, *,
-                      ignore_bans: bool = False) -> Peer | None:
+    def pick_permuted(
+        self, candidates: list[Peer], senders: list[str], me: str, seed: str, *, ignore_bans: bool = False
+    ) -> Peer | None:
         """The balanced choice for the microbatch `seed` names: None when it does not apply (the
         stages differ in size, we are not among the senders) or its receiver is banned here (unless
         `ignore_bans`: in lockstep no other receiver will do)."""

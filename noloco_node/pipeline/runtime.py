@@ -116,9 +116,20 @@ class RuntimeHooks:
 
 
 class StageRuntime:
-    def __init__(self, *, shape: StageShape, worker: StageWorker, compute: ComputeThread, transport: StageTransport,
-                 directory: ReplicaDirectory, router: Router, me: Hop, settings: RuntimeSettings,
-                 hooks: RuntimeHooks = RuntimeHooks(), faults: FaultInjector | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        shape: StageShape,
+        worker: StageWorker,
+        compute: ComputeThread,
+        transport: StageTransport,
+        directory: ReplicaDirectory,
+        router: Router,
+        me: Hop,
+        settings: RuntimeSettings,
+        hooks: RuntimeHooks = RuntimeHooks(),
+        faults: FaultInjector | None = None,
+    ) -> None:
         self.shape, self.worker, self.compute = shape, worker, compute
         self.transport, self.directory, self.router, self.me = transport, directory, router, me
         self.max_in_flight, self.send_deadline_s = settings.max_in_flight, settings.send_deadline_s
@@ -143,8 +154,10 @@ class StageRuntime:
             raise InvalidPayload(f"activations must be float32 [batch, seq, width], got {spec.dtype}{list(spec.shape)}")
         b, t, h = spec.shape
         if not (1 <= b <= s.microbatch_size and 1 <= t <= s.seq_len and h == s.boundary_width):
-            raise InvalidPayload(f"activations shape {list(spec.shape)} does not fit [<= {s.microbatch_size}, "
-                                 f"<= {s.seq_len}, {s.boundary_width}]")
+            raise InvalidPayload(
+                f"activations shape {list(spec.shape)} does not fit [<= {s.microbatch_size}, "
+                f"<= {s.seq_len}, {s.boundary_width}]"
+            )
         _check_token_list("labels", call.labels, b * t, s.vocab_size)
         if s.carries_token_ids:
             _check_token_list("token ids", call.token_ids, b * t, s.vocab_size)
@@ -160,8 +173,12 @@ class StageRuntime:
             raise PeerBusy(f"{len(self.in_flight)}/{self.max_in_flight} microbatches in flight")
         import torch
 
-        ticket = Ticket(key=key, route=list(call.route), labels=torch.tensor(list(call.labels), dtype=torch.int64).view(b, t),
-                        token_ids=torch.tensor(list(call.token_ids), dtype=torch.int64).view(b, t) if s.carries_token_ids else None)
+        ticket = Ticket(
+            key=key,
+            route=list(call.route),
+            labels=torch.tensor(list(call.labels), dtype=torch.int64).view(b, t),
+            token_ids=torch.tensor(list(call.token_ids), dtype=torch.int64).view(b, t) if s.carries_token_ids else None,
+        )
         self.in_flight[key] = ticket
         return ticket
 
@@ -181,7 +198,9 @@ class StageRuntime:
         if ticket is None or expected is None:
             raise UnknownMicrobatch(f"no saved input for microbatch {key} (expired or never seen)")
         if spec.dtype != "float32" or spec.shape != expected:
-            raise InvalidPayload(f"gradient {spec.dtype}{list(spec.shape)} does not match the output float32{list(expected)}")
+            raise InvalidPayload(
+                f"gradient {spec.dtype}{list(spec.shape)} does not match the output float32{list(expected)}"
+            )
         if caller and ticket.downstream and caller != ticket.downstream:
             # FAILED_PRECONDITION, not a strike: an honest replica whose accept we never saw (our
             # call timed out, we retried elsewhere) lands here too.
@@ -209,8 +228,9 @@ class StageRuntime:
             await self.faults.hit("before_forward")
             if self.shape.is_last:
                 before = self.worker.inner_steps
-                grad, loss, tokens = await self.compute.run(self.worker.forward_backward_last, activations, ticket.labels,
-                                                            token_ids=ticket.token_ids)
+                grad, loss, tokens = await self.compute.run(
+                    self.worker.forward_backward_last, activations, ticket.labels, token_ids=ticket.token_ids
+                )
                 self._release(key)
                 await self._step_and_send_backward(before, ticket.route[-1], key, grad, loss, tokens)
                 return
@@ -246,8 +266,9 @@ class StageRuntime:
         await self.faults.hit("mid_backward")
         await self._step_and_send_backward(before, ticket.route[-1], key, grad_input, ticket.loss, ticket.num_tokens)
 
-    async def _step_and_send_backward(self, steps_before: int, upstream: Hop, key: MicrobatchKey, grad: Tensor,
-                                      loss: float, tokens: int) -> None:
+    async def _step_and_send_backward(
+        self, steps_before: int, upstream: Hop, key: MicrobatchKey, grad: Tensor, loss: float, tokens: int
+    ) -> None:
         """Send the input gradient upstream with this stage's inner step out of its way: a step due
         (the batch's last gradient) is queued on the compute thread first, so it runs while the
         gradient travels and the upstream stage computes its backward. Still exact: upstream can
@@ -278,8 +299,15 @@ class StageRuntime:
             self._last_hooked_step = step
             self._spawn(self.hooks.on_inner_step(step))
 
-    async def send_forward(self, key: MicrobatchKey, route: list[Hop], output: Tensor, labels: Tensor,
-                           token_ids: Tensor | None = None, avoid: frozenset[str] = frozenset()) -> str | None:
+    async def send_forward(
+        self,
+        key: MicrobatchKey,
+        route: list[Hop],
+        output: Tensor,
+        labels: Tensor,
+        token_ids: Tensor | None = None,
+        avoid: frozenset[str] = frozenset(),
+    ) -> str | None:
         """Push to a live replica of the next stage (picked by the routing), retrying others until
         the deadline (in lockstep: the same one). Replicas in `avoid` (those that already lost this
         microbatch) are skipped while any other is available. `token_ids` go along only when the
@@ -300,8 +328,15 @@ class StageRuntime:
                 delay = min(1.0, delay * 2)
                 continue
             try:
-                await self.transport.forward(peer, key=key, route=route, target_stage=self.shape.stage + 1,
-                                             activations=output, labels=labels, token_ids=token_ids)
+                await self.transport.forward(
+                    peer,
+                    key=key,
+                    route=route,
+                    target_stage=self.shape.stage + 1,
+                    activations=output,
+                    labels=labels,
+                    token_ids=token_ids,
+                )
                 ticket = self.in_flight.get(key)
                 if ticket is not None:
                     ticket.downstream = peer.peer_id
@@ -328,7 +363,9 @@ class StageRuntime:
                     continue
                 duration = self.router.bans.ban(peer.peer_id)
                 log.info("forward of %s to %s failed (%s); banned for %.0f s", key, peer.peer_id[-8:], exc, duration)
-        log.warning("no replica of stage %d took microbatch %s within %.0f s", self.shape.stage + 1, key, self.send_deadline_s)
+        log.warning(
+            "no replica of stage %d took microbatch %s within %.0f s", self.shape.stage + 1, key, self.send_deadline_s
+        )
         return None
 
     def _routes_balanced(self, tried: set[str]) -> bool:
@@ -342,15 +379,20 @@ class StageRuntime:
             return None  # a partial view: its balanced choice would be another replica's (RuntimeSettings)
         if self.routing == "fixed":
             return self.router.pick_fixed(candidates, senders, self.me.peer_id)
-        return self.router.pick_permuted(candidates, senders, self.me.peer_id,
-                                         f"{self.routing_seed}:{key.sequence}:{self.shape.stage}",
-                                         ignore_bans=self.lockstep)
+        return self.router.pick_permuted(
+            candidates,
+            senders,
+            self.me.peer_id,
+            f"{self.routing_seed}:{key.sequence}:{self.shape.stage}",
+            ignore_bans=self.lockstep,
+        )
 
     async def _send_backward(self, upstream: Hop, key: MicrobatchKey, grad: Tensor, loss: float, tokens: int) -> None:
         for retry_in in (*BACKWARD_LOOKUP_RETRIES_S, None):
             try:
-                await self.transport.backward(upstream.peer_id, key=key, target_stage=upstream.stage, grad=grad,
-                                              loss=loss, num_tokens=tokens)
+                await self.transport.backward(
+                    upstream.peer_id, key=key, target_stage=upstream.stage, grad=grad, loss=loss, num_tokens=tokens
+                )
                 self.stats.backwards_sent += 1
                 return
             except PeerUnknown as exc:

@@ -48,8 +48,9 @@ def _typical(capacities: list[list[float]]) -> float:
     return sum(known) / len(known) if known else 0.0
 
 
-def assign_stage(capacities: Sequence[Sequence[float]], claims: Sequence[Claim], me: str, claimed_at: float,
-                 settle_s: float) -> int:
+def assign_stage(
+    capacities: Sequence[Sequence[float]], claims: Sequence[Claim], me: str, claimed_at: float, settle_s: float
+) -> int:
     """Our stage, given the serving replicas' capacities per stage and every joiner's claim."""
     caps = [list(c) for c in capacities]
     typical = _typical(caps)
@@ -69,10 +70,15 @@ def assign_stage(capacities: Sequence[Sequence[float]], claims: Sequence[Claim],
     raise AssertionError("unreachable: we are among the contenders")
 
 
-async def claim_stage(*, capacities: Callable[[], Awaitable[list[list[float]]]],
-                      claims: Callable[[], Awaitable[list[Claim]]],
-                      announce_claim: Callable[[int, int | None, float], Awaitable[None]],
-                      me: str, settle_s: float, clock: Callable[[], float] = time.time) -> int:
+async def claim_stage(
+    *,
+    capacities: Callable[[], Awaitable[list[list[float]]]],
+    claims: Callable[[], Awaitable[list[Claim]]],
+    announce_claim: Callable[[int, int | None, float], Awaitable[None]],
+    me: str,
+    settle_s: float,
+    clock: Callable[[], float] = time.time,
+) -> int:
     """Claim, settle, agree (module docstring). `announce_claim(stage, withdrawn_stage, claimed_at)`
     stores our joining record (and a leaving one under a stage we claimed before)."""
     claimed_at = clock()
@@ -88,8 +94,9 @@ async def claim_stage(*, capacities: Callable[[], Awaitable[list[list[float]]]],
     return stage
 
 
-async def claim_stage_in(directory, make_record: Callable[[int, str, float], object], *, ttl_s: float,
-                         settle_s: float = CLAIM_SETTLE_S) -> int:
+async def claim_stage_in(
+    directory, make_record: Callable[[int, str, float], object], *, ttl_s: float, settle_s: float = CLAIM_SETTLE_S
+) -> int:
     """claim_stage over the DHT directory (dht/directory.py): claims are records with status
     joining, made by `make_record(stage, status, claimed_at)`, withdrawn with status leaving; they
     live `ttl_s`, long enough to outlast building the stage."""
@@ -102,5 +109,10 @@ async def claim_stage_in(directory, make_record: Callable[[int, str, float], obj
             if where is not None:
                 await directory.announce(make_record(where, status, claimed_at), ttl_s=ttl_s)
 
-    return await claim_stage(capacities=directory.replica_capacities, claims=claims, announce_claim=announce_claim,
-                             me=directory.peer_id, settle_s=settle_s)
+    return await claim_stage(
+        capacities=directory.replica_capacities,
+        claims=claims,
+        announce_claim=announce_claim,
+        me=directory.peer_id,
+        settle_s=settle_s,
+    )

@@ -80,13 +80,25 @@ class WorkerSettings:
 class StageWorker:
     """Not thread-safe by design: every method runs on the node's single compute thread."""
 
-    def __init__(self, stage: LlamaStage, inner: InnerOptimizer, settings: WorkerSettings, *,
-                 faults: FaultInjector | None = None, slow_weights: Callable[[], dict[str, Tensor] | None] | None = None,
-                 emit: Callable[..., Any] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        stage: LlamaStage,
+        inner: InnerOptimizer,
+        settings: WorkerSettings,
+        *,
+        faults: FaultInjector | None = None,
+        slow_weights: Callable[[], dict[str, Tensor] | None] | None = None,
+        emit: Callable[..., Any] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.stage, self.inner = stage, inner
         self.device = torch.device(settings.device)
         self.autocast = self.device.type == "cuda" and settings.bf16_autocast
-        self.batch_size, self.saved_ttl_s, self.auto_step = settings.batch_size, settings.saved_ttl_s, settings.auto_step
+        self.batch_size, self.saved_ttl_s, self.auto_step = (
+            settings.batch_size,
+            settings.saved_ttl_s,
+            settings.auto_step,
+        )
         self.defer_step, self.stash_weights = settings.defer_step, settings.stash_weights
         self.compute_delay_s = settings.compute_delay_s
         self.host_dtypes = settings.host_dtypes
@@ -109,7 +121,9 @@ class StageWorker:
         self._stash: tuple[int, dict[str, Tensor]] | None = None
         self._stashes_with_gradients: list[dict[str, Tensor]] = []
 
-    def forward(self, key: Hashable, inputs: Tensor, *, token_ids: Tensor | None = None, keep_graph: bool = False) -> Tensor:
+    def forward(
+        self, key: Hashable, inputs: Tensor, *, token_ids: Tensor | None = None, keep_graph: bool = False
+    ) -> Tensor:
         """Forward without a graph, keeping `inputs` for the backward's recompute; or, with
         `keep_graph`, keep the autograd graph instead: safe when no inner step can happen before
         this microbatch's backward (stage 0 in exact mode, whose driver steps between batches), or
@@ -125,17 +139,22 @@ class StageWorker:
                 saved.output = self._run_stage(inputs, saved.stash, saved.token_ids)
             return self._to_host(saved.output.detach(), self.host_dtypes[0])
         with torch.no_grad(), self._autocast():
-            return self._to_host(self._run_stage(inputs, saved.stash, saved.token_ids), self.host_dtypes[0], finite=(key, "output"))
+            return self._to_host(
+                self._run_stage(inputs, saved.stash, saved.token_ids), self.host_dtypes[0], finite=(key, "output")
+            )
 
-    def forward_backward_last(self, inputs: Tensor, labels: Tensor, token_ids: Tensor | None = None) -> tuple[Tensor, float, int]:
+    def forward_backward_last(
+        self, inputs: Tensor, labels: Tensor, token_ids: Tensor | None = None
+    ) -> tuple[Tensor, float, int]:
         """Last stage: loss (token mean, scaled by b/B for accumulation), backward; returns
         (grad w.r.t. inputs, unscaled loss, tokens)."""
         self.step_if_due()
         self._slow_down(2)
         x = self._to_device(inputs).detach().requires_grad_()
         with self._autocast():
-            loss = LlamaStage.loss(self.stage(x, None if token_ids is None else self._to_device(token_ids)),
-                                   self._to_device(labels))
+            loss = LlamaStage.loss(
+                self.stage(x, None if token_ids is None else self._to_device(token_ids)), self._to_device(labels)
+            )
         self._finite(loss.detach(), "last stage", "loss")  # before backward: the accumulated gradients stay clean
         (loss * (inputs.shape[0] / self.batch_size)).backward()
         self._count(inputs.shape[0], labels.numel())
@@ -186,7 +205,10 @@ class StageWorker:
         # repairs, loaded state), so a stale copy is never reused.
         version = sum(p._version for p in self.params.values())
         if self._stash is None or self._stash[0] != version:
-            self._stash = (version, {n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in self.params.items()})
+            self._stash = (
+                version,
+                {n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in self.params.items()},
+            )
         return self._stash[1]
 
     def _take_stash_gradients(self) -> None:
@@ -284,7 +306,9 @@ class StageWorker:
     def _after_step(self, norm: float) -> None:
         step = self.inner_steps
         if not math.isfinite(norm):
-            log.warning("inner step %d skipped: gradient norm %s (%d skipped so far)", step, norm, self.inner.skipped_steps)
+            log.warning(
+                "inner step %d skipped: gradient norm %s (%d skipped so far)", step, norm, self.inner.skipped_steps
+            )
             self.emit("inner_step_skipped", inner_step=step, grad_norm=str(norm), skipped=self.inner.skipped_steps)
         scale = self.faults.poison("weights")  # tests: weights that went bad anyway
         if scale is not None:
@@ -295,8 +319,11 @@ class StageWorker:
             source = self.slow_weights() if self._own_copy is None else self._own_copy
             done = repair_weights(self.params, source, self.inner.adam.state)
             self.repairs += 1
-            log.error("inner step %d: weights went non-finite; restored from %s", step,
-                      done or "nothing (no finite copy): this replica is dropping its microbatches")
+            log.error(
+                "inner step %d: weights went non-finite; restored from %s",
+                step,
+                done or "nothing (no finite copy): this replica is dropping its microbatches",
+            )
             self.emit("weights_repaired", inner_step=step, source=done)
         elif self._own_copy is not None and step % 10 == 0:
             self._own_copy = self._copy_theta()
@@ -308,7 +335,10 @@ class StageWorker:
         """Data-parallel: clip this stage's accumulated gradients (per stage, before any
         all-reduce, as the reference), hand them out, and start the next accumulation."""
         self.inner.clip_gradients()
-        grads = [(p.grad.detach() if p.grad is not None else torch.zeros_like(p)).to("cpu", copy=True) for p in self.inner.params]
+        grads = [
+            (p.grad.detach() if p.grad is not None else torch.zeros_like(p)).to("cpu", copy=True)
+            for p in self.inner.params
+        ]
         for p in self.inner.params:
             p.grad = None
         self.sequences_since_step = max(0, self.sequences_since_step - self.batch_size)

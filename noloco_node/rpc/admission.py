@@ -52,7 +52,9 @@ def load_swarm_key(path: str | Path) -> bytes:
     try:
         key = bytes.fromhex(text)
     except ValueError:
-        raise SwarmKeyError(f"{path} does not hold a hex key; create one with `noloco-node keygen --out {path}`") from None
+        raise SwarmKeyError(
+            f"{path} does not hold a hex key; create one with `noloco-node keygen --out {path}`"
+        ) from None
     if len(key) < 16:
         raise SwarmKeyError(f"{path} holds a {len(key)}-byte key; use at least 16 bytes (`noloco-node keygen`)")
     return key
@@ -62,9 +64,15 @@ class AdmissionInterceptor(grpc.aio.ServerInterceptor):
     """Proves the caller, then applies the peer's limits, before any servicer code runs; strikes
     the proven peer when the servicer rejected its data as INVALID_ARGUMENT."""
 
-    def __init__(self, *, verifier: CallVerifier, swarm_key: bytes | None, guard: PeerGuard,
-                 bridged: Callable[[str], tuple[str, str] | None] | None = None,
-                 on_refused: Callable[[str, str], None] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        verifier: CallVerifier,
+        swarm_key: bytes | None,
+        guard: PeerGuard,
+        bridged: Callable[[str], tuple[str, str] | None] | None = None,
+        on_refused: Callable[[str, str], None] | None = None,
+    ) -> None:
         self.verifier, self.swarm_key, self.guard = verifier, swarm_key, guard
         self.bridged = bridged  # context.peer() of a plaintext connection -> (libp2p peer id, path)
         self.on_refused = on_refused  # (method, code name) for metrics
@@ -123,13 +131,19 @@ class AdmissionInterceptor(grpc.aio.ServerInterceptor):
             poisoned = invalid is not None and POISONED.get()
             banned_s = self.guard.finish(peer, "poisoned" if poisoned else invalid, at_once=poisoned)
             if banned_s is not None:
-                log.warning("banned peer %s for %.0f s after %s (last on %s)", peer, banned_s,
-                            "values that would corrupt this stage" if poisoned else "repeated invalid messages", method)
+                log.warning(
+                    "banned peer %s for %.0f s after %s (last on %s)",
+                    peer,
+                    banned_s,
+                    "values that would corrupt this stage" if poisoned else "repeated invalid messages",
+                    method,
+                )
 
         def wrap_call(behavior):
             if behavior is None:
                 return None
             if inspect.isasyncgenfunction(behavior):
+
                 async def streamed(request, context):
                     peer = await gate(context)
                     try:
@@ -137,6 +151,7 @@ class AdmissionInterceptor(grpc.aio.ServerInterceptor):
                             yield item
                     finally:
                         finished(peer, context)
+
                 return streamed
 
             async def called(request, context):
@@ -145,14 +160,19 @@ class AdmissionInterceptor(grpc.aio.ServerInterceptor):
                     return await behavior(request, context)
                 finally:
                     finished(peer, context)
+
             return called
 
-        return handler._replace(unary_unary=wrap_call(handler.unary_unary), unary_stream=wrap_call(handler.unary_stream),
-                                stream_unary=wrap_call(handler.stream_unary), stream_stream=wrap_call(handler.stream_stream))
+        return handler._replace(
+            unary_unary=wrap_call(handler.unary_unary),
+            unary_stream=wrap_call(handler.unary_stream),
+            stream_unary=wrap_call(handler.stream_unary),
+            stream_stream=wrap_call(handler.stream_stream),
+        )
 
 
 def _host_of(peer: str) -> str:
-    """"ipv4:1.2.3.4:5678" -> "1.2.3.4": anonymous callers are limited per host."""
+    """ "ipv4:1.2.3.4:5678" -> "1.2.3.4": anonymous callers are limited per host."""
     kind, _, rest = peer.partition(":")
     host, _, _ = rest.rpartition(":")
     return host or peer

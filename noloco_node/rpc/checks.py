@@ -24,13 +24,18 @@ class ServedRun:
 
     def check(self, run: tensor_pb2.RunIdentity, stage: int | None = None) -> None:
         """Raises ProtocolMismatch for a request of another run, manifest or stage."""
-        if run.run_id == self.run_id and run.manifest_hash == self.manifest_hash and \
-                (self.stage is None or stage == self.stage):
+        if (
+            run.run_id == self.run_id
+            and run.manifest_hash == self.manifest_hash
+            and (self.stage is None or stage == self.stage)
+        ):
             return
         where = "" if self.stage is None else " stage {}"
         asked = f"run {run.run_id[:64]!r}/{run.manifest_hash[:64]!r}{where.format(stage)}"
-        raise ProtocolMismatch(f"request for {asked}; this node serves run {self.run_id!r}/{self.manifest_hash!r}"
-                               f"{where.format(self.stage)}")
+        raise ProtocolMismatch(
+            f"request for {asked}; this node serves run {self.run_id!r}/{self.manifest_hash!r}"
+            f"{where.format(self.stage)}"
+        )
 
 
 def check_caller(named: str, what: str) -> None:

@@ -108,13 +108,16 @@ class ExchangeLimits:
 
 def exchange_limits(deadlines: LinkDeadlines, peer_id: str) -> ExchangeLimits:
     """Both sides of an exchange derive the same way from their own estimate of the partner."""
-    return ExchangeLimits(total_s=lambda payload_bytes: deadlines.total_s(peer_id, payload_bytes),
-                          stall_s=deadlines.stall_s(peer_id),
-                          observe=lambda size, seconds: deadlines.estimates.observe(peer_id, size, seconds, RECEIVED))
+    return ExchangeLimits(
+        total_s=lambda payload_bytes: deadlines.total_s(peer_id, payload_bytes),
+        stall_s=deadlines.stall_s(peer_id),
+        observe=lambda size, seconds: deadlines.estimates.observe(peer_id, size, seconds, RECEIVED),
+    )
 
 
-async def watch_exchange(receiver: asyncio.Task, sender: asyncio.Task, progress: Progress,
-                         received_all: asyncio.Event) -> None:
+async def watch_exchange(
+    receiver: asyncio.Task, sender: asyncio.Task, progress: Progress, received_all: asyncio.Event
+) -> None:
     """Wait for `receiver`, cutting the exchange at its deadlines. Until the partner's payload is
     all in (`received_all`), only received messages count as progress; after, while its receipt is
     awaited, our own writes count too (the receipt follows our payload, which may still be going

@@ -27,8 +27,11 @@ def valid_address(address: str) -> bool:
 def _channel(address: str, cert_pem: bytes | None) -> grpc.aio.Channel:
     if cert_pem is None:
         return grpc.aio.insecure_channel(address)
-    return grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=cert_pem),
-                                   options=[("grpc.ssl_target_name_override", TLS_NAME)])
+    return grpc.aio.secure_channel(
+        address,
+        grpc.ssl_channel_credentials(root_certificates=cert_pem),
+        options=[("grpc.ssl_target_name_override", TLS_NAME)],
+    )
 
 
 async def health_check(address: str, timeout_s: float, cert_pem: bytes | None = None) -> tuple[bool, str, float]:
@@ -37,17 +40,24 @@ async def health_check(address: str, timeout_s: float, cert_pem: bytes | None = 
     start = time.monotonic()
     async with _channel(address, cert_pem) as channel:
         try:
-            reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
-                                                                      timeout=timeout_s)
+            reply = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
+            )
         except grpc.aio.AioRpcError as exc:
             return False, f"{exc.code().name}: {exc.details()}", time.monotonic() - start
     rtt = time.monotonic() - start
     serving = reply.status == health_pb2.HealthCheckResponse.SERVING
-    return serving, "" if serving else f"health status {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}", rtt
+    return (
+        serving,
+        "" if serving else f"health status {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}",
+        rtt,
+    )
 
 
 class DiagnosticsServicer(diag_pb2_grpc.DiagnosticsServicer):
-    def __init__(self, *, run_id: str, version: str, manifest_hash: str, timeout_s: float, max_concurrent: int = 4) -> None:
+    def __init__(
+        self, *, run_id: str, version: str, manifest_hash: str, timeout_s: float, max_concurrent: int = 4
+    ) -> None:
         self.run_id, self.version, self.manifest_hash, self.timeout_s = run_id, version, manifest_hash, timeout_s
         self._slots = asyncio.Semaphore(max_concurrent)
         self.probes = 0
@@ -74,8 +84,14 @@ class DiagnosticsServicer(diag_pb2_grpc.DiagnosticsServicer):
         async with self._slots:
             self.probes += 1
             reachable, detail, rtt = await health_check(request.address, self.timeout_s, cert_pem)
-        return diag_pb2.ProbeReply(reachable=reachable, detail=detail, rtt_s=rtt, server_time=arrived,
-                                   version=self.version, manifest_hash=self.manifest_hash)
+        return diag_pb2.ProbeReply(
+            reachable=reachable,
+            detail=detail,
+            rtt_s=rtt,
+            server_time=arrived,
+            version=self.version,
+            manifest_hash=self.manifest_hash,
+        )
 
 
 @dataclass(frozen=True)
@@ -89,22 +105,27 @@ class ProbeResult:
     manifest_hash: str
 
 
-async def ask_probe(prober: str, *, address: str, run_id: str, timeout_s: float, dialer, tls_cert: bytes = b"") -> ProbeResult:
+async def ask_probe(
+    prober: str, *, address: str, run_id: str, timeout_s: float, dialer, tls_cert: bytes = b""
+) -> ProbeResult:
     """Ask the peer `prober` (a peer id, dialled through `dialer`) to health-check `address`,
     pinning `tls_cert`. Raises grpc.aio.AioRpcError or NodeError when the prober cannot be asked."""
     channel, _ = await dialer.channel(prober)
     sent = time.time()
     reply = await diag_pb2_grpc.DiagnosticsStub(channel).Probe(
-        diag_pb2.ProbeRequest(run_id=run_id, address=address, tls_cert=tls_cert), timeout=2 * timeout_s + 1)
+        diag_pb2.ProbeRequest(run_id=run_id, address=address, tls_cert=tls_cert), timeout=2 * timeout_s + 1
+    )
     received = time.time()
     # The prober stamped its clock on arrival, then spent rtt_s probing: half of the rest is one way.
     one_way = max(0.0, received - sent - reply.rtt_s) / 2
-    return ProbeResult(prober, reply.reachable, reply.detail, reply.server_time - (sent + one_way),
-                       reply.version, reply.manifest_hash)
+    return ProbeResult(
+        prober, reply.reachable, reply.detail, reply.server_time - (sent + one_way), reply.version, reply.manifest_hash
+    )
 
 
-async def probe_from_peers(address: str, probers: list[str], *, run_id: str, timeout_s: float, dialer,
-                           tls_cert: bytes = b"", wanted: int = 2) -> tuple[list[ProbeResult], list[str]]:
+async def probe_from_peers(
+    address: str, probers: list[str], *, run_id: str, timeout_s: float, dialer, tls_cert: bytes = b"", wanted: int = 2
+) -> tuple[list[ProbeResult], list[str]]:
     """Ask up to `wanted` of `probers` (peer ids, tried in order) to health-check `address`;
     returns the answers and the errors of the probers that could not be asked."""
     from noloco_node.errors import NodeError
@@ -114,8 +135,11 @@ async def probe_from_peers(address: str, probers: list[str], *, run_id: str, tim
         if len(results) >= wanted:
             break
         try:
-            results.append(await ask_probe(prober, address=address, run_id=run_id, timeout_s=timeout_s, dialer=dialer,
-                                           tls_cert=tls_cert))
+            results.append(
+                await ask_probe(
+                    prober, address=address, run_id=run_id, timeout_s=timeout_s, dialer=dialer, tls_cert=tls_cert
+                )
+            )
         except grpc.aio.AioRpcError as exc:
             errors.append(f"{prober[-8:]}: {exc.code().name} {exc.details()}")
         except NodeError as exc:

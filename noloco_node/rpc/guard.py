@@ -33,9 +33,19 @@ class GuardStats:
 
 
 class PeerGuard:
-    def __init__(self, *, requests_per_s: float, burst: int, max_streams: int, ban_after_invalid: int,
-                 ban_s: float, ban_max_s: float, max_peers: int = 4096, clock=time.monotonic,
-                 ban_after_poisoned: int = 1) -> None:
+    def __init__(
+        self,
+        *,
+        requests_per_s: float,
+        burst: int,
+        max_streams: int,
+        ban_after_invalid: int,
+        ban_s: float,
+        ban_max_s: float,
+        max_peers: int = 4096,
+        clock=time.monotonic,
+        ban_after_poisoned: int = 1,
+    ) -> None:
         self.rate, self.burst, self.max_streams = requests_per_s, burst, max_streams
         self.ban_after, self.ban_s, self.ban_max_s = ban_after_invalid, ban_s, ban_max_s
         self.ban_after_poisoned = ban_after_poisoned
@@ -48,8 +58,10 @@ class PeerGuard:
         if state is None:
             # Forget idle peers first; one with calls in progress is kept until they end.
             while len(self._peers) >= self.max_peers:
-                victim = next((p for p, s in self._peers.items() if s.active == 0 and s.banned_until <= self.clock()),
-                              next(iter(self._peers)))
+                victim = next(
+                    (p for p, s in self._peers.items() if s.active == 0 and s.banned_until <= self.clock()),
+                    next(iter(self._peers)),
+                )
                 del self._peers[victim]
             state = self._peers[peer] = _PeerState(tokens=float(self.burst), refilled_at=self.clock())
         else:

@@ -24,15 +24,29 @@ from noloco_node.codec.checked import decode_checked
 from noloco_node.codec.state_layout import ReceivedState
 from noloco_node.errors import InvalidPayload, NodeError, PeerBusy, PeerUnavailable, ProtocolMismatch
 from noloco_node.rpc.checks import ServedRun, check_caller
-from noloco_node.rpc.deadlines import ExchangeLimits, Progress, TransferTimedOut, exchange_limits, watch_exchange, within
+from noloco_node.rpc.deadlines import (
+    ExchangeLimits,
+    Progress,
+    TransferTimedOut,
+    exchange_limits,
+    watch_exchange,
+    within,
+)
 from noloco_node.rpc.state_service import StateDonorServicer, StateFetcher
 from noloco_node.rpc.status import abort_with, unavailable_from_rpc
 from noloco_node.rpc.stubs import StubCache
 from noloco_node.rpc.tensors import PayloadReceiver, header_to_spec, iter_chunks, spec_to_header
 from noloco_node.runtime.faults import FaultInjector
 from noloco_node.runtime.link_estimates import LinkDeadlines
-from noloco_node.sync.ports import (Decision, EncodedSnapshot, ExpectedTensor, PairingResponder, PairProposal,
-                                    StateDonor, check_tensor_count)
+from noloco_node.sync.ports import (
+    Decision,
+    EncodedSnapshot,
+    ExpectedTensor,
+    PairingResponder,
+    PairProposal,
+    StateDonor,
+    check_tensor_count,
+)
 from noloco_node.wire.v1 import outer_pb2, outer_pb2_grpc, tensor_pb2
 
 log = logging.getLogger(__name__)
@@ -47,24 +61,47 @@ class Traffic:
         self.bytes_sent = 0
 
 
-_DECISIONS = {Decision.ACCEPT: outer_pb2.PairReply.ACCEPT, Decision.BUSY: outer_pb2.PairReply.BUSY,
-              Decision.WAIT: outer_pb2.PairReply.WAIT, Decision.MISMATCH: outer_pb2.PairReply.MISMATCH}
+_DECISIONS = {
+    Decision.ACCEPT: outer_pb2.PairReply.ACCEPT,
+    Decision.BUSY: outer_pb2.PairReply.BUSY,
+    Decision.WAIT: outer_pb2.PairReply.WAIT,
+    Decision.MISMATCH: outer_pb2.PairReply.MISMATCH,
+}
 
 
 def pair_proposal(request: outer_pb2.PairRequest) -> PairProposal:
-    return PairProposal(peer_id=request.peer_id, stage=request.stage, round=request.round, inner_step=request.inner_step,
-                        nonce=bytes(request.nonce), sends_slow_weights=request.send_slow_weights)
+    return PairProposal(
+        peer_id=request.peer_id,
+        stage=request.stage,
+        round=request.round,
+        inner_step=request.inner_step,
+        nonce=bytes(request.nonce),
+        sends_slow_weights=request.send_slow_weights,
+    )
 
 
 def pair_request(proposal: PairProposal) -> outer_pb2.PairRequest:
-    return outer_pb2.PairRequest(stage=proposal.stage, round=proposal.round, inner_step=proposal.inner_step,
-                                 peer_id=proposal.peer_id, nonce=proposal.nonce,
-                                 send_slow_weights=proposal.sends_slow_weights)
+    return outer_pb2.PairRequest(
+        stage=proposal.stage,
+        round=proposal.round,
+        inner_step=proposal.inner_step,
+        peer_id=proposal.peer_id,
+        nonce=proposal.nonce,
+        send_slow_weights=proposal.sends_slow_weights,
+    )
 
 
-async def exchange_snapshots(read, write, mine: EncodedSnapshot, expected: list[ExpectedTensor], codec: str,
-                             max_bytes: int, traffic: Traffic | None = None, faults: FaultInjector | None = None,
-                             limits: ExchangeLimits | None = None) -> dict[str, Tensor]:
+async def exchange_snapshots(
+    read,
+    write,
+    mine: EncodedSnapshot,
+    expected: list[ExpectedTensor],
+    codec: str,
+    max_bytes: int,
+    traffic: Traffic | None = None,
+    faults: FaultInjector | None = None,
+    limits: ExchangeLimits | None = None,
+) -> dict[str, Tensor]:
     """Send `mine` and receive the partner's snapshot concurrently; returns the decoded tensors
     once both receipts check out. Raises InvalidPayload / PeerUnavailable otherwise, and
     TransferTimedOut past `limits` (rpc/deadlines.py: the total deadline for the bytes both ways,
@@ -106,8 +143,11 @@ class _ExchangeStream:
 
     async def send(self, mine: EncodedSnapshot) -> None:
         """Our manifest, tensors and chunks, then, once the partner's payload is in, our receipt."""
-        await self.put(outer_pb2.ExchangeMessage(manifest=outer_pb2.SnapshotManifest(
-            num_tensors=len(mine.tensors), payload_bytes=mine.payload_bytes)))
+        await self.put(
+            outer_pb2.ExchangeMessage(
+                manifest=outer_pb2.SnapshotManifest(num_tensors=len(mine.tensors), payload_bytes=mine.payload_bytes)
+            )
+        )
         for name, spec, payload in mine.tensors:
             await self.put(outer_pb2.ExchangeMessage(tensor=spec_to_header(spec, name)))
             for chunk in iter_chunks(payload):
@@ -134,8 +174,9 @@ class _ExchangeStream:
             raise InvalidPayload(f"expected {kind}, got {message.WhichOneof('kind')}")
         return getattr(message, kind)
 
-    async def receive(self, mine: EncodedSnapshot, expected: list[ExpectedTensor], codec: str, max_bytes: int,
-                      limits: ExchangeLimits) -> dict[str, Tensor]:
+    async def receive(
+        self, mine: EncodedSnapshot, expected: list[ExpectedTensor], codec: str, max_bytes: int, limits: ExchangeLimits
+    ) -> dict[str, Tensor]:
         """The partner's tensors, once its receipt matches what we sent."""
         manifest = await self.next_message("manifest")
         check_tensor_count(manifest.num_tensors, expected)
@@ -152,8 +193,9 @@ class _ExchangeStream:
         return out
 
 
-async def _receive_tensors(next_message, expected: list[ExpectedTensor], codec: str, max_bytes: int,
-                           progress: Progress) -> tuple[dict[str, Tensor], bytes]:
+async def _receive_tensors(
+    next_message, expected: list[ExpectedTensor], codec: str, max_bytes: int, progress: Progress
+) -> tuple[dict[str, Tensor], bytes]:
     """The partner's tensors, each checked against `expected` before it is allocated, and the
     SHA-256 of their payloads."""
     digest, out = hashlib.sha256(), {}
@@ -174,9 +216,20 @@ async def _receive_tensors(next_message, expected: list[ExpectedTensor], codec: 
 
 
 class OuterServicer(outer_pb2_grpc.OuterServicer):
-    def __init__(self, handler: PairingResponder | None, *, peer_id: str, run_id: str, manifest_hash: str, stage: int,
-                 max_bytes: int, deadlines: LinkDeadlines, traffic: Traffic | None = None,
-                 donor: StateDonor | None = None, faults: FaultInjector | None = None) -> None:
+    def __init__(
+        self,
+        handler: PairingResponder | None,
+        *,
+        peer_id: str,
+        run_id: str,
+        manifest_hash: str,
+        stage: int,
+        max_bytes: int,
+        deadlines: LinkDeadlines,
+        traffic: Traffic | None = None,
+        donor: StateDonor | None = None,
+        faults: FaultInjector | None = None,
+    ) -> None:
         """`handler` answers pairing proposals (None: this node does not pair, e.g. a dp replica);
         `peer_id` is this node's, named in every reply. `deadlines` (runtime/link_estimates.py)
         derives each exchange's deadline from the caller's measured bandwidth; its floor
@@ -201,15 +254,25 @@ class OuterServicer(outer_pb2_grpc.OuterServicer):
         except NodeError as error:
             await abort_with(context, error)
         answer = self.handler.decide(pair_proposal(request))
-        reply = outer_pb2.PairReply(decision=_DECISIONS[answer.decision], reason=answer.reason, wait_s=answer.wait_s,
-                                    peer_id=self.peer_id)
+        reply = outer_pb2.PairReply(
+            decision=_DECISIONS[answer.decision], reason=answer.reason, wait_s=answer.wait_s, peer_id=self.peer_id
+        )
         await context.write(outer_pb2.ExchangeMessage(reply=reply))
         if answer.decision != Decision.ACCEPT:
             return
         mine, expected, codec = self.handler.frozen()
         try:  # the caller's announced payload_bytes and our estimate of its link set the deadline
-            received = await exchange_snapshots(context.read, context.write, mine, expected, codec, self.max_bytes,
-                                                self.traffic, self.faults, exchange_limits(self.deadlines, request.peer_id))
+            received = await exchange_snapshots(
+                context.read,
+                context.write,
+                mine,
+                expected,
+                codec,
+                self.max_bytes,
+                self.traffic,
+                self.faults,
+                exchange_limits(self.deadlines, request.peer_id),
+            )
         except asyncio.CancelledError:  # the caller vanished: the round must still end (solo)
             await self.handler.finish(request.peer_id, None, "failed")
             raise
@@ -255,8 +318,17 @@ def _reason(exc: BaseException) -> str:
 class OuterClient:
     """Pairing exchanges and state fetches, by peer id, through the dialer (transport/dialer.py)."""
 
-    def __init__(self, *, run_id: str, manifest_hash: str, max_bytes: int, dialer, traffic: Traffic | None = None,
-                 faults: FaultInjector | None = None, deadlines: LinkDeadlines | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        run_id: str,
+        manifest_hash: str,
+        max_bytes: int,
+        dialer,
+        traffic: Traffic | None = None,
+        faults: FaultInjector | None = None,
+        deadlines: LinkDeadlines | None = None,
+    ) -> None:
         """`deadlines` (runtime/link_estimates.py) derives an exchange's deadline from the partner's
         measured bandwidth, never under its floor (timeouts.match_s); None: a fresh estimator with
         the default policy and no floor."""
@@ -282,8 +354,16 @@ class OuterClient:
         stub, _ = await self._stubs.get(peer_id)
         return stub
 
-    async def exchange(self, to: str, proposal: PairProposal, mine: EncodedSnapshot,
-                       expected: list[ExpectedTensor], codec: str, *, timeout_s: float) -> dict[str, Tensor]:
+    async def exchange(
+        self,
+        to: str,
+        proposal: PairProposal,
+        mine: EncodedSnapshot,
+        expected: list[ExpectedTensor],
+        codec: str,
+        *,
+        timeout_s: float,
+    ) -> dict[str, Tensor]:
         """Propose a pair and, if accepted, exchange snapshots. Raises PeerBusy when refused.
         `timeout_s` bounds the wait for the partner's answer (the rest of the matching window); the
         exchange then gets the deadline derived from the bytes both ways at the partner's measured
@@ -305,8 +385,9 @@ class OuterClient:
                 raise ProtocolMismatch(f"{to}: {reply.reason}")
             if reply.decision != ACCEPT:
                 raise PeerBusy(f"{to}: {outer_pb2.PairReply.Decision.Name(reply.decision)} {reply.reason}".strip())
-            received = await exchange_snapshots(call.read, call.write, mine, expected, codec, self.max_bytes, self.traffic,
-                                                self.faults, limits)
+            received = await exchange_snapshots(
+                call.read, call.write, mine, expected, codec, self.max_bytes, self.traffic, self.faults, limits
+            )
             await call.done_writing()
             # EOF once the partner has read our receipt and closed its side
             await within(call.read(), limits.stall_s, f"waiting for {to[-8:]} to close the exchange")
@@ -323,12 +404,30 @@ class OuterClient:
             call.cancel()
             raise
 
-    async def fetch_state(self, to: str, *, stage: int, requester: str, timeout_s: float,
-                          expected: dict[str, tuple[tuple[int, ...], torch.dtype]], names: Sequence[str] = (),
-                          compact: bool = False, into: ReceivedState | None = None) -> tuple[dict[str, Tensor], dict]:
+    async def fetch_state(
+        self,
+        to: str,
+        *,
+        stage: int,
+        requester: str,
+        timeout_s: float,
+        expected: dict[str, tuple[tuple[int, ...], torch.dtype]],
+        names: Sequence[str] = (),
+        compact: bool = False,
+        into: ReceivedState | None = None,
+    ) -> tuple[dict[str, Tensor], dict]:
         """A donor's state of `names` (all when empty), dense or compact: rpc/state_service.py."""
-        return await self.state.fetch(await self._stub(to), to, stage=stage, requester=requester, timeout_s=timeout_s,
-                                      expected=expected, names=names, compact=compact, into=into)
+        return await self.state.fetch(
+            await self._stub(to),
+            to,
+            stage=stage,
+            requester=requester,
+            timeout_s=timeout_s,
+            expected=expected,
+            names=names,
+            compact=compact,
+            into=into,
+        )
 
     async def close(self) -> None:
         self._stubs.clear()

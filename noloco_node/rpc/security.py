@@ -23,15 +23,24 @@ def read_swarm_key(cfg: SecurityConfig) -> bytes | None:
     try:
         return load_swarm_key(cfg.swarm_key_file)
     except SwarmKeyError as exc:
-        raise ConfigError("security.swarm_key_file", str(exc), "give every peer the same file from `noloco-node keygen`") from None
+        raise ConfigError(
+            "security.swarm_key_file", str(exc), "give every peer the same file from `noloco-node keygen`"
+        ) from None
 
 
 def build_admission(cfg: SecurityConfig, links) -> Admission:
     """`links` (transport.links.Links) verifies call tokens and names the libp2p peer behind a
     bridged connection."""
     key = read_swarm_key(cfg)
-    guard = PeerGuard(requests_per_s=cfg.peer_requests_per_s, burst=cfg.peer_burst, max_streams=cfg.peer_max_streams,
-                      ban_after_invalid=cfg.ban_after_invalid, ban_s=cfg.ban_s, ban_max_s=cfg.ban_max_s,
-                      ban_after_poisoned=cfg.ban_after_poisoned)
-    return Admission(key, guard, AdmissionInterceptor(verifier=links.verifier, swarm_key=key, guard=guard,
-                                                      bridged=links.origin))
+    guard = PeerGuard(
+        requests_per_s=cfg.peer_requests_per_s,
+        burst=cfg.peer_burst,
+        max_streams=cfg.peer_max_streams,
+        ban_after_invalid=cfg.ban_after_invalid,
+        ban_s=cfg.ban_s,
+        ban_max_s=cfg.ban_max_s,
+        ban_after_poisoned=cfg.ban_after_poisoned,
+    )
+    return Admission(
+        key, guard, AdmissionInterceptor(verifier=links.verifier, swarm_key=key, guard=guard, bridged=links.origin)
+    )

@@ -23,11 +23,21 @@ STAGE_SERVICE = "noloco.wire.v1.Stage"
 class NodeServer:
     """Owns the grpc.aio server; `start` binds and returns the port actually bound."""
 
-    def __init__(self, host: str, port: int, *, credentials: grpc.ServerCredentials | None,
-                 admission: AdmissionInterceptor | None = None, max_concurrent_rpcs: int | None = None) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        credentials: grpc.ServerCredentials | None,
+        admission: AdmissionInterceptor | None = None,
+        max_concurrent_rpcs: int | None = None,
+    ) -> None:
         self.admission = admission
-        self.server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[admission] if admission else None,
-                                      maximum_concurrent_rpcs=max_concurrent_rpcs)
+        self.server = grpc.aio.server(
+            options=GRPC_OPTIONS,
+            interceptors=[admission] if admission else None,
+            maximum_concurrent_rpcs=max_concurrent_rpcs,
+        )
         self.health = _StrictHealth()
         self._add(health_pb2, "Health", self.health)
         self.host, self.requested_port, self.credentials = host, port, credentials
@@ -52,10 +62,17 @@ class NodeServer:
         for method in descriptor.methods:
             request = message_factory.GetMessageClass(method.input_type)
             response = message_factory.GetMessageClass(method.output_type)
-            kind = ("stream" if method.client_streaming else "unary") + "_" + ("stream" if method.server_streaming else "unary")
+            kind = (
+                ("stream" if method.client_streaming else "unary")
+                + "_"
+                + ("stream" if method.server_streaming else "unary")
+            )
             make = getattr(grpc, f"{kind}_rpc_method_handler")
-            handlers[method.name] = make(getattr(servicer, method.name), request_deserializer=_lenient(request.FromString),
-                                         response_serializer=response.SerializeToString)
+            handlers[method.name] = make(
+                getattr(servicer, method.name),
+                request_deserializer=_lenient(request.FromString),
+                response_serializer=response.SerializeToString,
+            )
         self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(descriptor.full_name, handlers),))
 
     def bind(self) -> int:
@@ -114,4 +131,5 @@ def _lenient(parse: Callable[[bytes], object]) -> Callable[[bytes], object | Non
             return parse(data)
         except DecodeError:
             return None
+
     return deserialize

@@ -54,15 +54,23 @@ GRPC_OPTIONS = [
 def forward_call(header: stage_pb2.ForwardHeader) -> ForwardCall:
     """The pipeline's view of a Forward header (pipeline/ports.py): plain values, no protobuf."""
     m = header.microbatch
-    return ForwardCall(key=MicrobatchKey(m.origin_peer, m.sequence, m.attempt), target_stage=header.target_stage,
-                       route=tuple(Hop(h.peer_id, h.address, h.stage) for h in header.route), labels=header.labels,
-                       token_ids=header.token_ids)
+    return ForwardCall(
+        key=MicrobatchKey(m.origin_peer, m.sequence, m.attempt),
+        target_stage=header.target_stage,
+        route=tuple(Hop(h.peer_id, h.address, h.stage) for h in header.route),
+        labels=header.labels,
+        token_ids=header.token_ids,
+    )
 
 
 def backward_call(header: stage_pb2.BackwardHeader) -> BackwardCall:
     m = header.microbatch
-    return BackwardCall(key=MicrobatchKey(m.origin_peer, m.sequence, m.attempt), target_stage=header.target_stage,
-                        loss=float(header.loss), num_tokens=int(header.num_tokens))
+    return BackwardCall(
+        key=MicrobatchKey(m.origin_peer, m.sequence, m.attempt),
+        target_stage=header.target_stage,
+        loss=float(header.loss),
+        num_tokens=int(header.num_tokens),
+    )
 
 
 async def _receive(messages: AsyncIterator, spec: TensorSpec, max_bytes: int, stall_s: float) -> tuple[Tensor, int]:
@@ -89,9 +97,19 @@ class StageServicer(stage_pb2_grpc.StageServicer):
     no chunk may take longer than the progress deadline: a stream that stalls is cut with
     DEADLINE_EXCEEDED and its in-flight slot freed, whatever deadline (or none) the client set."""
 
-    def __init__(self, handler: StageHandler, *, run_id: str, manifest_hash: str, max_payload_bytes: int,
-                 receive_s: float = 10.0, min_bytes_per_s: float = 1e6, rms_factor: float = 1000.0,
-                 max_abs: float = 1e6, deadlines: LinkDeadlines | None = None) -> None:
+    def __init__(
+        self,
+        handler: StageHandler,
+        *,
+        run_id: str,
+        manifest_hash: str,
+        max_payload_bytes: int,
+        receive_s: float = 10.0,
+        min_bytes_per_s: float = 1e6,
+        rms_factor: float = 1000.0,
+        max_abs: float = 1e6,
+        deadlines: LinkDeadlines | None = None,
+    ) -> None:
         self.handler = handler
         self.run = ServedRun(run_id, manifest_hash)
         self.max_payload_bytes = max_payload_bytes
@@ -140,8 +158,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         caller = CALLER.get()
         began = asyncio.get_running_loop().time()
         async with asyncio.timeout_at(self._payload_deadline(started, spec, caller)):
-            tensor, size = await _receive(messages, spec, self.max_payload_bytes,
-                                          self.deadlines.stall_s(caller, RECEIVED))
+            tensor, size = await _receive(
+                messages, spec, self.max_payload_bytes, self.deadlines.stall_s(caller, RECEIVED)
+            )
         if caller:
             self.deadlines.estimates.observe(caller, size, asyncio.get_running_loop().time() - began, RECEIVED)
         return tensor, size
@@ -149,8 +168,10 @@ class StageServicer(stage_pb2_grpc.StageServicer):
     async def _cut(self, context, method: str, waited_s: float) -> None:
         self.cut_at_deadline += 1
         self.rejected["DEADLINE_EXCEEDED"] = self.rejected.get("DEADLINE_EXCEEDED", 0) + 1
-        await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                            f"{method} stream incomplete after {waited_s:.1f} s (this node's receive deadline)")
+        await context.abort(
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            f"{method} stream incomplete after {waited_s:.1f} s (this node's receive deadline)",
+        )
 
     async def Forward(self, request_iterator, context):
         ticket = None
@@ -213,9 +234,19 @@ class StageClient:
     fresh estimator with the default policy); a call that gets no message out for the progress
     deadline is cut. Every call is a sample of that peer's link."""
 
-    def __init__(self, *, run_id: str, manifest_hash: str, codec: str, timeout_s: float, dialer,
-                 observe: Callable[[str, float], None] | None = None, gradient_codec: str | None = None,
-                 rounding_seed: int | None = None, deadlines: LinkDeadlines | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        run_id: str,
+        manifest_hash: str,
+        codec: str,
+        timeout_s: float,
+        dialer,
+        observe: Callable[[str, float], None] | None = None,
+        gradient_codec: str | None = None,
+        rounding_seed: int | None = None,
+        deadlines: LinkDeadlines | None = None,
+    ) -> None:
         self.run = tensor_pb2.RunIdentity(run_id=run_id, manifest_hash=manifest_hash)
         self.dialer = dialer
         self.codec, self.timeout_s = codec, timeout_s
@@ -230,23 +261,52 @@ class StageClient:
         self._stubs = StubCache(dialer, stage_pb2_grpc.StageStub)
         self.bytes_sent = 0
 
-    async def forward(self, peer_id: str, *, microbatch: stage_pb2.MicrobatchId, route: list[stage_pb2.Hop],
-                      target_stage: int, activations: Tensor, labels: Tensor, token_ids: Tensor | None = None) -> None:
+    async def forward(
+        self,
+        peer_id: str,
+        *,
+        microbatch: stage_pb2.MicrobatchId,
+        route: list[stage_pb2.Hop],
+        target_stage: int,
+        activations: Tensor,
+        labels: Tensor,
+        token_ids: Tensor | None = None,
+    ) -> None:
         # Activations and gradients are float32 on the wire's spec, whatever precision the stage handed over.
         tensor_header, payload = encode_tensor(activations, self.codec, dtype="float32")
-        header = stage_pb2.ForwardHeader(run=self.run, microbatch=microbatch, route=route, activations=tensor_header,
-                                         labels=labels.reshape(-1).tolist(), target_stage=target_stage,
-                                         token_ids=[] if token_ids is None else token_ids.reshape(-1).tolist())
+        header = stage_pb2.ForwardHeader(
+            run=self.run,
+            microbatch=microbatch,
+            route=route,
+            activations=tensor_header,
+            labels=labels.reshape(-1).tolist(),
+            target_stage=target_stage,
+            token_ids=[] if token_ids is None else token_ids.reshape(-1).tolist(),
+        )
         messages = [stage_pb2.ForwardMessage(header=header)]
         messages += [stage_pb2.ForwardMessage(chunk=c) for c in iter_chunks(payload)]
         # Counted with the header: labels and token ids cross the link too.
         await self._call(peer_id, "Forward", messages, len(payload) + header.ByteSize())
 
-    async def backward(self, peer_id: str, *, microbatch: stage_pb2.MicrobatchId, target_stage: int, grad: Tensor,
-                       loss: float, num_tokens: int) -> None:
+    async def backward(
+        self,
+        peer_id: str,
+        *,
+        microbatch: stage_pb2.MicrobatchId,
+        target_stage: int,
+        grad: Tensor,
+        loss: float,
+        num_tokens: int,
+    ) -> None:
         tensor_header, payload = encode_tensor(grad, self.gradient_codec, stochastic=self.rounding, dtype="float32")
-        header = stage_pb2.BackwardHeader(run=self.run, microbatch=microbatch, grad=tensor_header, loss=loss,
-                                          num_tokens=num_tokens, target_stage=target_stage)
+        header = stage_pb2.BackwardHeader(
+            run=self.run,
+            microbatch=microbatch,
+            grad=tensor_header,
+            loss=loss,
+            num_tokens=num_tokens,
+            target_stage=target_stage,
+        )
         messages = [stage_pb2.BackwardMessage(header=header)]
         messages += [stage_pb2.BackwardMessage(chunk=c) for c in iter_chunks(payload)]
         await self._call(peer_id, "Backward", messages, len(payload))
@@ -255,8 +315,9 @@ class StageClient:
         stub, path = await self._stubs.get(peer_id)
         progress = Progress(self.deadlines.stall_s(peer_id, SENT))
         start = time.monotonic()
-        call = getattr(stub, method)(paced(messages, progress),
-                                     timeout=self.deadlines.total_s(peer_id, payload_bytes, SENT))
+        call = getattr(stub, method)(
+            paced(messages, progress), timeout=self.deadlines.total_s(peer_id, payload_bytes, SENT)
+        )
         try:
             await while_sending(call, progress, call.cancel)
         except grpc.aio.AioRpcError as exc:

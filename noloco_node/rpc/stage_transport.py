@@ -22,13 +22,31 @@ class GrpcStageTransport:
     def bytes_sent(self) -> int:
         return self.client.bytes_sent
 
-    async def forward(self, peer: Peer, *, key: MicrobatchKey, route: list[Hop], target_stage: int,
-                      activations: Tensor, labels: Tensor, token_ids: Tensor | None = None) -> None:
+    async def forward(
+        self,
+        peer: Peer,
+        *,
+        key: MicrobatchKey,
+        route: list[Hop],
+        target_stage: int,
+        activations: Tensor,
+        labels: Tensor,
+        token_ids: Tensor | None = None,
+    ) -> None:
         hops = [stage_pb2.Hop(peer_id=h.peer_id, address=h.address, stage=h.stage) for h in route]
-        await self.client.forward(peer.peer_id, microbatch=_microbatch(key), route=hops, target_stage=target_stage,
-                                  activations=activations, labels=labels, token_ids=token_ids)
+        await self.client.forward(
+            peer.peer_id,
+            microbatch=_microbatch(key),
+            route=hops,
+            target_stage=target_stage,
+            activations=activations,
+            labels=labels,
+            token_ids=token_ids,
+        )
 
-    async def backward(self, peer_id: str, *, key: MicrobatchKey, target_stage: int, grad: Tensor, loss: float,
-                       num_tokens: int) -> None:
-        await self.client.backward(peer_id, microbatch=_microbatch(key), target_stage=target_stage, grad=grad,
-                                   loss=loss, num_tokens=num_tokens)
+    async def backward(
+        self, peer_id: str, *, key: MicrobatchKey, target_stage: int, grad: Tensor, loss: float, num_tokens: int
+    ) -> None:
+        await self.client.backward(
+            peer_id, microbatch=_microbatch(key), target_stage=target_stage, grad=grad, loss=loss, num_tokens=num_tokens
+        )

@@ -18,8 +18,14 @@ import grpc
 import torch
 from torch import Tensor
 
-from noloco_node.codec.state_layout import (MAX_REQUESTED_NAMES, STATE_BLOCK, ReceivedState, select_state, state_codec,
-                                            state_spec)
+from noloco_node.codec.state_layout import (
+    MAX_REQUESTED_NAMES,
+    STATE_BLOCK,
+    ReceivedState,
+    select_state,
+    state_codec,
+    state_spec,
+)
 from noloco_node.codec.checked import decode_checked
 from noloco_node.codec.tensors import DTYPES, TensorSpec, encode
 from noloco_node.errors import InvalidPayload, NodeError, ProtocolMismatch
@@ -39,8 +45,9 @@ DENSE = outer_pb2.STATE_ENCODING_DENSE
 class StateDonorServicer:
     """The donor side of Outer.FetchState (OuterServicer hands its calls here)."""
 
-    def __init__(self, *, run: ServedRun, deadlines: LinkDeadlines, donor: StateDonor | None,
-                 faults: FaultInjector | None = None) -> None:
+    def __init__(
+        self, *, run: ServedRun, deadlines: LinkDeadlines, donor: StateDonor | None, faults: FaultInjector | None = None
+    ) -> None:
         self.run, self.deadlines, self.donor, self.faults = run, deadlines, donor, faults
 
     def _check(self, request) -> None:
@@ -52,8 +59,9 @@ class StateDonorServicer:
         if request.encoding not in (DENSE, COMPACT):
             raise InvalidPayload(f"unknown state encoding {request.encoding}; use STATE_ENCODING_DENSE or _COMPACT")
         if len(request.names) > MAX_REQUESTED_NAMES:  # before copying anything
-            raise InvalidPayload(f"{len(request.names)} parameters asked for; "
-                                 f"at most {MAX_REQUESTED_NAMES} per request")
+            raise InvalidPayload(
+                f"{len(request.names)} parameters asked for; at most {MAX_REQUESTED_NAMES} per request"
+            )
         if self.donor is None:
             raise ProtocolMismatch("this node does not donate state")
 
@@ -72,16 +80,30 @@ class StateDonorServicer:
         specs = {n: state_spec(n, tuple(tensors[n].shape), tensors[n].dtype, compact) for n in order}
         payload_bytes = sum(spec.payload_bytes for spec in specs.values())
         counters_dict = json.loads(counters)
-        manifest = outer_pb2.StateMessage(manifest=outer_pb2.StateManifest(
-            inner_step=int(counters_dict["inner_step"]), outer_round=int(counters_dict["outer_round"]),
-            num_tensors=len(order), payload_bytes=payload_bytes, counters_json=counters))
+        manifest = outer_pb2.StateMessage(
+            manifest=outer_pb2.StateManifest(
+                inner_step=int(counters_dict["inner_step"]),
+                outer_round=int(counters_dict["outer_round"]),
+                num_tensors=len(order),
+                payload_bytes=payload_bytes,
+                counters_json=counters,
+            )
+        )
         try:
             await self._send_state(context, request.peer_id, manifest, selected, tensors, compact, payload_bytes)
         except TransferTimedOut as exc:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"state transfer cut: {exc}")
 
-    async def _send_state(self, context, requester: str, manifest, selected: dict[str, list[str]],
-                          tensors: dict[str, Tensor], compact: bool, payload_bytes: int) -> None:
+    async def _send_state(
+        self,
+        context,
+        requester: str,
+        manifest,
+        selected: dict[str, list[str]],
+        tensors: dict[str, Tensor],
+        compact: bool,
+        payload_bytes: int,
+    ) -> None:
         """Written, not yielded, so that each write has the progress deadline (a requester that
         stops reading is cut) and the whole the deadline derived from its measured bandwidth.
         Each tensor is encoded just before it is sent, off the event loop (an int8 pass over a
@@ -124,13 +146,29 @@ class StateDonorServicer:
 class StateFetcher:
     """The joiner side of Outer.FetchState (OuterClient.fetch_state hands its calls here)."""
 
-    def __init__(self, *, run: tensor_pb2.RunIdentity, max_bytes: int, deadlines: LinkDeadlines,
-                 faults: FaultInjector | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        run: tensor_pb2.RunIdentity,
+        max_bytes: int,
+        deadlines: LinkDeadlines,
+        faults: FaultInjector | None = None,
+    ) -> None:
         self.run, self.max_bytes, self.deadlines, self.faults = run, max_bytes, deadlines, faults
 
-    async def fetch(self, stub: outer_pb2_grpc.OuterStub, to: str, *, stage: int, requester: str, timeout_s: float,
-                    expected: dict[str, tuple[tuple[int, ...], torch.dtype]], names: Sequence[str] = (),
-                    compact: bool = False, into: ReceivedState | None = None) -> tuple[dict[str, Tensor], dict]:
+    async def fetch(
+        self,
+        stub: outer_pb2_grpc.OuterStub,
+        to: str,
+        *,
+        stage: int,
+        requester: str,
+        timeout_s: float,
+        expected: dict[str, tuple[tuple[int, ...], torch.dtype]],
+        names: Sequence[str] = (),
+        compact: bool = False,
+        into: ReceivedState | None = None,
+    ) -> tuple[dict[str, Tensor], dict]:
         """Download the state of `names` (every parameter when empty) from donor `to`. Every
         tensor is checked against `expected` (name, shape, dtype) and the codec the encoding gives
         its kind before it is allocated; `expected` should hold exactly what was asked for. The
@@ -140,8 +178,9 @@ class StateFetcher:
         receives the counters and each tensor as it arrives, so a caller keeps what came before a
         failure."""
         into = into if into is not None else ReceivedState()
-        request = outer_pb2.FetchStateRequest(run=self.run, stage=stage, peer_id=requester, names=list(names),
-                                              encoding=COMPACT if compact else DENSE)
+        request = outer_pb2.FetchStateRequest(
+            run=self.run, stage=stage, peer_id=requester, names=list(names), encoding=COMPACT if compact else DENSE
+        )
         state_bytes = sum(state_spec(n, shape, dtype, compact).payload_bytes for n, (shape, dtype) in expected.items())
         total_s = self.deadlines.floored(timeout_s).total_s(to, state_bytes, RECEIVED)
         stall_s = self.deadlines.stall_s(to, RECEIVED)
@@ -157,8 +196,13 @@ class StateFetcher:
             if manifest.num_tensors > len(expected) or manifest.payload_bytes > state_bytes:
                 raise InvalidPayload(f"{to} declares {manifest.num_tensors} tensors / {manifest.payload_bytes} bytes")
             into.counters = json.loads(manifest.counters_json)
-            await self._state_tensors(lambda: within(call.read(), stall_s, f"receiving state from {to[-8:]}"),
-                                      manifest.num_tensors, expected, compact, into.tensors)
+            await self._state_tensors(
+                lambda: within(call.read(), stall_s, f"receiving state from {to[-8:]}"),
+                manifest.num_tensors,
+                expected,
+                compact,
+                into.tensors,
+            )
             self.deadlines.estimates.observe(to, manifest.payload_bytes, time.monotonic() - began, RECEIVED)
             return into.tensors, into.counters
         except grpc.aio.AioRpcError as exc:
@@ -189,13 +233,16 @@ class StateFetcher:
             out[header.name] = tensor
 
 
-def _check_header(name: str, spec: TensorSpec, want: tuple[tuple[int, ...], torch.dtype] | None, compact: bool,
-                  received: dict) -> None:
+def _check_header(
+    name: str, spec: TensorSpec, want: tuple[tuple[int, ...], torch.dtype] | None, compact: bool, received: dict
+) -> None:
     """A tensor the joiner did not ask for, sent twice, of another shape or dtype, or in another
     codec than the encoding gives its kind (phi is always exact) is refused before allocation."""
     if want is None or name in received:
         raise InvalidPayload(f"unexpected state tensor {name!r}" + (" (sent twice)" if want is not None else ""))
     codec = state_codec(name, want[1], compact)
     if spec.shape != want[0] or DTYPES.get(spec.dtype) != want[1] or spec.codec != codec:
-        raise InvalidPayload(f"state tensor {name!r} {spec.dtype}{list(spec.shape)}/{spec.codec} does not match "
-                             f"{want[1]}{list(want[0])}/{codec}")
+        raise InvalidPayload(
+            f"state tensor {name!r} {spec.dtype}{list(spec.shape)}/{spec.codec} does not match "
+            f"{want[1]}{list(want[0])}/{codec}"
+        )

@@ -13,8 +13,15 @@ from __future__ import annotations
 
 import grpc
 
-from noloco_node.errors import (InvalidPayload, NodeError, PeerBusy, PeerUnavailable, ProtocolMismatch, TooLarge,
-                                UnknownMicrobatch)
+from noloco_node.errors import (
+    InvalidPayload,
+    NodeError,
+    PeerBusy,
+    PeerUnavailable,
+    ProtocolMismatch,
+    TooLarge,
+    UnknownMicrobatch,
+)
 
 TO_STATUS: dict[type[NodeError], grpc.StatusCode] = {
     PeerBusy: grpc.StatusCode.RESOURCE_EXHAUSTED,

@@ -13,21 +13,41 @@ from noloco_node.errors import InvalidPayload
 from noloco_node.wire.v1 import tensor_pb2
 
 CHUNK_BYTES = 1 << 20  # 1 MiB: the chunk size gRPC streams moved fastest with on this machine
-_CODEC_TO_PB = {"none": tensor_pb2.CODEC_NONE, "bf16": tensor_pb2.CODEC_BF16, "int8": tensor_pb2.CODEC_INT8_BLOCKWISE,
-                "topk": tensor_pb2.CODEC_TOPK, "fp8": tensor_pb2.CODEC_FP8_E4M3_BLOCKWISE,
-                "int4": tensor_pb2.CODEC_INT4_BLOCKWISE, "topk_int2": tensor_pb2.CODEC_TOPK_INT2,
-                "topk_int4": tensor_pb2.CODEC_TOPK_INT4, "slice": tensor_pb2.CODEC_SLICE}
+_CODEC_TO_PB = {
+    "none": tensor_pb2.CODEC_NONE,
+    "bf16": tensor_pb2.CODEC_BF16,
+    "int8": tensor_pb2.CODEC_INT8_BLOCKWISE,
+    "topk": tensor_pb2.CODEC_TOPK,
+    "fp8": tensor_pb2.CODEC_FP8_E4M3_BLOCKWISE,
+    "int4": tensor_pb2.CODEC_INT4_BLOCKWISE,
+    "topk_int2": tensor_pb2.CODEC_TOPK_INT2,
+    "topk_int4": tensor_pb2.CODEC_TOPK_INT4,
+    "slice": tensor_pb2.CODEC_SLICE,
+}
 _CODEC_FROM_PB = {v: k for k, v in _CODEC_TO_PB.items()}
-_DTYPE_TO_PB = {"float32": tensor_pb2.DTYPE_FLOAT32, "float64": tensor_pb2.DTYPE_FLOAT64,
-                "bfloat16": tensor_pb2.DTYPE_BFLOAT16, "float16": tensor_pb2.DTYPE_FLOAT16, "int64": tensor_pb2.DTYPE_INT64}
+_DTYPE_TO_PB = {
+    "float32": tensor_pb2.DTYPE_FLOAT32,
+    "float64": tensor_pb2.DTYPE_FLOAT64,
+    "bfloat16": tensor_pb2.DTYPE_BFLOAT16,
+    "float16": tensor_pb2.DTYPE_FLOAT16,
+    "int64": tensor_pb2.DTYPE_INT64,
+}
 _DTYPE_FROM_PB = {v: k for k, v in _DTYPE_TO_PB.items()}
 
 
 def spec_to_header(spec: TensorSpec, name: str = "") -> tensor_pb2.TensorHeader:
-    return tensor_pb2.TensorHeader(name=name, dtype=_DTYPE_TO_PB[spec.dtype], shape=list(spec.shape),
-                                   codec=_CODEC_TO_PB[spec.codec], block_size=spec.block_size,
-                                   payload_bytes=spec.payload_bytes, nnz=spec.nnz, slice_seed=spec.slice_seed,
-                                   slice_parts=spec.slice_parts, slice_part=spec.slice_part)
+    return tensor_pb2.TensorHeader(
+        name=name,
+        dtype=_DTYPE_TO_PB[spec.dtype],
+        shape=list(spec.shape),
+        codec=_CODEC_TO_PB[spec.codec],
+        block_size=spec.block_size,
+        payload_bytes=spec.payload_bytes,
+        nnz=spec.nnz,
+        slice_seed=spec.slice_seed,
+        slice_parts=spec.slice_parts,
+        slice_part=spec.slice_part,
+    )
 
 
 def header_to_spec(header: tensor_pb2.TensorHeader) -> TensorSpec:
@@ -38,21 +58,32 @@ def header_to_spec(header: tensor_pb2.TensorHeader) -> TensorSpec:
         raise InvalidPayload(f"unknown dtype {header.dtype}")
     if len(header.shape) > 8:
         raise InvalidPayload(f"tensor rank {len(header.shape)} is too large")
-    spec = TensorSpec(dtype=_DTYPE_FROM_PB[header.dtype], shape=tuple(int(d) for d in header.shape),
-                      codec=_CODEC_FROM_PB[header.codec], block_size=int(header.block_size),
-                      payload_bytes=int(header.payload_bytes), nnz=int(header.nnz), slice_seed=int(header.slice_seed),
-                      slice_parts=int(header.slice_parts), slice_part=int(header.slice_part))
+    spec = TensorSpec(
+        dtype=_DTYPE_FROM_PB[header.dtype],
+        shape=tuple(int(d) for d in header.shape),
+        codec=_CODEC_FROM_PB[header.codec],
+        block_size=int(header.block_size),
+        payload_bytes=int(header.payload_bytes),
+        nnz=int(header.nnz),
+        slice_seed=int(header.slice_seed),
+        slice_parts=int(header.slice_parts),
+        slice_part=int(header.slice_part),
+    )
     try:
         expected = expected_payload_bytes(spec)
     except CodecError as exc:
         raise InvalidPayload(str(exc)) from None
     if spec.payload_bytes != expected:
-        raise InvalidPayload(f"header declares {spec.payload_bytes} payload bytes; {spec.codec}/{spec.dtype}{list(spec.shape)} needs {expected}")
+        raise InvalidPayload(
+            f"header declares {spec.payload_bytes} payload bytes; {spec.codec}/{spec.dtype}{list(spec.shape)} needs "
+            f"{expected}"
+        )
     return spec
 
 
-def encode_tensor(tensor: Tensor, codec: str, name: str = "", *, stochastic: torch.Generator | None = None,
-                  dtype: str | None = None) -> tuple[tensor_pb2.TensorHeader, bytes]:
+def encode_tensor(
+    tensor: Tensor, codec: str, name: str = "", *, stochastic: torch.Generator | None = None, dtype: str | None = None
+) -> tuple[tensor_pb2.TensorHeader, bytes]:
     """`stochastic`: int4 rounds stochastically with this generator's draws; `dtype`: the logical
     dtype when a lower-precision copy is handed in (codec/tensors.py)."""
     spec, payload = encode(tensor, codec, stochastic=stochastic, dtype=dtype)
@@ -62,7 +93,7 @@ def encode_tensor(tensor: Tensor, codec: str, name: str = "", *, stochastic: tor
 def iter_chunks(payload: bytes, chunk_bytes: int = CHUNK_BYTES) -> Iterator[tensor_pb2.TensorChunk]:
     view = memoryview(payload)
     for index, start in enumerate(range(0, len(payload), chunk_bytes)):
-        yield tensor_pb2.TensorChunk(index=index, data=bytes(view[start:start + chunk_bytes]))
+        yield tensor_pb2.TensorChunk(index=index, data=bytes(view[start : start + chunk_bytes]))
 
 
 class PayloadReceiver:
@@ -70,7 +101,9 @@ class PayloadReceiver:
 
     def __init__(self, spec: TensorSpec, *, max_bytes: int) -> None:
         if spec.payload_bytes > max_bytes:
-            raise InvalidPayload(f"declared payload of {spec.payload_bytes} bytes exceeds this node's limit of {max_bytes}")
+            raise InvalidPayload(
+                f"declared payload of {spec.payload_bytes} bytes exceeds this node's limit of {max_bytes}"
+            )
         self.spec = spec
         self.buffer = bytearray(spec.payload_bytes)
         self.received = 0
@@ -83,7 +116,7 @@ class PayloadReceiver:
         end = self.received + len(data)
         if end > len(self.buffer):
             raise InvalidPayload(f"chunks exceed the declared {len(self.buffer)} payload bytes")
-        self.buffer[self.received:end] = data
+        self.buffer[self.received : end] = data
         self.received = end
         self.next_index += 1
 

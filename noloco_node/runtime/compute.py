@@ -52,6 +52,9 @@ def compute_device(name: str):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("pipeline.device", f"{name} requested but torch sees no CUDA device",
-                          "use device = 'auto' or 'cpu', or install a CUDA build of torch (see deploy/Dockerfile)")
+        raise ConfigError(
+            "pipeline.device",
+            f"{name} requested but torch sees no CUDA device",
+            "use device = 'auto' or 'cpu', or install a CUDA build of torch (see deploy/Dockerfile)",
+        )
     return device

@@ -30,8 +30,17 @@ log = logging.getLogger(__name__)
 
 # donate_parameter: a state donor, before each parameter it sends (during_state_transfer: once,
 # after the manifest, on both sides), so "donate_parameter:crash@3" dies after two parameters.
-POINTS = ("before_forward", "mid_backward", "during_exchange", "exchange_write", "during_state_transfer",
-          "donate_parameter", "send_snapshot", "inner_step", "weights")
+POINTS = (
+    "before_forward",
+    "mid_backward",
+    "during_exchange",
+    "exchange_write",
+    "during_state_transfer",
+    "donate_parameter",
+    "send_snapshot",
+    "inner_step",
+    "weights",
+)
 POISON_POINTS = ("send_snapshot", "inner_step", "weights")
 ACTIONS = ("crash", "stall", "delay", "error", "poison")
 CRASH_EXIT_CODE = 17
@@ -93,8 +102,11 @@ class FaultInjector:
         if point not in self.faults:
             return []
         count = self.hits[point] = self.hits.get(point, 0) + 1
-        due = [f for f in self.faults[point] if (f.nth is None or f.nth == count)
-               and (f.probability is None or self.rng.random() < f.probability)]
+        due = [
+            f
+            for f in self.faults[point]
+            if (f.nth is None or f.nth == count) and (f.probability is None or self.rng.random() < f.probability)
+        ]
         for fault in due:
             self.fired.append((point, fault.action))
             log.warning("injected fault: %s %s at hit %d", fault.action, point, count)

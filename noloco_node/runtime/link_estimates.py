@@ -118,10 +118,15 @@ class LinkEstimates:
 
     def summary(self) -> dict[str, dict[str, float]]:
         """Per peer: Mbit/s each way (0 = not measured), RTT in ms, bandwidth samples."""
-        return {peer: {"sent_mbit_s": round((link.sent or 0.0) * 8 / 1e6, 3),
-                       "received_mbit_s": round((link.received or 0.0) * 8 / 1e6, 3),
-                       "rtt_ms": round((link.rtt_s or 0.0) * 1e3, 2), "samples": link.samples}
-                for peer, link in self._links.items()}
+        return {
+            peer: {
+                "sent_mbit_s": round((link.sent or 0.0) * 8 / 1e6, 3),
+                "received_mbit_s": round((link.received or 0.0) * 8 / 1e6, 3),
+                "rtt_ms": round((link.rtt_s or 0.0) * 1e3, 2),
+                "samples": link.samples,
+            }
+            for peer, link in self._links.items()
+        }
 
 
 @dataclass(frozen=True)
@@ -144,15 +149,20 @@ class DeadlinePolicy:
     @classmethod
     def from_timeouts(cls, timeouts) -> DeadlinePolicy:
         """From a [timeouts] config section (config/sections.py TimeoutsConfig)."""
-        return cls(assumed_bytes_per_s=timeouts.assumed_mbit_s * 1e6 / 8, slack=timeouts.deadline_slack,
-                   ceiling_s=timeouts.deadline_ceiling_s, stall_s=timeouts.stall_s)
+        return cls(
+            assumed_bytes_per_s=timeouts.assumed_mbit_s * 1e6 / 8,
+            slack=timeouts.deadline_slack,
+            ceiling_s=timeouts.deadline_ceiling_s,
+            stall_s=timeouts.stall_s,
+        )
 
     def transfer_s(self, payload_bytes: int, bytes_per_s: float | None) -> float:
         """The payload's time at the rate (the assumed one when None), times the slack."""
         return self.slack * payload_bytes / (bytes_per_s or self.assumed_bytes_per_s)
 
-    def total_s(self, payload_bytes: int, *, floor_s: float, bytes_per_s: float | None = None,
-                rtt_s: float | None = None) -> float:
+    def total_s(
+        self, payload_bytes: int, *, floor_s: float, bytes_per_s: float | None = None, rtt_s: float | None = None
+    ) -> float:
         """max(floor, slack x bytes / rate + 2 RTT), at most the ceiling (or the floor, if higher)."""
         need = self.transfer_s(payload_bytes, bytes_per_s) + 2 * (rtt_s or 0.0)
         return max(floor_s, min(self.ceiling_s, need))
@@ -185,8 +195,12 @@ class LinkDeadlines:
         return assumed if median is None else min(assumed, median)
 
     def total_s(self, peer_id: str, payload_bytes: int, direction: str | None = None) -> float:
-        return self.policy.total_s(payload_bytes, floor_s=self.floor_s, bytes_per_s=self.rate(peer_id, direction),
-                                   rtt_s=self.estimates.rtt_s(peer_id))
+        return self.policy.total_s(
+            payload_bytes,
+            floor_s=self.floor_s,
+            bytes_per_s=self.rate(peer_id, direction),
+            rtt_s=self.estimates.rtt_s(peer_id),
+        )
 
     def transfer_s(self, peer_id: str, payload_bytes: int, direction: str | None = None) -> float:
         """slack x bytes / the peer's rate, with no floor (for deadlines that add their own)."""

@@ -57,9 +57,13 @@ class ThroughputMeter:
 
     def record_fields(self) -> dict[str, float]:
         """capacity and throughput (sequences/s), busy (0..1), hop_s, link_mbit_s; 0 = not measured yet."""
-        return {"capacity": round(self._capacity.value or 0.0, 4), "throughput": round(self._throughput.value or 0.0, 4),
-                "busy": round(min(1.0, self._busy.value or 0.0), 4), "hop_s": round(self._hop.value or 0.0, 5),
-                "link_mbit_s": round(self.links.link_mbit_s(), 3)}
+        return {
+            "capacity": round(self._capacity.value or 0.0, 4),
+            "throughput": round(self._throughput.value or 0.0, 4),
+            "busy": round(min(1.0, self._busy.value or 0.0), 4),
+            "hop_s": round(self._hop.value or 0.0, 5),
+            "link_mbit_s": round(self.links.link_mbit_s(), 3),
+        }
 
 
 def routing_weights(capacities: Iterable[float]) -> list[float]:

@@ -25,11 +25,13 @@ def all_reduce_shapes(worker: StageWorker) -> list[torch.Size]:
 class DiLoCoSync(OuterSync):
     # The all-reduce baselines route balanced: every replica must get one batch per step so all
     # of a stage's replicas reach each round together.
-    traits = MethodTraits("diloco", syncs=True, outer_rounds=True, balanced_routing=True,
-                          all_reduce_shapes=all_reduce_shapes)
+    traits = MethodTraits(
+        "diloco", syncs=True, outer_rounds=True, balanced_routing=True, all_reduce_shapes=all_reduce_shapes
+    )
 
-    def __init__(self, state: OuterState, config: OuterConfig, parts: SyncParts, *, all_reduce: AllReduce,
-                 timeout_s: float) -> None:
+    def __init__(
+        self, state: OuterState, config: OuterConfig, parts: SyncParts, *, all_reduce: AllReduce, timeout_s: float
+    ) -> None:
         super().__init__()
         self.state, self.parts, self.all_reduce, self.timeout_s = state, parts, all_reduce, timeout_s
         self.compute = parts.compute
@@ -68,8 +70,15 @@ class DiLoCoSync(OuterSync):
             self.counters.mixed_rounds += 1
             log.warning("round %d: the all-reduce group mixed replicas of different rounds", round_index)
         self.counters.partial_rounds += not complete
-        self.counters.history.append({"round": round_index, "outcome": outcome, "group": group,
-                                      "same_round": same_round, "complete": complete,
-                                      "seconds": time.monotonic() - start})
+        self.counters.history.append(
+            {
+                "round": round_index,
+                "outcome": outcome,
+                "group": group,
+                "same_round": same_round,
+                "complete": complete,
+                "seconds": time.monotonic() - start,
+            }
+        )
         log.info("round %d: all-reduce over %d replicas", round_index, group)
         return outcome

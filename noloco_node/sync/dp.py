@@ -71,11 +71,26 @@ def weights_fingerprint(params: list[Tensor]) -> float:
 class DataParallelSync(OuterSync):
     # Every replica takes every inner step together, after the all-reduce: routed balanced and in
     # lockstep, the step the sync's own (stage 0's driver and stages > 0's runtime call it).
-    traits = MethodTraits("dp", syncs=True, takes_inner_step=True, lockstep=True, balanced_routing=True,
-                          all_reduce_shapes=all_reduce_shapes)
+    traits = MethodTraits(
+        "dp",
+        syncs=True,
+        takes_inner_step=True,
+        lockstep=True,
+        balanced_routing=True,
+        all_reduce_shapes=all_reduce_shapes,
+    )
 
-    def __init__(self, worker: StageWorker, config: OuterConfig, parts: SyncParts, *, all_reduce: AllReduce,
-                 timeout_s: float, patience_s: float = 0.0, progress: StageProgress | None = None) -> None:
+    def __init__(
+        self,
+        worker: StageWorker,
+        config: OuterConfig,
+        parts: SyncParts,
+        *,
+        all_reduce: AllReduce,
+        timeout_s: float,
+        patience_s: float = 0.0,
+        progress: StageProgress | None = None,
+    ) -> None:
         """`timeout_s` bounds one attempt at a round; a round whose group is short of members is
         tried again under the same key until `patience_s` has passed (a replica one timeout behind
         the others would otherwise never meet them again: seen in the convergence reproduction,
@@ -125,14 +140,24 @@ class DataParallelSync(OuterSync):
             c.skipped += 1
             if apart:
                 outcome = "resynced" if await self._resync(step) else "apart"
-        c.history.append({"round": step, "outcome": outcome, "group": group, "same_round": same, "complete": complete,
-                          "left_behind": left_behind, "seconds": time.monotonic() - start})
+        c.history.append(
+            {
+                "round": step,
+                "outcome": outcome,
+                "group": group,
+                "same_round": same,
+                "complete": complete,
+                "left_behind": left_behind,
+                "seconds": time.monotonic() - start,
+            }
+        )
         if outcome != "paired":
             log.warning("dp step %d %s (group %d, same round %s, complete %s)", step, outcome, group, same, complete)
         return lr
 
-    async def _mean(self, tensors: list[Tensor], step: int,
-                    start: float) -> tuple[tuple[list[Tensor], int, bool, bool], bool]:
+    async def _mean(
+        self, tensors: list[Tensor], step: int, start: float
+    ) -> tuple[tuple[list[Tensor], int, bool, bool], bool]:
         """The round's all-reduce, tried again while the group is short, patience is left and no
         other replica has finished the round; returns the last attempt and whether the others had
         moved on without this replica."""
@@ -147,8 +172,9 @@ class DataParallelSync(OuterSync):
             if not short or left < 1.0:
                 return result, False
             if await self._others_finished(step):
-                log.warning("dp step %d: another replica of the stage has finished this round without us; "
-                            "skipping it", step)
+                log.warning(
+                    "dp step %d: another replica of the stage has finished this round without us; skipping it", step
+                )
                 return result, True
             log.info("dp step %d: group of %d, waiting for the rest (%.0f s of patience left)", step, group, left)
             # An attempt can come back short at once (the group formed without us, or we are the one
@@ -177,8 +203,9 @@ class DataParallelSync(OuterSync):
         whole group. Any round that is not whole leaves the rest for the next detection."""
         for part in range(3):
             tensors, extra = await self.compute.run(self._resync_tensors, part)
-            means, group, same, complete = await self.all_reduce.mean(tensors + [extra], self.timeout_s,
-                                                                       RESYNC_KEYS + 3 * step + part)
+            means, group, same, complete = await self.all_reduce.mean(
+                tensors + [extra], self.timeout_s, RESYNC_KEYS + 3 * step + part
+            )
             if not self._whole(group, same, complete):
                 log.warning("dp step %d: resync round %d was not whole; the replicas stay apart for now", step, part)
                 return False
@@ -192,8 +219,12 @@ class DataParallelSync(OuterSync):
             tensors = [p.detach().to("cpu", torch.float64) for p in params]
         else:
             key = "exp_avg" if part == 1 else "exp_avg_sq"
-            tensors = [state[p][key].detach().to("cpu", torch.float64) if p in state else torch.zeros(p.shape, dtype=torch.float64)
-                       for p in params]
+            tensors = [
+                state[p][key].detach().to("cpu", torch.float64)
+                if p in state
+                else torch.zeros(p.shape, dtype=torch.float64)
+                for p in params
+            ]
         adam_step = max((float(s["step"]) for s in state.values()), default=0.0)
         return tensors, torch.tensor([adam_step, float(self.worker.inner_steps)], dtype=torch.float64)
 
@@ -204,8 +235,14 @@ class DataParallelSync(OuterSync):
                 if part == 0:
                     p.copy_(mean.to(p.device, p.dtype))
                     continue
-                entry = state.setdefault(p, {"step": self.worker.inner.step_tensor(p, 0.0), "exp_avg": torch.zeros_like(p),
-                                             "exp_avg_sq": torch.zeros_like(p)})
+                entry = state.setdefault(
+                    p,
+                    {
+                        "step": self.worker.inner.step_tensor(p, 0.0),
+                        "exp_avg": torch.zeros_like(p),
+                        "exp_avg_sq": torch.zeros_like(p),
+                    },
+                )
                 entry["exp_avg" if part == 1 else "exp_avg_sq"].copy_(mean.to(p.device, p.dtype))
             if part == 2:  # counts: every member rounds the same mean to the same whole number
                 adam_step, inner_step = (round(float(v)) for v in means[-1])

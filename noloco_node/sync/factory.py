@@ -8,8 +8,16 @@ from dataclasses import dataclass
 from noloco_node.config import NodeConfig
 from noloco_node.optim.state import OuterState
 from noloco_node.pipeline.worker import StageWorker
-from noloco_node.sync.ports import (AllReduce, MatchingDirectory, MethodTraits, NoSync, OuterSync, PairingTransport,
-                                    StageProgress, SyncParts)
+from noloco_node.sync.ports import (
+    AllReduce,
+    MatchingDirectory,
+    MethodTraits,
+    NoSync,
+    OuterSync,
+    PairingTransport,
+    StageProgress,
+    SyncParts,
+)
 
 
 @dataclass(frozen=True)
@@ -43,15 +51,23 @@ def method_traits(method: str) -> MethodTraits:
     return _method_class(method).traits
 
 
-def build_outer_sync(config: NodeConfig, parts: SyncParts, ports: SyncPorts, *, worker: StageWorker,
-                     state: OuterState | None) -> OuterSync:
+def build_outer_sync(
+    config: NodeConfig, parts: SyncParts, ports: SyncPorts, *, worker: StageWorker, state: OuterState | None
+) -> OuterSync:
     outer, timeouts = config.outer, config.timeouts
     allreduce_s = timeouts.outer_round_s
     if outer.method == "noloco":
         from noloco_node.sync.noloco import NoLoCoSync
 
-        return NoLoCoSync(state, outer, parts, transport=ports.pairing, directory=ports.matching,
-                          match_s=timeouts.match_s, run_seed=config.run.seed)
+        return NoLoCoSync(
+            state,
+            outer,
+            parts,
+            transport=ports.pairing,
+            directory=ports.matching,
+            match_s=timeouts.match_s,
+            run_seed=config.run.seed,
+        )
     if outer.method == "diloco":
         from noloco_node.sync.diloco import DiLoCoSync
 
@@ -60,6 +76,13 @@ def build_outer_sync(config: NodeConfig, parts: SyncParts, ports: SyncPorts, *, 
         from noloco_node.sync.dp import DataParallelSync
 
         # A round short of members is tried again for up to 3/4 of the microbatch timeout (sync/dp.py).
-        return DataParallelSync(worker, outer, parts, all_reduce=ports.all_reduce, progress=ports.progress,
-                                timeout_s=allreduce_s, patience_s=0.75 * timeouts.microbatch_s)
+        return DataParallelSync(
+            worker,
+            outer,
+            parts,
+            all_reduce=ports.all_reduce,
+            progress=ports.progress,
+            timeout_s=allreduce_s,
+            patience_s=0.75 * timeouts.microbatch_s,
+        )
     return NoSync()

@@ -16,8 +16,15 @@ from noloco_node.codec.state_layout import STATE_BLOCK, ReceivedState, select_st
 from noloco_node.codec.tensors import decode, encode
 from noloco_node.errors import InvalidPayload, PeerBusy, PeerUnavailable, ProtocolMismatch
 from noloco_node.runtime.faults import FaultInjector
-from noloco_node.sync.ports import (Decision, EncodedSnapshot, ExpectedTensor, PairingResponder, PairProposal,
-                                    StateDonor, check_tensor_count)
+from noloco_node.sync.ports import (
+    Decision,
+    EncodedSnapshot,
+    ExpectedTensor,
+    PairingResponder,
+    PairProposal,
+    StateDonor,
+    check_tensor_count,
+)
 
 
 def decode_snapshot(snapshot: EncodedSnapshot, expected: list[ExpectedTensor], codec: str) -> dict[str, Tensor]:
@@ -62,12 +69,21 @@ class MemoryPairing:
         self.hub, self.me, self.faults = hub, me, faults
         self.bytes_sent = 0
 
-    async def exchange(self, peer_id: str, proposal: PairProposal, mine: EncodedSnapshot,
-                       expected: list[ExpectedTensor], codec: str, *, timeout_s: float) -> dict[str, Tensor]:
+    async def exchange(
+        self,
+        peer_id: str,
+        proposal: PairProposal,
+        mine: EncodedSnapshot,
+        expected: list[ExpectedTensor],
+        codec: str,
+        *,
+        timeout_s: float,
+    ) -> dict[str, Tensor]:
         return await asyncio.wait_for(self._exchange(peer_id, proposal, mine, expected, codec), timeout_s)
 
-    async def _exchange(self, peer_id: str, proposal: PairProposal, mine: EncodedSnapshot,
-                        expected: list[ExpectedTensor], codec: str) -> dict[str, Tensor]:
+    async def _exchange(
+        self, peer_id: str, proposal: PairProposal, mine: EncodedSnapshot, expected: list[ExpectedTensor], codec: str
+    ) -> dict[str, Tensor]:
         responder = self.hub.responders.get(peer_id)
         if responder is None or peer_id in self.hub.down:
             raise PeerUnavailable(f"{peer_id} does not answer")
@@ -90,9 +106,18 @@ class MemoryPairing:
         await responder.finish(self.me, delivered, "paired")
         return received
 
-    async def fetch_state(self, peer_id: str, *, stage: int, requester: str, timeout_s: float,
-                          expected: dict[str, tuple[tuple[int, ...], torch.dtype]], names: Sequence[str] = (),
-                          compact: bool = False, into: ReceivedState | None = None) -> tuple[dict[str, Tensor], dict]:
+    async def fetch_state(
+        self,
+        peer_id: str,
+        *,
+        stage: int,
+        requester: str,
+        timeout_s: float,
+        expected: dict[str, tuple[tuple[int, ...], torch.dtype]],
+        names: Sequence[str] = (),
+        compact: bool = False,
+        into: ReceivedState | None = None,
+    ) -> tuple[dict[str, Tensor], dict]:
         """As rpc/state_service.py: the parameters `names` (all when empty), grouped by parameter,
         each tensor through the codec the encoding gives its kind and checked against `expected`.
         A donor in `hub.state_cut` leaves after sending that many parameters (PeerUnavailable)."""
@@ -114,7 +139,9 @@ class MemoryPairing:
                 tensor, want = tensors[name], expected.get(name)
                 if want is None or tuple(tensor.shape) != want[0] or tensor.dtype != want[1] or name in into.tensors:
                     raise InvalidPayload(f"unexpected state tensor {name!r} {tensor.dtype}{list(tensor.shape)}")
-                into.tensors[name] = decode(*encode(tensor, state_codec(name, tensor.dtype, compact), block_size=STATE_BLOCK))
+                into.tensors[name] = decode(
+                    *encode(tensor, state_codec(name, tensor.dtype, compact), block_size=STATE_BLOCK)
+                )
             await asyncio.sleep(0)  # other donors' transfers interleave, as over the network
         return into.tensors, into.counters
 
@@ -181,7 +208,9 @@ class MemoryAllReduce:
         self.hub, self.name = hub, name
         self.bytes_sent = 0
 
-    async def mean(self, tensors: list[Tensor], timeout_s: float, round_index: int) -> tuple[list[Tensor], int, bool, bool]:
+    async def mean(
+        self, tensors: list[Tensor], timeout_s: float, round_index: int
+    ) -> tuple[list[Tensor], int, bool, bool]:
         if (self.name, round_index) in self.hub.absent:
             return _alone(tensors)
         delay = self.hub.late.pop((self.name, round_index), 0.0)

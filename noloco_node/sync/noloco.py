@@ -3,7 +3,8 @@ snapshots, apply the pair update; anything else ends in the solo step. No global
 
 Pairing (PAIR-v1, docs/architecture.md: The outer step and pairing): at its boundary a node freezes its snapshot
 and marks itself `matching` for round r in the DHT. With probability 1/2 it proposes at once,
-else after a short random passive wait (up to 10% of match_s). A node is in at most one pair per round: while its own proposal
+else after a short random passive wait (up to 10% of match_s). A node is in at most one pair per
+round: while its own proposal
 is pending it refuses others, except the crossing case (A->B and B->A at once), which both sides
 resolve the same way: the session proposed by the smaller peer id wins. Received snapshots are
 validated (finite, within a distance bound) before use; a bad one is rejected, its sender banned,
@@ -37,10 +38,27 @@ from noloco_node.optim.state import OuterState
 from noloco_node.pipeline.ports import Peer
 from noloco_node.pipeline.router import Bans
 from noloco_node.runtime.node_status import Status
-from noloco_node.sync.ports import (Decision, MatchingDirectory, MethodTraits, OuterSync, PairAnswer, PairingTransport,
-                                    PairProposal, SyncParts)
-from noloco_node.sync.snapshot import (PHI_DELTA, THETA, Frozen, SliceRound, check_snapshot, choose_payload, fill_slices,
-                                       freeze, unpack)
+from noloco_node.sync.ports import (
+    Decision,
+    MatchingDirectory,
+    MethodTraits,
+    OuterSync,
+    PairAnswer,
+    PairingTransport,
+    PairProposal,
+    SyncParts,
+)
+from noloco_node.sync.snapshot import (
+    PHI_DELTA,
+    THETA,
+    Frozen,
+    SliceRound,
+    check_snapshot,
+    choose_payload,
+    fill_slices,
+    freeze,
+    unpack,
+)
 
 log = logging.getLogger(__name__)
 
@@ -69,9 +87,20 @@ class NoLoCoSync(OuterSync):
     # replica's state; no group of fixed size holds a replica to its stage.
     traits = MethodTraits("noloco", syncs=True, outer_rounds=True, donates_state=True, movable=True)
 
-    def __init__(self, state: OuterState, config: OuterConfig, parts: SyncParts, *, transport: PairingTransport,
-                 directory: MatchingDirectory, match_s: float, bans: Bans | None = None,
-                 rng: random.Random | None = None, payload: str | None = None, run_seed: int = 0) -> None:
+    def __init__(
+        self,
+        state: OuterState,
+        config: OuterConfig,
+        parts: SyncParts,
+        *,
+        transport: PairingTransport,
+        directory: MatchingDirectory,
+        match_s: float,
+        bans: Bans | None = None,
+        rng: random.Random | None = None,
+        payload: str | None = None,
+        run_seed: int = 0,
+    ) -> None:
         """`config.codec_phi` encodes phi (or theta), `config.codec_delta` the outer delta.
         `payload` forces the snapshot form ("theta" or "phi+delta"; tests, benchmarks); None
         lets the node choose (theta wherever it loses nothing). `run_seed` (run.seed, the same on
@@ -84,7 +113,9 @@ class NoLoCoSync(OuterSync):
         self.codec_phi, self.codec_delta = config.codec_phi, config.codec_delta
         self.payload = payload or choose_payload(state, self.codec_phi, self.codec_delta)
         if self.payload == THETA and choose_payload(state, self.codec_phi, self.codec_delta) != THETA:
-            raise ValueError("theta alone carries the pair update only with gamma == beta and one dense codec for phi and delta")
+            raise ValueError(
+                "theta alone carries the pair update only with gamma == beta and one dense codec for phi and delta"
+            )
         self.feedback = ErrorFeedback()
         self.run_seed = run_seed
         # How far the last honest partners were (check_snapshot's bound follows their median).
@@ -144,8 +175,10 @@ class NoLoCoSync(OuterSync):
     # ---- responder side (sync.ports.PairingResponder) ------------------------------------
     def decide(self, proposal: PairProposal) -> PairAnswer:
         if proposal.sends_slow_weights != (self.payload == PHI_DELTA):
-            return PairAnswer(Decision.MISMATCH,
-                              f"snapshot forms differ: this node sends {self.payload} (outer gamma or codecs differ)")
+            return PairAnswer(
+                Decision.MISMATCH,
+                f"snapshot forms differ: this node sends {self.payload} (outer gamma or codecs differ)",
+            )
         if not self.matching or self.round is None:
             return PairAnswer(Decision.BUSY, "not matching")
         if proposal.round != self.round:
@@ -189,9 +222,18 @@ class NoLoCoSync(OuterSync):
         self._applied_at = inner_step
         poison = self.faults.poison() if self.faults is not None else None
         frozen_at = self.parts.inner_steps()  # past inner_step when the boundaries before it queued up
-        self._frozen = await self.compute.run(functools.partial(
-            freeze, self.state, self.payload, self.codec_phi, self.codec_delta, dict(self.feedback.residual), poison,
-            SliceRound(self.run_seed, self.stage, round_index)))
+        self._frozen = await self.compute.run(
+            functools.partial(
+                freeze,
+                self.state,
+                self.payload,
+                self.codec_phi,
+                self.codec_delta,
+                dict(self.feedback.residual),
+                poison,
+                SliceRound(self.run_seed, self.stage, round_index),
+            )
+        )
         self.matching = True
         await self._announce(Status.MATCHING, round_index)
         deadline = start + self.match_s
@@ -201,7 +243,12 @@ class NoLoCoSync(OuterSync):
             await _wait(self.done, min(self.rng.uniform(0, 0.1 * self.match_s), deadline - time.monotonic()))
         for window in range(2):
             await self._match(inner_step, round_index, deadline, tried)
-            if window or self.done.is_set() or self.partner is not None or not await self._replica_on_its_way(inner_step):
+            if (
+                window
+                or self.done.is_set()
+                or self.partner is not None
+                or not await self._replica_on_its_way(inner_step)
+            ):
                 break
             # Once per round, one more window: with no barrier, a replica that fell a window behind
             # would otherwise stay there, and every round of both would go solo (seen: two stage-0
@@ -211,18 +258,31 @@ class NoLoCoSync(OuterSync):
             # A session we accepted is still streaming: its server side ends it within a deadline
             # derived from the partner's link and finishes the round; this wait only backs that up.
             exchange_s = getattr(self.transport, "exchange_deadline_s", None)
-            await _wait(self.done, self.match_s + (0.0 if exchange_s is None else
-                                                   exchange_s(self.partner, 2 * self._frozen.snapshot.payload_bytes)))
+            await _wait(
+                self.done,
+                self.match_s
+                + (0.0 if exchange_s is None else exchange_s(self.partner, 2 * self._frozen.snapshot.payload_bytes)),
+            )
         if not self.claimed:
             await self._complete(None, None, "no partner")
         await self.done.wait()
         self.matching = False
         outcome, partner = self._outcome
         self.counters.rounds += 1
-        self.counters.history.append({"round": round_index, "outcome": outcome, "partner": partner,
-                                      "reason": None if outcome == "paired" else self._reason,
-                                      "proposed_to": len(tried), "seconds": time.monotonic() - start, "inner_step": inner_step,
-                                      "frozen_at_step": frozen_at, "applied_at_step": self._applied_at, **self._frozen.stats})
+        self.counters.history.append(
+            {
+                "round": round_index,
+                "outcome": outcome,
+                "partner": partner,
+                "reason": None if outcome == "paired" else self._reason,
+                "proposed_to": len(tried),
+                "seconds": time.monotonic() - start,
+                "inner_step": inner_step,
+                "frozen_at_step": frozen_at,
+                "applied_at_step": self._applied_at,
+                **self._frozen.stats,
+            }
+        )
         await self._announce(Status.SERVING, round_index + 1)
         return outcome
 
@@ -232,8 +292,11 @@ class NoLoCoSync(OuterSync):
             if self.partner is not None:  # an accepted incoming session is running
                 await _wait(self.done, deadline - time.monotonic())
                 continue
-            candidates = [p for p in await self.directory.matching(self.stage, round_index)
-                          if p.peer_id != self.peer_id and p.peer_id not in tried and not self.bans.is_banned(p.peer_id)]
+            candidates = [
+                p
+                for p in await self.directory.matching(self.stage, round_index)
+                if p.peer_id != self.peer_id and p.peer_id not in tried and not self.bans.is_banned(p.peer_id)
+            ]
             if not candidates:
                 await _wait(self.done, min(0.1, deadline - time.monotonic()))
                 continue
@@ -251,8 +314,11 @@ class NoLoCoSync(OuterSync):
             progress = await steps(self.stage, timeout_s=min(2.0, self.match_s))
         except Exception:  # noqa: BLE001 - unknown: this round ends as it would have
             return False
-        return any(inner_step - self.every <= step < inner_step for peer, step in progress.items()
-                   if peer != self.peer_id and not self.bans.is_banned(peer))
+        return any(
+            inner_step - self.every <= step < inner_step
+            for peer, step in progress.items()
+            if peer != self.peer_id and not self.bans.is_banned(peer)
+        )
 
     async def _propose_to_drawn_mate(self, inner_step: int, round_index: int, deadline: float, tried: set[str]) -> None:
         """The round's random pairing, drawn the same way on every replica: after a short gather
@@ -269,8 +335,13 @@ class NoLoCoSync(OuterSync):
         while True:
             if self.done.is_set() or self.partner is not None:
                 return
-            matching = sorted({p.peer_id: p for p in await self.directory.matching(self.stage, round_index)
-                               if p.peer_id != self.peer_id and not self.bans.is_banned(p.peer_id)}.items())
+            matching = sorted(
+                {
+                    p.peer_id: p
+                    for p in await self.directory.matching(self.stage, round_index)
+                    if p.peer_id != self.peer_id and not self.bans.is_banned(p.peer_id)
+                }.items()
+            )
             if len(matching) + 1 >= expected or time.monotonic() >= gather_end:
                 break  # everyone we know of is here, or the window is over
             await _wait(self.done, min(0.05, gather_end - time.monotonic()))
@@ -292,11 +363,23 @@ class NoLoCoSync(OuterSync):
     async def _propose(self, peer: Peer, inner_step: int, deadline: float, tried: set[str]) -> None:
         tried.add(peer.peer_id)
         self.outgoing = peer.peer_id
-        proposal = PairProposal(peer_id=self.peer_id, stage=self.stage, round=self.round, inner_step=inner_step,
-                                nonce=os.urandom(8), sends_slow_weights=self.payload == PHI_DELTA)
+        proposal = PairProposal(
+            peer_id=self.peer_id,
+            stage=self.stage,
+            round=self.round,
+            inner_step=inner_step,
+            nonce=os.urandom(8),
+            sends_slow_weights=self.payload == PHI_DELTA,
+        )
         try:  # the rest of the matching window for an answer; the transfer's deadline follows the link
-            received = await self.transport.exchange(peer.peer_id, proposal, self._frozen.snapshot, self._frozen.expected,
-                                                     self.codec_phi, timeout_s=max(0.1, deadline - time.monotonic()))
+            received = await self.transport.exchange(
+                peer.peer_id,
+                proposal,
+                self._frozen.snapshot,
+                self._frozen.expected,
+                self.codec_phi,
+                timeout_s=max(0.1, deadline - time.monotonic()),
+            )
         except PeerBusy:
             return
         except InvalidPayload as exc:
@@ -325,12 +408,20 @@ class NoLoCoSync(OuterSync):
             return
         self.claimed = True  # first completion wins; claimed before awaiting so no second one runs
         frozen = self._frozen
-        peer = None if received is None else fill_slices(self.state, unpack(received, frozen.payload, list(self.state.params)),
-                                                         frozen.slices)
+        peer = (
+            None
+            if received is None
+            else fill_slices(self.state, unpack(received, frozen.payload, list(self.state.params)), frozen.slices)
+        )
         if peer is not None:
             measured: dict[str, float] = {}
-            problem = check_snapshot(self.state, peer, max_distance_ratio=self.max_distance_ratio,
-                                     typical_distance=self._typical_distance(), distances=measured)
+            problem = check_snapshot(
+                self.state,
+                peer,
+                max_distance_ratio=self.max_distance_ratio,
+                typical_distance=self._typical_distance(),
+                distances=measured,
+            )
             if problem is None:
                 self._accepted_distances.append(measured["fast"])
             if problem is not None:

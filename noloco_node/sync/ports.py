@@ -78,13 +78,17 @@ class ExpectedTensor:
         `codec` is the exchange's when this tensor names none of its own."""
         want_codec = self.codec or codec
         if name != self.name or spec.shape != self.shape or spec.dtype != self.dtype or spec.codec != want_codec:
-            return (f"tensor {name!r} {spec.dtype}{list(spec.shape)}/{spec.codec} does not match "
-                    f"{self.name!r} {self.dtype}{list(self.shape)}/{want_codec}")
+            return (
+                f"tensor {name!r} {spec.dtype}{list(spec.shape)}/{spec.codec} does not match "
+                f"{self.name!r} {self.dtype}{list(self.shape)}/{want_codec}"
+            )
         if self.nnz is not None and spec.nnz != self.nnz:
             return f"tensor {name!r} declares {spec.nnz} sparse values where this run's codec sends {self.nnz}"
         if self.slice_key is not None and (spec.slice_seed, spec.slice_parts, spec.slice_part) != self.slice_key:
-            return (f"tensor {name!r} is slice {spec.slice_part}/{spec.slice_parts} of seed {spec.slice_seed}; "
-                    f"this round's is {self.slice_key[2]}/{self.slice_key[1]} of seed {self.slice_key[0]}")
+            return (
+                f"tensor {name!r} is slice {spec.slice_part}/{spec.slice_parts} of seed {spec.slice_seed}; "
+                f"this round's is {self.slice_key[2]}/{self.slice_key[1]} of seed {self.slice_key[0]}"
+            )
         return None
 
     def check(self, name: str, spec, codec: str) -> None:
@@ -182,13 +186,28 @@ class PairingTransport(Protocol):
     bytes_sent: int
     """Outer payload bytes this node has written (as initiator and as responder)."""
 
-    async def exchange(self, peer_id: str, proposal: PairProposal, mine: EncodedSnapshot,
-                       expected: list[ExpectedTensor], codec: str, *, timeout_s: float) -> dict[str, Tensor]:
+    async def exchange(
+        self,
+        peer_id: str,
+        proposal: PairProposal,
+        mine: EncodedSnapshot,
+        expected: list[ExpectedTensor],
+        codec: str,
+        *,
+        timeout_s: float,
+    ) -> dict[str, Tensor]:
         """Propose and, if accepted, swap snapshots; returns the partner's decoded tensors.
         Raises PeerBusy (refused), ProtocolMismatch, InvalidPayload or PeerUnavailable."""
 
-    async def fetch_state(self, peer_id: str, *, stage: int, requester: str, timeout_s: float,
-                          expected: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> tuple[dict[str, Tensor], dict]:
+    async def fetch_state(
+        self,
+        peer_id: str,
+        *,
+        stage: int,
+        requester: str,
+        timeout_s: float,
+        expected: dict[str, tuple[tuple[int, ...], torch.dtype]],
+    ) -> tuple[dict[str, Tensor], dict]:
         """A donor's state tensors (checked against `expected`) and counters."""
 
     async def close(self) -> None: ...
@@ -211,8 +230,9 @@ class StageProgress(Protocol):
 class AllReduce(Protocol):
     bytes_sent: int
 
-    async def mean(self, tensors: list[Tensor], timeout_s: float,
-                   round_index: int) -> tuple[list[Tensor], int, bool, bool]:
+    async def mean(
+        self, tensors: list[Tensor], timeout_s: float, round_index: int
+    ) -> tuple[list[Tensor], int, bool, bool]:
         """Group mean, group size (1 = nobody joined), whether all members were at this round, and
         whether the whole mean arrived (else some parts are our own values)."""
 

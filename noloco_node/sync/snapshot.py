@@ -116,9 +116,15 @@ class _Parts:
     phi2: float = 0.0
 
 
-def freeze(state: OuterState, payload: str, codec_phi: str, codec_delta: str,
-           residuals: Mapping[str, Tensor] | None = None, poison: float | None = None,
-           round_of: SliceRound | None = None) -> Frozen:
+def freeze(
+    state: OuterState,
+    payload: str,
+    codec_phi: str,
+    codec_delta: str,
+    residuals: Mapping[str, Tensor] | None = None,
+    poison: float | None = None,
+    round_of: SliceRound | None = None,
+) -> Frozen:
     """Encode this replica's snapshot in `payload` form. `residuals` are the topk residuals
     carried from earlier rounds. `poison` (fault injection only) corrupts what is sent: NaN, or
     theta times that factor, as a lying peer would; our own side always uses honest values.
@@ -136,7 +142,11 @@ def freeze(state: OuterState, payload: str, codec_phi: str, codec_delta: str,
                 _add_theta(parts, name, theta, phi, codec_phi, poison)
             else:
                 _add_phi_delta(parts, name, theta, phi, codec_phi, codec_delta, residuals.get(name), poison, round_of)
-    stats: dict[str, object] = {"payload": payload, "bytes": parts.sizes, "delta_rel_error": _ratio(parts.err2, parts.ref2)}
+    stats: dict[str, object] = {
+        "payload": payload,
+        "bytes": parts.sizes,
+        "delta_rel_error": _ratio(parts.err2, parts.ref2),
+    }
     if payload == PHI_DELTA:
         stats["phi_rel_error"] = _ratio(parts.phi_err2, parts.phi2)
         stats["codecs"] = {"phi": codec_phi, "delta": codec_delta}
@@ -145,8 +155,9 @@ def freeze(state: OuterState, payload: str, codec_phi: str, codec_delta: str,
     # Against the dense fp32 form of the same round (phi and Delta, 4 bytes per element each).
     numel = sum(p.numel() for p in state.params.values())
     stats["fp32_fraction"] = sum(parts.sizes.values()) / (8 * numel) if numel else 0.0
-    return Frozen(EncodedSnapshot(parts.tensors), parts.expected, parts.own, frozen, payload, parts.residual, stats,
-                  parts.slices)
+    return Frozen(
+        EncodedSnapshot(parts.tensors), parts.expected, parts.own, frozen, payload, parts.residual, stats, parts.slices
+    )
 
 
 def _add_theta(parts: _Parts, name: str, theta: Tensor, phi: Tensor, codec: str, poison: float | None) -> None:
@@ -162,21 +173,42 @@ def _add_theta(parts: _Parts, name: str, theta: Tensor, phi: Tensor, codec: str,
     parts.ref2 += float((theta.double() - phi.double()).pow(2).sum())
 
 
-def _add_phi_delta(parts: _Parts, name: str, theta: Tensor, phi: Tensor, codec_phi: str, codec_delta: str,
-                   residual: Tensor | None, poison: float | None, round_of: SliceRound | None) -> None:
+def _add_phi_delta(
+    parts: _Parts,
+    name: str,
+    theta: Tensor,
+    phi: Tensor,
+    codec_phi: str,
+    codec_delta: str,
+    residual: Tensor | None,
+    poison: float | None,
+    round_of: SliceRound | None,
+) -> None:
     dtype = str(theta.dtype).removeprefix("torch.")
     phi_codec = parse_outer_codec(codec_phi)
     delta = theta - phi
-    key = None if phi_codec.wire != "slice" else \
-        slice_key(round_of.run_seed, round_of.stage, round_of.round_index, name, phi_codec.parts)
+    key = (
+        None
+        if phi_codec.wire != "slice"
+        else slice_key(round_of.run_seed, round_of.stage, round_of.round_index, name, phi_codec.parts)
+    )
     enc_phi = encode_tensor(phi, codec_phi, slice_key=key)
     enc_delta = encode_tensor(delta, codec_delta, residual)
     sent_delta = enc_delta if poison is None else encode_tensor(_poisoned(theta, poison) - phi, codec_delta)
-    parts.tensors += [(f"phi/{name}", enc_phi.spec, enc_phi.payload),
-                      (f"delta/{name}", sent_delta.spec, sent_delta.payload)]
-    parts.expected += [ExpectedTensor(f"phi/{name}", tuple(phi.shape), dtype, phi_codec.wire, slice_key=key),
-                       ExpectedTensor(f"delta/{name}", tuple(phi.shape), dtype, parse_outer_codec(codec_delta).wire,
-                                      nnz=_expected_nnz(codec_delta, phi.numel()))]
+    parts.tensors += [
+        (f"phi/{name}", enc_phi.spec, enc_phi.payload),
+        (f"delta/{name}", sent_delta.spec, sent_delta.payload),
+    ]
+    parts.expected += [
+        ExpectedTensor(f"phi/{name}", tuple(phi.shape), dtype, phi_codec.wire, slice_key=key),
+        ExpectedTensor(
+            f"delta/{name}",
+            tuple(phi.shape),
+            dtype,
+            parse_outer_codec(codec_delta).wire,
+            nnz=_expected_nnz(codec_delta, phi.numel()),
+        ),
+    ]
     # Our own Delta counts exact under top-k: the wire's Delta keeps a few percent of it, and
     # our own step on that alone would throttle this replica's progress to what it can send
     # (the partner still gets its share; the rest travels later through error feedback).
@@ -198,8 +230,9 @@ def _add_phi_delta(parts: _Parts, name: str, theta: Tensor, phi: Tensor, codec_p
     parts.phi2 += float(phi.double().pow(2).sum())
 
 
-def fill_slices(state: OuterState, peer: dict[str, tuple[Tensor | None, Tensor]],
-                slices: Mapping[str, Tensor]) -> dict[str, tuple[Tensor | None, Tensor]]:
+def fill_slices(
+    state: OuterState, peer: dict[str, tuple[Tensor | None, Tensor]], slices: Mapping[str, Tensor]
+) -> dict[str, tuple[Tensor | None, Tensor]]:
     """A sliced phi made whole: the partner's values on the slice, our own phi off it (so the
     consensus term is 0 there). Tensors without a slice pass through."""
     out = {}
@@ -218,13 +251,22 @@ def unpack(received: Mapping[str, Tensor], payload: str, names: list[str]) -> di
     """Wire tensors -> name -> (None, theta) or (phi, Delta); a missing tensor is left out."""
     if payload == THETA:
         return {n: (None, received[n]) for n in names if n in received}
-    return {n: (received[f"phi/{n}"], received[f"delta/{n}"]) for n in names
-            if f"phi/{n}" in received and f"delta/{n}" in received}
+    return {
+        n: (received[f"phi/{n}"], received[f"delta/{n}"])
+        for n in names
+        if f"phi/{n}" in received and f"delta/{n}" in received
+    }
 
 
-def check_snapshot(state: OuterState, received: Mapping[str, tuple[Tensor | None, Tensor]], *,
-                   max_distance_ratio: float, floor: float = 1e-3, typical_distance: float = 0.0,
-                   distances: dict[str, float] | None = None) -> str | None:
+def check_snapshot(
+    state: OuterState,
+    received: Mapping[str, tuple[Tensor | None, Tensor]],
+    *,
+    max_distance_ratio: float,
+    floor: float = 1e-3,
+    typical_distance: float = 0.0,
+    distances: dict[str, float] | None = None,
+) -> str | None:
     """Why `received` (as from `unpack`) must not be used, or None if it passes.
 
     Finite everywhere, and the partner's fast weights (theta, or phi + Delta) and, when sent,
@@ -260,5 +302,7 @@ def check_snapshot(state: OuterState, received: Mapping[str, tuple[Tensor | None
         distances.update(fast=math.sqrt(theta2), slow=math.sqrt(phi_peer2))
     for what, dist in (("fast", math.sqrt(theta2)), ("slow", math.sqrt(phi_peer2))):
         if dist > bound:
-            return f"distance of the partner's {what} weights to our slow weights {dist:.3g} exceeds the bound {bound:.3g}"
+            return (
+                f"distance of the partner's {what} weights to our slow weights {dist:.3g} exceeds the bound {bound:.3g}"
+            )
     return None

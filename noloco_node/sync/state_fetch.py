@@ -36,9 +36,18 @@ class StateSource(Protocol):
     """Fetches one donor's state of some parameters (rpc/state_service.py over gRPC,
     sync/memory.py in one process)."""
 
-    async def fetch_state(self, peer_id: str, *, stage: int, requester: str, timeout_s: float, expected: Expected,
-                          names: Sequence[str] = (), compact: bool = False,
-                          into: ReceivedState | None = None) -> tuple[dict[str, Tensor], dict]: ...
+    async def fetch_state(
+        self,
+        peer_id: str,
+        *,
+        stage: int,
+        requester: str,
+        timeout_s: float,
+        expected: Expected,
+        names: Sequence[str] = (),
+        compact: bool = False,
+        into: ReceivedState | None = None,
+    ) -> tuple[dict[str, Tensor], dict]: ...
 
 
 class StateUnavailable(NodeError):
@@ -85,20 +94,35 @@ def whole_parameters(received: ReceivedState, expected: Expected, names: Sequenc
         return []
     with_adam = received.counters.get("adam_steps", {})
     grouped = tensors_by_parameter(expected)
-    return [p for p in names
-            if all(t in received.tensors for t in grouped.get(p, ()) if split_name(t)[0] not in ADAM_KINDS or p in with_adam)]
+    return [
+        p
+        for p in names
+        if all(
+            t in received.tensors for t in grouped.get(p, ()) if split_name(t)[0] not in ADAM_KINDS or p in with_adam
+        )
+    ]
 
 
-async def fetch_from_donors(source: StateSource, donors: Sequence[str], *, stage: int, requester: str, timeout_s: float,
-                            expected: Expected, compact: bool = True, max_donors: int = 4,
-                            max_retries: int = 3) -> FetchedState:
+async def fetch_from_donors(
+    source: StateSource,
+    donors: Sequence[str],
+    *,
+    stage: int,
+    requester: str,
+    timeout_s: float,
+    expected: Expected,
+    compact: bool = True,
+    max_donors: int = 4,
+    max_retries: int = 3,
+) -> FetchedState:
     """The whole state in `expected` from `donors` (in order of preference; the first
     `max_donors` start at once, the rest stand by). Raises StateUnavailable when some parameters
     could not be had from anyone."""
     if not donors or not expected:
         raise StateUnavailable("no donor to fetch from" if not donors else "nothing to fetch")
-    transfers = _Transfers(source, stage=stage, requester=requester, timeout_s=timeout_s, expected=expected,
-                           compact=compact)
+    transfers = _Transfers(
+        source, stage=stage, requester=requester, timeout_s=timeout_s, expected=expected, compact=compact
+    )
     sizes = parameter_bytes(expected, compact)
     standby = list(donors)
     first = [standby.pop(0) for _ in range(min(max_donors, len(standby)))]
@@ -115,8 +139,9 @@ class _Transfers:
     """The running state transfers of one `fetch_from_donors`, and the whole parameters they
     delivered, each with the donor that sent it."""
 
-    def __init__(self, source: StateSource, *, stage: int, requester: str, timeout_s: float, expected: Expected,
-                 compact: bool) -> None:
+    def __init__(
+        self, source: StateSource, *, stage: int, requester: str, timeout_s: float, expected: Expected, compact: bool
+    ) -> None:
         self.source, self.stage, self.requester, self.timeout_s = source, stage, requester, timeout_s
         self.expected, self.compact = expected, compact
         self.grouped = tensors_by_parameter(expected)
@@ -130,9 +155,18 @@ class _Transfers:
         """Ask `donor` for the state of the parameters `names`."""
         into = ReceivedState()
         asked = {t: self.expected[t] for p in names for t in self.grouped[p]}
-        task = asyncio.create_task(self.source.fetch_state(donor, stage=self.stage, requester=self.requester,
-                                                           timeout_s=self.timeout_s, expected=asked, names=names,
-                                                           compact=self.compact, into=into))
+        task = asyncio.create_task(
+            self.source.fetch_state(
+                donor,
+                stage=self.stage,
+                requester=self.requester,
+                timeout_s=self.timeout_s,
+                expected=asked,
+                names=names,
+                compact=self.compact,
+                into=into,
+            )
+        )
         self.running[task] = (donor, names, into)
 
     async def run(self, standby: list[str], *, max_retries: int, parameters: int) -> None:
@@ -153,13 +187,19 @@ class _Transfers:
                 names = waiting.pop(0)
                 donor = standby.pop(0)
                 self.result.reasked += len(names)
-                log.info("asking %s for the %d parameters %s did not finish", donor[-8:], len(names),
-                         self.result.failed[-1][-8:])
+                log.info(
+                    "asking %s for the %d parameters %s did not finish",
+                    donor[-8:],
+                    len(names),
+                    self.result.failed[-1][-8:],
+                )
                 self.start(donor, names)
             if waiting and not self.running:
-                raise StateUnavailable(f"{sum(map(len, waiting))} of {parameters} parameters could not be fetched: "
-                                       f"donors {', '.join(d[-8:] for d in self.result.failed)} failed, and no other "
-                                       f"donor is left or the {max_retries} retries are spent")
+                raise StateUnavailable(
+                    f"{sum(map(len, waiting))} of {parameters} parameters could not be fetched: "
+                    f"donors {', '.join(d[-8:] for d in self.result.failed)} failed, and no other "
+                    f"donor is left or the {max_retries} retries are spent"
+                )
 
     def _settle(self, task: asyncio.Task) -> tuple[str, list[str] | None]:
         """Keep the whole parameters an ended transfer delivered; returns its donor and, when it
@@ -178,8 +218,9 @@ class _Transfers:
         if error is None and not missing:
             return donor, None
         reason = error or f"the stream ended without {len(missing)} parameters"
-        log.warning("state transfer from %s failed after %d of %d parameters: %s", donor[-8:], len(whole),
-                    len(names), reason)
+        log.warning(
+            "state transfer from %s failed after %d of %d parameters: %s", donor[-8:], len(whole), len(names), reason
+        )
         self.result.failed.append(donor)
         return donor, missing
 
@@ -192,12 +233,20 @@ class _Transfers:
     def fetched(self) -> FetchedState:
         """The kept tensors, the counters of the donor furthest along, and who sent what."""
         counters_of, owner, result = self.counters_of, self.owner, self.result
-        furthest = max(counters_of, key=lambda d: (int(counters_of[d]["inner_step"]), int(counters_of[d]["outer_round"])))
+        furthest = max(
+            counters_of, key=lambda d: (int(counters_of[d]["inner_step"]), int(counters_of[d]["outer_round"]))
+        )
         result.tensors = self.kept
-        result.counters = {"inner_step": int(counters_of[furthest]["inner_step"]),
-                           "outer_round": int(counters_of[furthest]["outer_round"]), "donor": furthest,
-                           "adam_steps": {p: counters_of[owner[p]]["adam_steps"][p] for p in owner
-                                          if p in counters_of[owner[p]].get("adam_steps", {})}}
+        result.counters = {
+            "inner_step": int(counters_of[furthest]["inner_step"]),
+            "outer_round": int(counters_of[furthest]["outer_round"]),
+            "donor": furthest,
+            "adam_steps": {
+                p: counters_of[owner[p]]["adam_steps"][p]
+                for p in owner
+                if p in counters_of[owner[p]].get("adam_steps", {})
+            },
+        }
         for donor in owner.values():
             result.parameters_from[donor] = result.parameters_from.get(donor, 0) + 1
         return result

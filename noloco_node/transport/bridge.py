@@ -87,8 +87,14 @@ class PathTraffic:
 
 
 class Libp2pBridge:
-    def __init__(self, p2p: P2P, *, traffic: PathTraffic | None = None, connect_timeout_s: float = 10.0,
-                 max_streams_in: int = 256) -> None:
+    def __init__(
+        self,
+        p2p: P2P,
+        *,
+        traffic: PathTraffic | None = None,
+        connect_timeout_s: float = 10.0,
+        max_streams_in: int = 256,
+    ) -> None:
         self.p2p = p2p
         self.traffic = traffic or PathTraffic()
         self.connect_timeout_s = connect_timeout_s
@@ -128,7 +134,9 @@ class Libp2pBridge:
         return self._origins.get((host.strip("[]"), int(port)))
 
     async def _on_stream(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await self._deliver(info.peer_id.to_base58(), path_of(info.addr), ("127.0.0.1", self._grpc_port), reader, writer)
+        await self._deliver(
+            info.peer_id.to_base58(), path_of(info.addr), ("127.0.0.1", self._grpc_port), reader, writer
+        )
 
     async def _on_relayed(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await self._deliver(info.peer_id.to_base58(), "relayed", self._tls_target, reader, writer)
@@ -150,8 +158,14 @@ class Libp2pBridge:
             # Registered before a byte is forwarded, so gRPC cannot see the call before its origin.
             self._origins[local] = (peer_id, path)
             try:
-                await splice(reader, writer, up_reader, up_writer, lambda n: self.traffic.add(path, "in", n),
-                             lambda n: self.traffic.add(path, "out", n))
+                await splice(
+                    reader,
+                    writer,
+                    up_reader,
+                    up_writer,
+                    lambda n: self.traffic.add(path, "in", n),
+                    lambda n: self.traffic.add(path, "out", n),
+                )
             finally:
                 # gRPC may still be finishing calls of this connection: forget its origin a little later.
                 asyncio.get_running_loop().call_later(30.0, self._origins.pop, local, None)
@@ -186,8 +200,9 @@ class Libp2pBridge:
     async def _connect(self, peer: PeerID, addrs: list[str]) -> None:
         if addrs:
             try:  # teach our daemon where the peer is
-                await asyncio.wait_for(self.p2p._client.connect(peer, [DaemonMaddr(a) for a in addrs]),
-                                       self.connect_timeout_s)
+                await asyncio.wait_for(
+                    self.p2p._client.connect(peer, [DaemonMaddr(a) for a in addrs]), self.connect_timeout_s
+                )
             except Exception as exc:  # noqa: BLE001 - the stream open after this reports the real failure
                 log.debug("connect to %s via %s failed: %s", peer.to_base58()[-8:], addrs, exc)
 
@@ -205,8 +220,14 @@ class Libp2pBridge:
             return
         self.streams_out += 1
         path = path_of(info.addr)
-        await splice(reader, writer, remote_reader, remote_writer, lambda n: self.traffic.add(path, "out", n),
-                     lambda n: self.traffic.add(path, "in", n))
+        await splice(
+            reader,
+            writer,
+            remote_reader,
+            remote_writer,
+            lambda n: self.traffic.add(path, "out", n),
+            lambda n: self.traffic.add(path, "in", n),
+        )
 
     async def _open_relayed(self, peer_id: str):
         relays = list(self._relays.get(peer_id, []))
@@ -217,7 +238,8 @@ class Libp2pBridge:
             try:
                 await self._connect(relay, [relay_addr])
                 _, remote_reader, remote_writer = await asyncio.wait_for(
-                    self.p2p.call_binary_stream_handler(relay, RELAY_PROTOCOL), self.connect_timeout_s)
+                    self.p2p.call_binary_stream_handler(relay, RELAY_PROTOCOL), self.connect_timeout_s
+                )
                 try:
                     await ask_relay(remote_reader, remote_writer, peer_id, self.connect_timeout_s)
                 except RelayRefused:
@@ -236,8 +258,14 @@ class Libp2pBridge:
             writer.close()
             return
         self.streams_out += 1
-        await splice(reader, writer, remote_reader, remote_writer, lambda n: self.traffic.add("relayed", "out", n),
-                     lambda n: self.traffic.add("relayed", "in", n))
+        await splice(
+            reader,
+            writer,
+            remote_reader,
+            remote_writer,
+            lambda n: self.traffic.add("relayed", "out", n),
+            lambda n: self.traffic.add("relayed", "in", n),
+        )
 
     async def dial_out(self, peers: dict[str, list[str]], timeout_s: float = 5.0) -> int:
         """Open libp2p connections from us to directly reachable peers (peer id -> their libp2p
@@ -249,8 +277,9 @@ class Libp2pBridge:
             if peer_id in connected or not addrs:
                 continue
             try:
-                await asyncio.wait_for(self.p2p._client.connect(PeerID.from_base58(peer_id),
-                                                                [DaemonMaddr(a) for a in addrs]), timeout_s)
+                await asyncio.wait_for(
+                    self.p2p._client.connect(PeerID.from_base58(peer_id), [DaemonMaddr(a) for a in addrs]), timeout_s
+                )
                 opened += 1
             except Exception as exc:  # noqa: BLE001 - retried on the next heartbeat
                 log.debug("could not dial out to %s: %s", peer_id[-8:], exc)

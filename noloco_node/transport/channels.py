@@ -7,11 +7,14 @@ import grpc
 from noloco_node.transport.credentials import CallSigner
 
 
-def _with_identity(signer: CallSigner, audience: str, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+def _with_identity(
+    signer: CallSigner, audience: str, details: grpc.aio.ClientCallDetails
+) -> grpc.aio.ClientCallDetails:
     method = details.method.decode() if isinstance(details.method, bytes) else details.method
     metadata = list(details.metadata or ()) + signer.metadata(method, audience)
-    return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata, details.credentials,
-                                      details.wait_for_ready)
+    return grpc.aio.ClientCallDetails(
+        details.method, details.timeout, metadata, details.credentials, details.wait_for_ready
+    )
 
 
 class _UnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
@@ -46,9 +49,14 @@ class _StreamStream(grpc.aio.StreamStreamClientInterceptor):
         return await continuation(_with_identity(self.signer, self.audience, details), request_iterator)
 
 
-def open_channel(target: str, signer: CallSigner | None, audience: str = "", *,
-                 credentials: tuple[grpc.ChannelCredentials, list] | None = None,
-                 options: list | None = None) -> grpc.aio.Channel:
+def open_channel(
+    target: str,
+    signer: CallSigner | None,
+    audience: str = "",
+    *,
+    credentials: tuple[grpc.ChannelCredentials, list] | None = None,
+    options: list | None = None,
+) -> grpc.aio.Channel:
     """A channel whose every call is signed for `audience` (the peer id we expect to answer).
     With `credentials` (transport/tls.py: pinned certificate, name override) it is TLS."""
     interceptors = None

@@ -59,8 +59,10 @@ class CallSigner:
         nonce = secrets.token_hex(16)
         message = _message(self.identity.peer_id, audience, method, stamp_ms, nonce)
         signature = base64.urlsafe_b64encode(self.identity.sign(message)).decode()
-        out = [(AUTH_HEADER, f"{self.identity.peer_id}.{stamp_ms}.{nonce}.{signature}"),
-               (KEY_HEADER, self.identity.public_b64)]
+        out = [
+            (AUTH_HEADER, f"{self.identity.peer_id}.{stamp_ms}.{nonce}.{signature}"),
+            (KEY_HEADER, self.identity.public_b64),
+        ]
         if self.swarm_key is not None:
             out.append((MAC_HEADER, _mac(self.swarm_key, message)))
         return out
@@ -70,8 +72,15 @@ class CallVerifier:
     """Checks incoming tokens; remembers nonces for twice the skew window and a bounded number
     of public keys, so neither table grows with what peers send."""
 
-    def __init__(self, audience: str, *, swarm_key: bytes | None, max_skew_s: float, max_keys: int = 4096,
-                 max_nonces: int = 200_000) -> None:
+    def __init__(
+        self,
+        audience: str,
+        *,
+        swarm_key: bytes | None,
+        max_skew_s: float,
+        max_keys: int = 4096,
+        max_nonces: int = 200_000,
+    ) -> None:
         self.audience, self.swarm_key, self.max_skew_s = audience, swarm_key, max_skew_s
         self.max_keys, self.max_nonces = max_keys, max_nonces
         self._keys: OrderedDict[str, rsa.RSAPublicKey] = OrderedDict()
@@ -116,12 +125,16 @@ class CallVerifier:
         now = time.time() if now is None else now
         skew = abs(now - int(stamp) / 1000)
         if skew > self.max_skew_s:
-            raise CallAuthError(f"token time is {skew:.0f} s from ours (limit {self.max_skew_s:g} s): check the clock (NTP)")
+            raise CallAuthError(
+                f"token time is {skew:.0f} s from ours (limit {self.max_skew_s:g} s): check the clock (NTP)"
+            )
         message = _message(peer_id, self.audience, method, int(stamp), nonce)
         if self.swarm_key is not None:
             if not hmac.compare_digest(metadata.get(MAC_HEADER, ""), _mac(self.swarm_key, message)):
-                raise CallAuthError("token does not check out under this swarm's key: a wrong swarm key "
-                                    "(security.swarm_key_file), or a token made for another node, method or time")
+                raise CallAuthError(
+                    "token does not check out under this swarm's key: a wrong swarm key "
+                    "(security.swarm_key_file), or a token made for another node, method or time"
+                )
         key = self._public_key(peer_id, metadata.get(KEY_HEADER))
         try:
             signature = base64.urlsafe_b64decode(signature_b64)

@@ -38,9 +38,15 @@ class Contact:
 
 
 class Dialer:
-    def __init__(self, signer: CallSigner, *, lookup: Callable[[str], Awaitable[Contact | None]],
-                 bridge: Libp2pBridge | None = None, options: list | None = None,
-                 traffic: PathTraffic | None = None) -> None:
+    def __init__(
+        self,
+        signer: CallSigner,
+        *,
+        lookup: Callable[[str], Awaitable[Contact | None]],
+        bridge: Libp2pBridge | None = None,
+        options: list | None = None,
+        traffic: PathTraffic | None = None,
+    ) -> None:
         self.signer, self.lookup, self.bridge = signer, lookup, bridge
         self.options = list(options or [])
         self.traffic = traffic or (bridge.traffic if bridge is not None else PathTraffic())
@@ -67,8 +73,9 @@ class Dialer:
                 credentials = pinned_credentials(pem_from_record(contact.tls_cert))
             except CertificateError as exc:
                 raise PeerUnavailable(f"peer {contact.peer_id[-8:]} publishes no usable certificate: {exc}") from None
-            return open_channel(contact.address, self.signer, contact.peer_id, credentials=credentials,
-                                options=self.options), "direct"
+            return open_channel(
+                contact.address, self.signer, contact.peer_id, credentials=credentials, options=self.options
+            ), "direct"
         if self.bridge is None:
             raise PeerUnavailable(f"peer {contact.peer_id[-8:]} is reached over libp2p, which this client lacks")
         relays = relays_of(contact.p2p_addrs)
@@ -79,8 +86,9 @@ class Dialer:
             except CertificateError as exc:
                 raise PeerUnavailable(f"peer {contact.peer_id[-8:]} publishes no usable certificate: {exc}") from None
             target = await self.bridge.relay_endpoint(contact.peer_id, relays)
-            return open_channel(target, self.signer, contact.peer_id, credentials=credentials,
-                                options=self.options), "relayed"
+            return open_channel(
+                target, self.signer, contact.peer_id, credentials=credentials, options=self.options
+            ), "relayed"
         target = await self.bridge.endpoint(contact.peer_id, contact.p2p_addrs)
         # Keepalive pings stay as configured; the libp2p link below has its own.
         return open_channel(target, self.signer, contact.peer_id, options=self.options), contact.reach

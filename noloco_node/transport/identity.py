@@ -78,8 +78,9 @@ class NodeIdentity:
         self.private_key = private_key
         self.public_key = private_key.public_key()
         self.peer_id = peer_id_of(self.public_key)
-        self.public_der = self.public_key.public_bytes(serialization.Encoding.DER,
-                                                       serialization.PublicFormat.SubjectPublicKeyInfo)
+        self.public_der = self.public_key.public_bytes(
+            serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
         self.public_b64 = base64.b64encode(self.public_der).decode()
         self._tmpdir: tempfile.TemporaryDirectory | None = None
         self._identity_path: str | None = None
@@ -117,8 +118,9 @@ class NodeIdentity:
         return identity
 
     def libp2p_key_bytes(self) -> bytes:
-        der = self.private_key.private_bytes(serialization.Encoding.DER, serialization.PrivateFormat.TraditionalOpenSSL,
-                                             serialization.NoEncryption())
+        der = self.private_key.private_bytes(
+            serialization.Encoding.DER, serialization.PrivateFormat.TraditionalOpenSSL, serialization.NoEncryption()
+        )
         return crypto_pb2.PrivateKey(key_type=crypto_pb2.RSA, data=der).SerializeToString()
 
     def identity_path(self) -> str:
@@ -136,8 +138,15 @@ class NodeIdentity:
     def hivemind_key(self) -> RSAPrivateKey:
         """The same key as hivemind's RSAPrivateKey, for RSASignatureValidator."""
         key = RSAPrivateKey.__new__(RSAPrivateKey)
-        key.__setstate__({"_private_key": self.private_key.private_bytes(
-            serialization.Encoding.DER, serialization.PrivateFormat.TraditionalOpenSSL, serialization.NoEncryption())})
+        key.__setstate__(
+            {
+                "_private_key": self.private_key.private_bytes(
+                    serialization.Encoding.DER,
+                    serialization.PrivateFormat.TraditionalOpenSSL,
+                    serialization.NoEncryption(),
+                )
+            }
+        )
         return key
 
     def sign(self, data: bytes) -> bytes:

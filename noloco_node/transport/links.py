@@ -21,8 +21,15 @@ log = logging.getLogger(__name__)
 
 
 class Links:
-    def __init__(self, identity: NodeIdentity, *, swarm_key: bytes | None, max_skew_s: float,
-                 lookup: Callable[[str], Awaitable[Contact | None]] | None = None, options: list | None = None) -> None:
+    def __init__(
+        self,
+        identity: NodeIdentity,
+        *,
+        swarm_key: bytes | None,
+        max_skew_s: float,
+        lookup: Callable[[str], Awaitable[Contact | None]] | None = None,
+        options: list | None = None,
+    ) -> None:
         self.identity = identity
         self.certificate = NodeCertificate.generate()
         self.signer = CallSigner(identity, swarm_key)
@@ -77,8 +84,10 @@ class Links:
         when any of it crossed a relay; unchanged when nothing moved."""
         if self.reach == "direct":
             return self.reach
-        now = (self.traffic.bytes[("holepunched", "in")] + self.traffic.bytes[("holepunched", "out")],
-               self.traffic.bytes[("relayed", "in")] + self.traffic.bytes[("relayed", "out")])
+        now = (
+            self.traffic.bytes[("holepunched", "in")] + self.traffic.bytes[("holepunched", "out")],
+            self.traffic.bytes[("relayed", "in")] + self.traffic.bytes[("relayed", "out")],
+        )
         punched, relayed = now[0] - self._seen[0], now[1] - self._seen[1]
         self._seen = now
         if relayed > 0:
@@ -109,4 +118,3 @@ class Links:
         if self.bridge is not None:
             await self.bridge.close()
         self.identity.close()
-

@@ -63,7 +63,7 @@ def parse_request(line: bytes) -> str:
     """The target peer id a relay request names; raises RelayRefused on anything malformed."""
     if not line.startswith(_MAGIC):
         raise RelayRefused("not a relay request (expected 'NLR1 <peer id>')")
-    target = line[len(_MAGIC):].decode("ascii", "replace")
+    target = line[len(_MAGIC) :].decode("ascii", "replace")
     try:
         if not target or PeerID.from_base58(target).to_base58() != target:
             raise ValueError(target)
@@ -72,8 +72,9 @@ def parse_request(line: bytes) -> str:
     return target
 
 
-async def ask_relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, target_peer_id: str,
-                    timeout_s: float) -> None:
+async def ask_relay(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, target_peer_id: str, timeout_s: float
+) -> None:
     """The caller's side of the handshake; returns when the relay has opened the circuit."""
     writer.write(encode_request(target_peer_id))
     await writer.drain()
@@ -85,8 +86,14 @@ async def ask_relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, 
 class RelayService:
     """The public side: accepts `/noloco/relay/1` streams and splices each to its target."""
 
-    def __init__(self, p2p: P2P, *, connect_timeout_s: float = 10.0, max_per_source: int = MAX_PER_SOURCE,
-                 max_circuits: int = MAX_CIRCUITS) -> None:
+    def __init__(
+        self,
+        p2p: P2P,
+        *,
+        connect_timeout_s: float = 10.0,
+        max_per_source: int = MAX_PER_SOURCE,
+        max_circuits: int = MAX_CIRCUITS,
+    ) -> None:
         self.p2p, self.connect_timeout_s = p2p, connect_timeout_s
         self.max_per_source, self.max_circuits = max_per_source, max_circuits
         self.active: Counter[str] = Counter()  # caller peer id -> open circuits
@@ -104,8 +111,12 @@ class RelayService:
             log.debug("relay handler not removed: %r", exc)
 
     def stats(self) -> dict:
-        return {"circuits_open": sum(self.active.values()), "circuits_total": self.circuits,
-                "bytes_relayed": self.bytes_relayed, "refused": dict(self.refused)}
+        return {
+            "circuits_open": sum(self.active.values()),
+            "circuits_total": self.circuits,
+            "bytes_relayed": self.bytes_relayed,
+            "refused": dict(self.refused),
+        }
 
     async def _refuse(self, writer: asyncio.StreamWriter, kind: str, why: str) -> None:
         self.refused[kind] += 1
@@ -123,8 +134,11 @@ class RelayService:
         except RelayRefused as exc:
             return await self._refuse(writer, "malformed", str(exc))
         if self.active[source] >= self.max_per_source or sum(self.active.values()) >= self.max_circuits:
-            return await self._refuse(writer, "busy", f"relay busy ({self.active[source]} circuits of yours, "
-                                                      f"{sum(self.active.values())} in all)")
+            return await self._refuse(
+                writer,
+                "busy",
+                f"relay busy ({self.active[source]} circuits of yours, {sum(self.active.values())} in all)",
+            )
         if target == source or target == self.p2p.peer_id.to_base58():
             return await self._refuse(writer, "malformed", "a relay circuit must name another peer")
         connected = {p.peer_id.to_base58() for p in await self.p2p.list_peers()}
@@ -135,16 +149,19 @@ class RelayService:
             try:
                 _, down_reader, down_writer = await asyncio.wait_for(
                     self.p2p.call_binary_stream_handler(PeerID.from_base58(target), RELAYED_PROTOCOL),
-                    self.connect_timeout_s)
+                    self.connect_timeout_s,
+                )
             except Exception as exc:  # noqa: BLE001 - the caller gets the reason
-                return await self._refuse(writer, "target_failed", f"could not open a stream to {target[-8:]}: "
-                                                                   f"{type(exc).__name__}")
+                return await self._refuse(
+                    writer, "target_failed", f"could not open a stream to {target[-8:]}: {type(exc).__name__}"
+                )
             self.circuits += 1
             writer.write(b"OK\n")
             await writer.drain()
 
             def count(n: int) -> None:
                 self.bytes_relayed += n
+
             await splice(reader, writer, down_reader, down_writer, count, count)
         except (ConnectionError, OSError) as exc:
             log.debug("relay circuit %s -> %s ended: %s", source[-8:], target[-8:], exc)

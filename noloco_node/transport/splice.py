@@ -24,8 +24,10 @@ async def splice(a_reader, a_writer, b_reader, b_writer, count_ab, count_ba) -> 
     """Copy both ways; when either side ends, close both. HTTP/2 never half-closes its socket, so
     an end is always the link going away (a relay resetting its circuit, say): passing it on as a
     clean half-close would let gRPC read a cut stream as one the sender ended early, and strike it."""
-    pumps = [asyncio.ensure_future(_pump(a_reader, b_writer, count_ab)),
-             asyncio.ensure_future(_pump(b_reader, a_writer, count_ba))]
+    pumps = [
+        asyncio.ensure_future(_pump(a_reader, b_writer, count_ab)),
+        asyncio.ensure_future(_pump(b_reader, a_writer, count_ba)),
+    ]
     try:
         await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
     finally:

@@ -39,17 +39,26 @@ class NodeCertificate:
         key = ec.generate_private_key(ec.SECP256R1())
         subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, TLS_NAME)])
         now = datetime.datetime.now(datetime.timezone.utc)
-        builder = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
-                   .serial_number(x509.random_serial_number())
-                   .not_valid_before(now - datetime.timedelta(days=1))  # tolerate peers whose clock is behind
-                   .not_valid_after(now + datetime.timedelta(days=days))
-                   .add_extension(x509.SubjectAlternativeName([x509.DNSName(TLS_NAME)]), critical=False)
-                   .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True))
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(subject)
+            .issuer_name(subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(days=1))  # tolerate peers whose clock is behind
+            .not_valid_after(now + datetime.timedelta(days=days))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName(TLS_NAME)]), critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        )
         cert = builder.sign(key, hashes.SHA256())
-        key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                    serialization.NoEncryption())
-        return cls(key_pem=key_pem, cert_pem=cert.public_bytes(serialization.Encoding.PEM),
-                   cert_der=cert.public_bytes(serialization.Encoding.DER))
+        key_pem = key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+        return cls(
+            key_pem=key_pem,
+            cert_pem=cert.public_bytes(serialization.Encoding.PEM),
+            cert_der=cert.public_bytes(serialization.Encoding.DER),
+        )
 
     @property
     def b64(self) -> str:

@@ -38,8 +38,9 @@ def aio_secure_channel(info: dict, options=()) -> grpc.aio.Channel:
     return grpc.aio.secure_channel(info["address"], creds, options=opts)
 
 
-def signed(identity: NodeIdentity, method: str, info: dict | str, key: bytes | None = None,
-           now: float | None = None) -> list[tuple[str, str]]:
+def signed(
+    identity: NodeIdentity, method: str, info: dict | str, key: bytes | None = None, now: float | None = None
+) -> list[tuple[str, str]]:
     """Metadata of ONE call to `method` on the node `info` (or the peer id given), signed by
     `identity` (and MACed with the swarm `key`, if any). Tokens are one-time: make one per call."""
     audience = info if isinstance(info, str) else info["peer_id"]

@@ -8,14 +8,16 @@ import pytest
 
 from noloco_node.experiments.launcher import LocalSwarm
 
-WORDS = ("the a one two red blue green cat dog bird runs sits sees eats big small old new and then".split())
+WORDS = "the a one two red blue green cat dog bird runs sits sees eats big small old new and then".split()
 
 
 def write_corpus(path: Path, num_docs: int = 400, seed: int = 0) -> Path:
     rng = random.Random(seed)
     docs = []
     for _ in range(num_docs):
-        sentences = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 9))) + "." for _ in range(rng.randint(3, 8))]
+        sentences = [
+            " ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 9))) + "." for _ in range(rng.randint(3, 8))
+        ]
         docs.append(" ".join(sentences))
     path.write_text("\n\n".join(docs))
     return path
@@ -24,11 +26,25 @@ def write_corpus(path: Path, num_docs: int = 400, seed: int = 0) -> Path:
 def tiny_overrides(tmp_path: Path, **extra) -> list[str]:
     corpus = write_corpus(tmp_path / "corpus.txt")
     values = {
-        "data.path": str(corpus), "data.cache_dir": str(tmp_path / "cache"), "data.vocab_size": 300,
-        "data.holdout_fraction": 0.0, "model.hidden_size": 32, "model.intermediate_size": 64, "model.num_layers": 6,
-        "model.num_heads": 4, "model.seq_len": 16, "pipeline.batch_size": 4, "pipeline.microbatch_size": 2,
-        "inner.lr": 1e-2, "inner.warmup_steps": 2, "inner.total_steps": 50, "timeouts.heartbeat_s": 1.0,
-        "timeouts.record_ttl_s": 4.0, "timeouts.startup_s": 30.0, "timeouts.rpc_s": 10.0, "timeouts.microbatch_s": 5.0,
+        "data.path": str(corpus),
+        "data.cache_dir": str(tmp_path / "cache"),
+        "data.vocab_size": 300,
+        "data.holdout_fraction": 0.0,
+        "model.hidden_size": 32,
+        "model.intermediate_size": 64,
+        "model.num_layers": 6,
+        "model.num_heads": 4,
+        "model.seq_len": 16,
+        "pipeline.batch_size": 4,
+        "pipeline.microbatch_size": 2,
+        "inner.lr": 1e-2,
+        "inner.warmup_steps": 2,
+        "inner.total_steps": 50,
+        "timeouts.heartbeat_s": 1.0,
+        "timeouts.record_ttl_s": 4.0,
+        "timeouts.startup_s": 30.0,
+        "timeouts.rpc_s": 10.0,
+        "timeouts.microbatch_s": 5.0,
         "outer.method": "none",
     }
     values.update(extra)
@@ -43,7 +59,11 @@ def prepare_tokenizer(overrides: list[str]):
 
     config = load_config(overrides=overrides)
     corpus = resolve_corpus(config.data.path, cache_dir=config.data.cache_path)
-    return config, corpus, load_tokenizer(None, corpus, vocab_size=config.data.vocab_size, cache_dir=config.data.cache_path)
+    return (
+        config,
+        corpus,
+        load_tokenizer(None, corpus, vocab_size=config.data.vocab_size, cache_dir=config.data.cache_path),
+    )
 
 
 @pytest.fixture

@@ -28,10 +28,19 @@ from noloco_node.wire.v1 import diag_pb2, outer_pb2, stage_pb2, tensor_pb2
 from .clients import IdentityPool, secure_channel, signed
 
 FORWARD, BACKWARD = "/noloco.wire.v1.Stage/Forward", "/noloco.wire.v1.Stage/Backward"
-EXCHANGE, FETCH, PROBE = "/noloco.wire.v1.Outer/Exchange", "/noloco.wire.v1.Outer/FetchState", "/noloco.wire.v1.Diagnostics/Probe"
+EXCHANGE, FETCH, PROBE = (
+    "/noloco.wire.v1.Outer/Exchange",
+    "/noloco.wire.v1.Outer/FetchState",
+    "/noloco.wire.v1.Diagnostics/Probe",
+)
 EXPECTED = {"INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "UNAUTHENTICATED", "FAILED_PRECONDITION"}
-KINDS = {FORWARD: "stream_unary", BACKWARD: "stream_unary", EXCHANGE: "stream_stream", FETCH: "unary_stream",
-         PROBE: "unary_unary"}
+KINDS = {
+    FORWARD: "stream_unary",
+    BACKWARD: "stream_unary",
+    EXCHANGE: "stream_stream",
+    FETCH: "unary_stream",
+    PROBE: "unary_unary",
+}
 
 
 TOKEN_CASES = ["missing", "wrong key", "stale", "other method", "other server", "replayed", "garbage"]
@@ -43,8 +52,18 @@ class Fuzzer:
     Probe is allowed, and there is no key to get wrong). `other_server`: a peer id that is not the
     target's, for tokens made for another server and for claims naming another peer."""
 
-    def __init__(self, *, info: dict, key: bytes | None, identities: IdentityPool, other_server: str, stage: int,
-                 hidden: int, seq: int, seed: int = 0) -> None:
+    def __init__(
+        self,
+        *,
+        info: dict,
+        key: bytes | None,
+        identities: IdentityPool,
+        other_server: str,
+        stage: int,
+        hidden: int,
+        seq: int,
+        seed: int = 0,
+    ) -> None:
         self.info, self.key, self.identities, self.other_server = info, key, identities, other_server
         self.stage, self.hidden, self.seq = stage, hidden, seq
         self.run_identity = tensor_pb2.RunIdentity(run_id=info["run_id"], manifest_hash=info["manifest_hash"])
@@ -58,14 +77,19 @@ class Fuzzer:
     def _tensor(self, batch: int = 1) -> torch.Tensor:
         return torch.randn(batch, self.seq, self.hidden) * 0.1
 
-    def _forward(self, me: str, tensor=None, *, run=None, labels=None, target=None) -> tuple[stage_pb2.ForwardHeader, list]:
+    def _forward(
+        self, me: str, tensor=None, *, run=None, labels=None, target=None
+    ) -> tuple[stage_pb2.ForwardHeader, list]:
         tensor = self._tensor() if tensor is None else tensor
         header, payload = encode_tensor(tensor, self.rng.choice(["none", "bf16"]))
         fwd = stage_pb2.ForwardHeader(
-            run=run or self.run_identity, microbatch=stage_pb2.MicrobatchId(origin_peer="fuzz", sequence=self.rng.randrange(1 << 40)),
-            route=[stage_pb2.Hop(peer_id=me, address="127.0.0.1:9", stage=self.stage - 1)], activations=header,
+            run=run or self.run_identity,
+            microbatch=stage_pb2.MicrobatchId(origin_peer="fuzz", sequence=self.rng.randrange(1 << 40)),
+            route=[stage_pb2.Hop(peer_id=me, address="127.0.0.1:9", stage=self.stage - 1)],
+            activations=header,
             labels=labels if labels is not None else [1] * (tensor.shape[0] * tensor.shape[1]),
-            target_stage=self.stage if target is None else target)
+            target_stage=self.stage if target is None else target,
+        )
         return fwd, list(iter_chunks(payload, chunk_bytes=self.rng.choice([256, 1024, 4096])))
 
     def _mutate_bytes(self, data: bytes) -> bytes:
@@ -78,7 +102,7 @@ class Fuzzer:
             if op < 0.5:
                 data[i] = self.rng.randrange(256)
             elif op < 0.75:
-                del data[i:i + self.rng.randint(1, 16)]
+                del data[i : i + self.rng.randint(1, 16)]
             else:
                 data[i:i] = os.urandom(self.rng.randint(1, 16))
         return bytes(data)
@@ -106,11 +130,33 @@ class Fuzzer:
 
     def case_forward(self, me: str):
         fwd, chunks = self._forward(me)
-        mutation = self.rng.choice(["huge shape", "negative shape", "many dims", "huge declared size", "bad dtype",
-                                    "bad codec", "truncated", "reordered", "duplicate chunk", "bad chunk index", "nan",
-                                    "inf", "labels out of vocab", "labels count", "wrong stage", "wrong run",
-                                    "no header", "two headers", "flipped header bytes", "extra bytes", "huge batch",
-                                    "oversize header", "route names another peer"])
+        mutation = self.rng.choice(
+            [
+                "huge shape",
+                "negative shape",
+                "many dims",
+                "huge declared size",
+                "bad dtype",
+                "bad codec",
+                "truncated",
+                "reordered",
+                "duplicate chunk",
+                "bad chunk index",
+                "nan",
+                "inf",
+                "labels out of vocab",
+                "labels count",
+                "wrong stage",
+                "wrong run",
+                "no header",
+                "two headers",
+                "flipped header bytes",
+                "extra bytes",
+                "huge batch",
+                "oversize header",
+                "route names another peer",
+            ]
+        )
         a = fwd.activations
         if mutation == "huge shape":
             a.shape[:] = [1, 1 << 40, self.hidden]
@@ -125,7 +171,9 @@ class Fuzzer:
         elif mutation == "bad codec":
             a.codec = self.rng.choice([0, 3, 77])
         elif mutation == "truncated" and chunks:
-            chunks[-1] = tensor_pb2.TensorChunk(index=chunks[-1].index, data=chunks[-1].data[: len(chunks[-1].data) // 2])
+            chunks[-1] = tensor_pb2.TensorChunk(
+                index=chunks[-1].index, data=chunks[-1].data[: len(chunks[-1].data) // 2]
+            )
         elif mutation == "reordered" and len(chunks) > 1:
             chunks[0], chunks[1] = chunks[1], chunks[0]
         elif mutation == "duplicate chunk":
@@ -137,15 +185,15 @@ class Fuzzer:
             values[0, 0, 0] = math.nan if mutation == "nan" else math.inf
             fwd, chunks = self._forward(me, values)
         elif mutation == "labels out of vocab":
-            fwd.labels[:] = [10 ** 9] * len(fwd.labels)
+            fwd.labels[:] = [10**9] * len(fwd.labels)
         elif mutation == "labels count":
-            fwd.labels[:] = [1] * self.rng.choice([0, 1, 10 ** 5])
+            fwd.labels[:] = [1] * self.rng.choice([0, 1, 10**5])
         elif mutation == "wrong stage":
             fwd.target_stage = self.stage + 5
         elif mutation == "wrong run":
             fwd.run.CopyFrom(tensor_pb2.RunIdentity(run_id="other", manifest_hash="0" * 16))
         elif mutation == "oversize header":
-            fwd.labels[:] = [10 ** 12] * 300_000  # ~2 MB of header: over the node's 1 MiB header limit
+            fwd.labels[:] = [10**12] * 300_000  # ~2 MB of header: over the node's 1 MiB header limit
         elif mutation == "huge batch":
             fwd.activations.shape[0] = 1 << 20
         elif mutation == "route names another peer":  # the caller claims to forward for someone else
@@ -164,10 +212,17 @@ class Fuzzer:
 
     def case_backward(self, me: str):
         header, payload = encode_tensor(self._tensor(), "none")
-        back = stage_pb2.BackwardHeader(run=self.run_identity, microbatch=stage_pb2.MicrobatchId(origin_peer="fuzz", sequence=self.rng.randrange(99)),
-                                        grad=header, loss=self.rng.choice([1.0, math.nan, math.inf, -1e300]),
-                                        num_tokens=self.rng.choice([0, 16, 1 << 60]), target_stage=self.stage)
-        mutation = self.rng.choice(["unknown microbatch", "huge declared size", "wrong run", "flipped bytes", "no payload"])
+        back = stage_pb2.BackwardHeader(
+            run=self.run_identity,
+            microbatch=stage_pb2.MicrobatchId(origin_peer="fuzz", sequence=self.rng.randrange(99)),
+            grad=header,
+            loss=self.rng.choice([1.0, math.nan, math.inf, -1e300]),
+            num_tokens=self.rng.choice([0, 16, 1 << 60]),
+            target_stage=self.stage,
+        )
+        mutation = self.rng.choice(
+            ["unknown microbatch", "huge declared size", "wrong run", "flipped bytes", "no payload"]
+        )
         if mutation == "huge declared size":
             back.grad.payload_bytes = 1 << 50
         elif mutation == "wrong run":
@@ -180,11 +235,26 @@ class Fuzzer:
         return f"backward: {mutation}", BACKWARD, messages
 
     def case_exchange(self, me: str):
-        request = outer_pb2.PairRequest(run=self.run_identity, stage=self.stage, round=self.rng.randrange(1 << 20),
-                                        inner_step=self.rng.randrange(1 << 20), peer_id=me,
-                                        nonce=os.urandom(8), codec=self.rng.choice([0, 1, 2, 3, 9]))
-        mutation = self.rng.choice(["wrong run", "wrong stage", "no request first", "flipped bytes", "garbage after",
-                                    "huge manifest", "claims another peer"])
+        request = outer_pb2.PairRequest(
+            run=self.run_identity,
+            stage=self.stage,
+            round=self.rng.randrange(1 << 20),
+            inner_step=self.rng.randrange(1 << 20),
+            peer_id=me,
+            nonce=os.urandom(8),
+            codec=self.rng.choice([0, 1, 2, 3, 9]),
+        )
+        mutation = self.rng.choice(
+            [
+                "wrong run",
+                "wrong stage",
+                "no request first",
+                "flipped bytes",
+                "garbage after",
+                "huge manifest",
+                "claims another peer",
+            ]
+        )
         if mutation == "claims another peer":
             request.peer_id = self.other_server
         elif mutation == "wrong run":
@@ -199,8 +269,11 @@ class Fuzzer:
         elif mutation == "garbage after":
             messages += [os.urandom(64) for _ in range(3)]
         elif mutation == "huge manifest":
-            messages.append(outer_pb2.ExchangeMessage(manifest=outer_pb2.SnapshotManifest(
-                num_tensors=1 << 30, payload_bytes=1 << 62)).SerializeToString())
+            messages.append(
+                outer_pb2.ExchangeMessage(
+                    manifest=outer_pb2.SnapshotManifest(num_tensors=1 << 30, payload_bytes=1 << 62)
+                ).SerializeToString()
+            )
         return f"exchange: {mutation}", EXCHANGE, messages
 
     def case_fetch_state(self, me: str):
@@ -219,10 +292,13 @@ class Fuzzer:
 
     def case_probe(self, me: str):
         # Only addresses that are not host:port, or loopback ones: the node dials what it is given.
-        address = self.rng.choice(["", "nonsense", "127.0.0.1:0", "127.0.0.1:99999", ":80", "x" * 1000,
-                                   "127.0.0.1:-1", "[::1]", "127.0.0.1"])
+        address = self.rng.choice(
+            ["", "nonsense", "127.0.0.1:0", "127.0.0.1:99999", ":80", "x" * 1000, "127.0.0.1:-1", "[::1]", "127.0.0.1"]
+        )
         mutation = self.rng.choice(["bad address", "wrong run"])
-        request = diag_pb2.ProbeRequest(run_id=self.run_identity.run_id if mutation == "bad address" else "other", address=address)
+        request = diag_pb2.ProbeRequest(
+            run_id=self.run_identity.run_id if mutation == "bad address" else "other", address=address
+        )
         return f"probe: {mutation}", PROBE, request.SerializeToString()
 
     def case_bad_token(self, me: str):
@@ -274,9 +350,18 @@ class Fuzzer:
             return exc.code()
 
     def next_case(self, me: str):
-        return self.rng.choices([self.case_random_bytes, self.case_forward, self.case_backward, self.case_exchange,
-                                 self.case_fetch_state, self.case_probe, self.case_bad_token],
-                                weights=[3, 6, 2, 2, 1, 1, 2])[0](me)
+        return self.rng.choices(
+            [
+                self.case_random_bytes,
+                self.case_forward,
+                self.case_backward,
+                self.case_exchange,
+                self.case_fetch_state,
+                self.case_probe,
+                self.case_bad_token,
+            ],
+            weights=[3, 6, 2, 2, 1, 1, 2],
+        )[0](me)
 
     def run(self, count: int, *, concurrency: int = 8) -> None:
         """Send `count` cases, signed in turn by the pool's identities. Real identities are costly

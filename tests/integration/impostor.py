@@ -20,16 +20,29 @@ from noloco_node.transport.tls import NodeCertificate
 
 
 async def main(args: argparse.Namespace) -> None:
-    directory = await PeerDirectory.start(DirectoryIdentity(args.run_id, args.manifest_hash, __version__, args.num_stages),
-                                          initial_peers=[args.initial_peers], startup_timeout_s=20)
+    directory = await PeerDirectory.start(
+        DirectoryIdentity(args.run_id, args.manifest_hash, __version__, args.num_stages),
+        initial_peers=[args.initial_peers],
+        startup_timeout_s=20,
+    )
     certificate = NodeCertificate.generate()
     deadline = time.monotonic() + args.seconds
     try:
         while time.monotonic() < deadline:
-            record = StageRecord(peer_id=args.victim, address="127.0.0.1:9", stage=args.stage, inner_step=0,
-                                 outer_round=0, status="serving", tokens_per_s=1e9, version=__version__,
-                                 manifest_hash=args.manifest_hash, run_id=args.run_id, updated_at=time.time(),
-                                 tls_cert=certificate.b64)
+            record = StageRecord(
+                peer_id=args.victim,
+                address="127.0.0.1:9",
+                stage=args.stage,
+                inner_step=0,
+                outer_round=0,
+                status="serving",
+                tokens_per_s=1e9,
+                version=__version__,
+                manifest_hash=args.manifest_hash,
+                run_id=args.run_id,
+                updated_at=time.time(),
+                tls_cert=certificate.b64,
+            )
             stored = await directory.announce(record, ttl_s=5.0)
             if args.ready_file and stored:
                 Path(args.ready_file).write_text("ready")

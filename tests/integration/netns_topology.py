@@ -61,8 +61,26 @@ def unavailable_reason() -> str | None:
         _sh(["ip", "link", "add", "br0", "type", "bridge"], ns=probe)
         _sh(["ip", "link", "add", "va", "type", "veth", "peer", "name", "vb"], ns=probe)
         _sh(["iptables", "-t", "nat", "-A", "POSTROUTING", "-o", "va", "-j", "MASQUERADE"], ns=probe)
-        _sh(["iptables", "-t", "nat", "-A", "PREROUTING", "-i", "va", "-p", "tcp", "--dport", "9", "-j", "DNAT",
-             "--to-destination", "198.19.0.2:9"], ns=probe)
+        _sh(
+            [
+                "iptables",
+                "-t",
+                "nat",
+                "-A",
+                "PREROUTING",
+                "-i",
+                "va",
+                "-p",
+                "tcp",
+                "--dport",
+                "9",
+                "-j",
+                "DNAT",
+                "--to-destination",
+                "198.19.0.2:9",
+            ],
+            ns=probe,
+        )
         _sh(["iptables", "-A", "FORWARD", *_REPLIES_ONLY], ns=probe)
     except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
         return f"kernel/tools refuse part of the NAT topology: {exc}"
@@ -139,10 +157,46 @@ class NatTopology:
         """What a volunteer does on their router: new connections to the WAN address's TCP `port`
         go to the same port of home `home` (1 or 2). Deleting the router's namespace removes it."""
         router, lan_ip = self.routers[home - 1], HOME_IPS[home - 1]
-        _sh(["iptables", "-t", "nat", "-A", "PREROUTING", "-i", "wan", "-p", "tcp", "--dport", str(port),
-             "-j", "DNAT", "--to-destination", f"{lan_ip}:{port}"], ns=router)
-        _sh(["iptables", "-A", "FORWARD", "-i", "wan", "-o", "lan", "-p", "tcp", "-d", lan_ip, "--dport", str(port),
-             "-j", "ACCEPT"], ns=router)
+        _sh(
+            [
+                "iptables",
+                "-t",
+                "nat",
+                "-A",
+                "PREROUTING",
+                "-i",
+                "wan",
+                "-p",
+                "tcp",
+                "--dport",
+                str(port),
+                "-j",
+                "DNAT",
+                "--to-destination",
+                f"{lan_ip}:{port}",
+            ],
+            ns=router,
+        )
+        _sh(
+            [
+                "iptables",
+                "-A",
+                "FORWARD",
+                "-i",
+                "wan",
+                "-o",
+                "lan",
+                "-p",
+                "tcp",
+                "-d",
+                lan_ip,
+                "--dport",
+                str(port),
+                "-j",
+                "ACCEPT",
+            ],
+            ns=router,
+        )
 
     def run(self, ns: str, argv: Sequence[str], **popen_kwargs: Any) -> subprocess.Popen[Any]:
         """Start argv inside namespace ns in its own process group, so close() can kill the whole

@@ -38,7 +38,9 @@ def call_code(channel: grpc.Channel, method: str, kind: str, message, metadata=N
     """The status the server answered. The sync client, because grpc.aio's reports INTERNAL
     ("Internal error from Core") when the server ends a streaming call before the client
     finished writing (grpc/grpc#36066), which is what a refusing interceptor does."""
-    stub = getattr(channel, kind)(method, request_serializer=lambda m: m.SerializeToString(), response_deserializer=None)
+    stub = getattr(channel, kind)(
+        method, request_serializer=lambda m: m.SerializeToString(), response_deserializer=None
+    )
     try:
         if kind == "stream_unary":
             stub(iter([message]), timeout=10, metadata=metadata)
@@ -54,20 +56,30 @@ def call_code(channel: grpc.Channel, method: str, kind: str, message, metadata=N
 
 def test_swarm_key_admits_members_and_refuses_everyone_else(tmp_path, make_swarm):
     key = tmp_path / "swarm.key"
-    made = subprocess.run([sys.executable, "-m", "noloco_node", "keygen", "--out", str(key)], capture_output=True,
-                          text=True, timeout=60)
+    made = subprocess.run(
+        [sys.executable, "-m", "noloco_node", "keygen", "--out", str(key)], capture_output=True, text=True, timeout=60
+    )
     assert made.returncode == 0 and key.stat().st_mode & 0o077 == 0, made.stderr
-    again = subprocess.run([sys.executable, "-m", "noloco_node", "keygen", "--out", str(key)], capture_output=True,
-                           text=True, timeout=60)
+    again = subprocess.run(
+        [sys.executable, "-m", "noloco_node", "keygen", "--out", str(key)], capture_output=True, text=True, timeout=60
+    )
     assert again.returncode != 0 and "exists" in again.stderr
 
     steps = 6
     # Balanced routing: both stage-1 replicas get the same share and reach each outer round
     # together, so that they pair is down to the swarm key alone (capacity routing under load
     # could let one run a round ahead of the other in a run this short).
-    overrides = tiny_overrides(tmp_path, **{"outer.method": "noloco", "outer.inner_steps_per_outer": 2,
-                                            "inner.total_steps": steps, "security.swarm_key_file": str(key),
-                                            "run.run_id": "keyed", "pipeline.routing": "balanced"})
+    overrides = tiny_overrides(
+        tmp_path,
+        **{
+            "outer.method": "noloco",
+            "outer.inner_steps_per_outer": 2,
+            "inner.total_steps": steps,
+            "security.swarm_key_file": str(key),
+            "run.run_id": "keyed",
+            "pipeline.routing": "balanced",
+        },
+    )
     prepare_tokenizer(overrides)
     swarm = make_swarm(overrides)
     servers = [swarm.start_node(1, r) for r in range(2)]
@@ -77,10 +89,16 @@ def test_swarm_key_admits_members_and_refuses_everyone_else(tmp_path, make_swarm
     assert driver.proc.returncode == 0
 
     sets = [a for o in overrides for a in ("--set", o)]
-    listing = subprocess.run([sys.executable, "-m", "noloco_node", "status", "--initial-peers", swarm.maddr, "--json",
-                              *sets], capture_output=True, text=True, timeout=120)
+    listing = subprocess.run(
+        [sys.executable, "-m", "noloco_node", "status", "--initial-peers", swarm.maddr, "--json", *sets],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert listing.returncode == 0, listing.stderr[-2000:]
-    assert {r["peer_id"] for r in json.loads(listing.stdout)["replicas"] if r["stage"] == 1} == {n.info["peer_id"] for n in servers}
+    assert {r["peer_id"] for r in json.loads(listing.stdout)["replicas"] if r["stage"] == 1} == {
+        n.info["peer_id"] for n in servers
+    }
 
     info = servers[0].info
     address = info["address"]
@@ -90,8 +108,9 @@ def test_swarm_key_admits_members_and_refuses_everyone_else(tmp_path, make_swarm
     with secure_channel(info) as channel:
         for method, (kind, message) in CALLS.items():
             codes[method] = call_code(channel, method, kind, message)
-            wrong[method] = call_code(channel, method, kind, message,
-                                      metadata=signed(intruder, method, info, key=b"w" * 32))
+            wrong[method] = call_code(
+                channel, method, kind, message, metadata=signed(intruder, method, info, key=b"w" * 32)
+            )
         health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
     unauth = grpc.StatusCode.UNAUTHENTICATED
     assert codes == {m: unauth for m in CALLS}, codes
@@ -105,26 +124,55 @@ def test_swarm_key_admits_members_and_refuses_everyone_else(tmp_path, make_swarm
         except BootstrapError:
             return "refused at bootstrap"
         try:
-            record = StageRecord(peer_id=outsider.peer_id, address="127.0.0.1:1", stage=1, inner_step=0, outer_round=0,
-                                 status="serving", tokens_per_s=0.0, version=__version__,
-                                 manifest_hash=identity.manifest_hash, run_id="keyed", updated_at=0.0)
+            record = StageRecord(
+                peer_id=outsider.peer_id,
+                address="127.0.0.1:1",
+                stage=1,
+                inner_step=0,
+                outer_round=0,
+                status="serving",
+                tokens_per_s=0.0,
+                version=__version__,
+                manifest_hash=identity.manifest_hash,
+                run_id="keyed",
+                updated_at=0.0,
+            )
             stored = await outsider.announce(record, ttl_s=60)
             return f"stored={stored}"
         finally:
             await outsider.node.shutdown()
 
     outcome = asyncio.run(keyless_dht())
-    after = subprocess.run([sys.executable, "-m", "noloco_node", "status", "--initial-peers", swarm.maddr, "--json",
-                            *sets], capture_output=True, text=True, timeout=120)
+    after = subprocess.run(
+        [sys.executable, "-m", "noloco_node", "status", "--initial-peers", swarm.maddr, "--json", *sets],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert after.returncode == 0, after.stderr[-2000:]
     members = {r["peer_id"] for r in json.loads(after.stdout)["replicas"] if r["stage"] == 1}
     assert members == {n.info["peer_id"] for n in servers}, f"keyless peer ({outcome}) got a record in: {members}"
     assert outcome == "refused at bootstrap" or outcome == "stored=False", outcome
 
-    keyless = subprocess.run([sys.executable, "-m", "noloco_node", "status", "--initial-peers", swarm.maddr, "--json",
-                              *[a for o in overrides if not o.startswith("security.") for a in ("--set", o)]],
-                             capture_output=True, text=True, timeout=120)
-    assert keyless.returncode == 3 and "could not join the DHT" in keyless.stderr, (keyless.returncode, keyless.stderr[-800:])
+    keyless = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "noloco_node",
+            "status",
+            "--initial-peers",
+            swarm.maddr,
+            "--json",
+            *[a for o in overrides if not o.startswith("security.") for a in ("--set", o)],
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert keyless.returncode == 3 and "could not join the DHT" in keyless.stderr, (
+        keyless.returncode,
+        keyless.stderr[-800:],
+    )
 
     swarm.stop()
     stats = swarm.node_stats()

@@ -16,9 +16,17 @@ STEPS = 160
 
 def run_swarm(tmp_path, make_swarm, routing: str) -> dict:
     (tmp_path / routing).mkdir()
-    overrides = tiny_overrides(tmp_path / routing, **{"pipeline.num_stages": 2, "pipeline.routing": routing,
-                                                      "pipeline.batch_size": 8, "pipeline.microbatch_size": 1,
-                                                      "inner.total_steps": STEPS, "timeouts.microbatch_s": 30.0})
+    overrides = tiny_overrides(
+        tmp_path / routing,
+        **{
+            "pipeline.num_stages": 2,
+            "pipeline.routing": routing,
+            "pipeline.batch_size": 8,
+            "pipeline.microbatch_size": 1,
+            "inner.total_steps": STEPS,
+            "timeouts.microbatch_s": 30.0,
+        },
+    )
     prepare_tokenizer(overrides)
     swarm = make_swarm(overrides, name=f"swarm-{routing}")
     slow = swarm.start_node(1, 0, "--set", "faults.compute_delay_s=0.01")
@@ -38,10 +46,13 @@ def run_swarm(tmp_path, make_swarm, routing: str) -> dict:
     # second or two of a run is uniform); uniform routing's counts every forward.
     routed = drv["routed_by_capacity"] if routing == "capacity" else drv["routed_to"]
     expected = drv["routed_expected"].get(slow.info["peer_id"], 0.0)
-    return {"tok_s": drv["tokens_per_s"], "picks": sum(routed.values()),
-            "slow_share": routed.get(slow.info["peer_id"], 0) / sum(routed.values()),
-            "expected_share": expected / max(1, sum(routed.values())),
-            "capacity": (slow_stats["throughput"]["capacity"], fast_stats["throughput"]["capacity"])}
+    return {
+        "tok_s": drv["tokens_per_s"],
+        "picks": sum(routed.values()),
+        "slow_share": routed.get(slow.info["peer_id"], 0) / sum(routed.values()),
+        "expected_share": expected / max(1, sum(routed.values())),
+        "capacity": (slow_stats["throughput"]["capacity"], fast_stats["throughput"]["capacity"]),
+    }
 
 
 def test_capacity_routing_follows_measured_capacity(tmp_path, make_swarm):

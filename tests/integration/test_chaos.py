@@ -19,16 +19,30 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
 def test_chaos_kill_and_restart_keeps_training_accounted(tmp_path, make_swarm):
     steps, replicas = 60, 3
-    overrides = tiny_overrides(tmp_path, **{"outer.method": "noloco", "outer.inner_steps_per_outer": 4,
-                                            "inner.total_steps": steps, "checkpoint.every_steps": 1,
-                                            "timeouts.match_s": 2.0, "timeouts.microbatch_s": 4.0,
-                                            "timeouts.rpc_s": 4.0, "timeouts.drain_s": 2.0})
+    overrides = tiny_overrides(
+        tmp_path,
+        **{
+            "outer.method": "noloco",
+            "outer.inner_steps_per_outer": 4,
+            "inner.total_steps": steps,
+            "checkpoint.every_steps": 1,
+            "timeouts.match_s": 2.0,
+            "timeouts.microbatch_s": 4.0,
+            "timeouts.rpc_s": 4.0,
+            "timeouts.drain_s": 2.0,
+        },
+    )
     prepare_tokenizer(overrides)
     swarm = make_swarm(overrides)
 
     def node_args(stage, replica):
-        return ("--set", f"checkpoint.dir={tmp_path / 'ckpt' / f'{stage}-{replica}'}",
-                "--events", str(tmp_path / "events" / f"{stage}-{replica}.jsonl"), "--save-weights")
+        return (
+            "--set",
+            f"checkpoint.dir={tmp_path / 'ckpt' / f'{stage}-{replica}'}",
+            "--events",
+            str(tmp_path / "events" / f"{stage}-{replica}.jsonl"),
+            "--save-weights",
+        )
 
     servers = [swarm.start_node(1, r, *node_args(1, r)) for r in range(replicas)]
     swarm.wait_ready(servers)
@@ -51,8 +65,9 @@ def test_chaos_kill_and_restart_keeps_training_accounted(tmp_path, make_swarm):
     # back (resumed at that step) under a new peer id: the last incarnation is the one to check.
     last_drivers = [n for n in swarm.nodes if n.stage == 0]
     final_drivers = [stats[n.info["peer_id"]] for n in last_drivers]
-    assert [s["inner_steps"] for s in final_drivers] == [steps] * replicas, \
-        {p[-6:]: (s["stage"], s["inner_steps"]) for p, s in stats.items()}
+    assert [s["inner_steps"] for s in final_drivers] == [steps] * replicas, {
+        p[-6:]: (s["stage"], s["inner_steps"]) for p, s in stats.items()
+    }
     for s in final_drivers:
         mb = s["microbatches"]
         assert mb["issued"] == mb["completed"] + mb["dropped"], mb
@@ -88,16 +103,32 @@ def test_chaos_kill_and_restart_keeps_training_accounted(tmp_path, make_swarm):
 
 def test_poisoned_snapshots_every_round_never_move_an_honest_replica(tmp_path, make_swarm):
     steps = 12
-    overrides = tiny_overrides(tmp_path, **{"outer.method": "noloco", "outer.inner_steps_per_outer": 2,
-                                            "inner.total_steps": steps, "timeouts.match_s": 3.0})
+    overrides = tiny_overrides(
+        tmp_path,
+        **{
+            "outer.method": "noloco",
+            "outer.inner_steps_per_outer": 2,
+            "inner.total_steps": steps,
+            "timeouts.match_s": 3.0,
+        },
+    )
     prepare_tokenizer(overrides)
     swarm = make_swarm(overrides)
     servers = [swarm.start_node(1, r) for r in range(2)]  # --wait-replicas counts every stage
     swarm.wait_ready(servers)
     # Two stage-0 replicas step once per batch, so their rounds line up and they try to pair every round.
     honest = swarm.start_node(0, 0, "--steps", str(steps), "--wait-replicas", "2", "--save-weights")
-    liar = swarm.start_node(0, 1, "--steps", str(steps), "--wait-replicas", "2", "--save-weights",
-                            "--set", "faults.inject=send_snapshot:poison%0.5,send_snapshot:poison=1000000")
+    liar = swarm.start_node(
+        0,
+        1,
+        "--steps",
+        str(steps),
+        "--wait-replicas",
+        "2",
+        "--save-weights",
+        "--set",
+        "faults.inject=send_snapshot:poison%0.5,send_snapshot:poison=1000000",
+    )
     swarm.wait_ready([honest, liar])
     swarm.wait_exit([honest, liar], timeout_s=240)
     assert honest.proc.returncode == 0 and liar.proc.returncode == 0
@@ -110,7 +141,9 @@ def test_poisoned_snapshots_every_round_never_move_an_honest_replica(tmp_path, m
     assert all(h["outcome"] != "paired" for h in history), history
     assert mine["outer"]["rejected"] >= 1 and mine["outer"]["paired"] == 0
     assert theirs["faults_fired"] and all(f == "send_snapshot:poison" for f in theirs["faults_fired"])
-    weights = load_file(str(next((swarm.out_dir / "nodes").glob(f"stage0-{honest.info['peer_id'][-8:]}.outer.safetensors"))))
+    weights = load_file(
+        str(next((swarm.out_dir / "nodes").glob(f"stage0-{honest.info['peer_id'][-8:]}.outer.safetensors")))
+    )
     for name, tensor in weights.items():
         assert torch.isfinite(tensor).all() and tensor.abs().max() < 100, name
     assert mine["losses"][-1] < mine["losses"][0]

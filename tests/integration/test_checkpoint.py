@@ -17,8 +17,15 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 def test_sigkill_and_restart_resumes_from_checkpoint(tmp_path, make_swarm):
     steps, ckpt = 6, tmp_path / "ckpt"
-    overrides = tiny_overrides(tmp_path, **{"outer.method": "noloco", "outer.inner_steps_per_outer": 3,
-                                            "timeouts.match_s": 1.0, "checkpoint.every_steps": 2})
+    overrides = tiny_overrides(
+        tmp_path,
+        **{
+            "outer.method": "noloco",
+            "outer.inner_steps_per_outer": 3,
+            "timeouts.match_s": 1.0,
+            "checkpoint.every_steps": 2,
+        },
+    )
     prepare_tokenizer(overrides)
     swarm = make_swarm(overrides)
     node = swarm.start_node(1, 0, "--set", f"checkpoint.dir={ckpt}")
@@ -39,8 +46,12 @@ def test_sigkill_and_restart_resumes_from_checkpoint(tmp_path, make_swarm):
     swarm.wait_ready([restarted])
     sets = [a for o in overrides for a in ("--set", o)]
     while True:
-        listing = subprocess.run([sys.executable, "-m", "noloco_node", "status", "--initial-peers", swarm.maddr, "--json",
-                                  *sets], capture_output=True, text=True, timeout=60)
+        listing = subprocess.run(
+            [sys.executable, "-m", "noloco_node", "status", "--initial-peers", swarm.maddr, "--json", *sets],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         peers = {r["peer_id"]: r for r in json.loads(listing.stdout)["replicas"]} if listing.returncode == 0 else {}
         if restarted.info["peer_id"] in peers:
             print(f"back in status {time.monotonic() - restart_time:.1f} s after the restart")
@@ -52,7 +63,9 @@ def test_sigkill_and_restart_resumes_from_checkpoint(tmp_path, make_swarm):
     stats = swarm.node_stats()[restarted.info["peer_id"]]
     assert stats["resumed_from"]["inner_step"] == steps and stats["inner_steps"] == steps
     assert stats["fetched_state"] is None  # resumed, did not fetch
-    weights = load_file(str(next((swarm.out_dir / "nodes").glob(f"stage1-{restarted.info['peer_id'][-8:]}.safetensors"))))
+    weights = load_file(
+        str(next((swarm.out_dir / "nodes").glob(f"stage1-{restarted.info['peer_id'][-8:]}.safetensors")))
+    )
     for name, tensor in weights.items():
         assert torch.equal(tensor, saved[f"theta/{name}"]), name
     # The shutdown checkpoint of the restarted node still holds the same phi, m and Adam state.

@@ -15,11 +15,19 @@ def test_status_json_lists_every_node(tmp_path, make_swarm):
     overrides = tiny_overrides(tmp_path, **{"run.run_id": "status-test"})
     prepare_tokenizer(overrides)
     swarm = make_swarm(overrides)
-    nodes = [swarm.start_node(1, 0), swarm.start_node(1, 1), swarm.start_node(0, 0, "--steps", "0")]  # listed, not training
+    nodes = [
+        swarm.start_node(1, 0),
+        swarm.start_node(1, 1),
+        swarm.start_node(0, 0, "--steps", "0"),
+    ]  # listed, not training
     swarm.wait_ready(nodes)
     sets = [a for o in overrides for a in ("--set", o)]
-    result = subprocess.run([sys.executable, "-m", "noloco_node", "status", "--initial-peers", swarm.maddr, "--json", *sets],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "noloco_node", "status", "--initial-peers", swarm.maddr, "--json", *sets],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     listing = json.loads(result.stdout)
     assert listing["schema"] == "noloco-node/swarm/1" and listing["run"]["run_id"] == "status-test"  # docs/dashboard.md
@@ -29,6 +37,10 @@ def test_status_json_lists_every_node(tmp_path, make_swarm):
     # Every replica publishes its memory: the start-up estimate and the peak it has measured since.
     assert all(r["memory_estimate_bytes"] > 0 and r["memory_peak_bytes"] > 0 for r in listing["replicas"]), listing
 
-    table = subprocess.run([sys.executable, "-m", "noloco_node", "status", "--initial-peers", swarm.maddr, *sets],
-                           capture_output=True, text=True, timeout=120)
+    table = subprocess.run(
+        [sys.executable, "-m", "noloco_node", "status", "--initial-peers", swarm.maddr, *sets],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert table.returncode == 0 and "3 replicas over 2 stages" in table.stdout

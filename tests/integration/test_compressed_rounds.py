@@ -15,11 +15,21 @@ REPLICAS, STEPS, H = 4, 8, 2
 
 
 def test_four_replicas_pair_with_compressed_rounds_in_two_percent_of_fp32(tmp_path, make_swarm):
-    overrides = tiny_overrides(tmp_path, **{"model.hidden_size": 128, "model.intermediate_size": 256,
-                                            "model.num_layers": 2, "pipeline.num_stages": 1, "outer.method": "noloco",
-                                            "outer.inner_steps_per_outer": H, "inner.total_steps": STEPS,
-                                            "timeouts.match_s": 6.0, "outer.codec_phi": "slice:0.01",
-                                            "outer.codec_delta": "topk:0.02+int2"})
+    overrides = tiny_overrides(
+        tmp_path,
+        **{
+            "model.hidden_size": 128,
+            "model.intermediate_size": 256,
+            "model.num_layers": 2,
+            "pipeline.num_stages": 1,
+            "outer.method": "noloco",
+            "outer.inner_steps_per_outer": H,
+            "inner.total_steps": STEPS,
+            "timeouts.match_s": 6.0,
+            "outer.codec_phi": "slice:0.01",
+            "outer.codec_delta": "topk:0.02+int2",
+        },
+    )
     prepare_tokenizer(overrides)
     swarm = make_swarm(overrides)
     nodes = [swarm.start_node(0, r, "--steps", str(STEPS), "--wait-replicas", str(REPLICAS)) for r in range(REPLICAS)]
@@ -42,8 +52,10 @@ def test_four_replicas_pair_with_compressed_rounds_in_two_percent_of_fp32(tmp_pa
         if params is None:
             params = _stage_params(overrides)
         fp32 = 8 * params  # phi and Delta, 4 bytes per parameter each
-        print(f"\n{s['peer_id'][-8:]}: {per_round:.0f} B per round on the wire, {per_round / fp32:.4%} of fp32 "
-              f"phi + Delta ({fp32} B); payload {s['outer_bytes_per_round']}; {len(paired)}/{len(history)} paired")
+        print(
+            f"\n{s['peer_id'][-8:]}: {per_round:.0f} B per round on the wire, {per_round / fp32:.4%} of fp32 "
+            f"phi + Delta ({fp32} B); payload {s['outer_bytes_per_round']}; {len(paired)}/{len(history)} paired"
+        )
         assert per_round <= 0.02 * fp32, (per_round, fp32)
         assert s["outer_bytes_per_round"]["fp32_fraction"] < 0.02
     assert len({frozenset(p) for p in partners}) >= 2  # the pairs change between rounds

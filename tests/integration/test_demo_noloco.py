@@ -13,20 +13,54 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
 
 
 def _log_tails(logs: Path, lines: int = 15) -> str:
-    tails = [f"\n--- {path.name}\n" + "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-             for path in sorted(logs.glob("*.log"))] if logs.exists() else []
+    tails = (
+        [
+            f"\n--- {path.name}\n" + "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+            for path in sorted(logs.glob("*.log"))
+        ]
+        if logs.exists()
+        else []
+    )
     return "".join(tails)
 
 
 def test_demo_noloco_d4_p2(tmp_path):
-    sets = tiny_overrides(tmp_path, **{"outer.method": "noloco", "outer.inner_steps_per_outer": 5, "inner.total_steps": 20,
-                                       "timeouts.match_s": 3.0})
+    sets = tiny_overrides(
+        tmp_path,
+        **{
+            "outer.method": "noloco",
+            "outer.inner_steps_per_outer": 5,
+            "inner.total_steps": 20,
+            "timeouts.match_s": 3.0,
+        },
+    )
     args = [a for s in sets for a in ("--set", s)]
     out = tmp_path / "demo"
     # The demo's own --timeout fires first, so a stall fails with the nodes' logs, not a bare kill.
-    result = subprocess.run([sys.executable, "-m", "noloco_node", "demo", "--replicas", "4", "--stages", "2", "--steps", "20",
-                             "--method", "noloco", "--timeout", "300", "--out", str(out), *args],
-                            capture_output=True, text=True, timeout=380)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "noloco_node",
+            "demo",
+            "--replicas",
+            "4",
+            "--stages",
+            "2",
+            "--steps",
+            "20",
+            "--method",
+            "noloco",
+            "--timeout",
+            "300",
+            "--out",
+            str(out),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=380,
+    )
     assert result.returncode == 0, result.stderr[-3000:] + _log_tails(out / "logs")
     summary = json.loads((out / "summary.json").read_text())
     assert summary["method"] == "noloco" and summary["replicas"] == 4 and summary["stages"] == 2

@@ -19,9 +19,19 @@ IDENTITY = DirectoryIdentity(run_id="run-a", manifest_hash="m1", version="0.1.0"
 
 
 def record(peer_id, *, stage=1, run_id="run-a", manifest="m1", version="0.1.0", status="serving"):
-    return StageRecord(peer_id=peer_id, address=f"127.0.0.1:{1000 + len(peer_id)}", stage=stage, inner_step=3,
-                       outer_round=0, status=status, tokens_per_s=1.5, version=version, manifest_hash=manifest,
-                       run_id=run_id, updated_at=time.time())
+    return StageRecord(
+        peer_id=peer_id,
+        address=f"127.0.0.1:{1000 + len(peer_id)}",
+        stage=stage,
+        inner_step=3,
+        outer_round=0,
+        status=status,
+        tokens_per_s=1.5,
+        version=version,
+        manifest_hash=manifest,
+        run_id=run_id,
+        updated_at=time.time(),
+    )
 
 
 @pytest.fixture
@@ -80,16 +90,20 @@ async def test_records_are_signed_and_schema_checked(directories):
     assert a.impostor_records >= 1
     # Keys outside the run's stage keys are stored unchecked (hivemind's averager keeps its
     # matchmaking records there for the DiLoCo baseline); nothing of ours reads them.
-    assert await b.node.store("averager_matchmaking_key", subkey=b.signer.local_public_key,
-                              value={"anything": 1}, expiration_time=expires)
+    assert await b.node.store(
+        "averager_matchmaking_key", subkey=b.signer.local_public_key, value={"anything": 1}, expiration_time=expires
+    )
     assert [r.peer_id for r in await b.replicas(1, fresh=True)] == [a.peer_id]
 
 
 async def test_unreachable_bootstrap_fails_fast_with_a_fix():
     start = time.monotonic()
     with pytest.raises(BootstrapError) as info:
-        await PeerDirectory.start(IDENTITY, initial_peers=["/ip4/127.0.0.1/tcp/9/p2p/12D3KooWC9iPeg5yx8MPKDydmEzZbFyDDQL3AanYS6yEd9h7uLMW"],
-                                  startup_timeout_s=10)
+        await PeerDirectory.start(
+            IDENTITY,
+            initial_peers=["/ip4/127.0.0.1/tcp/9/p2p/12D3KooWC9iPeg5yx8MPKDydmEzZbFyDDQL3AanYS6yEd9h7uLMW"],
+            startup_timeout_s=10,
+        )
     assert time.monotonic() - start < 15
     assert "initial peers" in str(info.value) and "multiaddr" in info.value.hint
 
@@ -99,9 +113,24 @@ def test_bootstrap_identity_is_persistent(tmp_path):
     for _ in range(2):
         maddr_file = tmp_path / "maddr"
         maddr_file.unlink(missing_ok=True)
-        proc = subprocess.Popen([sys.executable, "-m", "noloco_node", "bootstrap", "--port", "0", "--identity", str(tmp_path / "id.key"),
-                                 "--maddr-file", str(maddr_file)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "noloco_node",
+                "bootstrap",
+                "--port",
+                "0",
+                "--identity",
+                str(tmp_path / "id.key"),
+                "--maddr-file",
+                str(maddr_file),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         try:
             deadline = time.monotonic() + 60
             while not maddr_file.exists():

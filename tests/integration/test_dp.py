@@ -23,15 +23,28 @@ def test_dp_two_replicas_stay_identical(tmp_path, make_swarm):
     # Lockstep: a stage's gradient goes upstream only after its all-reduce, which under load can
     # take longer than the tiny default re-issue deadline (5 s); a re-issue would then be
     # computed twice by stage 1, so the microbatch deadline covers a slow round.
-    overrides = tiny_overrides(tmp_path, **{"outer.method": "dp", "inner.total_steps": steps, "outer.allreduce_group_size": 2,
-                                            "timeouts.match_s": 3.0, "pipeline.batch_size": batch, "model.seq_len": seq_len,
-                                            "timeouts.microbatch_s": 30.0})
+    overrides = tiny_overrides(
+        tmp_path,
+        **{
+            "outer.method": "dp",
+            "inner.total_steps": steps,
+            "outer.allreduce_group_size": 2,
+            "timeouts.match_s": 3.0,
+            "pipeline.batch_size": batch,
+            "model.seq_len": seq_len,
+            "timeouts.microbatch_s": 30.0,
+        },
+    )
     prepare_tokenizer(overrides)
     swarm = make_swarm(overrides)
     events = tmp_path / "events"
-    servers = [swarm.start_node(1, r, "--save-weights", "--events", str(events / f"stage1-r{r}.jsonl")) for r in range(2)]
+    servers = [
+        swarm.start_node(1, r, "--save-weights", "--events", str(events / f"stage1-r{r}.jsonl")) for r in range(2)
+    ]
     swarm.wait_ready(servers)
-    drivers = [swarm.start_node(0, r, "--steps", str(steps), "--wait-replicas", "2", "--save-weights") for r in range(2)]
+    drivers = [
+        swarm.start_node(0, r, "--steps", str(steps), "--wait-replicas", "2", "--save-weights") for r in range(2)
+    ]
     swarm.wait_exit(drivers, timeout_s=240)
     assert all(d.proc.returncode == 0 for d in drivers)
     swarm.stop()
@@ -56,8 +69,9 @@ def test_dp_two_replicas_stay_identical(tmp_path, make_swarm):
         assert sum(stats[p]["outer"]["partial_rounds"] for p in peers) == len(partial)
         assert sum(stats[p]["outer"]["solo"] for p in peers) == len(solo)
         assert len(full) >= 2 * steps - 2, f"stage {stage}: more than one round failed: {history}"
-        weights = [load_file(str(next((swarm.out_dir / "nodes").glob(f"stage{stage}-{p[-8:]}.safetensors"))))
-                   for p in peers]
+        weights = [
+            load_file(str(next((swarm.out_dir / "nodes").glob(f"stage{stage}-{p[-8:]}.safetensors")))) for p in peers
+        ]
         if partial or solo:
             print(f"stage {stage}: {len(partial)} partial and {len(solo)} failed all-reduce round(s) reported")
             continue
@@ -65,11 +79,17 @@ def test_dp_two_replicas_stay_identical(tmp_path, make_swarm):
         # every member rounds the same mean to float32).
         for a, b in itertools.combinations(weights, 2):
             for name in a:
-                assert torch.equal(a[name], b[name]), f"stage {stage} {name}: max diff {(a[name] - b[name]).abs().max()}"
+                assert torch.equal(a[name], b[name]), (
+                    f"stage {stage} {name}: max diff {(a[name] - b[name]).abs().max()}"
+                )
     # Lockstep: stage 1 takes step k having processed exactly k batches (its share of the D
     # batches), never a microbatch of batch k+1 computed with the weights from before step k.
     for r in range(2):
-        tokens = [(e["inner_step"], e["tokens"]) for e in read_events(events / f"stage1-r{r}.jsonl") if e["event"] == "inner_step"]
+        tokens = [
+            (e["inner_step"], e["tokens"])
+            for e in read_events(events / f"stage1-r{r}.jsonl")
+            if e["event"] == "inner_step"
+        ]
         assert tokens == [(k, k * batch * seq_len) for k in range(1, steps + 1)], f"stage1 r{r}: {tokens}"
     stage0 = [p for p, s in stats.items() if s["stage"] == 0]
     assert all(stats[p]["routed"] == {"balanced": steps * batch // 2, "random": 0} for p in stage0), stats

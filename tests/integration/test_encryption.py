@@ -33,11 +33,19 @@ def _forward_messages(info: dict, me: NodeIdentity, scale: float = 1e-4):
     run = tensor_pb2.RunIdentity(run_id=info["run_id"], manifest_hash=info["manifest_hash"])
     tensor = (torch.arange(SEQ * HIDDEN, dtype=torch.float32).reshape(1, SEQ, HIDDEN) * scale) - 0.02
     header, payload = encode_tensor(tensor, "none")
-    needles = [payload[i:i + 24] for i in range(0, len(payload) - 24, len(payload) // 8)]
-    messages = [stage_pb2.ForwardMessage(header=stage_pb2.ForwardHeader(
-        run=run, microbatch=stage_pb2.MicrobatchId(origin_peer=me.peer_id, sequence=1), target_stage=1,
-        route=[stage_pb2.Hop(peer_id=me.peer_id, address="127.0.0.1:9", stage=0)], activations=header,
-        labels=[1] * SEQ))] + [stage_pb2.ForwardMessage(chunk=c) for c in iter_chunks(payload, chunk_bytes=1024)]
+    needles = [payload[i : i + 24] for i in range(0, len(payload) - 24, len(payload) // 8)]
+    messages = [
+        stage_pb2.ForwardMessage(
+            header=stage_pb2.ForwardHeader(
+                run=run,
+                microbatch=stage_pb2.MicrobatchId(origin_peer=me.peer_id, sequence=1),
+                target_stage=1,
+                route=[stage_pb2.Hop(peer_id=me.peer_id, address="127.0.0.1:9", stage=0)],
+                activations=header,
+                labels=[1] * SEQ,
+            )
+        )
+    ] + [stage_pb2.ForwardMessage(chunk=c) for c in iter_chunks(payload, chunk_bytes=1024)]
     return messages, payload, needles
 
 
@@ -55,33 +63,46 @@ def test_direct_link_carries_no_tensor_bytes_in_the_clear(tmp_path, make_swarm):
 
     control = grpc.server(futures.ThreadPoolExecutor(2))
     received = []
-    control.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("noloco.wire.v1.Stage", {
-        "Forward": grpc.stream_unary_rpc_method_handler(
-            lambda it, ctx: (received.extend(it), stage_pb2.StageAck())[1],
-            request_deserializer=stage_pb2.ForwardMessage.FromString,
-            response_serializer=stage_pb2.StageAck.SerializeToString)}),))
+    control.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                "noloco.wire.v1.Stage",
+                {
+                    "Forward": grpc.stream_unary_rpc_method_handler(
+                        lambda it, ctx: (received.extend(it), stage_pb2.StageAck())[1],
+                        request_deserializer=stage_pb2.ForwardMessage.FromString,
+                        response_serializer=stage_pb2.StageAck.SerializeToString,
+                    )
+                },
+            ),
+        )
+    )
     control_port = control.add_insecure_port("127.0.0.1:0")
     control.start()
     node_port = int(info["address"].rpartition(":")[2])
     try:
         with LoopbackCapture({node_port}) as direct:
             credentials = grpc.ssl_channel_credentials(root_certificates=pem_from_record(info["tls_cert"]))
-            with grpc.secure_channel(info["address"], credentials,
-                                     options=[("grpc.ssl_target_name_override", TLS_NAME)]) as channel:
-                ack = channel.stream_unary(FORWARD, request_serializer=serialize,
-                                           response_deserializer=stage_pb2.StageAck.FromString)(
-                    iter(messages), timeout=10, metadata=CallSigner(me).metadata(FORWARD, info["peer_id"]))
+            with grpc.secure_channel(
+                info["address"], credentials, options=[("grpc.ssl_target_name_override", TLS_NAME)]
+            ) as channel:
+                ack = channel.stream_unary(
+                    FORWARD, request_serializer=serialize, response_deserializer=stage_pb2.StageAck.FromString
+                )(iter(messages), timeout=10, metadata=CallSigner(me).metadata(FORWARD, info["peer_id"]))
             time.sleep(0.5)
         assert ack.bytes_received == len(payload)
         with LoopbackCapture({control_port}) as plain:
             with grpc.insecure_channel(f"127.0.0.1:{control_port}") as channel:
-                channel.stream_unary(FORWARD, request_serializer=serialize,
-                                     response_deserializer=stage_pb2.StageAck.FromString)(iter(messages), timeout=10)
+                channel.stream_unary(
+                    FORWARD, request_serializer=serialize, response_deserializer=stage_pb2.StageAck.FromString
+                )(iter(messages), timeout=10)
             time.sleep(0.5)
     finally:
         control.stop(0)
-    print(f"\ncapture: TLS link {direct.segments} segments / {len(direct.payload)} bytes, plaintext control "
-          f"{plain.segments} segments / {len(plain.payload)} bytes")
+    print(
+        f"\ncapture: TLS link {direct.segments} segments / {len(direct.payload)} bytes, plaintext control "
+        f"{plain.segments} segments / {len(plain.payload)} bytes"
+    )
     assert len(received) == len(messages)
     assert plain.contains_any(needles), "the capture must see plaintext tensor bytes (control)"
     assert direct.segments > 0 and len(direct.payload) >= len(payload)
@@ -96,7 +117,9 @@ def test_relayed_link_carries_no_tensor_bytes_in_the_clear(tmp_path, make_swarm)
     of the tensor."""
     from hivemind.p2p import P2P
 
-    overrides = tiny_overrides(tmp_path, **{"pipeline.num_stages": 2, "network.reach": "libp2p", "timeouts.relay_s": 30.0})
+    overrides = tiny_overrides(
+        tmp_path, **{"pipeline.num_stages": 2, "network.reach": "libp2p", "timeouts.relay_s": 30.0}
+    )
     prepare_tokenizer(overrides)
     swarm = make_swarm(overrides)
     node = swarm.start_node(1, 0)
@@ -114,11 +137,15 @@ def test_relayed_link_carries_no_tensor_bytes_in_the_clear(tmp_path, make_swarm)
 
         async def lookup(peer_id: str):
             return contact if peer_id == contact.peer_id else None
+
         dialer = Dialer(CallSigner(me), lookup=lookup, bridge=bridge)
         try:
             channel, path = await dialer.channel(contact.peer_id)
-            forward = channel.stream_unary(FORWARD, request_serializer=lambda m: m.SerializeToString(),
-                                           response_deserializer=stage_pb2.StageAck.FromString)
+            forward = channel.stream_unary(
+                FORWARD,
+                request_serializer=lambda m: m.SerializeToString(),
+                response_deserializer=stage_pb2.StageAck.FromString,
+            )
             ack = await forward(iter(messages), timeout=30)
             return ack, path, bridge.traffic.as_dict()
         finally:
@@ -129,8 +156,10 @@ def test_relayed_link_carries_no_tensor_bytes_in_the_clear(tmp_path, make_swarm)
     with LoopbackCapture({relay_port}) as relayed:
         ack, path, traffic = asyncio.run(call_through_relay())
         time.sleep(0.5)
-    print(f"\ncapture at the relay's port: {relayed.segments} segments / {len(relayed.payload)} bytes; "
-          f"client bytes by path {traffic}")
+    print(
+        f"\ncapture at the relay's port: {relayed.segments} segments / {len(relayed.payload)} bytes; "
+        f"client bytes by path {traffic}"
+    )
     assert path == "relayed" and ack.bytes_received == len(payload)
     assert traffic["relayed"]["out"] >= len(payload), traffic
     # Both legs (caller -> relay, relay -> node) ran through the relay's port.

@@ -16,8 +16,10 @@ STEPS = 5
 
 
 def test_pipeline_over_grpc_equals_whole_model(tmp_path, make_swarm, num_stages=2):
-    overrides = tiny_overrides(tmp_path, **{"pipeline.num_stages": num_stages, "pipeline.deterministic": "true",
-                                            "pipeline.activation_codec": "none"})
+    overrides = tiny_overrides(
+        tmp_path,
+        **{"pipeline.num_stages": num_stages, "pipeline.deterministic": "true", "pipeline.activation_codec": "none"},
+    )
     config, corpus, tokenizer = prepare_tokenizer(overrides)
     swarm = make_swarm(overrides)
     servers = [swarm.start_node(s, 0, "--save-weights") for s in range(1, num_stages)]

@@ -27,8 +27,12 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 def cli(overrides, *args, timeout=180):
     sets = [a for o in overrides for a in ("--set", o)]
-    return subprocess.run([sys.executable, "-m", "noloco_node", args[0], *args[1:], *sets], capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "noloco_node", args[0], *args[1:], *sets],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def _replica_checkpoint(config, llama, ranges, stage_index, directory, manifest_hash, shift):
@@ -42,8 +46,13 @@ def _replica_checkpoint(config, llama, ranges, stage_index, directory, manifest_
             p.mul_(0.5)  # theta: something else again, so an export of theta would be caught
     inner = InnerOptimizer(stage.parameters(), InnerSchedule(lr_max=1e-3, warmup_steps=1, total_steps=10))
     tensors, counters = checkpoint.collect(stage, inner, outer)
-    checkpoint.save(directory, stage_index, tensors, counters, {"run_id": config.run.run_id,
-                                                                "manifest_hash": manifest_hash, "peer_id": f"r{shift}"})
+    checkpoint.save(
+        directory,
+        stage_index,
+        tensors,
+        counters,
+        {"run_id": config.run.run_id, "manifest_hash": manifest_hash, "peer_id": f"r{shift}"},
+    )
     return {n: t.clone() for n, t in outer.phi.items()}
 
 
@@ -57,12 +66,14 @@ def test_export_from_checkpoints_loads_in_transformers_and_matches_the_stages(tm
     phis = {}
     for replica, shift in ((0, 0.01), (1, 0.02)):
         for s in range(2):
-            phis[(s, replica)] = _replica_checkpoint(config, llama, ranges, s, tmp_path / f"ckpt{s}{replica}",
-                                                     manifest_hash, shift)
+            phis[(s, replica)] = _replica_checkpoint(
+                config, llama, ranges, s, tmp_path / f"ckpt{s}{replica}", manifest_hash, shift
+            )
 
     out = tmp_path / "model"
-    result = cli(overrides, "export", "--from-checkpoint", str(tmp_path / "ckpt00"), str(tmp_path / "ckpt10"),
-                 "--out", str(out))
+    result = cli(
+        overrides, "export", "--from-checkpoint", str(tmp_path / "ckpt00"), str(tmp_path / "ckpt10"), "--out", str(out)
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert (out / "config.json").is_file() and list(out.glob("*.safetensors")) and (out / "tokenizer.json").is_file()
     model = AutoModelForCausalLM.from_pretrained(out, local_files_only=True, dtype=torch.float32)
@@ -80,8 +91,15 @@ def test_export_from_checkpoints_loads_in_transformers_and_matches_the_stages(tm
 
     # --average: the mean of both replicas' phi, for every parameter.
     averaged_dir = tmp_path / "averaged"
-    result = cli(overrides, "export", "--from-checkpoint", *(str(tmp_path / f"ckpt{s}{r}") for s in range(2) for r in range(2)),
-                 "--out", str(averaged_dir), "--average")
+    result = cli(
+        overrides,
+        "export",
+        "--from-checkpoint",
+        *(str(tmp_path / f"ckpt{s}{r}") for s in range(2) for r in range(2)),
+        "--out",
+        str(averaged_dir),
+        "--average",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     averaged = AutoModelForCausalLM.from_pretrained(averaged_dir, local_files_only=True, dtype=torch.float32)
     state = averaged.state_dict()
@@ -93,8 +111,22 @@ def test_export_from_checkpoints_loads_in_transformers_and_matches_the_stages(tm
     # The same CLI in this process (the console script is tested above; this saves the imports).
     sets = [a for o in overrides for a in ("--set", o)]
     # A checkpoint of another run is refused, naming what to pass.
-    assert main(["export", "--from-checkpoint", str(tmp_path / "ckpt00"), str(tmp_path / "ckpt10"), "--out",
-                 str(tmp_path / "wrong"), *sets, "--set", "run.seed=5"]) == 1
+    assert (
+        main(
+            [
+                "export",
+                "--from-checkpoint",
+                str(tmp_path / "ckpt00"),
+                str(tmp_path / "ckpt10"),
+                "--out",
+                str(tmp_path / "wrong"),
+                *sets,
+                "--set",
+                "run.seed=5",
+            ]
+        )
+        == 1
+    )
     assert "another run or model" in capsys.readouterr().err
 
     assert main(["eval", str(out), "--sequences", "8", *sets, "--set", "data.holdout_fraction=0"]) == 2
@@ -126,19 +158,34 @@ def test_live_export_from_a_2x2_swarm(tmp_path, make_swarm):
 
     from noloco_node.node.export import fetch_replicas
 
-    overrides = tiny_overrides(tmp_path, **{"pipeline.num_stages": 2, "outer.method": "noloco", "data.holdout_fraction": 0.05,
-                                            "outer.inner_steps_per_outer": 2, "timeouts.match_s": 3.0})
+    overrides = tiny_overrides(
+        tmp_path,
+        **{
+            "pipeline.num_stages": 2,
+            "outer.method": "noloco",
+            "data.holdout_fraction": 0.05,
+            "outer.inner_steps_per_outer": 2,
+            "timeouts.match_s": 3.0,
+        },
+    )
     config, _, tokenizer = prepare_tokenizer(overrides)
     _, _, manifest_hash = load_run_inputs(config)
     swarm = make_swarm(overrides)
     ck = {(s, r): tmp_path / f"ck{s}{r}" for s in range(2) for r in range(2)}
     stage1 = [swarm.start_node(1, r, "--set", f"checkpoint.dir={ck[(1, r)]}") for r in range(2)]
     swarm.wait_ready(stage1)
-    stage0 = [swarm.start_node(0, r, "--steps", "6", "--serve-after", "--wait-replicas", "2", "--set",
-                               f"checkpoint.dir={ck[(0, r)]}") for r in range(2)]
+    stage0 = [
+        swarm.start_node(
+            0, r, "--steps", "6", "--serve-after", "--wait-replicas", "2", "--set", f"checkpoint.dir={ck[(0, r)]}"
+        )
+        for r in range(2)
+    ]
     swarm.wait_ready(stage0)
-    _wait_until(lambda: all(_read(n)["inner_step"] >= 6 and _read(n)["outer_round"] >= 3 for n in stage0), 240,
-                "stage 0 to finish 6 steps and 3 outer rounds")
+    _wait_until(
+        lambda: all(_read(n)["inner_step"] >= 6 and _read(n)["outer_round"] >= 3 for n in stage0),
+        240,
+        "stage 0 to finish 6 steps and 3 outer rounds",
+    )
     # Quiet: stage 1 has stepped on everything it received and its last rounds are over.
     last = None
     while True:
@@ -151,14 +198,37 @@ def test_live_export_from_a_2x2_swarm(tmp_path, make_swarm):
     sets = [a for o in overrides for a in ("--set", o)]
     live, averaged = tmp_path / "live", tmp_path / "live-avg"
     for out, extra in ((live, []), (averaged, ["--average"])):
-        result = subprocess.run([sys.executable, "-m", "noloco_node", "export", "--initial-peers", swarm.maddr,
-                                 "--out", str(out), *extra, *sets], capture_output=True, text=True, timeout=240)
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "noloco_node",
+                "export",
+                "--initial-peers",
+                swarm.maddr,
+                "--out",
+                str(out),
+                *extra,
+                *sets,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
         assert result.returncode == 0, result.stderr[-3000:]
         print(result.stdout.strip())
 
     llama, ranges = run_model(config, len(tokenizer))
-    found = asyncio.run(fetch_replicas(load_config(overrides=overrides + [f"network.initial_peers={swarm.maddr}"]),
-                                       manifest_hash, llama, ranges, every_replica=True, timeout_s=60))
+    found = asyncio.run(
+        fetch_replicas(
+            load_config(overrides=overrides + [f"network.initial_peers={swarm.maddr}"]),
+            manifest_hash,
+            llama,
+            ranges,
+            every_replica=True,
+            timeout_s=60,
+        )
+    )
     assert sorted(len(v) for v in found.values()) == [2, 2], {s: [p for p, _, _ in v] for s, v in found.items()}
 
     exported = AutoModelForCausalLM.from_pretrained(live, local_files_only=True, dtype=torch.float32)
@@ -177,8 +247,9 @@ def test_live_export_from_a_2x2_swarm(tmp_path, make_swarm):
         assert torch.allclose(exported(input_ids=tokens).logits, stages[1](stages[0](tokens)), rtol=1e-5, atol=1e-6)
     trained = [phi for s in range(2) for _, phi, _ in found[s]]
     initial = [build_run_stage(config, llama, ranges, s) for s in range(2)]
-    assert any(not torch.equal(phi[n], p) for phi, st in zip(trained[::2], initial) for n, p in st.named_parameters()), \
-        "phi never moved: the swarm did not train"
+    assert any(
+        not torch.equal(phi[n], p) for phi, st in zip(trained[::2], initial) for n, p in st.named_parameters()
+    ), "phi never moved: the swarm did not train"
 
     avg_state = AutoModelForCausalLM.from_pretrained(averaged, local_files_only=True, dtype=torch.float32).state_dict()
     for s in range(2):
@@ -188,8 +259,23 @@ def test_live_export_from_a_2x2_swarm(tmp_path, make_swarm):
             assert torch.allclose(avg_state[name], mean, rtol=0, atol=1e-7), name
 
     # The live swarm evaluated as the reference does: column d = replica d (by peer id) of each stage.
-    result = subprocess.run([sys.executable, "-m", "noloco_node", "eval", "--initial-peers", swarm.maddr, "--json",
-                             "--sequences", "8", *sets], capture_output=True, text=True, timeout=240)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "noloco_node",
+            "eval",
+            "--initial-peers",
+            swarm.maddr,
+            "--json",
+            "--sequences",
+            "8",
+            *sets,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     from noloco_node.experiments.evaluate import column_losses, held_out_windows, weight_spread

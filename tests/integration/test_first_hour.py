@@ -53,8 +53,9 @@ class Proc:
         try:
             self.proc.wait(timeout=within_s)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"still running {within_s:.0f} s after {signal.Signals(sig).name} to its group:\n"
-                        f"{self.text()[-3000:]}")
+            pytest.fail(
+                f"still running {within_s:.0f} s after {signal.Signals(sig).name} to its group:\n{self.text()[-3000:]}"
+            )
         return time.monotonic() - start
 
 
@@ -74,9 +75,21 @@ def free_port() -> int:
 
 def tiny_config(tmp_path: Path, **extra) -> Path:
     """The test's stand-in for a swarm's run.toml: the tiny model, fast heartbeats."""
-    values = dict(v.split("=", 1) for v in tiny_overrides(tmp_path, **{
-        "outer.method": "noloco", "outer.inner_steps_per_outer": 1000, "inner.total_steps": 100000,
-        "timeouts.startup_s": STARTUP_S, "timeouts.drain_s": DRAIN_S, "timeouts.match_s": 2.0, **extra}))
+    values = dict(
+        v.split("=", 1)
+        for v in tiny_overrides(
+            tmp_path,
+            **{
+                "outer.method": "noloco",
+                "outer.inner_steps_per_outer": 1000,
+                "inner.total_steps": 100000,
+                "timeouts.startup_s": STARTUP_S,
+                "timeouts.drain_s": DRAIN_S,
+                "timeouts.match_s": 2.0,
+                **extra,
+            },
+        )
+    )
     prepare_tokenizer([f"{k}={v}" for k, v in values.items()])
     sections: dict[str, dict[str, str]] = {}
     for key, value in values.items():
@@ -101,8 +114,11 @@ def documented(command: str) -> list[str]:
     docs/volunteer.md must repeat word for word."""
     found = []
     for page in (ROOT / "README.md", ROOT / "docs" / "volunteer.md"):
-        lines = [line.split("#")[0].strip() for line in page.read_text().splitlines()
-                 if re.match(rf"^\.venv/bin/noloco-node {command} --initial-peers MADDR", line.strip())]
+        lines = [
+            line.split("#")[0].strip()
+            for line in page.read_text().splitlines()
+            if re.match(rf"^\.venv/bin/noloco-node {command} --initial-peers MADDR", line.strip())
+        ]
         assert lines, f"{page.name} lost its {command} command"
         found.append(lines[0])
     assert found[0] == found[1], f"README.md and volunteer.md document different {command} lines: {found}"
@@ -126,8 +142,21 @@ def as_run(doc_argv: list[str], maddrs: list[str], *extra: str) -> list[str]:
 def start_bootstrap(procs: list, tmp_path: Path, name: str, port: int, *extra: str) -> str:
     maddr_file = tmp_path / f"{name}.maddr"
     maddr_file.unlink(missing_ok=True)
-    p = Proc(cli("bootstrap", "--port", str(port), "--identity", str(tmp_path / f"{name}.key"),
-                 "--maddr-file", str(maddr_file), "--set", "timeouts.heartbeat_s=1.0", *extra), tmp_path / f"{name}.log")
+    p = Proc(
+        cli(
+            "bootstrap",
+            "--port",
+            str(port),
+            "--identity",
+            str(tmp_path / f"{name}.key"),
+            "--maddr-file",
+            str(maddr_file),
+            "--set",
+            "timeouts.heartbeat_s=1.0",
+            *extra,
+        ),
+        tmp_path / f"{name}.log",
+    )
     procs.append(p)
     wait_for(lambda: maddr_file.exists(), 30, f"{name} did not start", p)
     return maddr_file.read_text().split()[0]
@@ -160,8 +189,12 @@ def wait_for(predicate, timeout_s: float, what: str, *watched: Proc) -> None:
 
 
 def status(config: Path, maddr: str) -> list[dict]:
-    out = subprocess.run(cli("status", "--config", str(config), "--initial-peers", maddr, "--json"),
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        cli("status", "--config", str(config), "--initial-peers", maddr, "--json"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)["replicas"]
 
@@ -187,27 +220,38 @@ def test_the_documented_join_trains_a_first_stage_0_waits_and_group_signals_stop
     config = tiny_config(tmp_path)
     maddr = start_bootstrap(procs, tmp_path, "bootstrap", free_port())
     # The preflight the docs put first passes against a fresh swarm.
-    doctor = subprocess.run(as_run(documented("doctor"), [maddr], "--config", str(config)), capture_output=True,
-                            text=True, timeout=120)
+    doctor = subprocess.run(
+        as_run(documented("doctor"), [maddr], "--config", str(config)), capture_output=True, text=True, timeout=120
+    )
     assert doctor.returncode == 0, doctor.stdout + doctor.stderr[-2000:]
     doc = documented("join")
     first, first_ready = start_join(procs, tmp_path, "first", as_run(doc, [maddr], "--config", str(config)))
     # Alone in the swarm, `auto` gives it stage 0; it waits for a stage-1 replica, saying so, well
     # past timeouts.startup_s (the old behaviour: TimeoutError and exit 1 after it).
-    wait_for(lambda: ready(first_ready).get("waiting_for") == "a stage-1 replica", 60,
-             "the first node never said it waits for a stage-1 replica", first)
+    wait_for(
+        lambda: ready(first_ready).get("waiting_for") == "a stage-1 replica",
+        60,
+        "the first node never said it waits for a stage-1 replica",
+        first,
+    )
     assert ready(first_ready)["stage"] == 0
     time.sleep(STARTUP_S + 3)
     assert first.alive() and ready(first_ready)["inner_step"] == 0
 
     second, second_ready = start_join(procs, tmp_path, "second", as_run(doc, [maddr], "--config", str(config)))
     wait_for(lambda: ready(second_ready).get("stage") == 1, 60, "the second node did not take stage 1", first, second)
-    wait_for(lambda: ready(first_ready).get("inner_step", 0) >= 3 and ready(second_ready).get("served", 0) >= 6, 90,
-             "the documented join did not train (stage-0 steps and stage-1 microbatches)", first, second)
+    wait_for(
+        lambda: ready(first_ready).get("inner_step", 0) >= 3 and ready(second_ready).get("served", 0) >= 6,
+        90,
+        "the documented join did not train (stage-0 steps and stage-1 microbatches)",
+        first,
+        second,
+    )
     assert ready(first_ready)["waiting_for"] is None
     # The container healthcheck's command asks the node's own gRPC health service.
-    health = subprocess.run(cli("health", "--address", ready(first_ready)["address"]), capture_output=True, text=True,
-                            timeout=60)
+    health = subprocess.run(
+        cli("health", "--address", ready(first_ready)["address"]), capture_output=True, text=True, timeout=60
+    )
     assert health.returncode == 0 and health.stdout.startswith("serving"), health.stdout + health.stderr
 
     # Ctrl-C in the terminal of each (SIGINT to its process group), SIGTERM as systemd sends it.
@@ -220,8 +264,9 @@ def test_the_documented_join_trains_a_first_stage_0_waits_and_group_signals_stop
     for p in (first, second, procs[0]):
         assert_clean(p)
     assert "summary: stage 0" in first.text()
-    gone = subprocess.run(cli("health", "--address", ready(first_ready)["address"]), capture_output=True, text=True,
-                          timeout=60)
+    gone = subprocess.run(
+        cli("health", "--address", ready(first_ready)["address"]), capture_output=True, text=True, timeout=60
+    )
     assert gone.returncode == 1 and gone.stderr.startswith("not serving"), gone.stdout + gone.stderr
 
 
@@ -229,10 +274,12 @@ def test_a_restarted_bootstrap_rejoins_the_swarm_it_lost(tmp_path, procs):
     config = tiny_config(tmp_path)
     port = free_port()
     maddr = start_bootstrap(procs, tmp_path, "bootstrap", port)
-    s1, s1_ready = start_join(procs, tmp_path, "s1", cli("join", "--config", str(config), "--initial-peers", maddr,
-                                                          "--stage", "1"))
-    s0, s0_ready = start_join(procs, tmp_path, "s0", cli("join", "--config", str(config), "--initial-peers", maddr,
-                                                          "--stage", "0"))
+    s1, s1_ready = start_join(
+        procs, tmp_path, "s1", cli("join", "--config", str(config), "--initial-peers", maddr, "--stage", "1")
+    )
+    s0, s0_ready = start_join(
+        procs, tmp_path, "s0", cli("join", "--config", str(config), "--initial-peers", maddr, "--stage", "0")
+    )
     wait_for(lambda: ready(s0_ready).get("inner_step", 0) >= 3, 90, "the swarm did not train", s0, s1)
 
     procs[0].group.signal(signal.SIGKILL)  # the only bootstrap dies
@@ -242,10 +289,17 @@ def test_a_restarted_bootstrap_rejoins_the_swarm_it_lost(tmp_path, procs):
 
     again = start_bootstrap(procs, tmp_path, "bootstrap", port)  # same identity, same port
     assert again == maddr
-    new, new_ready = start_join(procs, tmp_path, "s1-new", cli("join", "--config", str(config), "--initial-peers",
-                                                               maddr, "--stage", "1"))
-    wait_for(lambda: ready(new_ready).get("served", 0) >= 2, 60,
-             "a replica that joined through the restarted bootstrap received no microbatch", s0, s1, new)
+    new, new_ready = start_join(
+        procs, tmp_path, "s1-new", cli("join", "--config", str(config), "--initial-peers", maddr, "--stage", "1")
+    )
+    wait_for(
+        lambda: ready(new_ready).get("served", 0) >= 2,
+        60,
+        "a replica that joined through the restarted bootstrap received no microbatch",
+        s0,
+        s1,
+        new,
+    )
     status_lists_every_replica(config, maddr, [s0_ready, s1_ready, new_ready])
 
 
@@ -261,6 +315,12 @@ def test_a_swarm_with_two_bootstraps_outlives_one(tmp_path, procs):
     procs[0].stop_like_a_terminal(signal.SIGTERM, 10)  # bootstrap a, for good
     assert_clean(procs[0])
     new, new_ready = start_join(procs, tmp_path, "s1-new", cli("join", "--config", str(config), *both, "--stage", "1"))
-    wait_for(lambda: ready(new_ready).get("served", 0) >= 2, 60,
-             "a joiner given both bootstraps, one of them gone, received no microbatch", s0, s1, new)
+    wait_for(
+        lambda: ready(new_ready).get("served", 0) >= 2,
+        60,
+        "a joiner given both bootstraps, one of them gone, received no microbatch",
+        s0,
+        s1,
+        new,
+    )
     status_lists_every_replica(config, b, [s0_ready, s1_ready, new_ready])

@@ -30,19 +30,30 @@ WARMUP = 2_000
 RSS_CEILING_MB = 1024
 
 
-
 def test_fuzzed_node_survives_stays_bounded_and_keeps_training(tmp_path, make_swarm):
     key_file = tmp_path / "swarm.key"
-    subprocess.run([sys.executable, "-m", "noloco_node", "keygen", "--out", str(key_file)], check=True, timeout=60,
-                   capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "noloco_node", "keygen", "--out", str(key_file)],
+        check=True,
+        timeout=60,
+        capture_output=True,
+    )
     key = bytes.fromhex(key_file.read_text().strip())
     steps = 6
-    overrides = tiny_overrides(tmp_path, **{"outer.method": "noloco", "outer.inner_steps_per_outer": 3,
-                                            "inner.total_steps": steps, "security.swarm_key_file": str(key_file)})
+    overrides = tiny_overrides(
+        tmp_path,
+        **{
+            "outer.method": "noloco",
+            "outer.inner_steps_per_outer": 3,
+            "inner.total_steps": steps,
+            "security.swarm_key_file": str(key_file),
+        },
+    )
     prepare_tokenizer(overrides)
     swarm = make_swarm(overrides)
-    target = swarm.start_node(1, 0, "--set", "security.ban_after_invalid=1000000000",
-                              "--set", "security.ban_after_poisoned=1000000000")
+    target = swarm.start_node(
+        1, 0, "--set", "security.ban_after_invalid=1000000000", "--set", "security.ban_after_poisoned=1000000000"
+    )
     swarm.wait_ready([target])
     info = target.info
     pool = IdentityPool(8)
@@ -102,7 +113,9 @@ def test_fuzzed_node_survives_stays_bounded_and_keeps_training(tmp_path, make_sw
     mb = drv["microbatches"]
     assert drv["inner_steps"] == steps and mb["issued"] == mb["completed"] and mb["dropped"] == 0
     assert min(drv["step_losses"][-2:]) < drv["step_losses"][0]  # step means: one microbatch's loss is noise
-    assert served["forwards_received"].get(drv["peer_id"], 0) > 0, served["forwards_received"]  # through the fuzzed node
+    assert served["forwards_received"].get(drv["peer_id"], 0) > 0, served[
+        "forwards_received"
+    ]  # through the fuzzed node
     assert served["saved_inputs"] == 0 and served["in_flight"] == 0
     assert served["admission"]["tracked_peers"] <= 4096 and served["transport"]["replayed_tokens"] >= 1
     assert stats[guarded.info["peer_id"]]["admission"]["peers_banned"] >= 1

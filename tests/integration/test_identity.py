@@ -24,17 +24,51 @@ def test_record_claiming_another_peer_id_is_refused_and_the_victim_never_banned(
     info = victim.info
     ready = tmp_path / "impostor.ready"
     impostor = subprocess.Popen(
-        [sys.executable, "-m", "tests.integration.impostor", "--initial-peers", swarm.maddr, "--victim", info["peer_id"],
-         "--run-id", info["run_id"], "--manifest-hash", info["manifest_hash"], "--stage", "1", "--num-stages", "2",
-         "--ready-file", str(ready), "--seconds", "240"],
-        stdout=open(tmp_path / "impostor.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "tests.integration.impostor",
+            "--initial-peers",
+            swarm.maddr,
+            "--victim",
+            info["peer_id"],
+            "--run-id",
+            info["run_id"],
+            "--manifest-hash",
+            info["manifest_hash"],
+            "--stage",
+            "1",
+            "--num-stages",
+            "2",
+            "--ready-file",
+            str(ready),
+            "--seconds",
+            "240",
+        ],
+        stdout=open(tmp_path / "impostor.log", "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while not ready.exists():
             assert impostor.poll() is None and time.monotonic() < deadline, (tmp_path / "impostor.log").read_text()
             time.sleep(0.1)
-        status = subprocess.run([sys.executable, "-m", "noloco_node", "status", "--json", "--initial-peers", swarm.maddr,
-                                 *sum((["--set", o] for o in overrides), [])], capture_output=True, text=True, timeout=120)
+        status = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "noloco_node",
+                "status",
+                "--json",
+                "--initial-peers",
+                swarm.maddr,
+                *sum((["--set", o] for o in overrides), []),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert status.returncode == 0, status.stderr
         listed = [r for r in json.loads(status.stdout)["replicas"] if r["stage"] == 1]
         assert [(r["peer_id"], r["address"]) for r in listed] == [(info["peer_id"], info["address"])], listed
@@ -50,8 +84,10 @@ def test_record_claiming_another_peer_id_is_refused_and_the_victim_never_banned(
     [drv] = [s for s in stats.values() if s["stage"] == 0]
     served = stats[info["peer_id"]]
     mb = drv["microbatches"]
-    print(f"\nimpostor records refused: driver {drv['transport']['impostor_records']}, "
-          f"victim {served['transport']['impostor_records']}; microbatches {mb}")
+    print(
+        f"\nimpostor records refused: driver {drv['transport']['impostor_records']}, "
+        f"victim {served['transport']['impostor_records']}; microbatches {mb}"
+    )
     assert drv["inner_steps"] == steps and mb["issued"] == mb["completed"] and mb["dropped"] == 0
     assert drv["transport"]["impostor_records"] >= 1
     assert served["transport"]["impostor_records"] >= 1

@@ -46,9 +46,20 @@ def attack(info: dict, run, values: torch.Tensor, honest: torch.Tensor) -> list[
         stub = stage_pb2_grpc.StageStub(channel)
         for sequence, payload in ((1, values), (2, honest)):
             try:
-                stub.Forward(iter(forward_messages(run, me.peer_id, shape=tuple(payload.shape), values=payload,
-                                                   sequence=sequence, labels=[1] * payload.shape[1])),
-                             timeout=10, metadata=signed(me, FORWARD, info))
+                stub.Forward(
+                    iter(
+                        forward_messages(
+                            run,
+                            me.peer_id,
+                            shape=tuple(payload.shape),
+                            values=payload,
+                            sequence=sequence,
+                            labels=[1] * payload.shape[1],
+                        )
+                    ),
+                    timeout=10,
+                    metadata=signed(me, FORWARD, info),
+                )
                 codes.append("OK")
             except grpc.RpcError as exc:
                 codes.append(exc.code().name)
@@ -56,14 +67,29 @@ def attack(info: dict, run, values: torch.Tensor, honest: torch.Tensor) -> list[
 
 
 def test_poisoned_microbatches_are_refused_and_the_replica_stays_healthy(tmp_path, make_swarm):
-    overrides = tiny_overrides(tmp_path, **{"pipeline.num_stages": 2, "inner.total_steps": STEPS,
-                                            "outer.method": "noloco", "outer.inner_steps_per_outer": 5})
+    overrides = tiny_overrides(
+        tmp_path,
+        **{
+            "pipeline.num_stages": 2,
+            "inner.total_steps": STEPS,
+            "outer.method": "noloco",
+            "outer.inner_steps_per_outer": 5,
+        },
+    )
     rms = normal_activation_rms(overrides)
     swarm = make_swarm(overrides)
     events_file = tmp_path / "stage1.events.jsonl"
-    target = swarm.start_node(1, 0, "--events", str(events_file), "--save-weights",
-                              "--set", "faults.delay_before_forward_s=0.1",
-                              "--set", "faults.inject=inner_step:poison@7,inner_step:poison@12")
+    target = swarm.start_node(
+        1,
+        0,
+        "--events",
+        str(events_file),
+        "--save-weights",
+        "--set",
+        "faults.delay_before_forward_s=0.1",
+        "--set",
+        "faults.inject=inner_step:poison@7,inner_step:poison@12",
+    )
     swarm.wait_ready([target])
     driver = swarm.start_node(0, 0, "--steps", str(STEPS))
     info = target.info

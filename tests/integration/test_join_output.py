@@ -12,13 +12,19 @@ from .conftest import prepare_tokenizer, tiny_overrides
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
-STEP0 = re.compile(r"noloco_node\.training: step (\d+)/12 \| loss (\d+\.\d{3}) \| lr (\d\.\de[-+]\d\d) \| "
-                   r"(\d+) tok/s \| in flight \d+ \| outer off \| sent \d+(\.\d)? [kMG]?B recv \d+(\.\d)? [kMG]?B$")
-SUMMARY0 = re.compile(r"noloco_node\.training: summary: stage 0 \| 12/12 steps \| \d+\.\d s \| (\d+) tok/s mean \| "
-                      r"loss (\d+\.\d{3}) -> (\d+\.\d{3}) \| outer off \| .* \| dropped (\d+) of (\d+) microbatches$")
+STEP0 = re.compile(
+    r"noloco_node\.training: step (\d+)/12 \| loss (\d+\.\d{3}) \| lr (\d\.\de[-+]\d\d) \| "
+    r"(\d+) tok/s \| in flight \d+ \| outer off \| sent \d+(\.\d)? [kMG]?B recv \d+(\.\d)? [kMG]?B$"
+)
+SUMMARY0 = re.compile(
+    r"noloco_node\.training: summary: stage 0 \| 12/12 steps \| \d+\.\d s \| (\d+) tok/s mean \| "
+    r"loss (\d+\.\d{3}) -> (\d+\.\d{3}) \| outer off \| .* \| dropped (\d+) of (\d+) microbatches$"
+)
 STEP1 = re.compile(r"noloco_node\.training: step (\d+) \| served (\d+) mb \| lr \d\.\de[-+]\d\d \| \d+ tok/s \| ")
-SUMMARY1 = re.compile(r"noloco_node\.training: summary: stage 1 \| 12 steps \| .* \| served 24 microbatches \| "
-                      r"outer off \| .* \| dropped 0 microbatches$")
+SUMMARY1 = re.compile(
+    r"noloco_node\.training: summary: stage 1 \| 12 steps \| .* \| served 24 microbatches \| "
+    r"outer off \| .* \| dropped 0 microbatches$"
+)
 
 
 def wait_for(predicate, timeout_s: float, what: str) -> None:

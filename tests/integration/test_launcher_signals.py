@@ -28,7 +28,7 @@ def proc_stat(pid: int) -> tuple[str, int, int] | None:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    state, ppid, pgrp = stat[stat.rindex(")") + 2:].split()[:3]
+    state, ppid, pgrp = stat[stat.rindex(")") + 2 :].split()[:3]
     return state, int(ppid), int(pgrp)
 
 
@@ -73,12 +73,34 @@ def kill_all(pids) -> None:
 
 
 def start_demo_mid_run(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
-    sets = tiny_overrides(tmp_path, **{"outer.method": "noloco", "outer.inner_steps_per_outer": 5, "timeouts.match_s": 3.0,
-                                       "timeouts.drain_s": 3.0})
+    sets = tiny_overrides(
+        tmp_path,
+        **{
+            "outer.method": "noloco",
+            "outer.inner_steps_per_outer": 5,
+            "timeouts.match_s": 3.0,
+            "timeouts.drain_s": 3.0,
+        },
+    )
     out = tmp_path / "demo"
     # Far more steps than the test lets it run: it is always killed mid-run.
-    cmd = [sys.executable, "-m", "noloco_node", "demo", "--replicas", "1", "--stages", "2", "--steps", "5000",
-           "--timeout", "600", "--out", str(out), *[a for s in sets for a in ("--set", s)]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "noloco_node",
+        "demo",
+        "--replicas",
+        "1",
+        "--stages",
+        "2",
+        "--steps",
+        "5000",
+        "--timeout",
+        "600",
+        "--out",
+        str(out),
+        *[a for s in sets for a in ("--set", s)],
+    ]
     with open(tmp_path / "demo.log", "w") as log:
         # Its own session, like a service: the test's signals go to the demo alone.
         demo = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -90,14 +112,18 @@ def wait_training(demo: subprocess.Popen, out: Path, tmp_path: Path, timeout_s: 
     deadline = time.monotonic() + timeout_s
     ready = [out / "ready" / f"stage{s}-r0.json" for s in (0, 1)]
     while True:
-        assert demo.poll() is None, f"demo exited early with {demo.returncode}:\n" + (tmp_path / "demo.log").read_text()[-3000:]
+        assert demo.poll() is None, (
+            f"demo exited early with {demo.returncode}:\n" + (tmp_path / "demo.log").read_text()[-3000:]
+        )
         try:
             steps = [json.loads(p.read_text()).get("inner_step", 0) for p in ready]
         except (OSError, ValueError):
             steps = None
         if steps is not None and steps[0] >= 1:
             return
-        assert time.monotonic() < deadline, f"swarm not training after {timeout_s} s:\n" + (tmp_path / "demo.log").read_text()[-3000:]
+        assert time.monotonic() < deadline, (
+            f"swarm not training after {timeout_s} s:\n" + (tmp_path / "demo.log").read_text()[-3000:]
+        )
         time.sleep(0.2)
 
 
@@ -130,13 +156,15 @@ def test_killing_demo_mid_run_leaves_no_process_of_its_swarm(tmp_path, sig):
         demo.send_signal(sig)
         demo.wait(timeout=DRAIN_TIMEOUT_S)
         left = pids
-        while (left := [p for p in left if alive(p)] + [p for p in mentioning(str(out)) if p not in left]) \
-                and time.monotonic() - killed < DRAIN_TIMEOUT_S:
+        while (
+            left := [p for p in left if alive(p)] + [p for p in mentioning(str(out)) if p not in left]
+        ) and time.monotonic() - killed < DRAIN_TIMEOUT_S:
             time.sleep(0.2)
         elapsed = time.monotonic() - killed
         print(f"{sig.name}: demo exited {demo.returncode}, swarm of {len(pids)} processes gone after {elapsed:.1f} s")
-        assert left == [], f"still running {elapsed:.0f} s after {sig.name}: " + \
-            ", ".join(cmdline(p)[:200] for p in left if alive(p))
+        assert left == [], f"still running {elapsed:.0f} s after {sig.name}: " + ", ".join(
+            cmdline(p)[:200] for p in left if alive(p)
+        )
         log = (tmp_path / "demo.log").read_text()
         if sig == signal.SIGTERM:
             # It drained the swarm itself (it did not die of the signal) and said why it stopped.

@@ -20,8 +20,12 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 def cli(overrides, *args, timeout=120):
     sets = [a for o in overrides for a in ("--set", o)]
-    return subprocess.run([sys.executable, "-m", "noloco_node", args[0], *sets, *args[1:]], capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "noloco_node", args[0], *sets, *args[1:]],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def closed_port() -> int:
@@ -54,8 +58,9 @@ def test_unreachable_bootstrap_fails_within_the_startup_timeout(tmp_path):
 
 
 def test_stage_auto_and_doctor_against_a_live_swarm(tmp_path, make_swarm):
-    overrides = tiny_overrides(tmp_path, **{"run.run_id": "doctor-test", "outer.method": "noloco",
-                                            "outer.inner_steps_per_outer": 1000})
+    overrides = tiny_overrides(
+        tmp_path, **{"run.run_id": "doctor-test", "outer.method": "noloco", "outer.inner_steps_per_outer": 1000}
+    )
     prepare_tokenizer(overrides)
     swarm = make_swarm(overrides)
     # Stage-0 nodes here only serve (and donate state): no training load while the checks below run,
@@ -105,8 +110,9 @@ def test_stage_auto_and_doctor_against_a_live_swarm(tmp_path, make_swarm):
 
     # A node that must be dialled directly (network.reach = direct) but announces an unreachable
     # address is refused at join, with exit 4. (With reach = auto it would serve over libp2p.)
-    result = cli(direct, "join", "--stage", "1", "--initial-peers", swarm.maddr, "--announce-addr",
-                 f"127.0.0.1:{closed}")
+    result = cli(
+        direct, "join", "--stage", "1", "--initial-peers", swarm.maddr, "--announce-addr", f"127.0.0.1:{closed}"
+    )
     assert result.returncode == 4, result.stderr[-2000:]
     assert "no peer could reach this node" in result.stderr and "--announce-addr" in result.stderr
 

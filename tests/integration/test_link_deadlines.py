@@ -38,19 +38,42 @@ class RelayedPeers:
         self.work, self.go, self.procs, self.maddr = work, work / "go", {}, None
         ports = free_ports(2 * count)
         self.grpc, self.relayed = ports[:count], ports[count:]
-        self.relay = RelayProcess(LinkProfile("slow", one_way_ms=5.0, mbit=MBIT), dict(zip(self.relayed, self.grpc)), work)
+        self.relay = RelayProcess(
+            LinkProfile("slow", one_way_ms=5.0, mbit=MBIT), dict(zip(self.relayed, self.grpc)), work
+        )
 
     def start(self, name: str, *extra: str) -> dict:
         i, ready = len(self.procs), self.work / f"{name}.ready"
-        cmd = [sys.executable, "-m", "noloco_node.experiments.outer_peer", "--numel", str(NUMEL), "--seed", str(i),
-               "--codec", "none", "--match-s", str(MATCH_S), "--out", str(self.work / f"{name}.out"),
-               "--ready-file", str(ready), "--go-file", str(self.go), "--port", str(self.grpc[i]),
-               "--announce-addr", f"127.0.0.1:{self.relayed[i]}", *extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "noloco_node.experiments.outer_peer",
+            "--numel",
+            str(NUMEL),
+            "--seed",
+            str(i),
+            "--codec",
+            "none",
+            "--match-s",
+            str(MATCH_S),
+            "--out",
+            str(self.work / f"{name}.out"),
+            "--ready-file",
+            str(ready),
+            "--go-file",
+            str(self.go),
+            "--port",
+            str(self.grpc[i]),
+            "--announce-addr",
+            f"127.0.0.1:{self.relayed[i]}",
+            *extra,
+        ]
         if self.maddr:
             cmd += ["--initial-peers", self.maddr]
         with open(self.work / f"{name}.log", "w") as log:
-            self.procs[name] = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                                start_new_session=True)
+            self.procs[name] = subprocess.Popen(
+                cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
         deadline = time.monotonic() + 60
         while not ready.exists():
             assert self.procs[name].poll() is None and time.monotonic() < deadline, self.log(name)
@@ -91,6 +114,7 @@ def peers_of(tmp_path):
     def make(count: int) -> RelayedPeers:
         made.append(RelayedPeers(tmp_path, count))
         return made[-1]
+
     yield make
     for peers in made:
         peers.stop()
@@ -113,15 +137,23 @@ def test_exchange_slower_than_the_old_fixed_deadline_completes_and_status_shows_
         # the whole round took longer than the 5 s that used to bound it, exchange included
         assert r["history"][0]["seconds"] > MATCH_S + 1, r["history"]
         assert 0.5 * MBIT < _measured_mbit(r, partner["peer_id"]) < 1.1 * MBIT, r["links"]
-    print(f"\nrounds took {[results[n]['history'][0]['seconds'] for n in 'ab']} s; measured "
-          f"{[_measured_mbit(results[n], p['peer_id']) for n, p in (('a', b), ('b', a))]} Mbit/s")
+    print(
+        f"\nrounds took {[results[n]['history'][0]['seconds'] for n in 'ab']} s; measured "
+        f"{[_measured_mbit(results[n], p['peer_id']) for n, p in (('a', b), ('b', a))]} Mbit/s"
+    )
 
     time.sleep(1.0)  # both announced their record with the measured link after the round
     flags = ["--initial-peers", peers.maddr, "--set", "run.run_id=outer-test", "--set", "pipeline.num_stages=1"]
-    listing = subprocess.run([sys.executable, "-m", "noloco_node", "status", "--json", *flags], cwd=ROOT,
-                             capture_output=True, text=True, timeout=120)
-    table = subprocess.run([sys.executable, "-m", "noloco_node", "status", *flags], cwd=ROOT,
-                           capture_output=True, text=True, timeout=120)
+    listing = subprocess.run(
+        [sys.executable, "-m", "noloco_node", "status", "--json", *flags],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    table = subprocess.run(
+        [sys.executable, "-m", "noloco_node", "status", *flags], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     stop.touch()
     assert listing.returncode == 0 and table.returncode == 0, listing.stderr[-2000:] + table.stderr[-2000:]
     shown = {r["peer_id"]: r["link_mbit_s"] for r in json.loads(listing.stdout)["replicas"]}
@@ -159,15 +191,18 @@ def test_partner_that_stops_sending_is_cut_at_its_progress_deadline(peers_of):
     assert 2.0 <= limit < 6.0 and limit <= waited < limit + 1.5, (waited, limit)
     assert honest["history"][0]["seconds"] < MATCH_S + limit + 2, honest["history"]
     assert took < 20, took
-    print(f"\nno message for {waited} s (progress deadline {limit} s): the honest peer went solo "
-          f"{honest['history'][0]['seconds']:.1f} s into its round")
+    print(
+        f"\nno message for {waited} s (progress deadline {limit} s): the honest peer went solo "
+        f"{honest['history'][0]['seconds']:.1f} s into its round"
+    )
 
 
 def test_state_fetch_over_a_slow_link_completes_past_its_fixed_deadline(peers_of, tmp_path):
     peers = peers_of(2)
     numel = 750_000  # phi and momentum, float32: 6 MB, about 12 s at 4 Mbit/s
-    donor = peers.start("donor", "--numel", str(numel), "--rounds", "0",
-                        "--serve-until", str(tmp_path / "joiner.out.json"))
+    donor = peers.start(
+        "donor", "--numel", str(numel), "--rounds", "0", "--serve-until", str(tmp_path / "joiner.out.json")
+    )
     peers.start("joiner", "--numel", str(numel), "--fetch-state", "--rpc-s", "3")
     peers.begin()
     joiner, donor_out = peers.result("joiner"), peers.result("donor")

@@ -22,8 +22,21 @@ HIDDEN, SEQ = 32, 16
 FORWARD, BACKWARD = "/noloco.wire.v1.Stage/Forward", "/noloco.wire.v1.Stage/Backward"
 
 
-def forward_messages(run, me: str, *, shape=(1, SEQ, HIDDEN), values=None, codec="none", labels=None, truncate=0,
-                     reorder=False, sequence=0, payload_bytes=None, last_hop=None, token_ids=()):
+def forward_messages(
+    run,
+    me: str,
+    *,
+    shape=(1, SEQ, HIDDEN),
+    values=None,
+    codec="none",
+    labels=None,
+    truncate=0,
+    reorder=False,
+    sequence=0,
+    payload_bytes=None,
+    last_hop=None,
+    token_ids=(),
+):
     """A Forward whose route ends with the caller `me` (the node checks it against the signature),
     or with `last_hop` when given."""
     tensor = values if values is not None else torch.randn(*shape) * 0.1
@@ -32,9 +45,14 @@ def forward_messages(run, me: str, *, shape=(1, SEQ, HIDDEN), values=None, codec
         header.payload_bytes = payload_bytes
     b, t = shape[0], shape[1]
     fwd = stage_pb2.ForwardHeader(
-        run=run, microbatch=stage_pb2.MicrobatchId(origin_peer="tester", sequence=sequence), target_stage=1,
-        route=[stage_pb2.Hop(peer_id=last_hop or me, address="127.0.0.1:9", stage=0)], activations=header,
-        labels=labels if labels is not None else [1] * (b * t), token_ids=token_ids)
+        run=run,
+        microbatch=stage_pb2.MicrobatchId(origin_peer="tester", sequence=sequence),
+        target_stage=1,
+        route=[stage_pb2.Hop(peer_id=last_hop or me, address="127.0.0.1:9", stage=0)],
+        activations=header,
+        labels=labels if labels is not None else [1] * (b * t),
+        token_ids=token_ids,
+    )
     chunks = list(iter_chunks(payload[: len(payload) - truncate], chunk_bytes=512))
     if reorder and len(chunks) > 1:
         chunks[0], chunks[1] = chunks[1], chunks[0]
@@ -51,8 +69,9 @@ async def call_forward(stub, messages, metadata):
 
 def test_malformed_forwards_are_rejected_and_node_keeps_serving(tmp_path, make_swarm):
     # One client sends every bad case: the ban it would earn (tested in test_hostile_input) is off here.
-    overrides = tiny_overrides(tmp_path, **{"pipeline.num_stages": 2, "security.ban_after_invalid": 1000,
-                                            "security.ban_after_poisoned": 1000})
+    overrides = tiny_overrides(
+        tmp_path, **{"pipeline.num_stages": 2, "security.ban_after_invalid": 1000, "security.ban_after_poisoned": 1000}
+    )
     prepare_tokenizer(overrides)
     swarm = make_swarm(overrides)
     node = swarm.start_node(1, 0)
@@ -70,7 +89,9 @@ def test_malformed_forwards_are_rejected_and_node_keeps_serving(tmp_path, make_s
             stub = stage_pb2_grpc.StageStub(channel)
             fwd = lambda *a, **k: forward_messages(*a, me.peer_id, **k)  # noqa: E731
             results = {
-                "other run": await call_forward(stub, fwd(tensor_pb2.RunIdentity(run_id="x", manifest_hash="y")), sig()),
+                "other run": await call_forward(
+                    stub, fwd(tensor_pb2.RunIdentity(run_id="x", manifest_hash="y")), sig()
+                ),
                 "wrong hidden size": await call_forward(stub, fwd(run, shape=(1, SEQ, HIDDEN - 1)), sig()),
                 "too many sequences": await call_forward(stub, fwd(run, shape=(5, SEQ, HIDDEN)), sig()),
                 "truncated stream": await call_forward(stub, fwd(run, truncate=100), sig()),
@@ -83,18 +104,26 @@ def test_malformed_forwards_are_rejected_and_node_keeps_serving(tmp_path, make_s
                 "oversize header": await call_forward(stub, fwd(run, labels=[1] * (9 << 20)), sig()),
                 "header missing": await call_forward(stub, fwd(run)[1:], sig()),
                 # A route whose last hop is not the peer that signed the call (an impersonation).
-                "route names another peer": await call_forward(stub, fwd(run, last_hop=info["peer_id"], sequence=3), sig()),
+                "route names another peer": await call_forward(
+                    stub, fwd(run, last_hop=info["peer_id"], sequence=3), sig()
+                ),
             }
-            garbage = channel.stream_unary(FORWARD, request_serializer=lambda b: b,
-                                           response_deserializer=stage_pb2.StageAck.FromString)
+            garbage = channel.stream_unary(
+                FORWARD, request_serializer=lambda b: b, response_deserializer=stage_pb2.StageAck.FromString
+            )
             try:
                 await garbage(iter([os.urandom(64), b"\xff" * 32]), timeout=10, metadata=sig())
                 results["garbage bytes"] = grpc.StatusCode.OK
             except grpc.aio.AioRpcError as exc:
                 results["garbage bytes"] = exc.code()
-            backward = stage_pb2.BackwardMessage(header=stage_pb2.BackwardHeader(
-                run=run, microbatch=stage_pb2.MicrobatchId(origin_peer="tester", sequence=99), target_stage=1,
-                grad=encode_tensor(torch.zeros(1, SEQ, HIDDEN), "none")[0]))
+            backward = stage_pb2.BackwardMessage(
+                header=stage_pb2.BackwardHeader(
+                    run=run,
+                    microbatch=stage_pb2.MicrobatchId(origin_peer="tester", sequence=99),
+                    target_stage=1,
+                    grad=encode_tensor(torch.zeros(1, SEQ, HIDDEN), "none")[0],
+                )
+            )
             try:
                 await stub.Backward(iter([backward]), timeout=10, metadata=sig(BACKWARD))
                 results["backward unknown microbatch"] = grpc.StatusCode.OK
@@ -102,11 +131,16 @@ def test_malformed_forwards_are_rejected_and_node_keeps_serving(tmp_path, make_s
                 results["backward unknown microbatch"] = exc.code()
             results["valid"] = await call_forward(stub, fwd(run, codec="bf16", sequence=1), sig())
             results["valid again"] = await call_forward(stub, fwd(run, sequence=2), sig())
-            health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+            health = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=5
+            )
             for method in ("Check", "Watch"):  # health is open (unsigned), and must answer garbage as the others do
                 kind = channel.unary_unary if method == "Check" else channel.unary_stream
-                call = kind(f"/grpc.health.v1.Health/{method}", request_serializer=lambda b: b,
-                            response_deserializer=health_pb2.HealthCheckResponse.FromString)
+                call = kind(
+                    f"/grpc.health.v1.Health/{method}",
+                    request_serializer=lambda b: b,
+                    response_deserializer=health_pb2.HealthCheckResponse.FromString,
+                )
                 try:
                     reply = call(b"\xff" * 16, timeout=5)
                     if method == "Watch":
@@ -120,8 +154,11 @@ def test_malformed_forwards_are_rejected_and_node_keeps_serving(tmp_path, make_s
         # report INTERNAL when the server ends a client-streaming call before the client finished
         # writing (grpc/grpc#36066), which is what a refusing interceptor does.
         with secure_channel(info) as sync_channel:
-            unsigned = sync_channel.stream_unary(FORWARD, request_serializer=stage_pb2.ForwardMessage.SerializeToString,
-                                                 response_deserializer=stage_pb2.StageAck.FromString)
+            unsigned = sync_channel.stream_unary(
+                FORWARD,
+                request_serializer=stage_pb2.ForwardMessage.SerializeToString,
+                response_deserializer=stage_pb2.StageAck.FromString,
+            )
             try:
                 await asyncio.to_thread(unsigned, iter(forward_messages(run, me.peer_id, sequence=4)), timeout=10)
                 results["unsigned"] = grpc.StatusCode.OK
@@ -139,14 +176,27 @@ def test_malformed_forwards_are_rejected_and_node_keeps_serving(tmp_path, make_s
     results, health = asyncio.run(scenario())
     invalid = grpc.StatusCode.INVALID_ARGUMENT
     assert results == {
-        "other run": grpc.StatusCode.FAILED_PRECONDITION, "wrong hidden size": invalid, "too many sequences": invalid,
-        "truncated stream": invalid, "chunks reordered": invalid, "declared size wrong": invalid, "nan payload": invalid,
-        "labels outside vocab": invalid, "wrong label count": invalid, "token ids to a dense model": invalid,
-        "oversize header": grpc.StatusCode.RESOURCE_EXHAUSTED, "header missing": invalid, "garbage bytes": invalid,
-        "backward unknown microbatch": grpc.StatusCode.FAILED_PRECONDITION, "valid": grpc.StatusCode.OK,
-        "valid again": grpc.StatusCode.OK, "route names another peer": invalid,
-        "unsigned": grpc.StatusCode.UNAUTHENTICATED, "plaintext": grpc.StatusCode.UNAVAILABLE,
-        "health Check garbage": invalid, "health Watch garbage": invalid,
+        "other run": grpc.StatusCode.FAILED_PRECONDITION,
+        "wrong hidden size": invalid,
+        "too many sequences": invalid,
+        "truncated stream": invalid,
+        "chunks reordered": invalid,
+        "declared size wrong": invalid,
+        "nan payload": invalid,
+        "labels outside vocab": invalid,
+        "wrong label count": invalid,
+        "token ids to a dense model": invalid,
+        "oversize header": grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "header missing": invalid,
+        "garbage bytes": invalid,
+        "backward unknown microbatch": grpc.StatusCode.FAILED_PRECONDITION,
+        "valid": grpc.StatusCode.OK,
+        "valid again": grpc.StatusCode.OK,
+        "route names another peer": invalid,
+        "unsigned": grpc.StatusCode.UNAUTHENTICATED,
+        "plaintext": grpc.StatusCode.UNAVAILABLE,
+        "health Check garbage": invalid,
+        "health Watch garbage": invalid,
     }
     assert health == health_pb2.HealthCheckResponse.SERVING
     assert node.proc.poll() is None, "the node must survive every malformed call"
@@ -163,8 +213,15 @@ def test_hostile_coordinate_payloads_are_refused_by_a_subspace_stage(tmp_path, m
     """A residual-subspace stage takes [batch, seq, k] coordinates and the token ids; anything else
     is INVALID_ARGUMENT, and a well-formed coordinate payload is accepted."""
     rank = 4
-    overrides = tiny_overrides(tmp_path, **{"pipeline.num_stages": 2, "model.residual_subspace": rank,
-                                            "security.ban_after_invalid": 1000, "security.ban_after_poisoned": 1000})
+    overrides = tiny_overrides(
+        tmp_path,
+        **{
+            "pipeline.num_stages": 2,
+            "model.residual_subspace": rank,
+            "security.ban_after_invalid": 1000,
+            "security.ban_after_poisoned": 1000,
+        },
+    )
     prepare_tokenizer(overrides)
     swarm = make_swarm(overrides)
     node = swarm.start_node(1, 0)
@@ -182,19 +239,35 @@ def test_hostile_coordinate_payloads_are_refused_by_a_subspace_stage(tmp_path, m
                 "hidden-wide activations": await call_forward(stub, fwd(run, token_ids=ids), sig()),
                 "wrong k": await call_forward(stub, fwd(run, shape=(1, SEQ, rank + 1), token_ids=ids), sig()),
                 "no token ids": await call_forward(stub, fwd(run, shape=(1, SEQ, rank)), sig()),
-                "token ids outside vocab": await call_forward(stub, fwd(run, shape=(1, SEQ, rank), token_ids=[10**6] * SEQ), sig()),
-                "wrong token id count": await call_forward(stub, fwd(run, shape=(1, SEQ, rank), token_ids=[1] * 3), sig()),
-                "nan coordinates": await call_forward(stub, fwd(run, shape=(1, SEQ, rank), token_ids=ids,
-                                                               values=torch.full((1, SEQ, rank), math.nan)), sig()),
+                "token ids outside vocab": await call_forward(
+                    stub, fwd(run, shape=(1, SEQ, rank), token_ids=[10**6] * SEQ), sig()
+                ),
+                "wrong token id count": await call_forward(
+                    stub, fwd(run, shape=(1, SEQ, rank), token_ids=[1] * 3), sig()
+                ),
+                "nan coordinates": await call_forward(
+                    stub,
+                    fwd(run, shape=(1, SEQ, rank), token_ids=ids, values=torch.full((1, SEQ, rank), math.nan)),
+                    sig(),
+                ),
                 "oversized": await call_forward(stub, fwd(run, shape=(3, SEQ, rank), token_ids=ids * 3), sig()),
-                "valid": await call_forward(stub, fwd(run, shape=(1, SEQ, rank), token_ids=ids, codec="int8", sequence=1), sig()),
+                "valid": await call_forward(
+                    stub, fwd(run, shape=(1, SEQ, rank), token_ids=ids, codec="int8", sequence=1), sig()
+                ),
             }
 
     results = asyncio.run(scenario())
     invalid = grpc.StatusCode.INVALID_ARGUMENT
-    assert results == {"hidden-wide activations": invalid, "wrong k": invalid, "no token ids": invalid,
-                       "token ids outside vocab": invalid, "wrong token id count": invalid, "nan coordinates": invalid,
-                       "oversized": invalid, "valid": grpc.StatusCode.OK}
+    assert results == {
+        "hidden-wide activations": invalid,
+        "wrong k": invalid,
+        "no token ids": invalid,
+        "token ids outside vocab": invalid,
+        "wrong token id count": invalid,
+        "nan coordinates": invalid,
+        "oversized": invalid,
+        "valid": grpc.StatusCode.OK,
+    }
     assert node.proc.poll() is None, "the node must survive every hostile payload"
     swarm.stop()
     [stats] = swarm.node_stats().values()

@@ -23,10 +23,16 @@ MICROBATCHES, PER_STEP, WARMUP_STEPS = 1000, 8, 25
 RSS_GROWTH_BOUND_MB = 16.0
 
 
-
 def test_thousand_microbatches_leave_no_saved_inputs_and_bounded_rss(tmp_path, make_swarm):
-    overrides = tiny_overrides(tmp_path, **{"run.run_id": "memory-test", "pipeline.batch_size": PER_STEP,
-                                            "pipeline.microbatch_size": 1, "inner.total_steps": 200})
+    overrides = tiny_overrides(
+        tmp_path,
+        **{
+            "run.run_id": "memory-test",
+            "pipeline.batch_size": PER_STEP,
+            "pipeline.microbatch_size": 1,
+            "inner.total_steps": 200,
+        },
+    )
     prepare_tokenizer(overrides)
     swarm = make_swarm(overrides)
     last = swarm.start_node(1, 0)
@@ -73,8 +79,11 @@ def test_a_stage_that_cannot_fit_is_refused_before_allocating(tmp_path):
     from noloco_node.model.memory import available_bytes, estimate_for_run
 
     overrides = tiny_overrides(tmp_path, **{"pipeline.num_stages": 1, "model.preset": "large"})
-    overrides = [o for o in overrides if not o.startswith(("model.hidden_size", "model.intermediate_size",
-                                                            "model.num_layers", "model.num_heads"))]
+    overrides = [
+        o
+        for o in overrides
+        if not o.startswith(("model.hidden_size", "model.intermediate_size", "model.num_layers", "model.num_heads"))
+    ]
     config, _, tokenizer = prepare_tokenizer(overrides)
     llama, ranges = run_model(config, len(tokenizer))
     import torch
@@ -83,9 +92,22 @@ def test_a_stage_that_cannot_fit_is_refused_before_allocating(tmp_path):
     assert need.total > available_bytes(torch.device("cpu")), "this machine could hold it: the check would not fire"
     sets = [a for o in overrides for a in ("--set", o)]
     started = time.monotonic()
-    result = subprocess.run([sys.executable, "-m", "noloco_node", "join", "--stage", "0", "--initial-peers",
-                             "/ip4/127.0.0.1/tcp/9/p2p/QmaCpDMGvV2BGHeYERUEnRQAwe3N8SzbUtfsmvsqQLuvuJ", *sets],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "noloco_node",
+            "join",
+            "--stage",
+            "0",
+            "--initial-peers",
+            "/ip4/127.0.0.1/tcp/9/p2p/QmaCpDMGvV2BGHeYERUEnRQAwe3N8SzbUtfsmvsqQLuvuJ",
+            *sets,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2, result.stderr[-2000:]
     assert "needs about" in result.stderr and "activation_checkpointing" in result.stderr, result.stderr[-2000:]
     print(f"\nrefused in {time.monotonic() - started:.1f} s: {result.stderr.strip()[-400:]}")
@@ -95,8 +117,27 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "memory_estimate.py
 
 
 def _measure(case: str, *args: str) -> dict:
-    result = subprocess.run([sys.executable, str(BENCH), "--case", case, "--json", "--seq-len", "256", "--micro", "2",
-                             "--batch", "4", "--steps", "3", *args], capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH),
+            "--case",
+            case,
+            "--json",
+            "--seq-len",
+            "256",
+            "--micro",
+            "2",
+            "--batch",
+            "4",
+            "--steps",
+            "3",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -111,8 +152,10 @@ SMALL_CASES = ["small:3:0:overlap", "small:3:2:exact", "small:1:0:exact"]
 def test_the_estimate_is_within_25_percent_above_the_measured_peak_rss(case):
     r = _measure(case)
     ratio = r["estimate"] / r["peak"]
-    print(f"\n{case}: estimate {r['estimate'] / 2**20:.0f} MiB, measured peak RSS {r['peak'] / 2**20:.0f} MiB "
-          f"(build {r['build_peak'] / 2**20:.0f}), ratio {ratio:.2f}")
+    print(
+        f"\n{case}: estimate {r['estimate'] / 2**20:.0f} MiB, measured peak RSS {r['peak'] / 2**20:.0f} MiB "
+        f"(build {r['build_peak'] / 2**20:.0f}), ratio {ratio:.2f}"
+    )
     assert 1.0 <= ratio <= 1.25, r["parts"]
 
 
@@ -123,7 +166,9 @@ def test_tiny_stages_are_estimated_within_the_allocators_noise(case):
     to land within [0.75, 1.5] of the measurement."""
     r = _measure(case)
     ratio = r["estimate"] / r["peak"]
-    print(f"\n{case}: estimate {r['estimate'] / 2**20:.0f} MiB, measured {r['peak'] / 2**20:.0f} MiB, ratio {ratio:.2f}")
+    print(
+        f"\n{case}: estimate {r['estimate'] / 2**20:.0f} MiB, measured {r['peak'] / 2**20:.0f} MiB, ratio {ratio:.2f}"
+    )
     assert 0.75 <= ratio <= 1.5, r["parts"]
 
 
@@ -132,8 +177,11 @@ def test_a_stage_that_fits_starts(tmp_path, make_swarm):
     from noloco_node.model.build import run_model
     from noloco_node.model.memory import available_bytes, estimate_for_run
 
-    overrides = [o for o in tiny_overrides(tmp_path, **{"pipeline.num_stages": 2, "model.preset": "small"})
-                 if not o.startswith(("model.hidden_size", "model.intermediate_size", "model.num_layers", "model.num_heads"))]
+    overrides = [
+        o
+        for o in tiny_overrides(tmp_path, **{"pipeline.num_stages": 2, "model.preset": "small"})
+        if not o.startswith(("model.hidden_size", "model.intermediate_size", "model.num_layers", "model.num_heads"))
+    ]
     config, _, tokenizer = prepare_tokenizer(overrides)
     llama, ranges = run_model(config, len(tokenizer))
     import torch

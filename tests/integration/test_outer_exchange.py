@@ -9,10 +9,17 @@ import pytest
 import torch
 
 from noloco_node.optim.outer import solo_step
-from tests.outer_cases import (A, B, NOLOCO, test_gamma_not_beta_reaches_the_oracle,  # noqa: F401 - collected here
-                               test_hostile_snapshot_rejected_banned_and_solo, test_lossy_codecs_give_both_sides_the_math_on_wire_values,
-                               test_two_peers_reach_exactly_v1)
+from tests import outer_cases
+from tests.outer_cases import A, B, NOLOCO
 from tests.outer_peers import ProcessPeers, t
+
+# The shared cases (tests/outer_cases.py), run here over real processes with the `peers` fixture below.
+test_gamma_not_beta_reaches_the_oracle = outer_cases.test_gamma_not_beta_reaches_the_oracle
+test_hostile_snapshot_rejected_banned_and_solo = outer_cases.test_hostile_snapshot_rejected_banned_and_solo
+test_lossy_codecs_give_both_sides_the_math_on_wire_values = (
+    outer_cases.test_lossy_codecs_give_both_sides_the_math_on_wire_values
+)
+test_two_peers_reach_exactly_v1 = outer_cases.test_two_peers_reach_exactly_v1
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 

@@ -16,13 +16,23 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 def test_overlapped_exchange_lets_training_go_on_and_both_replicas_end_at_the_math(tmp_path, make_swarm):
     steps, every = 9, 3
-    overrides = tiny_overrides(tmp_path, **{"outer.method": "noloco", "outer.overlap": "true",
-                                            "outer.inner_steps_per_outer": every, "pipeline.num_stages": 1,
-                                            "inner.total_steps": steps, "timeouts.match_s": 10.0,
-                                            "faults.inject": "during_exchange:delay=1.5"})
+    overrides = tiny_overrides(
+        tmp_path,
+        **{
+            "outer.method": "noloco",
+            "outer.overlap": "true",
+            "outer.inner_steps_per_outer": every,
+            "pipeline.num_stages": 1,
+            "inner.total_steps": steps,
+            "timeouts.match_s": 10.0,
+            "faults.inject": "during_exchange:delay=1.5",
+        },
+    )
     prepare_tokenizer(overrides)
     swarm = make_swarm(overrides)
-    drivers = [swarm.start_node(0, r, "--steps", str(steps), "--wait-replicas", "2", "--save-weights") for r in range(2)]
+    drivers = [
+        swarm.start_node(0, r, "--steps", str(steps), "--wait-replicas", "2", "--save-weights") for r in range(2)
+    ]
     swarm.wait_exit(drivers, timeout_s=240)
     assert all(d.proc.returncode == 0 for d in drivers)
     swarm.stop()

@@ -20,18 +20,27 @@ PERIOD_S = 2.0
 
 
 def test_three_plus_one_rebalances_to_two_plus_two(tmp_path, make_swarm):
-    overrides = tiny_overrides(tmp_path, **{"outer.method": "noloco", "outer.inner_steps_per_outer": 10,
-                                            "pipeline.rebalance_period_s": PERIOD_S, "pipeline.batch_size": 4,
-                                            "inner.total_steps": STEPS, "timeouts.microbatch_s": 30.0,
-                                            "timeouts.match_s": 2.0})
+    overrides = tiny_overrides(
+        tmp_path,
+        **{
+            "outer.method": "noloco",
+            "outer.inner_steps_per_outer": 10,
+            "pipeline.rebalance_period_s": PERIOD_S,
+            "pipeline.batch_size": 4,
+            "inner.total_steps": STEPS,
+            "timeouts.microbatch_s": 30.0,
+            "timeouts.match_s": 2.0,
+        },
+    )
     prepare_tokenizer(overrides)
     swarm = make_swarm(overrides)
     events = {}
 
     def start(stage, replica, *extra):
         events[(stage, replica)] = tmp_path / f"events-{stage}-{replica}.jsonl"
-        return swarm.start_node(stage, replica, "--events", str(events[(stage, replica)]), "--set",
-                                "pipeline.rebalance=true", *extra)
+        return swarm.start_node(
+            stage, replica, "--events", str(events[(stage, replica)]), "--set", "pipeline.rebalance=true", *extra
+        )
 
     server = start(1, 0, "--set", "faults.compute_delay_s=0.01")
     swarm.wait_ready([server])

@@ -24,16 +24,22 @@ HIDDEN, SEQ, SLOTS, RECEIVE_S = 32, 16, 8, 3.0
 
 def _forward(run, me: str, sequence: int):
     header, payload = encode_tensor(torch.randn(1, SEQ, HIDDEN) * 0.1, "none")
-    fwd = stage_pb2.ForwardHeader(run=run, microbatch=stage_pb2.MicrobatchId(origin_peer=me, sequence=sequence),
-                                  target_stage=1, route=[stage_pb2.Hop(peer_id=me, address="127.0.0.1:9", stage=0)],
-                                  activations=header, labels=[1] * SEQ)
+    fwd = stage_pb2.ForwardHeader(
+        run=run,
+        microbatch=stage_pb2.MicrobatchId(origin_peer=me, sequence=sequence),
+        target_stage=1,
+        route=[stage_pb2.Hop(peer_id=me, address="127.0.0.1:9", stage=0)],
+        activations=header,
+        labels=[1] * SEQ,
+    )
     chunks = [stage_pb2.ForwardMessage(chunk=c) for c in iter_chunks(payload, chunk_bytes=512)]
     return stage_pb2.ForwardMessage(header=fwd), chunks
 
 
 def test_header_only_streams_are_cut_and_a_real_microbatch_follows(tmp_path, make_swarm):
-    overrides = tiny_overrides(tmp_path, **{"pipeline.num_stages": 2, "pipeline.max_in_flight": SLOTS,
-                                            "timeouts.receive_s": RECEIVE_S})
+    overrides = tiny_overrides(
+        tmp_path, **{"pipeline.num_stages": 2, "pipeline.max_in_flight": SLOTS, "timeouts.receive_s": RECEIVE_S}
+    )
     prepare_tokenizer(overrides)
     swarm = make_swarm(overrides)
     node = swarm.start_node(1, 0)
@@ -46,9 +52,14 @@ def test_header_only_streams_are_cut_and_a_real_microbatch_follows(tmp_path, mak
     outcomes: dict[int, tuple[str, float]] = {}
     credentials = grpc.ssl_channel_credentials(root_certificates=pem_from_record(info["tls_cert"]))
 
-    with grpc.secure_channel(info["address"], credentials, options=[("grpc.ssl_target_name_override", TLS_NAME)]) as channel:
-        stub = channel.stream_unary(FORWARD, request_serializer=lambda m: m.SerializeToString(),
-                                    response_deserializer=stage_pb2.StageAck.FromString)
+    with grpc.secure_channel(
+        info["address"], credentials, options=[("grpc.ssl_target_name_override", TLS_NAME)]
+    ) as channel:
+        stub = channel.stream_unary(
+            FORWARD,
+            request_serializer=lambda m: m.SerializeToString(),
+            response_deserializer=stage_pb2.StageAck.FromString,
+        )
 
         def stall(i: int) -> None:
             header, _ = _forward(run, attackers[i].peer_id, i)
@@ -71,7 +82,9 @@ def test_header_only_streams_are_cut_and_a_real_microbatch_follows(tmp_path, mak
             time.sleep(1.0)  # every slot is held now: an honest microbatch is refused as BUSY
             header, chunks = _forward(run, honest.peer_id, 100)
             with pytest.raises(grpc.RpcError) as busy:
-                stub(iter([header] + chunks), timeout=10, metadata=CallSigner(honest).metadata(FORWARD, info["peer_id"]))
+                stub(
+                    iter([header] + chunks), timeout=10, metadata=CallSigner(honest).metadata(FORWARD, info["peer_id"])
+                )
             assert busy.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, busy.value
             for t in threads:
                 t.join(timeout=RECEIVE_S + 20)

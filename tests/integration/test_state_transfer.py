@@ -39,8 +39,15 @@ def assert_compact_copy(got: dict, want: dict) -> None:
 def trained_donor(tmp_path, make_swarm):
     """A swarm whose stage-1 replica (saving its weights on exit) has trained STEPS steps with
     outer rounds every H and no longer changes."""
-    overrides = tiny_overrides(tmp_path, **{"outer.method": "noloco", "outer.inner_steps_per_outer": H,
-                                            "inner.total_steps": STEPS, "timeouts.match_s": 1.0})
+    overrides = tiny_overrides(
+        tmp_path,
+        **{
+            "outer.method": "noloco",
+            "outer.inner_steps_per_outer": H,
+            "inner.total_steps": STEPS,
+            "timeouts.match_s": 1.0,
+        },
+    )
     prepare_tokenizer(overrides)
     swarm = make_swarm(overrides)
     donor = swarm.start_node(1, 0, "--save-weights")

@@ -20,19 +20,33 @@ def dense_bf16_hop_bytes(stats: dict) -> int:
     with the same route and labels (no token ids), as the node's client counts it."""
     header, payload = encode_tensor(torch.zeros(MICRO, SEQ, HIDDEN), "bf16", dtype="float32")
     hop = stage_pb2.Hop(peer_id=stats["peer_id"], address=stats["address"], stage=0)
-    forward = stage_pb2.ForwardHeader(run=tensor_pb2.RunIdentity(run_id="local", manifest_hash="0" * 16),
-                                      microbatch=stage_pb2.MicrobatchId(origin_peer=stats["peer_id"], sequence=1),
-                                      route=[hop], activations=header, labels=[299] * (MICRO * SEQ), target_stage=1)
+    forward = stage_pb2.ForwardHeader(
+        run=tensor_pb2.RunIdentity(run_id="local", manifest_hash="0" * 16),
+        microbatch=stage_pb2.MicrobatchId(origin_peer=stats["peer_id"], sequence=1),
+        route=[hop],
+        activations=header,
+        labels=[299] * (MICRO * SEQ),
+        target_stage=1,
+    )
     return len(payload) + forward.ByteSize()
 
 
 def test_a_subspace_swarm_trains_pairs_and_sends_a_sixteenth_of_the_dense_bytes(tmp_path, make_swarm):
     steps, rank = 12, HIDDEN // 32
-    overrides = tiny_overrides(tmp_path, **{"model.hidden_size": HIDDEN, "model.intermediate_size": 512,
-                                            "model.residual_subspace": rank, "pipeline.activation_codec": "bf16",
-                                            "pipeline.microbatch_size": MICRO, "outer.method": "noloco",
-                                            "outer.inner_steps_per_outer": 3, "inner.total_steps": steps,
-                                            "timeouts.match_s": 3.0})
+    overrides = tiny_overrides(
+        tmp_path,
+        **{
+            "model.hidden_size": HIDDEN,
+            "model.intermediate_size": 512,
+            "model.residual_subspace": rank,
+            "pipeline.activation_codec": "bf16",
+            "pipeline.microbatch_size": MICRO,
+            "outer.method": "noloco",
+            "outer.inner_steps_per_outer": 3,
+            "inner.total_steps": steps,
+            "timeouts.match_s": 3.0,
+        },
+    )
     prepare_tokenizer(overrides)
     swarm = make_swarm(overrides)
     servers = [swarm.start_node(1, r) for r in range(2)]
@@ -56,7 +70,9 @@ def test_a_subspace_swarm_trains_pairs_and_sends_a_sixteenth_of_the_dense_bytes(
         paired += s["outer"]["paired"]
         per_hop = s["bytes_sent"] / s["forwards_sent"]
         dense = dense_bf16_hop_bytes(s)
-        print(f"\nstage 0 {s['peer_id'][-8:]}: {per_hop:.0f} B per forward hop at k = {rank} vs {dense} B dense bf16 "
-              f"(ratio {per_hop / dense:.4f}), outer {s['outer']}")
+        print(
+            f"\nstage 0 {s['peer_id'][-8:]}: {per_hop:.0f} B per forward hop at k = {rank} vs {dense} B dense bf16 "
+            f"(ratio {per_hop / dense:.4f}), outer {s['outer']}"
+        )
         assert per_hop <= dense / 16, (per_hop, dense)
     assert paired > 0, {d.info["peer_id"][-8:]: stats[d.info["peer_id"]]["outer_history"] for d in drivers}

@@ -14,8 +14,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 def test_sigkill_of_a_stage1_replica_is_survived(tmp_path, make_swarm):
     steps = 20
-    overrides = tiny_overrides(tmp_path, **{"pipeline.batch_size": 8, "inner.total_steps": steps,
-                                            "timeouts.microbatch_s": 2.0})
+    overrides = tiny_overrides(
+        tmp_path, **{"pipeline.batch_size": 8, "inner.total_steps": steps, "timeouts.microbatch_s": 2.0}
+    )
     prepare_tokenizer(overrides)
     swarm = make_swarm(overrides)
     # The victim sits on every forward far longer than the microbatch timeout, so whatever it
@@ -35,7 +36,11 @@ def test_sigkill_of_a_stage1_replica_is_survived(tmp_path, make_swarm):
         assert time.monotonic() < deadline and driver.proc.poll() is None, "victim never held a microbatch"
         status = json.loads(victim.ready_file.read_text())
         held_now = {sequence for _, sequence, _ in status["in_flight"]}
-        if held_now and status["served"] == len(held_now) and json.loads(driver.ready_file.read_text())["inner_step"] >= 2:
+        if (
+            held_now
+            and status["served"] == len(held_now)
+            and json.loads(driver.ready_file.read_text())["inner_step"] >= 2
+        ):
             if accepted & held_now:
                 break
             accepted = held_now

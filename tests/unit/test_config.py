@@ -11,7 +11,13 @@ def test_method_defaults_follow_the_reference():
     diloco = load_config(overrides=["outer.method=diloco"]).outer
     assert (diloco.inner_steps_per_outer, diloco.alpha, diloco.beta) == (100, 0.3, 0.7)
     inner = NodeConfig().inner
-    assert (inner.lr, inner.warmup_steps, inner.total_steps, inner.min_lr_ratio, inner.clip_norm) == (6e-4, 1000, 25000, 0.1, 1.0)
+    assert (inner.lr, inner.warmup_steps, inner.total_steps, inner.min_lr_ratio, inner.clip_norm) == (
+        6e-4,
+        1000,
+        25000,
+        0.1,
+        1.0,
+    )
 
 
 def test_file_then_flags_precedence(tmp_path):
@@ -22,19 +28,22 @@ def test_file_then_flags_precedence(tmp_path):
     assert config.network.initial_peers == ("/ip4/127.0.0.1/tcp/1/p2p/X",)
 
 
-@pytest.mark.parametrize("overrides,field,fix", [
-    (["outer.alpha=abc"], "outer.alpha", "float"),
-    (["outer.alfa=0.3"], "outer.alfa", "did you mean 'alpha'"),
-    (["outer.alpha=1.5"], "outer.alpha", "0.5"),
-    (["outer.method=fedavg"], "outer.method", "noloco"),
-    (["pipeline.stage=4"], "pipeline.stage", "below num_stages"),
-    (["pipeline.num_stages=9"], "pipeline.num_stages", "model.num_layers"),
-    (["model.num_heads=3"], "model.num_heads", "divides hidden_size"),
-    (["timeouts.rpc_s=-1"], "timeouts.rpc_s", "positive"),
-    (["netwrk.port=1"], "netwrk", "did you mean 'network'"),
-    (["network.announce_addr=nowhere"], "network.announce_addr", "host:port"),
-    (["alpha=0.5"], "alpha", "section.field=value"),
-])
+@pytest.mark.parametrize(
+    "overrides,field,fix",
+    [
+        (["outer.alpha=abc"], "outer.alpha", "float"),
+        (["outer.alfa=0.3"], "outer.alfa", "did you mean 'alpha'"),
+        (["outer.alpha=1.5"], "outer.alpha", "0.5"),
+        (["outer.method=fedavg"], "outer.method", "noloco"),
+        (["pipeline.stage=4"], "pipeline.stage", "below num_stages"),
+        (["pipeline.num_stages=9"], "pipeline.num_stages", "model.num_layers"),
+        (["model.num_heads=3"], "model.num_heads", "divides hidden_size"),
+        (["timeouts.rpc_s=-1"], "timeouts.rpc_s", "positive"),
+        (["netwrk.port=1"], "netwrk", "did you mean 'network'"),
+        (["network.announce_addr=nowhere"], "network.announce_addr", "host:port"),
+        (["alpha=0.5"], "alpha", "section.field=value"),
+    ],
+)
 def test_bad_values_name_field_and_fix(overrides, field, fix):
     with pytest.raises(ConfigError) as info:
         load_config(overrides=overrides)
@@ -71,10 +80,15 @@ def test_codec_none_is_the_lossless_codec_not_unset():
     assert unset.outer.codec_delta == "bf16"  # null still means "use outer.codec"
 
 
-@pytest.mark.parametrize("field,value,says", [("codec_phi", "topk:0.02", "is for Delta"),
-                                              ("codec_delta", "slice:0.1", "is for phi"),
-                                              ("codec_delta", "topk:0.02+int3", "+int2 or +int4"),
-                                              ("codec_phi", "slice:0", "fraction must be in (0, 1]")])
+@pytest.mark.parametrize(
+    "field,value,says",
+    [
+        ("codec_phi", "topk:0.02", "is for Delta"),
+        ("codec_delta", "slice:0.1", "is for phi"),
+        ("codec_delta", "topk:0.02+int3", "+int2 or +int4"),
+        ("codec_phi", "slice:0", "fraction must be in (0, 1]"),
+    ],
+)
 def test_an_outer_codec_in_the_wrong_place_names_the_field_and_the_fix(field, value, says):
     with pytest.raises(ConfigError, match=f"outer.{field}") as info:
         load_config(overrides=[f"outer.{field}={value}"])

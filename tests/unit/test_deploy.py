@@ -87,8 +87,7 @@ def test_dockerfile_entrypoint_ports_healthcheck_and_build_context():
     assert "COPY deploy/docker-entrypoint.sh /usr/local/bin/docker-entrypoint.sh" in text
     assert "COPY deploy/node.example.toml /etc/noloco-node/node.toml" in text
     join = build_parser().parse_args(entrypoint(["--initial-peers", MADDR]))
-    config = load_config(DEPLOY / "node.example.toml", join.overrides,
-                         base=None).network
+    config = load_config(DEPLOY / "node.example.toml", join.overrides, base=None).network
     exposed = {int(p) for p in re.search(r"^EXPOSE (.*)$", text, re.M).group(1).split()}
     bootstrap_port = build_parser().parse_args(["bootstrap"]).port
     assert {join.port, config.dht_port, bootstrap_port} <= exposed

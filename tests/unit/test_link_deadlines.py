@@ -107,10 +107,12 @@ def test_timeouts_fields_are_validated_with_the_field_and_the_fix():
     config = load_config(overrides=["timeouts.assumed_mbit_s=2", "timeouts.stall_s=4"])
     policy = DeadlinePolicy.from_timeouts(config.timeouts)
     assert policy.assumed_bytes_per_s == 250_000 and policy.stall_s == 4.0 and policy.slack == 3.0
-    for override, field, fix in (("timeouts.assumed_mbit_s=0", "timeouts.assumed_mbit_s", "uplink"),
-                                 ("timeouts.deadline_slack=0.5", "timeouts.deadline_slack", "e.g. 3"),
-                                 ("timeouts.deadline_ceiling_s=20", "timeouts.deadline_ceiling_s", "at least rpc_s"),
-                                 ("timeouts.stall_s=0", "timeouts.stall_s", "positive")):
+    for override, field, fix in (
+        ("timeouts.assumed_mbit_s=0", "timeouts.assumed_mbit_s", "uplink"),
+        ("timeouts.deadline_slack=0.5", "timeouts.deadline_slack", "e.g. 3"),
+        ("timeouts.deadline_ceiling_s=20", "timeouts.deadline_ceiling_s", "at least rpc_s"),
+        ("timeouts.stall_s=0", "timeouts.stall_s", "positive"),
+    ):
         with pytest.raises(ConfigError) as info:
             load_config(overrides=[override])
         assert info.value.field == field and fix in str(info.value), (override, str(info.value))
@@ -148,6 +150,7 @@ def test_within_raises_transfer_timed_out_which_is_a_peer_failure():
             await within(asyncio.sleep(5), 0.05, "waiting")
         assert isinstance(info.value, PeerUnavailable)
         assert await within(asyncio.sleep(0, result=7), 1.0, "waiting") == 7
+
     asyncio.run(main())
 
 
@@ -185,6 +188,7 @@ def test_a_slow_sender_finishes_and_a_stuck_one_is_cut_at_the_progress_deadline(
         with pytest.raises(TransferTimedOut):
             await while_sending(call, progress, call.cancel)
         assert call.cancelled and 0.3 <= time.monotonic() - start < 1.5
+
     asyncio.run(main())
 
 
@@ -215,20 +219,25 @@ async def _pair(limits: ExchangeLimits, *, delay_s: float, faults_b: FaultInject
     a_to_b, b_to_a = Pipe(delay_s), Pipe(delay_s)
     (mine_a, expected), (mine_b, _) = _snapshot(1, 300_000), _snapshot(2, 300_000)  # 1.2 MB: 2 chunks each
     side_a = exchange_snapshots(b_to_a.read, a_to_b.write, mine_a, expected, "none", 1 << 24, limits=limits)
-    side_b = exchange_snapshots(a_to_b.read, b_to_a.write, mine_b, expected, "none", 1 << 24, faults=faults_b,
-                                limits=limits)
+    side_b = exchange_snapshots(
+        a_to_b.read, b_to_a.write, mine_b, expected, "none", 1 << 24, faults=faults_b, limits=limits
+    )
     return await asyncio.gather(side_a, side_b, return_exceptions=True)
 
 
 def test_exchange_slower_than_a_fixed_deadline_completes_under_a_derived_one():
     samples = []
-    limits = ExchangeLimits(total_s=lambda size: 3.0 * size / 2e6, stall_s=0.5,
-                            observe=lambda size, seconds: samples.append((size, seconds)))
+    limits = ExchangeLimits(
+        total_s=lambda size: 3.0 * size / 2e6,
+        stall_s=0.5,
+        observe=lambda size, seconds: samples.append((size, seconds)),
+    )
 
     async def main():
         start = time.monotonic()
         got_a, got_b = await _pair(limits, delay_s=0.2)  # 4 messages each way, 0.2 s apart
         return got_a, got_b, time.monotonic() - start
+
     got_a, got_b, seconds = asyncio.run(main())
     assert isinstance(got_a, dict) and isinstance(got_b, dict), (got_a, got_b)
     torch.testing.assert_close(got_a["w"], torch.randn(300_000, generator=torch.Generator().manual_seed(2)))
@@ -243,8 +252,10 @@ def test_partner_that_stops_sending_is_cut_at_the_progress_deadline():
         start = time.monotonic()
         # b stops at its 3rd write (its first chunk) for far longer than the total deadline's rest
         got_a, got_b = await asyncio.wait_for(
-            _pair(limits, delay_s=0.0, faults_b=FaultInjector(["exchange_write:stall=30@3"])), 10)
+            _pair(limits, delay_s=0.0, faults_b=FaultInjector(["exchange_write:stall=30@3"])), 10
+        )
         return got_a, got_b, time.monotonic() - start
+
     got_a, got_b, seconds = asyncio.run(main())
     assert isinstance(got_a, TransferTimedOut) and "progress deadline 0.5" in str(got_a)
     assert 0.5 <= seconds < 2.0  # cut at its 0.5 s progress deadline, not the 60 s total
@@ -256,8 +267,19 @@ def test_records_carry_the_measured_link_and_old_records_still_validate():
     from noloco_node.dht.records import StageRecord
     from noloco_node.runtime.throughput import ThroughputMeter
 
-    old = dict(peer_id="p", address="127.0.0.1:1", stage=0, inner_step=0, outer_round=0, status="serving",
-               tokens_per_s=0.0, version="0", manifest_hash="m", run_id="r", updated_at=1.0)
+    old = dict(
+        peer_id="p",
+        address="127.0.0.1:1",
+        stage=0,
+        inner_step=0,
+        outer_round=0,
+        status="serving",
+        tokens_per_s=0.0,
+        version="0",
+        manifest_hash="m",
+        run_id="r",
+        updated_at=1.0,
+    )
     assert StageRecord.parse_obj(old).link_mbit_s == 0.0  # a record from before the field
     meter = ThroughputMeter()
     meter.links.observe("q", 10 * MB, 2.0, SENT)
@@ -294,8 +316,16 @@ def test_a_state_donor_takes_no_bandwidth_sample_from_its_own_buffered_writes():
 
     policy = DeadlinePolicy(assumed_bytes_per_s=0.6e6 / 8)
     deadlines = LinkDeadlines(LinkEstimates(), policy, floor_s=5.0)
-    servicer = OuterServicer(None, peer_id="donor", run_id="r", manifest_hash="h", stage=0, max_bytes=1 << 24,
-                             deadlines=deadlines, donor=Donor())
+    servicer = OuterServicer(
+        None,
+        peer_id="donor",
+        run_id="r",
+        manifest_hash="h",
+        stage=0,
+        max_bytes=1 << 24,
+        deadlines=deadlines,
+        donor=Donor(),
+    )
     context = BufferedContext()
     request = outer_pb2.FetchStateRequest(stage=0, peer_id="joiner")
     request.run.run_id, request.run.manifest_hash = "r", "h"

@@ -7,21 +7,35 @@ import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-ROOTS = ["noloco_node", "tests", "docs", "proto", "scripts", "benchmarks", "examples", "deploy", "README.md",
-         "CONTRIBUTING.md"]
+ROOTS = [
+    "noloco_node",
+    "tests",
+    "docs",
+    "proto",
+    "scripts",
+    "benchmarks",
+    "examples",
+    "deploy",
+    "README.md",
+    "CONTRIBUTING.md",
+]
 
 # Built from pieces so that this file does not name them itself.
 _MD = r"\." + "md"
-OUTSIDE = re.compile("|".join([
-    "DESIGN" + _MD,
-    "noloco-" + "reference",
-    "transport" + _MD,
-    "house-" + "style",
-    "offline-" + "data",
-    "anchors" + "(-2026-11)?" + _MD,
-    "compression-" + "2026-11",
-    r"\.\./" + "shared",
-]))
+OUTSIDE = re.compile(
+    "|".join(
+        [
+            "DESIGN" + _MD,
+            "noloco-" + "reference",
+            "transport" + _MD,
+            "house-" + "style",
+            "offline-" + "data",
+            "anchors" + "(-2026-11)?" + _MD,
+            "compression-" + "2026-11",
+            r"\.\./" + "shared",
+        ]
+    )
+)
 
 
 def _files() -> list[Path]:
@@ -38,19 +52,35 @@ def _pointers(path: Path) -> list[str]:
     data = path.read_bytes()
     if b"\0" in data:
         return []  # a binary file (a plot, a font): nothing a reader follows
-    return [f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
-            for number, line in enumerate(data.decode("utf-8", errors="replace").splitlines(), 1)
-            if OUTSIDE.search(line)]
+    return [
+        f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+        for number, line in enumerate(data.decode("utf-8", errors="replace").splitlines(), 1)
+        if OUTSIDE.search(line)
+    ]
 
 
 def test_the_pattern_finds_each_pointer_and_not_what_the_repository_holds():
-    pieces = [("DESIGN", ".md"), ("noloco-", "reference.md"), ("transport", ".md"), ("house-", "style.md"),
-              ("offline-", "data.md"), ("anchors", ".md"), ("anchors-", "2026-11.md"), ("compression-", "2026-11"),
-              ("../", "shared/notes")]
+    pieces = [
+        ("DESIGN", ".md"),
+        ("noloco-", "reference.md"),
+        ("transport", ".md"),
+        ("house-", "style.md"),
+        ("offline-", "data.md"),
+        ("anchors", ".md"),
+        ("anchors-", "2026-11.md"),
+        ("compression-", "2026-11"),
+        ("../", "shared/notes"),
+    ]
     for head, tail in pieces:
         assert OUTSIDE.search(f"see {head}{tail}, section 2"), head + tail
-    for fine in ["docs/architecture.md", "docs/research.md", "proto/README.md", "/shared/bootstrap.maddr",
-                 "noloco_node/transport/relay.py", "benchmarks/transport.py"]:
+    for fine in [
+        "docs/architecture.md",
+        "docs/research.md",
+        "proto/README.md",
+        "/shared/bootstrap.maddr",
+        "noloco_node/transport/relay.py",
+        "benchmarks/transport.py",
+    ]:
         assert not OUTSIDE.search(fine), fine
 
 
@@ -58,4 +88,4 @@ def test_no_tracked_file_points_outside_the_repository():
     files = _files()
     assert len(files) > 100  # the walk saw the repository, not nothing
     hits = [hit for path in files for hit in _pointers(path)]
-    assert not hits, ("say what is meant in place, or point to docs/:\n" + "\n".join(hits))
+    assert not hits, "say what is meant in place, or point to docs/:\n" + "\n".join(hits)

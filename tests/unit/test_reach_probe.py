@@ -24,13 +24,15 @@ class Replicas:
         self.direct = direct
 
     async def replicas(self, stage, fresh=False):
-        return [SimpleNamespace(peer_id=f"peer{stage}{i}", reach="direct") for i in range(self.direct)] + \
-            [SimpleNamespace(peer_id=f"nat{stage}", reach="relayed")]
+        return [SimpleNamespace(peer_id=f"peer{stage}{i}", reach="direct") for i in range(self.direct)] + [
+            SimpleNamespace(peer_id=f"nat{stage}", reach="relayed")
+        ]
 
 
 def _answer(prober: str, reachable: bool) -> diagnostics.ProbeResult:
-    return diagnostics.ProbeResult(prober=prober, reachable=reachable, detail="", skew_s=0.0, version="v",
-                                   manifest_hash="m")
+    return diagnostics.ProbeResult(
+        prober=prober, reachable=reachable, detail="", skew_s=0.0, version="v", manifest_hash="m"
+    )
 
 
 def _probe(monkeypatch, answers, *, directory=None, initial_peers=()):
@@ -39,10 +41,21 @@ def _probe(monkeypatch, answers, *, directory=None, initial_peers=()):
     async def fake(address, probers, *, run_id, timeout_s, dialer, tls_cert=b"", wanted=2):
         calls.append((timeout_s, list(probers)))
         return answers[len(calls) - 1]
+
     monkeypatch.setattr(diagnostics, "probe_from_peers", fake)
-    result = asyncio.run(joining.probe_reachable(directory or Replicas(), None, address="127.0.0.1:9", tls_cert=b"",
-                                                 peer_id="me", num_stages=2, run_id="r", timeout_s=5.0,
-                                                 initial_peers=initial_peers))
+    result = asyncio.run(
+        joining.probe_reachable(
+            directory or Replicas(),
+            None,
+            address="127.0.0.1:9",
+            tls_cert=b"",
+            peer_id="me",
+            num_stages=2,
+            run_id="r",
+            timeout_s=5.0,
+            initial_peers=initial_peers,
+        )
+    )
     return result, calls
 
 
@@ -63,30 +76,40 @@ def test_an_answer_first_time_is_not_asked_again(monkeypatch):
 
 def test_with_no_direct_replica_the_initial_peers_are_asked(monkeypatch):
     # The first home node of a swarm: only the bootstrap can check its address.
-    result, calls = _probe(monkeypatch, [([_answer(BOOT, False)], [])], directory=Replicas(direct=0),
-                           initial_peers=REMOTE + ["/ip4/198.18.0.2/tcp/1/p2p/me"])
+    result, calls = _probe(
+        monkeypatch,
+        [([_answer(BOOT, False)], [])],
+        directory=Replicas(direct=0),
+        initial_peers=REMOTE + ["/ip4/198.18.0.2/tcp/1/p2p/me"],
+    )
     assert result is False and calls[0][1] == [BOOT]  # never itself, never a relayed replica
 
 
 def test_direct_replicas_are_asked_before_the_initial_peers(monkeypatch):
-    _, calls = _probe(monkeypatch, [([_answer("peer00", True)], [])], directory=Replicas(direct=1), initial_peers=REMOTE)
+    _, calls = _probe(
+        monkeypatch, [([_answer("peer00", True)], [])], directory=Replicas(direct=1), initial_peers=REMOTE
+    )
     assert sorted(calls[0][1][:2]) == ["peer00", "peer10"] and calls[0][1][2] == BOOT
 
 
 def test_peer_ids_of_multiaddrs():
-    assert joining.peer_ids_of(REMOTE + REMOTE + ["/ip4/1.2.3.4/tcp/1", f"/ip4/1.2.3.4/tcp/1/p2p/{BOOT}/p2p-circuit/p2p/X"]) \
-        == [BOOT, "X"]
+    assert joining.peer_ids_of(
+        REMOTE + REMOTE + ["/ip4/1.2.3.4/tcp/1", f"/ip4/1.2.3.4/tcp/1/p2p/{BOOT}/p2p-circuit/p2p/X"]
+    ) == [BOOT, "X"]
 
 
-@pytest.mark.parametrize("address,peers,expected", [
-    ("127.0.0.1:5000", REMOTE, True),
-    ("127.0.0.1:5000", LOCAL, False),
-    ("127.0.0.1:5000", [], False),
-    ("localhost:5000", ["/dns4/boot.example.org/tcp/31330/p2p/X"], True),
-    ("[::1]:5000", REMOTE, True),
-    ("198.19.1.2:5000", REMOTE, False),
-    ("127.0.0.1:5000", LOCAL + REMOTE, True),
-])
+@pytest.mark.parametrize(
+    "address,peers,expected",
+    [
+        ("127.0.0.1:5000", REMOTE, True),
+        ("127.0.0.1:5000", LOCAL, False),
+        ("127.0.0.1:5000", [], False),
+        ("localhost:5000", ["/dns4/boot.example.org/tcp/31330/p2p/X"], True),
+        ("[::1]:5000", REMOTE, True),
+        ("198.19.1.2:5000", REMOTE, False),
+        ("127.0.0.1:5000", LOCAL + REMOTE, True),
+    ],
+)
 def test_loopback_address_to_remote_peers(address, peers, expected):
     assert joining.loopback_to_remote_peers(address, peers) is expected
 
@@ -97,16 +120,20 @@ def _decide(mode, answer, address="198.19.1.2:5000", peers=REMOTE):
     async def probe():
         asked.append(True)
         return answer
+
     return asyncio.run(joining.decide_reach(mode, probe, address=address, peers=peers)), bool(asked)
 
 
-@pytest.mark.parametrize("mode,answer,expected", [
-    ("auto", True, "direct"),
-    ("auto", False, "relayed"),
-    ("auto", None, "relayed"),  # nobody could check: never direct on a guess
-    ("direct", True, "direct"),
-    ("direct", None, "direct"),  # the operator requires direct; it is announced unproven (warned)
-])
+@pytest.mark.parametrize(
+    "mode,answer,expected",
+    [
+        ("auto", True, "direct"),
+        ("auto", False, "relayed"),
+        ("auto", None, "relayed"),  # nobody could check: never direct on a guess
+        ("direct", True, "direct"),
+        ("direct", None, "direct"),  # the operator requires direct; it is announced unproven (warned)
+    ],
+)
 def test_decide_reach(mode, answer, expected):
     assert _decide(mode, answer) == (expected, True)
 
@@ -151,6 +178,7 @@ def _reprobe(answers):
 
     async def go_direct():
         switched.append(clock.now)
+
     return joining.Reprobe(probe, go_direct, period_s=10.0, clock=clock), clock, asked, switched
 
 
@@ -193,6 +221,7 @@ def test_reprobe_is_not_due_while_one_runs():
 
         async def go_direct():
             raise AssertionError("never reached")
+
         reprobe = joining.Reprobe(probe, go_direct, period_s=1.0, clock=clock)
         clock.now += 1.0
         assert reprobe.due()
@@ -202,6 +231,7 @@ def test_reprobe_is_not_due_while_one_runs():
         gate.set()
         assert await task is False
         return reprobe
+
     reprobe = asyncio.run(scenario())
     clock.now += 2.0
     assert reprobe.due()
@@ -213,6 +243,7 @@ def test_an_initial_peer_without_a_record_is_dialled_over_libp2p():
 
         async def record_of(self, peer_id):
             return None
+
     lookup = joining.contact_lookup(Directory())
     contact = asyncio.run(lookup(BOOT))
     assert contact.reach != "direct" and contact.p2p_addrs == tuple(REMOTE) and contact.address == ""

@@ -13,22 +13,41 @@ PAIRED = {"rounds": 5, "paired": 4, "solo": 1, "rejected": 0, "timed_out": 0}
 
 
 def stage0(**kw) -> Snapshot:
-    values = dict(stage=0, step=40, tokens=64_000, lr=3e-4, loss=5.1234, first_loss=8.3012, in_flight=3, outer=PAIRED,
-                  last_round={"round": 4, "outcome": "paired", "partner": "x"}, bytes_sent=1_234_567,
-                  bytes_received=1_100_000, dropped=0, issued=800)
+    values = dict(
+        stage=0,
+        step=40,
+        tokens=64_000,
+        lr=3e-4,
+        loss=5.1234,
+        first_loss=8.3012,
+        in_flight=3,
+        outer=PAIRED,
+        last_round={"round": 4, "outcome": "paired", "partner": "x"},
+        bytes_sent=1_234_567,
+        bytes_received=1_100_000,
+        dropped=0,
+        issued=800,
+    )
     values.update(kw)
     return Snapshot(**values)
 
 
 def test_format_bytes_picks_a_readable_unit():
-    assert [format_bytes(n) for n in (0, 999, 1234, 1_234_567, 2.5e9, 5e12)] == \
-        ["0 B", "999 B", "1.2 kB", "1.2 MB", "2.5 GB", "5000.0 GB"]
+    assert [format_bytes(n) for n in (0, 999, 1234, 1_234_567, 2.5e9, 5e12)] == [
+        "0 B",
+        "999 B",
+        "1.2 kB",
+        "1.2 MB",
+        "2.5 GB",
+        "5000.0 GB",
+    ]
 
 
 def test_stage0_step_line_has_every_field_in_order():
     assert step_line(stage0(), total=200, tokens_per_s=812.4) == (
         "step 40/200 | loss 5.123 | lr 3.0e-04 | 812 tok/s | in flight 3 | outer paired (round 4) | "
-        "sent 1.2 MB recv 1.1 MB")
+        "sent 1.2 MB recv 1.1 MB"
+    )
 
 
 def test_later_stage_shows_microbatches_served_instead_of_a_loss():
@@ -46,13 +65,16 @@ def test_step_line_before_any_loss_and_without_an_outer_method():
 def test_stage0_summary():
     assert summary_line(stage0(step=200), total=200, wall_s=80.0) == (
         "summary: stage 0 | 200/200 steps | 80.0 s | 800 tok/s mean | loss 8.301 -> 5.123 | outer 5 rounds: "
-        "4 paired, 1 solo, 0 rejected | sent 1.2 MB recv 1.1 MB | dropped 0 of 800 microbatches")
+        "4 paired, 1 solo, 0 rejected | sent 1.2 MB recv 1.1 MB | dropped 0 of 800 microbatches"
+    )
 
 
 def test_later_stage_summary_and_a_stopped_early_stage0():
     later = summary_line(Snapshot(stage=1, step=3, tokens=30, lr=None, served=12, dropped=2), total=None, wall_s=10.0)
-    assert later == ("summary: stage 1 | 3 steps | 10.0 s | 3 tok/s mean | served 12 microbatches | outer off | "
-                     "sent 0 B recv 0 B | dropped 2 microbatches")
+    assert later == (
+        "summary: stage 1 | 3 steps | 10.0 s | 3 tok/s mean | served 12 microbatches | outer off | "
+        "sent 0 B recv 0 B | dropped 2 microbatches"
+    )
     early = summary_line(stage0(step=0, loss=None, first_loss=None, issued=0), total=12, wall_s=1.0)
     assert "0/12 steps" in early and "loss -" in early
 
@@ -93,14 +115,30 @@ def test_every_steps_zero_logs_no_step_lines_but_the_summary():
 
 def fake_stats(*, stage: int, driver: bool, outer: bool) -> dict:
     """What node/stats.py's node_stats reports, with the fields a step line reads."""
-    stats = {"stage": stage, "inner_steps": 8, "tokens": 512, "last_lr": 5e-4, "in_flight": 2,
-             "forwards_received": {"p": 3, "q": 4}, "dropped_here": 2, "bytes_sent": 1000, "bytes_received": 700}
+    stats = {
+        "stage": stage,
+        "inner_steps": 8,
+        "tokens": 512,
+        "last_lr": 5e-4,
+        "in_flight": 2,
+        "forwards_received": {"p": 3, "q": 4},
+        "dropped_here": 2,
+        "bytes_sent": 1000,
+        "bytes_received": 700,
+    }
     if outer:
-        stats.update(outer={"rounds": 2, "paired": 1, "solo": 1, "rejected": 0},
-                     outer_history=[{"round": 2, "outcome": "solo"}], bytes_sent_outer=500)
+        stats.update(
+            outer={"rounds": 2, "paired": 1, "solo": 1, "rejected": 0},
+            outer_history=[{"round": 2, "outcome": "solo"}],
+            bytes_sent_outer=500,
+        )
     if driver:
-        stats.update(losses=[7.0, 8.0], step_losses=[7.5, 6.25], lrs=[1e-3, 2e-3],
-                     microbatches={"issued": 16, "completed": 15, "reissued": 0, "dropped": 1})
+        stats.update(
+            losses=[7.0, 8.0],
+            step_losses=[7.5, 6.25],
+            lrs=[1e-3, 2e-3],
+            microbatches={"issued": 16, "completed": 15, "reissued": 0, "dropped": 1},
+        )
     return stats
 
 

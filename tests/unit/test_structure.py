@@ -37,8 +37,10 @@ def test_late_hooks_are_found_in_every_shape_they_took():
     assert _hooks("def wire(x):\n    def cb(): pass\n    x.callback = cb\n")
     assert _hooks("def wire(x):\n    x.handler = lambda: 1\n")
     # what is not a hook: our own attributes, records we fill in, parts we build in our constructor
-    assert not _hooks("class A:\n    def __init__(self, n):\n        self.n = n\n        self.model = M()\n"
-                      "        self.model.layers = L()\n")
+    assert not _hooks(
+        "class A:\n    def __init__(self, n):\n        self.n = n\n        self.model = M()\n"
+        "        self.model.layers = L()\n"
+    )
     assert not _hooks("def f(ticket, peer):\n    ticket.downstream = peer.peer_id\n")
 
 
@@ -52,7 +54,11 @@ def test_imports_against_the_layering_are_found():
     assert not structure._allowed("dashboard", "node.lifecycle") and structure._allowed("dashboard", "node.attention")
     assert not structure._allowed("node", "wire.v1.stage_pb2")
     assert structure._allowed("rpc", "pipeline.ports") and not structure._allowed("rpc", "pipeline.runtime")
-    assert structure._allowed("sync", "codec.tensors") and not structure._allowed("sync", "wire.v1.outer_pb2") and structure._allowed("node", "rpc.server")
+    assert (
+        structure._allowed("sync", "codec.tensors")
+        and not structure._allowed("sync", "wire.v1.outer_pb2")
+        and structure._allowed("node", "rpc.server")
+    )
 
 
 def _function_of(lines: int) -> ast.Module:
@@ -64,8 +70,9 @@ def _function_of(lines: int) -> ast.Module:
 def test_long_functions_and_wide_constructors_are_found():
     report = structure.Report()
     structure._check_functions(report, "sample.py", _function_of(structure.MAX_FUNCTION_LINES + 1))
-    structure._check_functions(report, "sample.py", ast.parse(
-        "class A:\n    def __init__(self, a, b, c, d, e, f, g, h, i, j, *, k): pass\n"))
+    structure._check_functions(
+        report, "sample.py", ast.parse("class A:\n    def __init__(self, a, b, c, d, e, f, g, h, i, j, *, k): pass\n")
+    )
     assert len(report.long_functions) == 1 and len(report.wide_constructors) == 1
     assert report.long_functions == [f"sample.py:1 f ({structure.MAX_FUNCTION_LINES + 1} lines)"]
 

@@ -32,8 +32,13 @@ for row, name in enumerate(("wide_h200", "tiny_h200")):
         for col, mbit in ((1, "20.0"), (2, "1000.0")):
             axes[row][col].plot([s * step_s[cfg["key"]][mbit]["step_s"] for s in steps], loss, style, label=cfg["name"])
     target = sum(result["summary"]["targets"][0]["target"].values()) / 3
-    for col, xlabel in enumerate(("tokens (M)", "seconds at 20 Mbit/s (link model, measured compute)",
-                                  "seconds at 1000 Mbit/s (link model, measured compute)")):
+    for col, xlabel in enumerate(
+        (
+            "tokens (M)",
+            "seconds at 20 Mbit/s (link model, measured compute)",
+            "seconds at 1000 Mbit/s (link model, measured compute)",
+        )
+    ):
         ax = axes[row][col]
         ax.axhline(target, color="grey", lw=0.8)
         ax.set_ylim(target - 0.3, target + 1.2)

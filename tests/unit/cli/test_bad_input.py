@@ -30,9 +30,14 @@ def cases(tmp_path, taken_port):
         (["join", "--stagee", "1"], "noloco-node join: error: unrecognized arguments: --stagee 1"),
         (["demo", "--replica", "3"], "noloco-node demo: error: unrecognized arguments: --replica 3"),
         # 198.18.0.0/15 is for tests; nothing here owns this address, so it cannot be bound.
-        (["join", "--host", "198.18.0.77", "--stage", "0"], "config field 'network.host': cannot listen on '198.18.0.77'"),
-        (["join", "--port", str(taken_port), "--stage", "0"], f"config field 'network.port': port {taken_port} on "
-                                                               "127.0.0.1 is in use"),
+        (
+            ["join", "--host", "198.18.0.77", "--stage", "0"],
+            "config field 'network.host': cannot listen on '198.18.0.77'",
+        ),
+        (
+            ["join", "--port", str(taken_port), "--stage", "0"],
+            f"config field 'network.port': port {taken_port} on 127.0.0.1 is in use",
+        ),
         (["bootstrap", "--port", str(taken_port), "--identity", str(tmp_path / "b.key")], "field '--port'"),
         (["status"], "config field 'network.initial_peers'"),
         (["join", "--stage", "auto"], "config field 'network.initial_peers'"),
@@ -55,8 +60,9 @@ def test_a_reader_that_closes_the_pipe_early_is_not_an_error(tmp_path):
     read_end, write_end = os.pipe()
     os.close(read_end)
     try:
-        result = subprocess.run([SCRIPT, "config", "show"], stdout=write_end, stderr=subprocess.PIPE, text=True,
-                                timeout=60)
+        result = subprocess.run(
+            [SCRIPT, "config", "show"], stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=60
+        )
     finally:
         os.close(write_end)
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr

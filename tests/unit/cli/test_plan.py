@@ -56,7 +56,9 @@ def test_plan_turns_on_checkpointing_before_it_adds_a_stage(capsys):
     between = (need[True] + need[False]) / 2 / 0.9 / GIB  # one stage fits only with checkpointing
     code, report = _plan(capsys, *[a for s in sets for a in ("--set", s)], "--memory-gib", f"{between:.3f}")
     assert code == 0 and report["num_stages"] == 1 and report["settings"]["pipeline.activation_checkpointing"] is True
-    code, report = _plan(capsys, *[a for s in sets for a in ("--set", s)], "--memory-gib", f"{need[False] / 0.9 / GIB + 1:.3f}")
+    code, report = _plan(
+        capsys, *[a for s in sets for a in ("--set", s)], "--memory-gib", f"{need[False] / 0.9 / GIB + 1:.3f}"
+    )
     assert report["num_stages"] == 1 and report["settings"]["pipeline.activation_checkpointing"] is False
 
 
@@ -68,8 +70,9 @@ def test_plan_says_when_nothing_fits_and_needs_a_speed_for_a_link(capsys):
 
 
 def test_plan_with_a_link_predicts_the_ratio_per_schedule(capsys):
-    code, report = _plan(capsys, "--preset", "medium", "--memory-gib", "80", "--link", "100", "--rtt", "30",
-                         "--gpu", "h100")
+    code, report = _plan(
+        capsys, "--preset", "medium", "--memory-gib", "80", "--link", "100", "--rtt", "30", "--gpu", "h100"
+    )
     assert code == 0
     link = report["link"]
     for key in ("exact/outer_blocking", "exact/outer_overlap", "overlap/outer_blocking", "overlap/outer_overlap"):
@@ -155,8 +158,12 @@ def test_a_round_overhead_counts_in_both_runs_and_hides_behind_an_overlapped_exc
     assert overhead.ratio == pytest.approx((h * plain.step_unlimited_s + 1.0) / (plain.round_s + 1.0))
     assert overhead.ratio > plain.ratio  # the same fixed cost on both links narrows the gap
     assert predict(costs, stage_seconds=(c, c), link=Link(), round_overhead_s=1.0).ratio == 1.0
-    overlapped = predict(_costs(microbatches_per_batch=4, inner_steps_per_outer=50, outer_overlap=True),
-                         stage_seconds=(c, c), link=link, round_overhead_s=1.0)
+    overlapped = predict(
+        _costs(microbatches_per_batch=4, inner_steps_per_outer=50, outer_overlap=True),
+        stage_seconds=(c, c),
+        link=link,
+        round_overhead_s=1.0,
+    )
     assert overlapped.outer_s + 1.0 < 50 * overlapped.step_s
     assert overlapped.round_s == pytest.approx(50 * overlapped.step_s)  # 1 s + the exchange fit in H steps
 
@@ -165,8 +172,16 @@ def test_per_connection_links_never_predict_less_than_a_shared_uplink():
     for stages, overlap in ((2, False), (3, True), (3, False)):
         cfg = load_config(overrides=["model.preset=small", f"pipeline.num_stages={stages}", "model.seq_len=1024"])
         config, ranges = run_model(cfg, 4096)
-        costs = pipeline_costs(config, ranges, microbatch=4, seq_len=1024, microbatches_per_batch=4, max_in_flight=8,
-                               inner_steps_per_outer=50, outer_overlap=overlap)
+        costs = pipeline_costs(
+            config,
+            ranges,
+            microbatch=4,
+            seq_len=1024,
+            microbatches_per_batch=4,
+            max_in_flight=8,
+            inner_steps_per_outer=50,
+            outer_overlap=overlap,
+        )
         for mbit in (10, 100, 1000):
             shared = predict(costs, tflops=200, link=Link(mbit, 20, shared=True))
             apart = predict(costs, tflops=200, link=Link(mbit, 20, shared=False))
@@ -177,8 +192,13 @@ def test_per_connection_links_never_predict_less_than_a_shared_uplink():
 
 def test_choose_needs_fewer_changes_on_faster_links():
     def costs_for(option):
-        return _costs(activation_codec=option.activation_codec, gradient_codec=option.gradient_codec,
-                      outer_payload=(option.outer_codec,), outer_overlap=option.outer_overlap, schedule=option.schedule)
+        return _costs(
+            activation_codec=option.activation_codec,
+            gradient_codec=option.gradient_codec,
+            outer_payload=(option.outer_codec,),
+            outer_overlap=option.outer_overlap,
+            schedule=option.schedule,
+        )
 
     picks = []
     for mbit in (10, 100, 1000, 10_000, 1e6):
@@ -208,15 +228,39 @@ def test_an_asymmetric_line_is_limited_by_its_slower_side():
     up20 = predict(costs, link=Link(20, 40), **speed).ratio
     # a faster downlink does not help a node whose sends are the bottleneck; a slower one hurts
     assert predict(costs, link=Link(20, 40, downlink_mbit=100), **speed).ratio == pytest.approx(up20)
-    assert predict(costs, link=Link(100, 40, downlink_mbit=20), **speed).ratio < predict(costs, link=Link(100, 40), **speed).ratio
+    assert (
+        predict(costs, link=Link(100, 40, downlink_mbit=20), **speed).ratio
+        < predict(costs, link=Link(100, 40), **speed).ratio
+    )
 
 
 def test_plan_prices_a_residual_subspace_on_an_asymmetric_line(capsys):
-    sets = ["model.seq_len=1024", "pipeline.batch_size=16", "pipeline.microbatch_size=2", "outer.inner_steps_per_outer=100",
-            "pipeline.activation_codec=int4", "pipeline.gradient_codec=int4", "outer.codec_delta=int8"]
+    sets = [
+        "model.seq_len=1024",
+        "pipeline.batch_size=16",
+        "pipeline.microbatch_size=2",
+        "outer.inner_steps_per_outer=100",
+        "pipeline.activation_codec=int4",
+        "pipeline.gradient_codec=int4",
+        "outer.codec_delta=int8",
+    ]
     args = [a for s in sets for a in ("--set", s)]
-    code, report = _plan(capsys, "--preset", "medium", "--memory-gib", "24", "--uplink", "20", "--downlink", "100",
-                         "--rtt", "40", "--device-tflops", "165", *args)
+    code, report = _plan(
+        capsys,
+        "--preset",
+        "medium",
+        "--memory-gib",
+        "24",
+        "--uplink",
+        "20",
+        "--downlink",
+        "100",
+        "--rtt",
+        "40",
+        "--device-tflops",
+        "165",
+        *args,
+    )
     assert code == 0 and report["link"]["downlink_mbit"] == 100
     rows = report["link"]["subspace"]["options"]
     assert [r["rank"] for r in rows] == [0, 256, 128, 64, 32]
@@ -239,16 +283,38 @@ def test_plan_gives_the_outer_rounds_bytes_and_whether_it_hides_for_each_codec(c
     """medium on a 24 GB card at 20 Mbit/s up, H = 100: the dense round (a quarter of fp32 phi +
     Delta) does not hide behind H steps, the compressed one (slice:0.01 + topk:0.02+int2) does,
     and its bytes are the codecs' share of the stage's fp32 phi + Delta."""
-    sets = ["model.seq_len=1024", "pipeline.batch_size=16", "pipeline.microbatch_size=2",
-            "outer.inner_steps_per_outer=100", "pipeline.activation_codec=int4", "model.residual_subspace=128"]
+    sets = [
+        "model.seq_len=1024",
+        "pipeline.batch_size=16",
+        "pipeline.microbatch_size=2",
+        "outer.inner_steps_per_outer=100",
+        "pipeline.activation_codec=int4",
+        "model.residual_subspace=128",
+    ]
     args = [a for s in sets for a in ("--set", s)]
-    code, report = _plan(capsys, "--preset", "medium", "--memory-gib", "24", "--uplink", "20", "--downlink", "100",
-                         "--rtt", "40", "--device-tflops", "165", *args)
+    code, report = _plan(
+        capsys,
+        "--preset",
+        "medium",
+        "--memory-gib",
+        "24",
+        "--uplink",
+        "20",
+        "--downlink",
+        "100",
+        "--rtt",
+        "40",
+        "--device-tflops",
+        "165",
+        *args,
+    )
     assert code == 0
     rows = {tuple(r["codecs"]): r for r in report["link"]["outer_round"]["options"]}
     dense, small = rows[("bf16",)], rows[("slice:0.01", "topk:0.02+int2")]
     assert dense["configured"] and not small["configured"]
     assert dense["fp32_fraction"] == 0.25 and 0.009 < small["fp32_fraction"] < 0.011
-    assert dense["bytes_each_way"] / small["bytes_each_way"] == pytest.approx(dense["fp32_fraction"] / small["fp32_fraction"])
+    assert dense["bytes_each_way"] / small["bytes_each_way"] == pytest.approx(
+        dense["fp32_fraction"] / small["fp32_fraction"]
+    )
     assert not dense["hidden"] and small["hidden"] and small["exchange_s"] < dense["exchange_s"] / 20
     assert small["ratio"] > dense["ratio"]

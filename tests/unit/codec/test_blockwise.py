@@ -7,8 +7,17 @@ import math
 import pytest
 import torch
 
-from noloco_node.codec.tensors import (LEVELS, MAX_ABSMAX, MIN_SCALE, CodecError, TensorSpec, decode, decode_into,
-                                    encode, expected_payload_bytes)
+from noloco_node.codec.tensors import (
+    LEVELS,
+    MAX_ABSMAX,
+    MIN_SCALE,
+    CodecError,
+    TensorSpec,
+    decode,
+    decode_into,
+    encode,
+    expected_payload_bytes,
+)
 
 BLOCK = 64
 # Float32 rounding of x / s and of code * s: the documented bounds hold up to this much of absmax.
@@ -23,7 +32,7 @@ def sample(scale: float, n: int = 1001, seed: int = 0) -> torch.Tensor:
     """Gaussian values times `scale`, with an all-zero block, a block with one 1000x outlier and
     a ragged tail (n is not a multiple of the block)."""
     x = torch.randn(n, generator=seeded(seed), dtype=torch.float64) * scale
-    x[BLOCK:2 * BLOCK] = 0.0
+    x[BLOCK : 2 * BLOCK] = 0.0
     x[2 * BLOCK + 5] = 1000.0 * scale
     return x.float()
 
@@ -60,7 +69,7 @@ def test_every_element_within_its_documented_bound(codec, stochastic, scale):
     error = (y.double() - x.double()).abs()
     bound = documented_bound(x, codec, stochastic)
     assert (error <= bound).all(), f"worst excess {float((error - bound).max()):.3g}"
-    assert (y[BLOCK:2 * BLOCK] == 0).all()  # a zero block stays exactly zero
+    assert (y[BLOCK : 2 * BLOCK] == 0).all()  # a zero block stays exactly zero
     if scale >= 1e-30:  # normal-range scales: the bound relative to the block absmax
         absmax = block_scales(x, codec) * LEVELS[codec]
         limit = {"int8": 1 / 254, "fp8": 1 / 16, "int4": 1 / 7 if stochastic else 1 / 14}[codec]

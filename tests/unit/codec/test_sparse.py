@@ -30,7 +30,7 @@ def test_chunked_topk_keeps_each_chunks_largest_within_its_rounding(codec, bound
     assert len(payload) == expected_payload_bytes(spec) == sizes.chunked_payload_bytes(codec, numel, 82, sparse.CHUNK)
     y = decode(spec, payload)
     for start in range(0, numel, sparse.CHUNK):
-        chunk, got = x[start:start + sparse.CHUNK], y[start:start + sparse.CHUNK]
+        chunk, got = x[start : start + sparse.CHUNK], y[start : start + sparse.CHUNK]
         k = math.ceil(82 * chunk.numel() / sparse.CHUNK)  # a short last chunk keeps its share
         want = torch.topk(chunk.abs(), k).indices
         assert set(torch.nonzero(got).view(-1).tolist()) <= set(want.tolist())
@@ -52,7 +52,11 @@ def test_bits_per_kept_value():
 def test_error_feedback_loses_nothing_over_rounds():
     """sum(sent) + residual == sum(Delta): the quantization error travels like the dropped values."""
     g = torch.Generator().manual_seed(0)
-    feedback, sent, total = ErrorFeedback(), torch.zeros(9000, dtype=torch.float64), torch.zeros(9000, dtype=torch.float64)
+    feedback, sent, total = (
+        ErrorFeedback(),
+        torch.zeros(9000, dtype=torch.float64),
+        torch.zeros(9000, dtype=torch.float64),
+    )
     for _ in range(12):
         delta = torch.randn(9000, generator=g, dtype=torch.float64)
         encoded = encode_tensor(delta, "topk:0.02+int2", feedback.get("w"))
@@ -94,10 +98,10 @@ def test_slice_values_are_exact_and_nothing_else_travels():
 def _corrupt_index(payload: bytes, spec: TensorSpec, which: int, value: int) -> bytes:
     """Rewrite kept index `which` (12-bit, two per 3 bytes) to `value`."""
     start = 4 * math.ceil(spec.numel / sparse.CHUNK) + 3 * (which // 2)
-    word = int.from_bytes(payload[start:start + 3], "little")
+    word = int.from_bytes(payload[start : start + 3], "little")
     shift = 12 * (which % 2)
     word = (word & ~(0xFFF << shift)) | (value << shift)
-    return payload[:start] + word.to_bytes(3, "little") + payload[start + 3:]
+    return payload[:start] + word.to_bytes(3, "little") + payload[start + 3 :]
 
 
 def test_hostile_chunked_topk_payloads_are_refused():

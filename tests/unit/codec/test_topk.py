@@ -155,9 +155,15 @@ def test_partners_must_share_the_snapshot_form():
 
     def sync(gamma, codec_delta=None, payload=None):
         config = OuterConfig(codec="bf16", codec_delta=codec_delta)
-        return NoLoCoSync(outer_state(vector(4), vector(4), gamma=gamma), config,
-                          SyncParts(compute=None, peer_id="me", stage=0, set_status=None), transport=None,
-                          directory=None, match_s=1.0, payload=payload)
+        return NoLoCoSync(
+            outer_state(vector(4), vector(4), gamma=gamma),
+            config,
+            SyncParts(compute=None, peer_id="me", stage=0, set_status=None),
+            transport=None,
+            directory=None,
+            match_s=1.0,
+            payload=payload,
+        )
 
     def proposal(slow_weights: bool) -> PairProposal:
         return PairProposal(peer_id="other", stage=0, round=1, inner_step=0, nonce=b"", sends_slow_weights=slow_weights)

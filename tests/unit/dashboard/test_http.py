@@ -41,8 +41,18 @@ async def test_pages_and_vendored_chart_library_are_served_from_the_package(clie
     assert head.status == 200
 
 
-@pytest.mark.parametrize("path", ["/nope", "/api", "/api/swarm/x", "/static/missing.js", "/static/../http.py",
-                                  "/static/vendor/uPlot.LICENSE", "/static/%2e%2e/http.py"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/nope",
+        "/api",
+        "/api/swarm/x",
+        "/static/missing.js",
+        "/static/../http.py",
+        "/static/vendor/uPlot.LICENSE",
+        "/static/%2e%2e/http.py",
+    ],
+)
 async def test_unknown_paths_are_404(client, path):
     response = await client.get(path)
     assert response.status == 404 and "Content-Security-Policy" in response.headers

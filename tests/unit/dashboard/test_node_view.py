@@ -6,30 +6,62 @@ import torch
 
 from noloco_node.dashboard.node_view import LastProblem, NodeView, node_json, partners, training_flops_per_token
 
-STATS = {"peer_id": "me", "stage": 0, "address": "127.0.0.1:1", "tokens": 1000, "inner_steps": 7, "in_flight": 2,
-         "forwards_received": {"x": 3, "y": 4}, "bytes_sent": 100, "bytes_sent_outer": 50, "bytes_received": 70,
-         "tokens_per_s": 12.5, "losses": [5.0, 4.0], "attention": ["note"], "microbatches": {"completed": 9},
-         "outer": {"rounds": 3, "paired": 2},
-         "outer_history": [{"outcome": "paired", "partner": "p1"}, {"outcome": "solo", "partner": None},
-                           {"outcome": "paired", "partner": "p1"}]}
-RECORD = {"status": "serving", "version": "0.2.0", "run_id": "r", "manifest_hash": "m", "reach": "relayed",
-          "link_mbit_s": 20.0, "memory_estimate_bytes": 10, "memory_peak_bytes": 8}
+STATS = {
+    "peer_id": "me",
+    "stage": 0,
+    "address": "127.0.0.1:1",
+    "tokens": 1000,
+    "inner_steps": 7,
+    "in_flight": 2,
+    "forwards_received": {"x": 3, "y": 4},
+    "bytes_sent": 100,
+    "bytes_sent_outer": 50,
+    "bytes_received": 70,
+    "tokens_per_s": 12.5,
+    "losses": [5.0, 4.0],
+    "attention": ["note"],
+    "microbatches": {"completed": 9},
+    "outer": {"rounds": 3, "paired": 2},
+    "outer_history": [
+        {"outcome": "paired", "partner": "p1"},
+        {"outcome": "solo", "partner": None},
+        {"outcome": "paired", "partner": "p1"},
+    ],
+}
+RECORD = {
+    "status": "serving",
+    "version": "0.2.0",
+    "run_id": "r",
+    "manifest_hash": "m",
+    "reach": "relayed",
+    "link_mbit_s": 20.0,
+    "memory_estimate_bytes": 10,
+    "memory_peak_bytes": 8,
+}
 
 
 def test_node_json_counts_what_the_node_contributed_and_its_health():
     out = node_json(STATS, RECORD, online_s=5400.0, flops_per_token=6e6, method="noloco", last_error=None, now=1.0)
     c, h = out["contribution"], out["health"]
     assert out["schema"] == "noloco-node/node/1" and out["swarm_page"] == "/swarm"
-    assert c["flops"] == 6e9 and c["hours_online"] == 1.5 and c["microbatches_served"] == 7 and c["microbatches_driven"] == 9
+    assert (
+        c["flops"] == 6e9
+        and c["hours_online"] == 1.5
+        and c["microbatches_served"] == 7
+        and c["microbatches_driven"] == 9
+    )
     assert c["bytes_sent"] == 150 and c["outer_rounds"] == 3 and c["outer_paired"] == 2 and c["partners"] == {"p1": 2}
     assert h["reach"] == "relayed" and h["loss"] == 4.0 and h["attention"] == ["note"] and h["last_error"] is None
-    later = node_json({**STATS, "losses": []}, RECORD, online_s=1.0, flops_per_token=1.0, method="none", last_error=None)
+    later = node_json(
+        {**STATS, "losses": []}, RECORD, online_s=1.0, flops_per_token=1.0, method="none", last_error=None
+    )
     assert later["health"]["loss"] is None
 
 
 def test_partners_count_only_paired_rounds():
-    assert partners([{"outcome": "paired", "partner": "a"}, {"outcome": "solo", "partner": "b"}, {"outcome": "paired"}]) \
-        == {"a": 1}
+    assert partners(
+        [{"outcome": "paired", "partner": "a"}, {"outcome": "solo", "partner": "b"}, {"outcome": "paired"}]
+    ) == {"a": 1}
 
 
 def test_flops_per_token_count_matrices_and_attention_not_the_embedding_lookup():

@@ -15,9 +15,21 @@ CONFIG = load_config(overrides=["run.run_id=dash", "pipeline.num_stages=3", "out
 
 
 def record(peer: str, stage: int, **fields) -> StageRecord:
-    values = dict(peer_id=peer, address=f"127.0.0.1:{4000 + stage}", stage=stage, inner_step=10, outer_round=2,
-                  status="serving", tokens_per_s=100.0, version="0.2.0", manifest_hash="m" * 16, run_id="dash",
-                  updated_at=1000.0, capacity=5.0, tls_cert="AAAA")
+    values = dict(
+        peer_id=peer,
+        address=f"127.0.0.1:{4000 + stage}",
+        stage=stage,
+        inner_step=10,
+        outer_round=2,
+        status="serving",
+        tokens_per_s=100.0,
+        version="0.2.0",
+        manifest_hash="m" * 16,
+        run_id="dash",
+        updated_at=1000.0,
+        capacity=5.0,
+        tls_cert="AAAA",
+    )
     values.update(fields)
     return StageRecord(**values)
 
@@ -34,8 +46,15 @@ def rows(*records: StageRecord, now: float = 1001.0) -> list[dict]:
 
 
 def test_an_empty_stage_a_lone_one_a_relayed_replica_and_another_manifest_need_attention():
-    swarm = swarm_json(rows(record("peerA0000000", 0), record("peerB0000000", 0, reach="relayed"),
-                            record("peerC0000000", 1, manifest_hash="x" * 16)), CONFIG, now=1001.0)
+    swarm = swarm_json(
+        rows(
+            record("peerA0000000", 0),
+            record("peerB0000000", 0, reach="relayed"),
+            record("peerC0000000", 1, manifest_hash="x" * 16),
+        ),
+        CONFIG,
+        now=1001.0,
+    )
     notes = swarm["attention"]
     assert any(n.startswith("stage 2 has no replica") and "--stage auto" in n for n in notes), notes
     assert any(n.startswith("stage 1 has a single replica") for n in notes), notes
@@ -49,21 +68,37 @@ def test_an_empty_stage_a_lone_one_a_relayed_replica_and_another_manifest_need_a
 
 def test_a_replica_that_stopped_renewing_its_record_needs_attention_before_it_expires():
     heartbeat = CONFIG.timeouts.heartbeat_s
-    swarm = swarm_json(rows(record("0000quietnow", 0, updated_at=1000.0 - 2 * heartbeat),
-                            record("gone00000000", 1, updated_at=1000.0 - 2 * heartbeat, status="leaving"),
-                            record("fine00000000", 2)), CONFIG, now=1001.0)
+    swarm = swarm_json(
+        rows(
+            record("0000quietnow", 0, updated_at=1000.0 - 2 * heartbeat),
+            record("gone00000000", 1, updated_at=1000.0 - 2 * heartbeat, status="leaving"),
+            record("fine00000000", 2),
+        ),
+        CONFIG,
+        now=1001.0,
+    )
     quiet = [n for n in swarm["attention"] if "has not renewed" in n]
     assert len(quiet) == 1 and "quietnow" in quiet[0] and f"{2 * heartbeat + 1:.0f} s" in quiet[0], swarm["attention"]
 
 
 def test_a_healthy_swarm_names_its_limiting_stage_and_why_and_shows_no_key_material():
-    swarm = swarm_json(rows(record("a", 0, capacity=8.0), record("b", 0, capacity=8.0, tokens_per_s=50.0),
-                            record("c", 1, capacity=3.0), record("d", 1, capacity=3.5),
-                            record("e", 2, capacity=9.0), record("f", 2, capacity=9.0)), CONFIG, now=1001.0)
+    swarm = swarm_json(
+        rows(
+            record("a", 0, capacity=8.0),
+            record("b", 0, capacity=8.0, tokens_per_s=50.0),
+            record("c", 1, capacity=3.0),
+            record("d", 1, capacity=3.5),
+            record("e", 2, capacity=9.0),
+            record("f", 2, capacity=9.0),
+        ),
+        CONFIG,
+        now=1001.0,
+    )
     assert swarm["schema"] == "noloco-node/swarm/1" and swarm["attention"] == []
     assert swarm["limiting_stage"] == 1
-    assert swarm["limiting_reason"] == ("stage 1: 6.5 sequences/s over 2 replicas, the least of the stages "
-                                        "(next: stage 0, 16.0)")
+    assert swarm["limiting_reason"] == (
+        "stage 1: 6.5 sequences/s over 2 replicas, the least of the stages (next: stage 0, 16.0)"
+    )
     assert swarm["tokens_per_s"] == 150.0  # stage 0's replicas: every token enters there once
     assert swarm["run"]["method"] == CONFIG.outer.method and swarm["run"]["inner_steps_per_outer"] == 5
     text = json.dumps(swarm)
@@ -74,8 +109,10 @@ def test_a_healthy_swarm_names_its_limiting_stage_and_why_and_shows_no_key_mater
 def test_history_adds_a_replica_point_only_when_its_record_changed_and_stays_bounded():
     history = SwarmHistory(limit=3)
     for t in range(5):
-        replicas = [{"peer_id": "a", "updated_at": float(t // 2), "inner_step": t // 2, "loss": 5.0 - t},
-                    {"peer_id": "b", "updated_at": float(t), "inner_step": t, "loss": None}]
+        replicas = [
+            {"peer_id": "a", "updated_at": float(t // 2), "inner_step": t // 2, "loss": 5.0 - t},
+            {"peer_id": "b", "updated_at": float(t), "inner_step": t, "loss": None},
+        ]
         history.observe(100.0 + t, replicas, tokens_per_s=10.0 * t)
     out = history.as_json()
     assert out["tokens_per_s"] == [[102.0, 20.0], [103.0, 30.0], [104.0, 40.0]]

@@ -27,7 +27,7 @@ def c4_copy(tmp_path):
     docs = make_docs(160)
     for shard in range(4):
         with gzip.open(root / f"c4-train.{shard:05d}-of-01024.json.gz", "wt") as f:
-            for doc in docs[shard * 40:(shard + 1) * 40]:
+            for doc in docs[shard * 40 : (shard + 1) * 40]:
                 f.write(json.dumps({"text": doc, "timestamp": "2019-04-25T12:57:54Z", "url": "x"}) + "\n")
     return root
 
@@ -72,8 +72,14 @@ def test_shards_by_whole_files_are_disjoint(c4_copy, tmp_path):
     docs = make_docs(160)
     shards = []
     for index in range(2):
-        seqs = PackedSequences(corpus, tok, seq_len=8, shard=ShardSpec(shard_index=index, num_shards=2),
-                               split="validation", holdout_fraction=1.0)
+        seqs = PackedSequences(
+            corpus,
+            tok,
+            seq_len=8,
+            shard=ShardSpec(shard_index=index, num_shards=2),
+            split="validation",
+            holdout_fraction=1.0,
+        )
         shards.append(set(seqs._documents(0)))
     # 4 files over 2 shards: each shard reads two whole files (40 docs each), none shared.
     assert len(shards[0]) == len(shards[1]) == 80
@@ -116,8 +122,12 @@ def test_bad_paths_name_the_field(tmp_path):
     with pytest.raises(ValueError, match="mixes formats"):
         resolve_corpus(str(tmp_path / "*"), cache_dir=tmp_path)
     with pytest.raises(ValueError, match="data.tokenizer"):
-        load_tokenizer("no-such-model/anywhere", resolve_corpus(str(tmp_path / "a.txt"), cache_dir=tmp_path),
-                       vocab_size=256, cache_dir=tmp_path)
+        load_tokenizer(
+            "no-such-model/anywhere",
+            resolve_corpus(str(tmp_path / "a.txt"), cache_dir=tmp_path),
+            vocab_size=256,
+            cache_dir=tmp_path,
+        )
 
 
 def test_embedded_default_corpus_is_offline_and_chaptered(tmp_path):

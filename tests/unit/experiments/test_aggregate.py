@@ -6,12 +6,29 @@ from noloco_node.experiments.aggregate import Stat, compare, loss_at_time, stat,
 
 
 def _cell(group: str, seed: int, losses: list[float], times: list[float], status: str = "ok") -> dict:
-    evals = [{"step": 10 * i, "val_loss": v, "wall_s": t, "spread": 0.01 * i} for i, (v, t) in enumerate(zip(losses, times))]
-    row = {"cell": f"{group}-s{seed}", "group": group, "variant": "", "method": group.split("-")[0], "replicas": 2,
-           "stages": 2, "profile": "lan", "seed": seed, "status": status, "final_val_loss": losses[-1],
-           "final_eval_step": evals[-1]["step"], "train_wall_s": times[-1], "final_spread": evals[-1]["spread"],
-           "spread_lr_pearson": 0.9, "bytes_per_node": 1e6, "outer_bytes_per_round": math.nan,
-           "delta_rel_error": math.nan, "idle_fraction": 0.1}
+    evals = [
+        {"step": 10 * i, "val_loss": v, "wall_s": t, "spread": 0.01 * i} for i, (v, t) in enumerate(zip(losses, times))
+    ]
+    row = {
+        "cell": f"{group}-s{seed}",
+        "group": group,
+        "variant": "",
+        "method": group.split("-")[0],
+        "replicas": 2,
+        "stages": 2,
+        "profile": "lan",
+        "seed": seed,
+        "status": status,
+        "final_val_loss": losses[-1],
+        "final_eval_step": evals[-1]["step"],
+        "train_wall_s": times[-1],
+        "final_spread": evals[-1]["spread"],
+        "spread_lr_pearson": 0.9,
+        "bytes_per_node": 1e6,
+        "outer_bytes_per_round": math.nan,
+        "delta_rel_error": math.nan,
+        "idle_fraction": 0.1,
+    }
     return {"row": row, "evals": evals, "train": [{"step": 10 * i, "lr": 1e-3} for i in range(len(losses))]}
 
 

@@ -42,12 +42,19 @@ def wait_gone(pid: int, timeout_s: float = 10.0) -> bool:
 class Child:
     """`python -m json.tool` (or `argv`) forked by the zygote; it runs until `finish` closes its stdin."""
 
-    def __init__(self, zygote: Zygote, tmp_path: Path, pgid: int = 0, argv: tuple[str, ...] = ("-m", "json.tool")) -> None:
+    def __init__(
+        self, zygote: Zygote, tmp_path: Path, pgid: int = 0, argv: tuple[str, ...] = ("-m", "json.tool")
+    ) -> None:
         self.out = tmp_path / f"out-{time.monotonic_ns()}.txt"
         read, self.stdin = os.pipe()
         with open(self.out, "w") as out:
-            self.proc, self.pgid = zygote.spawn(list(argv), dict(os.environ, MARK="zygote-test"), str(tmp_path), pgid,
-                                                (read, out.fileno(), out.fileno()))
+            self.proc, self.pgid = zygote.spawn(
+                list(argv),
+                dict(os.environ, MARK="zygote-test"),
+                str(tmp_path),
+                pgid,
+                (read, out.fileno(), out.fileno()),
+            )
         os.close(read)
 
     def finish(self, text: str) -> int:
@@ -142,7 +149,9 @@ def test_a_process_group_forks_noloco_commands_and_execs_the_rest(tmp_path, monk
     group = process_group.ProcessGroup()
     try:
         with open(tmp_path / "version", "w") as out:
-            forked = group.spawn([sys.executable, "-m", "noloco_node", "--version"], stdout=out, stderr=subprocess.STDOUT)
+            forked = group.spawn(
+                [sys.executable, "-m", "noloco_node", "--version"], stdout=out, stderr=subprocess.STDOUT
+            )
         execd = group.spawn(["sleep", "30"])
         assert isinstance(forked, PreloadedProcess) and isinstance(execd, subprocess.Popen)
         assert forked.wait(timeout=10) == 0 and (tmp_path / "version").read_text().startswith("noloco-node ")

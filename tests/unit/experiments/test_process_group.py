@@ -82,8 +82,11 @@ def test_a_child_spawned_from_a_thread_outlives_that_thread_with_stop_signals_un
         # SIGTERM as soon as the thread ended.
         with pytest.raises(subprocess.TimeoutExpired):
             spawned[0].wait(timeout=1.0)
-        blocked = next(line for line in Path(f"/proc/{spawned[0].pid}/status").read_text().splitlines()
-                       if line.startswith("SigBlk:"))
+        blocked = next(
+            line
+            for line in Path(f"/proc/{spawned[0].pid}/status").read_text().splitlines()
+            if line.startswith("SigBlk:")
+        )
         assert int(blocked.split()[1], 16) == 0, blocked
         group.drain(grace_s=10)
         assert spawned[0].returncode == -signal.SIGTERM
@@ -93,15 +96,19 @@ def test_a_child_spawned_from_a_thread_outlives_that_thread_with_stop_signals_un
 
 def test_children_die_with_a_sigkilled_launcher(tmp_path):
     script = tmp_path / "launcher.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import sys, time
         from noloco_node.experiments.process_group import ProcessGroup
         group = ProcessGroup()
         procs = [group.spawn(["sleep", "60"]) for _ in range(2)]
         print(" ".join(str(p.pid) for p in procs), flush=True)
         time.sleep(60)
-    """))
-    launcher = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    """)
+    )
+    launcher = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
     pids: list[int] = []
     try:
         pids = [int(p) for p in launcher.stdout.readline().split()]

@@ -15,23 +15,28 @@ from noloco_node.netem.relay import LinkProfile
 
 def test_grid_is_the_product_of_its_axes(tmp_path):
     path = tmp_path / "s.toml"
-    path.write_text('methods = ["noloco", "dp"]\nreplicas = [2, 3]\nseeds = [0, 1]\n'
-                    '[[profiles]]\nname = "a"\none_way_ms = 5\n[[profiles]]\nname = "b"\nmbit = 10\n')
+    path.write_text(
+        'methods = ["noloco", "dp"]\nreplicas = [2, 3]\nseeds = [0, 1]\n'
+        '[[profiles]]\nname = "a"\none_way_ms = 5\n[[profiles]]\nname = "b"\nmbit = 10\n'
+    )
     cells = load_scenario(path).cells()
     assert len(cells) == 2 * 2 * 2 * 2
     assert len({c.name for c in cells}) == len(cells)
     assert load_scenario(path, methods=["diloco"]).methods == ("diloco",)
 
 
-@pytest.mark.parametrize("text,field", [
-    ('methods = ["gossip"]', "scenario.methods"),
-    ("outer_sync_sizes = [1]", "scenario.outer_sync_sizes"),
-    ("stepz = 3", "scenario.stepz"),
-    ('[[profiles]]\nname = "x"\none_way_ms = 1\njitter_ms = 5', "scenario.profiles"),
-    ('[[variants]]\n"outer.gamma" = 0.1', "scenario.variants[0]"),
-    ('[[variants]]\nname = "a"\n[[variants]]\nname = "a"', "scenario.variants"),
-    ('outer_sync_methods = ["dp"]', "scenario.outer_sync_methods"),
-])
+@pytest.mark.parametrize(
+    "text,field",
+    [
+        ('methods = ["gossip"]', "scenario.methods"),
+        ("outer_sync_sizes = [1]", "scenario.outer_sync_sizes"),
+        ("stepz = 3", "scenario.stepz"),
+        ('[[profiles]]\nname = "x"\none_way_ms = 1\njitter_ms = 5', "scenario.profiles"),
+        ('[[variants]]\n"outer.gamma" = 0.1', "scenario.variants[0]"),
+        ('[[variants]]\nname = "a"\n[[variants]]\nname = "a"', "scenario.variants"),
+        ('outer_sync_methods = ["dp"]', "scenario.outer_sync_methods"),
+    ],
+)
 def test_bad_scenarios_name_the_field(tmp_path, text, field):
     path = tmp_path / "s.toml"
     path.write_text(text + "\n")
@@ -42,12 +47,18 @@ def test_bad_scenarios_name_the_field(tmp_path, text, field):
 
 def test_variants_cross_the_grid_and_group_cells_by_everything_but_the_seed(tmp_path):
     path = tmp_path / "s.toml"
-    path.write_text('methods = ["noloco"]\nseeds = [0, 1, 2]\n[[variants]]\nname = "fixed"\n"pipeline.routing" = "fixed"\n'
-                    '[[variants]]\nname = "random"\n"pipeline.routing" = "random"\n')
+    path.write_text(
+        'methods = ["noloco"]\nseeds = [0, 1, 2]\n[[variants]]\nname = "fixed"\n"pipeline.routing" = "fixed"\n'
+        '[[variants]]\nname = "random"\n"pipeline.routing" = "random"\n'
+    )
     scenario = load_scenario(path)
     cells = scenario.cells()
-    assert [c.name for c in cells[:4]] == ["noloco-fixed-D2-P2-lan-s0", "noloco-fixed-D2-P2-lan-s1",
-                                          "noloco-fixed-D2-P2-lan-s2", "noloco-random-D2-P2-lan-s0"]
+    assert [c.name for c in cells[:4]] == [
+        "noloco-fixed-D2-P2-lan-s0",
+        "noloco-fixed-D2-P2-lan-s1",
+        "noloco-fixed-D2-P2-lan-s2",
+        "noloco-random-D2-P2-lan-s0",
+    ]
     assert len({c.group for c in cells}) == 2
     overrides = cell_overrides(scenario, cells[3])
     assert "pipeline.routing=random" in overrides and "run.seed=0" in overrides

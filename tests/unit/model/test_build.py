@@ -12,7 +12,9 @@ from noloco_node.config import ConfigError, load_config
 from noloco_node.model.build import build_run_stage, files_fingerprint, resolve_llama_config, run_model
 from noloco_node.model.split import per_token_costs
 
-PAPER_VOCAB = 128002  # the paper's shapes (docs/volunteer.md, Training a real model): the counts below are the authors' configs at this vocab
+# The paper's shapes (docs/volunteer.md, Training a real model): the counts below are the
+# authors' configs at this vocab.
+PAPER_VOCAB = 128002
 
 
 @pytest.mark.parametrize("preset,params", [("small", 309_876_480), ("medium", 2_135_009_280), ("large", 9_638_793_216)])
@@ -26,16 +28,26 @@ def test_presets_build_the_papers_shapes(preset, params):
 
 def test_tiny_preset_is_the_old_default_and_fields_override_it():
     model = load_config().model
-    assert model.preset == "tiny" and model.shape() == {"hidden_size": 128, "intermediate_size": 352, "num_layers": 4,
-                                                        "num_heads": 4}
+    assert model.preset == "tiny" and model.shape() == {
+        "hidden_size": 128,
+        "intermediate_size": 352,
+        "num_layers": 4,
+        "num_heads": 4,
+    }
     assert load_config(overrides=["model.preset=small", "model.num_layers=6"]).model.shape()["num_layers"] == 6
 
 
 def _stage_costs(config: LlamaConfig, ranges, seq_len: int) -> list[float]:
-    embed, layer, head = per_token_costs(hidden=config.hidden_size, intermediate=config.intermediate_size,
-                                         kv_hidden=config.hidden_size, vocab=config.vocab_size, seq_len=seq_len)
-    return [len(r) * layer + (embed if s == 0 else 0) + (head if s == len(ranges) - 1 else 0)
-            for s, r in enumerate(ranges)]
+    embed, layer, head = per_token_costs(
+        hidden=config.hidden_size,
+        intermediate=config.intermediate_size,
+        kv_hidden=config.hidden_size,
+        vocab=config.vocab_size,
+        seq_len=seq_len,
+    )
+    return [
+        len(r) * layer + (embed if s == 0 else 0) + (head if s == len(ranges) - 1 else 0) for s, r in enumerate(ranges)
+    ]
 
 
 @pytest.mark.parametrize("preset", ["tiny", "small"])
@@ -43,11 +55,15 @@ def _stage_costs(config: LlamaConfig, ranges, seq_len: int) -> list[float]:
 def test_cost_split_is_the_best_contiguous_split(preset, stages):
     cfg = load_config(overrides=[f"model.preset={preset}", f"pipeline.num_stages={stages}"])
     config, ranges = run_model(cfg, 4096)
-    assert [r.start for r in ranges[1:]] == [r.stop for r in ranges[:-1]] and ranges[-1].stop == config.num_hidden_layers
+    assert [r.start for r in ranges[1:]] == [r.stop for r in ranges[:-1]] and ranges[
+        -1
+    ].stop == config.num_hidden_layers
     worst = max(_stage_costs(config, ranges, 128))
     layers = config.num_hidden_layers
-    best = min(max(_stage_costs(config, [range(a, b) for a, b in zip((0, *cuts), (*cuts, layers))], 128))
-               for cuts in itertools.combinations(range(1, layers), stages - 1))
+    best = min(
+        max(_stage_costs(config, [range(a, b) for a, b in zip((0, *cuts), (*cuts, layers))], 128))
+        for cuts in itertools.combinations(range(1, layers), stages - 1)
+    )
     assert worst == pytest.approx(best)
     even = sum(_stage_costs(config, ranges, 128)) / stages
     print(f"{preset} P={stages}: layers {[len(r) for r in ranges]}, max stage / even = {worst / even:.3f}")
@@ -75,9 +91,16 @@ def test_layers_per_stage_overrides_the_cost_split():
 
 
 def _save_checkpoint(path, tied: bool = False) -> LlamaForCausalLM:
-    config = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         tie_word_embeddings=tied)
+    config = LlamaConfig(
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+    )
     torch.manual_seed(7)
     model = LlamaForCausalLM(config)
     model.save_pretrained(path)
@@ -86,9 +109,16 @@ def _save_checkpoint(path, tied: bool = False) -> LlamaForCausalLM:
 
 def test_config_json_builds_that_model(tmp_path):
     _save_checkpoint(tmp_path)
-    cfg = load_config(overrides=[f"model.config={tmp_path / 'config.json'}", "model.seq_len=32", "pipeline.num_stages=2"])
+    cfg = load_config(
+        overrides=[f"model.config={tmp_path / 'config.json'}", "model.seq_len=32", "pipeline.num_stages=2"]
+    )
     config, ranges = run_model(cfg, 290)
-    assert (config.hidden_size, config.num_hidden_layers, config.num_key_value_heads, config.vocab_size) == (32, 3, 2, 300)
+    assert (config.hidden_size, config.num_hidden_layers, config.num_key_value_heads, config.vocab_size) == (
+        32,
+        3,
+        2,
+        300,
+    )
     stage = build_run_stage(cfg, config, ranges, 1)
     assert stage.is_last and len(stage.model.layers) == len(ranges[1])
 
@@ -147,8 +177,9 @@ def test_memory_estimate_counts_the_stages_parameters(stage_index):
     cfg = load_config(overrides=["pipeline.num_stages=2"])
     config, ranges = run_model(cfg, 4096)
     stage = build_run_stage(cfg, config, ranges, stage_index)
-    assert stage_params(config, ranges[stage_index], first=stage_index == 0, last=stage_index == 1) == \
-        sum(p.numel() for p in stage.parameters())
+    assert stage_params(config, ranges[stage_index], first=stage_index == 0, last=stage_index == 1) == sum(
+        p.numel() for p in stage.parameters()
+    )
 
 
 def test_a_stage_that_cannot_fit_is_refused_with_numbers_and_fixes(monkeypatch):
@@ -162,11 +193,29 @@ def test_a_stage_that_cannot_fit_is_refused_with_numbers_and_fixes(monkeypatch):
     text = str(info.value)
     assert "needs about" in text and "8.00 GiB free" in text and "activation_checkpointing = true" in text
     # ~0.8B parameters x 24 bytes (theta, grad, Adam x2, phi, m) is ~18 GiB before any activation.
-    need = memory.estimate(config, ranges[1], first=False, last=True, outer=True, max_in_flight=8, microbatch=1,
-                           seq_len=1024, checkpointing=False)
+    need = memory.estimate(
+        config,
+        ranges[1],
+        first=False,
+        last=True,
+        outer=True,
+        max_in_flight=8,
+        microbatch=1,
+        seq_len=1024,
+        checkpointing=False,
+    )
     assert need.state_bytes == 24 * need.params and need.params > 700_000_000
-    light = memory.estimate(config, ranges[1], first=False, last=True, outer=True, max_in_flight=8, microbatch=1,
-                            seq_len=1024, checkpointing=True)
+    light = memory.estimate(
+        config,
+        ranges[1],
+        first=False,
+        last=True,
+        outer=True,
+        max_in_flight=8,
+        microbatch=1,
+        seq_len=1024,
+        checkpointing=True,
+    )
     assert light.activation_bytes < need.activation_bytes / 4  # checkpointing keeps layer inputs only
     monkeypatch.setattr(memory, "available_bytes", lambda device: 1 << 40)  # 1 TiB: fits
     memory.check_fits(cfg, config, ranges, 1, torch.device("cpu"))
@@ -181,8 +230,16 @@ def _learnable_batches(num: int, seed: int, vocab: int = 300, batch: int = 4, le
     return out
 
 
-_TRAIN = ["model.seq_len=16", "pipeline.num_stages=2", "pipeline.batch_size=4", "pipeline.microbatch_size=2",
-          "inner.lr=1e-2", "inner.warmup_steps=1", "inner.total_steps=40", "outer.inner_steps_per_outer=2"]
+_TRAIN = [
+    "model.seq_len=16",
+    "pipeline.num_stages=2",
+    "pipeline.batch_size=4",
+    "pipeline.microbatch_size=2",
+    "inner.lr=1e-2",
+    "inner.warmup_steps=1",
+    "inner.total_steps=40",
+    "outer.inner_steps_per_outer=2",
+]
 
 
 def _run_stages(cfg, vocab: int = 300):
@@ -192,10 +249,20 @@ def _run_stages(cfg, vocab: int = 300):
     llama, ranges = run_model(cfg, vocab)
     stages = [build_run_stage(cfg, llama, ranges, s) for s in range(cfg.pipeline.num_stages)]
     inner = cfg.inner
-    schedule = InnerSchedule(lr_max=inner.lr, warmup_steps=inner.warmup_steps, total_steps=inner.total_steps,
-                             min_lr_ratio=inner.min_lr_ratio)
-    optimizers = [InnerOptimizer(stage.parameters(), schedule, betas=(inner.beta1, inner.beta2), eps=inner.eps,
-                                 weight_decay=inner.weight_decay, clip_norm=inner.clip_norm) for stage in stages]
+    schedule = InnerSchedule(
+        lr_max=inner.lr, warmup_steps=inner.warmup_steps, total_steps=inner.total_steps, min_lr_ratio=inner.min_lr_ratio
+    )
+    optimizers = [
+        InnerOptimizer(
+            stage.parameters(),
+            schedule,
+            betas=(inner.beta1, inner.beta2),
+            eps=inner.eps,
+            weight_decay=inner.weight_decay,
+            clip_norm=inner.clip_norm,
+        )
+        for stage in stages
+    ]
     return llama, stages, optimizers
 
 
@@ -215,22 +282,31 @@ def test_training_from_init_from_starts_at_the_checkpoints_loss(tmp_path):
     _, stages, _ = _run_stages(load_config(overrides=[f"model.init_from={tmp_path}", *_TRAIN]))
     batches = _learnable_batches(2, seed=0)
     with torch.no_grad():
-        expected = [LlamaStage.loss(saved(inputs[m:m + 2]).logits, labels[m:m + 2]).item()
-                    for inputs, labels in batches for m in (0, 2)]
-        got = [_stage_loss(stages, inputs[m:m + 2], labels[m:m + 2]).item() for inputs, labels in batches for m in (0, 2)]
+        expected = [
+            LlamaStage.loss(saved(inputs[m : m + 2]).logits, labels[m : m + 2]).item()
+            for inputs, labels in batches
+            for m in (0, 2)
+        ]
+        got = [
+            _stage_loss(stages, inputs[m : m + 2], labels[m : m + 2]).item()
+            for inputs, labels in batches
+            for m in (0, 2)
+        ]
     assert got == pytest.approx(expected, rel=1e-5)
 
 
 def test_a_config_json_model_trains(tmp_path):
     _save_checkpoint(tmp_path)  # only its config.json is used: the weights start from the run's seed
-    llama, stages, optimizers = _run_stages(load_config(overrides=[f"model.config={tmp_path / 'config.json'}", *_TRAIN]))
+    llama, stages, optimizers = _run_stages(
+        load_config(overrides=[f"model.config={tmp_path / 'config.json'}", *_TRAIN])
+    )
     assert llama.num_key_value_heads == 2  # the JSON's grouped-query attention, not a preset's
     losses = []
     for step in range(24):
         step_losses = []
         for inputs, labels in _learnable_batches(2, seed=step):  # two batches a step, as two replicas take
             for m in (0, 2):  # microbatches of 2, each a quarter of the step's gradient
-                loss = _stage_loss(stages, inputs[m:m + 2], labels[m:m + 2])
+                loss = _stage_loss(stages, inputs[m : m + 2], labels[m : m + 2])
                 (loss / 4).backward()
                 step_losses.append(loss.item())
         for optimizer in optimizers:

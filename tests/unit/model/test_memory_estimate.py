@@ -7,8 +7,13 @@ import torch
 from noloco_node.config import ConfigError, load_config
 from noloco_node.model import memory
 from noloco_node.model.build import run_model
-from noloco_node.model.memory import (Workload, check_fits, estimate_stage, layer_activation_bytes_per_token,
-                                      workload_for)
+from noloco_node.model.memory import (
+    Workload,
+    check_fits,
+    estimate_stage,
+    layer_activation_bytes_per_token,
+    workload_for,
+)
 from noloco_node.model.stage import build_stage, llama_config
 from noloco_node.runtime.memory import current_memory_bytes, peak_memory_bytes
 
@@ -37,16 +42,25 @@ def _saved_bytes_per_token(config, batch: int, seq: int) -> float:
 
 @pytest.mark.parametrize("hidden,intermediate,heads", [(64, 176, 4), (96, 256, 2)])
 def test_fp32_layer_activations_are_exactly_what_autograd_keeps_with_sdpa(hidden, intermediate, heads):
-    config = llama_config(vocab_size=300, hidden_size=hidden, intermediate_size=intermediate, num_layers=3,
-                          num_heads=heads, max_seq_len=64)
+    config = llama_config(
+        vocab_size=300,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_layers=3,
+        num_heads=heads,
+        max_seq_len=64,
+    )
     model = layer_activation_bytes_per_token(config, autocast=False, attention="sdpa", seq_len=64)
     assert _saved_bytes_per_token(config, batch=2, seq=64) == pytest.approx(model, rel=0.02)
 
 
 def test_sdpa_keeps_no_scores_but_eager_does():
-    config = llama_config(vocab_size=300, hidden_size=64, intermediate_size=176, num_layers=3, num_heads=4,
-                          max_seq_len=256)
-    short, long = (layer_activation_bytes_per_token(config, autocast=False, attention="sdpa", seq_len=t) for t in (64, 256))
+    config = llama_config(
+        vocab_size=300, hidden_size=64, intermediate_size=176, num_layers=3, num_heads=4, max_seq_len=256
+    )
+    short, long = (
+        layer_activation_bytes_per_token(config, autocast=False, attention="sdpa", seq_len=t) for t in (64, 256)
+    )
     assert short == long  # per token: independent of the sequence length
     eager = layer_activation_bytes_per_token(config, autocast=False, attention="eager", seq_len=256)
     assert eager == long + 4 * 4 * 256  # a x T fp32 softmax values per token
@@ -98,28 +112,50 @@ def test_the_issue_h200_configuration_now_fits():
 # Peaks measured on an H200 (torch.cuda.max_memory_allocated, benchmarks/memory_estimate.py --device
 # cuda --presets small,medium --seq-len 1024 --micro 4 --batch 16; 2026-11-26): (preset, P, stage,
 # schedule) -> bytes. The estimate must stay on the safe side and within 25 % of each.
-H200_PEAKS = {("small", 1, 0, "exact"): 6005064192, ("small", 3, 0, "exact"): 4765000704,
-              ("small", 3, 1, "exact"): 2318734336, ("small", 3, 2, "exact"): 2565454336,
-              ("small", 3, 0, "overlap"): 8812307456, ("small", 3, 1, "overlap"): 2672677888,
-              ("medium", 1, 0, "exact"): 56006142464, ("medium", 3, 0, "exact"): 33411597312,
-              ("medium", 3, 1, "exact"): 23028573184, ("medium", 3, 2, "exact"): 23347423744,
-              ("medium", 3, 0, "overlap"): 60007056384, ("medium", 3, 1, "overlap"): 27458020352}
+H200_PEAKS = {
+    ("small", 1, 0, "exact"): 6005064192,
+    ("small", 3, 0, "exact"): 4765000704,
+    ("small", 3, 1, "exact"): 2318734336,
+    ("small", 3, 2, "exact"): 2565454336,
+    ("small", 3, 0, "overlap"): 8812307456,
+    ("small", 3, 1, "overlap"): 2672677888,
+    ("medium", 1, 0, "exact"): 56006142464,
+    ("medium", 3, 0, "exact"): 33411597312,
+    ("medium", 3, 1, "exact"): 23028573184,
+    ("medium", 3, 2, "exact"): 23347423744,
+    ("medium", 3, 0, "overlap"): 60007056384,
+    ("medium", 3, 1, "overlap"): 27458020352,
+}
 
 
 @pytest.mark.parametrize("case", sorted(H200_PEAKS))
 def test_cuda_estimate_is_within_25_percent_above_the_measured_h200_peak(case):
     preset, stages, stage, schedule = case
-    cfg = load_config(overrides=[f"model.preset={preset}", f"pipeline.num_stages={stages}", "model.seq_len=1024",
-                                 "pipeline.batch_size=16", "pipeline.microbatch_size=4", f"pipeline.schedule={schedule}",
-                                 "outer.overlap=false"])  # measured with the blocking exchange, then the default
+    cfg = load_config(
+        overrides=[
+            f"model.preset={preset}",
+            f"pipeline.num_stages={stages}",
+            "model.seq_len=1024",
+            "pipeline.batch_size=16",
+            "pipeline.microbatch_size=4",
+            f"pipeline.schedule={schedule}",
+            "outer.overlap=false",
+        ]
+    )  # measured with the blocking exchange, then the default
     config, ranges = run_model(cfg, 4096)
     need = memory.estimate_for_run(cfg, config, ranges, stage, "cuda")
     assert 1.0 <= need.total / H200_PEAKS[case] <= 1.25, need.breakdown()
 
 
 def test_workload_follows_the_config():
-    cfg = load_config(overrides=["outer.gamma=0.3", "outer.codec_delta=int8", "pipeline.schedule=overlap",
-                                 "pipeline.activation_checkpointing=true"])
+    cfg = load_config(
+        overrides=[
+            "outer.gamma=0.3",
+            "outer.codec_delta=int8",
+            "pipeline.schedule=overlap",
+            "pipeline.activation_checkpointing=true",
+        ]
+    )
     cpu, cuda = workload_for(cfg, "cpu"), workload_for(cfg, "cuda")
     assert cpu.outer_payload == ("bf16", "int8") and not cpu.autocast and cpu.host_heap
     assert cuda.autocast and not cuda.host_heap and cuda.schedule == "overlap" and cuda.checkpointing
@@ -127,8 +163,9 @@ def test_workload_follows_the_config():
 
 
 def test_check_fits_returns_the_estimate_or_refuses_with_the_fixes(monkeypatch):
-    cfg = load_config(overrides=["model.preset=medium", "pipeline.num_stages=2", "model.seq_len=1024",
-                                 "pipeline.schedule=overlap"])
+    cfg = load_config(
+        overrides=["model.preset=medium", "pipeline.num_stages=2", "model.seq_len=1024", "pipeline.schedule=overlap"]
+    )
     config, ranges = run_model(cfg, 4096)
     monkeypatch.setattr(memory, "available_bytes", lambda device: 1 << 40)
     need = check_fits(cfg, config, ranges, 0, torch.device("cpu"))
@@ -154,8 +191,19 @@ def test_records_carry_the_memory_figures_and_old_records_still_validate():
     from noloco_node.cli.status import _memory
     from noloco_node.dht.records import StageRecord
 
-    old = dict(peer_id="p", address="127.0.0.1:1", stage=0, inner_step=0, outer_round=0, status="serving",
-               tokens_per_s=0.0, version="0", manifest_hash="m", run_id="r", updated_at=1.0)
+    old = dict(
+        peer_id="p",
+        address="127.0.0.1:1",
+        stage=0,
+        inner_step=0,
+        outer_round=0,
+        status="serving",
+        tokens_per_s=0.0,
+        version="0",
+        manifest_hash="m",
+        run_id="r",
+        updated_at=1.0,
+    )
     record = StageRecord.parse_obj(old)  # a record from before the fields
     assert (record.memory_estimate_bytes, record.memory_peak_bytes) == (0, 0) and _memory(record.dict()) == "-/-"
     record = StageRecord.parse_obj({**old, "memory_estimate_bytes": 3 << 30, "memory_peak_bytes": 5 << 29})

@@ -12,8 +12,12 @@ from noloco_node.model import init
 from noloco_node.model.build import build_run_stage, run_model
 from noloco_node.model.stage import LlamaStage, build_full_model
 
-SPLITS = (["pipeline.num_stages=2"], ["pipeline.num_stages=4"],
-          ["pipeline.num_stages=2", "pipeline.layers_per_stage=1,3"], ["pipeline.num_stages=1"])
+SPLITS = (
+    ["pipeline.num_stages=2"],
+    ["pipeline.num_stages=4"],
+    ["pipeline.num_stages=2", "pipeline.layers_per_stage=1,3"],
+    ["pipeline.num_stages=1"],
+)
 
 
 def _all_stages(overrides: list[str], vocab: int = 300) -> tuple[dict[str, torch.Tensor], list[range]]:
@@ -70,9 +74,20 @@ def test_the_scheme_is_pinned():
 
 def _hf_shaped_config() -> LlamaConfig:
     # Everything transformers' init distinguishes: biases, a padding row, a non-default std.
-    return LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=3,
-                       attention_bias=True, mlp_bias=True, initializer_range=0.05, tie_word_embeddings=False)
+    return LlamaConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=3,
+        attention_bias=True,
+        mlp_bias=True,
+        initializer_range=0.05,
+        tie_word_embeddings=False,
+    )
 
 
 def test_phi0_follows_transformers_own_init():
@@ -91,7 +106,9 @@ def test_phi0_follows_transformers_own_init():
         elif torch.all(hf == 0):
             assert torch.all(mine == 0), name
         else:  # N(0, initializer_range), as transformers draws it
-            assert mine.std().item() == pytest.approx(0.05, rel=0.1) and hf.std().item() == pytest.approx(0.05, rel=0.1), name
+            assert mine.std().item() == pytest.approx(0.05, rel=0.1) and hf.std().item() == pytest.approx(
+                0.05, rel=0.1
+            ), name
             assert abs(mine.mean().item()) < 0.01, name
     assert torch.all(theirs.model.embed_tokens.weight[3] == 0) and torch.all(ours.model.embed_tokens.weight[3] == 0)
     for name, buffer in theirs.named_buffers():  # rotary frequencies: computed, equal
@@ -103,8 +120,9 @@ def test_values_do_not_depend_on_the_number_of_threads():
     stages = []
     for threads in (1, 3):
         stage = LlamaStage(config, 1, 2)
-        assert init.materialise_from_seed(stage, seed=5, initializer_range=0.05, threads=threads) == \
-            len(list(stage.parameters()))
+        assert init.materialise_from_seed(stage, seed=5, initializer_range=0.05, threads=threads) == len(
+            list(stage.parameters())
+        )
         stages.append(stage)
     for (name, a), (_, b) in zip(stages[0].named_parameters(), stages[1].named_parameters()):
         assert torch.equal(a, b), name
@@ -116,13 +134,22 @@ def test_draws_are_the_float64_draws_rounded():
     init.normal_(out32, 0.02, seed=11)
     init.normal_(out64, 0.02, seed=11)
     assert torch.equal(out32, out64.float())
-    assert not torch.equal(out64[:init._BLOCK], out64[init._BLOCK:2 * init._BLOCK])  # one stream, not a block repeated
+    assert not torch.equal(
+        out64[: init._BLOCK], out64[init._BLOCK : 2 * init._BLOCK]
+    )  # one stream, not a block repeated
 
 
 def _save_sharded(path, *, tied: bool = False, dtype=torch.float32) -> dict[str, torch.Tensor]:
-    config = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         tie_word_embeddings=tied)
+    config = LlamaConfig(
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+    )
     torch.manual_seed(7)
     model = LlamaForCausalLM(config).to(dtype)
     model.save_pretrained(path, max_shard_size="20KB")  # several files: a stage's tensors are spread over them
@@ -214,7 +241,9 @@ def test_the_manifest_changes_with_the_init_scheme(tmp_path, monkeypatch):
     from noloco_node.node.manifest import load_run_inputs
 
     (tmp_path / "corpus.txt").write_text("in the beginning was the word and the word was with god\n" * 200)
-    cfg = load_config(overrides=[f"data.path={tmp_path / 'corpus.txt'}", f"data.cache_dir={tmp_path}", "data.vocab_size=300"])
+    cfg = load_config(
+        overrides=[f"data.path={tmp_path / 'corpus.txt'}", f"data.cache_dir={tmp_path}", "data.vocab_size=300"]
+    )
     _, _, before = load_run_inputs(cfg)
     monkeypatch.setattr(init, "INIT_SCHEME", init.INIT_SCHEME + "-next")
     _, _, after = load_run_inputs(cfg)
@@ -266,17 +295,28 @@ def test_building_one_stage_of_large_costs_that_stages_memory_only(tmp_path):
     rng = random.Random(0)  # words enough for a full 4096-token BPE, trained here once, cached for the child
     words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9))) for _ in range(3000)]
     (tmp_path / "corpus.txt").write_text("\n".join(" ".join(rng.choice(words) for _ in range(12)) for _ in range(3000)))
-    overrides = [f"data.path={tmp_path / 'corpus.txt'}", f"data.cache_dir={tmp_path}", "model.preset=large",
-                 "pipeline.num_stages=16"]
+    overrides = [
+        f"data.path={tmp_path / 'corpus.txt'}",
+        f"data.cache_dir={tmp_path}",
+        "model.preset=large",
+        "pipeline.num_stages=16",
+    ]
     from noloco_node.node.manifest import load_run_inputs
 
     assert len(load_run_inputs(load_config(overrides=overrides))[1]) == 4096
-    out = subprocess.run([sys.executable, "-c", _BUILD_ONE_STAGE, json.dumps(overrides), "15"], capture_output=True,
-                         text=True, timeout=110, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", _BUILD_ONE_STAGE, json.dumps(overrides), "15"],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        check=True,
+    )
     got = json.loads(out.stdout.strip().splitlines()[-1])
     stage_mib = got["params"] * 4 / 2**20
-    print(f"large/16, last stage: {got['layers']} layers, {got['params']:,} parameters ({stage_mib:.0f} MiB fp32); "
-          f"VmHWM {got['before_mib']:.0f} MiB before the build, {got['peak_mib']:.0f} MiB after")
+    print(
+        f"large/16, last stage: {got['layers']} layers, {got['params']:,} parameters ({stage_mib:.0f} MiB fp32); "
+        f"VmHWM {got['before_mib']:.0f} MiB before the build, {got['peak_mib']:.0f} MiB after"
+    )
     assert got["params"] > 500_000_000
     assert got["before_mib"] <= FIXED_OVERHEAD_MIB, "the stated fixed overhead no longer covers the imports"
     assert got["peak_mib"] <= 1.5 * stage_mib + got["before_mib"]

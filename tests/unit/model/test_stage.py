@@ -10,8 +10,15 @@ SEED = 1234
 
 
 def tiny_config(attn="sdpa", layers=6):
-    return llama_config(vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=layers,
-                        num_heads=4, max_seq_len=64, attn_implementation=attn)
+    return llama_config(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=layers,
+        num_heads=4,
+        max_seq_len=64,
+        attn_implementation=attn,
+    )
 
 
 def batch(vocab=97, batch_size=2, seq_len=16):

@@ -13,8 +13,15 @@ SEED = 77
 
 
 def stage_on(device: str) -> LlamaStage:
-    config = llama_config(vocab_size=97, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
-                          max_seq_len=64, attn_implementation="sdpa")
+    config = llama_config(
+        vocab_size=97,
+        hidden_size=128,
+        intermediate_size=256,
+        num_layers=2,
+        num_heads=4,
+        max_seq_len=64,
+        attn_implementation="sdpa",
+    )
     return build_stage(config, seed=SEED, stage_index=0, num_stages=1, device=device)
 
 

@@ -13,8 +13,15 @@ SEED, RANK = 1234, 8
 
 
 def tiny_config(layers=6, hidden=32):
-    return llama_config(vocab_size=97, hidden_size=hidden, intermediate_size=64, num_layers=layers,
-                        num_heads=4, max_seq_len=64, attn_implementation="eager")
+    return llama_config(
+        vocab_size=97,
+        hidden_size=hidden,
+        intermediate_size=64,
+        num_layers=layers,
+        num_heads=4,
+        max_seq_len=64,
+        attn_implementation="eager",
+    )
 
 
 def batch(vocab=97, batch_size=2, seq_len=16):
@@ -66,8 +73,10 @@ def test_split_subspace_model_equals_the_whole_one_in_float64(num_stages):
     loss_full.backward()
     full_grads = {n: p.grad for n, p in full.named_parameters()}
 
-    stages = [build_stage(config, seed=SEED, stage_index=s, num_stages=num_stages, subspace_rank=RANK).double()
-              for s in range(num_stages)]
+    stages = [
+        build_stage(config, seed=SEED, stage_index=s, num_stages=num_stages, subspace_rank=RANK).double()
+        for s in range(num_stages)
+    ]
     boundary, x = [], inputs
     for stage in stages:  # as the pipeline runs it: coordinates cross, with the token ids
         if not stage.is_first:
@@ -100,8 +109,12 @@ def test_coordinates_rebuild_the_stream_exactly_in_float32():
     with torch.no_grad():
         hidden = stage.model.embed_tokens(inputs)
         for layer in stage.model.layers.values():
-            hidden = layer(hidden, attention_mask=stage._mask(hidden), position_ids=torch.arange(16)[None],
-                           position_embeddings=stage.rotary_emb(hidden, torch.arange(16)[None]))
+            hidden = layer(
+                hidden,
+                attention_mask=stage._mask(hidden),
+                position_ids=torch.arange(16)[None],
+                position_embeddings=stage.rotary_emb(hidden, torch.arange(16)[None]),
+            )
             hidden = hidden[0] if isinstance(hidden, tuple) else hidden
         coordinates = stage(inputs)
         rebuilt = stage.subspace.from_coordinates(coordinates, inputs)
@@ -117,11 +130,15 @@ def test_the_dense_export_computes_what_the_subspace_model_computes():
         for p in model.parameters():  # trained weights, not phi_0
             p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()), dtype=p.dtype))
     dense = build_full_model(config, SEED).double()
-    weights = {n: model.subspace.dense(n, p.detach()) if p.shape != dict(dense.named_parameters())[n].shape else p.detach()
-               for n, p in model.named_parameters()}
+    weights = {
+        n: model.subspace.dense(n, p.detach()) if p.shape != dict(dense.named_parameters())[n].shape else p.detach()
+        for n, p in model.named_parameters()
+    }
     dense.load_state_dict(weights)
     with torch.no_grad():
-        torch.testing.assert_close(dense(input_ids=inputs).logits, model(input_ids=inputs).logits, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(
+            dense(input_ids=inputs).logits, model(input_ids=inputs).logits, rtol=1e-10, atol=1e-10
+        )
 
 
 def test_a_subspace_linear_writes_only_inside_the_span():

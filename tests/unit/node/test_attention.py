@@ -7,7 +7,9 @@ PAIRED = {"outcome": "paired"}
 
 
 def view(**kw) -> NodeView:
-    values = dict(stage=1, rounds_go_solo=True, all_reduce=False, replicas_of_stage=2, outer_history=[], since_progress_s=1.0)
+    values = dict(
+        stage=1, rounds_go_solo=True, all_reduce=False, replicas_of_stage=2, outer_history=[], since_progress_s=1.0
+    )
     values.update(kw)
     return NodeView(**values)
 
@@ -48,11 +50,19 @@ def test_progress_says_what_it_waits_for_and_restarts_the_clock_after():
 
 
 def test_the_swarm_view_names_empty_and_lone_stages_laggards_relays_and_node_notes():
-    rows = [dict(peer_id="peerAAAAAAAA", stage=0, inner_step=100, status="serving", reach="direct", attention=[]),
-            dict(peer_id="peerBBBBBBBB", stage=0, inner_step=10, status="serving", reach="relayed",
-                 attention=["the last 4 outer rounds went solo: x"]),
-            dict(peer_id="peerCCCCCCCC", stage=1, inner_step=90, status="serving", reach="direct", attention=[]),
-            dict(peer_id="peerDDDDDDDD", stage=2, inner_step=0, status="leaving", reach="direct", attention=[])]
+    rows = [
+        dict(peer_id="peerAAAAAAAA", stage=0, inner_step=100, status="serving", reach="direct", attention=[]),
+        dict(
+            peer_id="peerBBBBBBBB",
+            stage=0,
+            inner_step=10,
+            status="serving",
+            reach="relayed",
+            attention=["the last 4 outer rounds went solo: x"],
+        ),
+        dict(peer_id="peerCCCCCCCC", stage=1, inner_step=90, status="serving", reach="direct", attention=[]),
+        dict(peer_id="peerDDDDDDDD", stage=2, inner_step=0, status="leaving", reach="direct", attention=[]),
+    ]
     notes = swarm_attention(rows, 3, behind_steps=50)
     text = "\n".join(notes)
     assert "stage 2 has no replica" in text  # a leaving record is not a replica

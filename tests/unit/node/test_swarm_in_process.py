@@ -41,8 +41,15 @@ def assert_accounting(swarm: InProcessSwarm, steps: int) -> None:
 
 def test_two_by_two_trains_with_noloco_rounds_in_process(tmp_path):
     steps, every = 20, 5
-    config = tiny_config(tmp_path, **{"outer.method": "noloco", "outer.inner_steps_per_outer": every,
-                                      "pipeline.num_stages": 2, "timeouts.match_s": 3.0})
+    config = tiny_config(
+        tmp_path,
+        **{
+            "outer.method": "noloco",
+            "outer.inner_steps_per_outer": every,
+            "pipeline.num_stages": 2,
+            "timeouts.match_s": 3.0,
+        },
+    )
     swarm = run(config, replicas=2, steps=steps)
     assert_accounting(swarm, steps)
     for node in swarm.nodes:
@@ -66,8 +73,16 @@ def test_a_pair_round_leaves_both_replicas_on_the_same_weights(tmp_path):
     both phi + beta * (mean(theta) - phi), bit for bit: each side computes the mean of the same two
     wire values (own first, a + b == b + a), and no inner step runs during the round."""
     every = 4
-    config = tiny_config(tmp_path, **{"outer.method": "noloco", "outer.inner_steps_per_outer": every,
-                                      "outer.codec": "none", "pipeline.num_stages": 2, "timeouts.match_s": 3.0})
+    config = tiny_config(
+        tmp_path,
+        **{
+            "outer.method": "noloco",
+            "outer.inner_steps_per_outer": every,
+            "outer.codec": "none",
+            "pipeline.num_stages": 2,
+            "timeouts.match_s": 3.0,
+        },
+    )
     swarm = run(config, replicas=2, steps=every)
     for stage in (0, 1):
         a, b = swarm.stage(stage)
@@ -85,9 +100,16 @@ def test_exact_pipeline_equals_the_whole_model_in_process(tmp_path, num_stages, 
     token ids, and the stages still train exactly the whole subspace model."""
     steps = 5
     # On the CPU wherever it runs: the oracle is float32, a GPU stage runs bf16 autocast.
-    config = tiny_config(tmp_path, **{"pipeline.num_stages": num_stages, "pipeline.deterministic": "true",
-                                      "pipeline.activation_codec": "none", "pipeline.device": "cpu",
-                                      "model.residual_subspace": rank})
+    config = tiny_config(
+        tmp_path,
+        **{
+            "pipeline.num_stages": num_stages,
+            "pipeline.deterministic": "true",
+            "pipeline.activation_codec": "none",
+            "pipeline.device": "cpu",
+            "model.residual_subspace": rank,
+        },
+    )
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -120,9 +142,16 @@ def test_exact_pipeline_equals_the_whole_model_in_process(tmp_path, num_stages, 
 @pytest.mark.parametrize("schedule", ["exact", "overlap"])
 def test_schedules_complete_every_microbatch_with_bounded_staleness_in_process(tmp_path, schedule):
     steps = 12
-    config = tiny_config(tmp_path, **{"pipeline.schedule": schedule, "pipeline.batch_size": 8,
-                                      "pipeline.microbatch_size": 2, "pipeline.num_stages": 3,
-                                      "pipeline.activation_codec": "none"})
+    config = tiny_config(
+        tmp_path,
+        **{
+            "pipeline.schedule": schedule,
+            "pipeline.batch_size": 8,
+            "pipeline.microbatch_size": 2,
+            "pipeline.num_stages": 3,
+            "pipeline.activation_codec": "none",
+        },
+    )
     swarm = run(config, replicas=1, steps=steps)
     assert_accounting(swarm, steps)
     [driver] = swarm.stage(0)
@@ -136,8 +165,16 @@ def test_schedules_complete_every_microbatch_with_bounded_staleness_in_process(t
 
 
 def dp_config(tmp_path, **extra):
-    return tiny_config(tmp_path, **{"outer.method": "dp", "outer.allreduce_group_size": 2, "pipeline.num_stages": 2,
-                                    "pipeline.batch_size": 6, **extra})
+    return tiny_config(
+        tmp_path,
+        **{
+            "outer.method": "dp",
+            "outer.allreduce_group_size": 2,
+            "pipeline.num_stages": 2,
+            "pipeline.batch_size": 6,
+            **extra,
+        },
+    )
 
 
 def assert_identical_replicas(swarm: InProcessSwarm) -> None:
@@ -145,7 +182,9 @@ def assert_identical_replicas(swarm: InProcessSwarm) -> None:
         weights = [n.weights() for n in swarm.stage(stage)]
         for a, b in itertools.combinations(weights, 2):
             for name in a:
-                assert torch.equal(a[name], b[name]), f"stage {stage} {name}: max diff {(a[name] - b[name]).abs().max()}"
+                assert torch.equal(a[name], b[name]), (
+                    f"stage {stage} {name}: max diff {(a[name] - b[name]).abs().max()}"
+                )
 
 
 def test_dp_replicas_stay_identical_in_process(tmp_path):
@@ -255,12 +294,19 @@ def test_a_dp_replica_left_behind_by_a_group_it_gave_up_on_skips_the_round(tmp_p
         swarm.all_reduce[stage].wait_s = 0.5
         swarm.all_reduce[stage].unaware.add((f"s{stage}r0", 2))
 
-    swarm = run(dp_config(tmp_path, **{"timeouts.microbatch_s": 600.0}), replicas=2, steps=steps,
-                inject=unaware_of_round_2, timeout_s=60.0)
+    swarm = run(
+        dp_config(tmp_path, **{"timeouts.microbatch_s": 600.0}),
+        replicas=2,
+        steps=steps,
+        inject=unaware_of_round_2,
+        timeout_s=60.0,
+    )
     assert_accounting(swarm, steps)
     behind, ahead = swarm.stage(stage)
     for node in (behind, ahead):
-        assert [r["outcome"] for r in node.sync.counters.history] == ["paired", "skipped", "paired", "paired"], node.peer_id
+        assert [r["outcome"] for r in node.sync.counters.history] == ["paired", "skipped", "paired", "paired"], (
+            node.peer_id
+        )
     assert behind.sync.counters.history[1]["left_behind"] and not ahead.sync.counters.history[1]["left_behind"]
     assert not ahead.sync.counters.history[1]["complete"]
     assert_identical_replicas(swarm)
@@ -268,9 +314,16 @@ def test_a_dp_replica_left_behind_by_a_group_it_gave_up_on_skips_the_round(tmp_p
 
 def test_diloco_three_replicas_share_phi_after_every_round_in_process(tmp_path):
     steps, every = 10, 5
-    config = tiny_config(tmp_path, **{"outer.method": "diloco", "outer.inner_steps_per_outer": every,
-                                      "outer.allreduce_group_size": 3, "pipeline.num_stages": 2,
-                                      "pipeline.batch_size": 6})
+    config = tiny_config(
+        tmp_path,
+        **{
+            "outer.method": "diloco",
+            "outer.inner_steps_per_outer": every,
+            "outer.allreduce_group_size": 3,
+            "pipeline.num_stages": 2,
+            "pipeline.batch_size": 6,
+        },
+    )
     swarm = run(config, replicas=3, steps=steps)
     assert_accounting(swarm, steps)
     for stage in (0, 1):
@@ -289,9 +342,17 @@ def test_an_overlapped_outer_exchange_lets_stage0_keep_stepping(tmp_path, overla
     Either way both replicas end on the same phi and momentum (two replicas always pair, from the
     same phi_0, and compute the same group mean), with each one's own progress kept on top."""
     steps, every = 12, 4
-    config = tiny_config(tmp_path, **{"outer.method": "noloco", "outer.inner_steps_per_outer": every,
-                                      "outer.overlap": str(overlap).lower(), "pipeline.num_stages": 1,
-                                      "timeouts.match_s": 5.0, "faults.inject": "during_exchange:delay=0.6"})
+    config = tiny_config(
+        tmp_path,
+        **{
+            "outer.method": "noloco",
+            "outer.inner_steps_per_outer": every,
+            "outer.overlap": str(overlap).lower(),
+            "pipeline.num_stages": 1,
+            "timeouts.match_s": 5.0,
+            "faults.inject": "during_exchange:delay=0.6",
+        },
+    )
     swarm = run(config, replicas=2, steps=steps)
     assert_accounting(swarm, steps)
     a, b = swarm.stage(0)
@@ -311,9 +372,18 @@ def test_a_later_stage_runs_its_overlapped_rounds_one_at_a_time_in_order(tmp_pat
     applied (concurrent rounds shared one round's state: seen in the D4 x P2 demo, rounds 4-7 of a
     stage-1 replica ran together and three of them ended with no outcome counted)."""
     steps, every = 12, 2
-    config = tiny_config(tmp_path, **{"outer.method": "noloco", "outer.inner_steps_per_outer": every,
-                                      "outer.overlap": "true", "pipeline.num_stages": 2, "pipeline.batch_size": 4,
-                                      "timeouts.match_s": 5.0, "faults.inject": "during_exchange:delay=0.6"})
+    config = tiny_config(
+        tmp_path,
+        **{
+            "outer.method": "noloco",
+            "outer.inner_steps_per_outer": every,
+            "outer.overlap": "true",
+            "pipeline.num_stages": 2,
+            "pipeline.batch_size": 4,
+            "timeouts.match_s": 5.0,
+            "faults.inject": "during_exchange:delay=0.6",
+        },
+    )
     swarm = run(config, replicas=2, steps=steps)
     assert_accounting(swarm, steps)
     for node in swarm.stage(1):

@@ -11,8 +11,15 @@ from .test_swarm_in_process import dp_config, run
 
 def test_noloco_with_three_replicas_learns_routes_everywhere_and_counts_solo_rounds(tmp_path):
     steps, every = 12, 4
-    config = tiny_config(tmp_path, **{"outer.method": "noloco", "outer.inner_steps_per_outer": every,
-                                      "pipeline.num_stages": 2, "timeouts.match_s": 3.0})
+    config = tiny_config(
+        tmp_path,
+        **{
+            "outer.method": "noloco",
+            "outer.inner_steps_per_outer": every,
+            "pipeline.num_stages": 2,
+            "timeouts.match_s": 3.0,
+        },
+    )
     swarm = run(config, replicas=3, steps=steps)
     for node in swarm.stage(0):
         losses = node.driver.log.step_losses
@@ -33,9 +40,16 @@ def test_noloco_with_three_replicas_learns_routes_everywhere_and_counts_solo_rou
 
 def test_diloco_leaves_every_replica_on_the_same_weights(tmp_path):
     every = 2
-    config = tiny_config(tmp_path, **{"outer.method": "diloco", "outer.inner_steps_per_outer": every,
-                                      "outer.allreduce_group_size": 3, "pipeline.num_stages": 2,
-                                      "pipeline.batch_size": 6})
+    config = tiny_config(
+        tmp_path,
+        **{
+            "outer.method": "diloco",
+            "outer.inner_steps_per_outer": every,
+            "outer.allreduce_group_size": 3,
+            "pipeline.num_stages": 2,
+            "pipeline.batch_size": 6,
+        },
+    )
     swarm = run(config, replicas=3, steps=every)  # ends on a round: theta <- the shared phi
     assert swarm.outer_rounds()["rounds"] == 6
     assert swarm.replica_spread() < 1e-6

@@ -17,8 +17,10 @@ from noloco_node.optim.state import OuterState
 
 A = {"phi": [1, -2, 0.5, 3], "theta": [1.5, -2.5, 0.25, 3], "m": [0.1, -0.2, 0, 0.4]}
 B = {"phi": [0, -1, 1, 2], "theta": [-0.5, -0.5, 1.5, 2.25], "m": [0.3, 0, -0.1, 0.2]}
-AFTER = {"A": ([-0.3, 0.25, 0.2625, -0.0625], [0.7, -1.75, 0.7625, 2.9375]),
-         "B": ([0.5, -0.35, -0.1375, 0.5375], [0.5, -1.35, 0.8625, 2.5375])}
+AFTER = {
+    "A": ([-0.3, 0.25, 0.2625, -0.0625], [0.7, -1.75, 0.7625, 2.9375]),
+    "B": ([0.5, -0.35, -0.1375, 0.5375], [0.5, -1.35, 0.8625, 2.5375]),
+}
 PROGRESS = {"A": [0.25, -0.125, 0.5, -1.0], "B": [-0.5, 0.0625, 0.0, 0.75]}
 DELAYED_THETA = {"A": [0.95, -1.875, 1.2625, 1.9375], "B": [0.0, -1.2875, 0.8625, 3.2875]}
 
@@ -51,8 +53,9 @@ def test_the_delayed_step_keeps_the_progress_made_during_the_exchange(form):
             state.apply_noloco([{"w": (None, frozen[other]["w"])}], own=frozen[name], frozen=frozen[name])
         else:
             delta = {n: frozen[n]["w"] - phis[n] for n in ("A", "B")}
-            state.apply_noloco_sent([{"w": (phis[other], delta[other])}], {"w": (phis[name], delta[name])},
-                                    frozen=frozen[name])
+            state.apply_noloco_sent(
+                [{"w": (phis[other], delta[other])}], {"w": (phis[name], delta[name])}, frozen=frozen[name]
+            )
     for name, (model, state) in replicas.items():
         m, phi = AFTER[name]
         torch.testing.assert_close(state.momentum["w"], t(m), atol=1e-9, rtol=0)

@@ -11,8 +11,18 @@ from noloco_node.optim.state import OuterState
 SMALL = InnerSchedule(lr_max=6e-4, warmup_steps=1000, total_steps=25000, min_lr_ratio=0.1)
 
 
-@pytest.mark.parametrize("step,lr", [(1, 6.0e-7), (500, 3.0e-4), (1000, 6.0e-4), (1001, 6.0e-4),
-                                     (13001, 3.3e-4), (25000, 6.00000023e-5), (30000, 6.0e-5)])
+@pytest.mark.parametrize(
+    "step,lr",
+    [
+        (1, 6.0e-7),
+        (500, 3.0e-4),
+        (1000, 6.0e-4),
+        (1001, 6.0e-4),
+        (13001, 3.3e-4),
+        (25000, 6.00000023e-5),
+        (30000, 6.0e-5),
+    ],
+)
 def test_schedule_spot_values(step, lr):
     assert SMALL.lr_at(step) == pytest.approx(lr, rel=1e-6)
 
@@ -44,8 +54,9 @@ def test_outer_state_matches_per_tensor_math_and_writes_theta():
         a.weight.add_(0.1)
         b.bias.sub_(0.2)
     snap_a, snap_b = sa.snapshot(), sb.snapshot()
-    expected = {n: noloco_step(sa.phi[n], snap_a[n][1], sa.momentum[n], [snap_b[n]], alpha=0.5, beta=0.7)
-                for n in sa.params}
+    expected = {
+        n: noloco_step(sa.phi[n], snap_a[n][1], sa.momentum[n], [snap_b[n]], alpha=0.5, beta=0.7) for n in sa.params
+    }
     sa.apply_noloco([snap_b])
     sb.apply_noloco([snap_a])
     for name, (phi, m) in expected.items():

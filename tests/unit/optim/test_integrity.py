@@ -78,8 +78,14 @@ def test_repair_restores_theta_from_phi_and_drops_bad_adam_state():
     assert repair_weights(dict(stage.named_parameters()), outer.phi, inner.adam.state) == "phi"
     assert torch.equal(stage.weight, outer.phi["weight"]) and torch.equal(stage.bias, outer.phi["bias"])
     assert stage.weight not in inner.adam.state and stage.bias in inner.adam.state
-    assert repair_weights(dict(stage.named_parameters()), {"weight": torch.full((4, 4), math.nan),
-                                                            "bias": torch.zeros(4)}, inner.adam.state) is None
+    assert (
+        repair_weights(
+            dict(stage.named_parameters()),
+            {"weight": torch.full((4, 4), math.nan), "bias": torch.zeros(4)},
+            inner.adam.state,
+        )
+        is None
+    )
 
 
 class _Stage(torch.nn.Module):
@@ -101,9 +107,14 @@ def _worker(faults=(), with_phi=True):
     inner = InnerOptimizer(stage.parameters(), InnerSchedule(lr_max=1e-2, warmup_steps=1, total_steps=10))
     outer = OuterState(stage.named_parameters(), alpha=0.5, beta=0.7) if with_phi else None
     events = []
-    worker = StageWorker(stage, inner, WorkerSettings(batch_size=2, saved_ttl_s=60, auto_step=True), faults=FaultInjector(faults),
-                         slow_weights=(lambda: outer.phi) if with_phi else None,
-                         emit=lambda event, **fields: events.append(event))
+    worker = StageWorker(
+        stage,
+        inner,
+        WorkerSettings(batch_size=2, saved_ttl_s=60, auto_step=True),
+        faults=FaultInjector(faults),
+        slow_weights=(lambda: outer.phi) if with_phi else None,
+        emit=lambda event, **fields: events.append(event),
+    )
     return worker, stage, outer, events
 
 

@@ -37,8 +37,16 @@ def test_cancelled_finish_still_completes_the_round():
         return None
 
     parts = SyncParts(compute=SlowCompute(), peer_id="me", stage=0, set_status=set_status)
-    sync = NoLoCoSync(state, OuterConfig(codec="none"), parts, transport=None, directory=NoPeers(), match_s=1.0,
-                      bans=Bans(), rng=random.Random(0))
+    sync = NoLoCoSync(
+        state,
+        OuterConfig(codec="none"),
+        parts,
+        transport=None,
+        directory=NoPeers(),
+        match_s=1.0,
+        bans=Bans(),
+        rng=random.Random(0),
+    )
 
     async def scenario():
         round_task = asyncio.ensure_future(sync.outer_step(inner_step=1, round_index=1))

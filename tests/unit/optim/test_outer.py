@@ -68,8 +68,10 @@ def test_v3b_diloco_on_diverged_replicas():
 
 
 def test_v4_solo_step():
-    for phi, m in (solo_step(t(PHI_A), t(THETA_A), t(M_A), **NOLOCO),
-                   noloco_step(t(PHI_A), t(THETA_A), t(M_A), [], **NOLOCO, gamma=0.3)):
+    for phi, m in (
+        solo_step(t(PHI_A), t(THETA_A), t(M_A), **NOLOCO),
+        noloco_step(t(PHI_A), t(THETA_A), t(M_A), [], **NOLOCO, gamma=0.3),
+    ):
         close(m, [0.4, -0.45, -0.175, 0.2])
         close(phi, [1.4, -2.45, 0.325, 3.2])
 

@@ -57,12 +57,14 @@ def test_random_gamma_against_the_oracle_and_the_theta_form(seed):
         phi, m = noloco_step_sent(phis[me], moms[me], mine, [peer], alpha=alpha, beta=beta, gamma=gamma)
         np.testing.assert_allclose(phi.numpy(), want_phi[me], atol=1e-12, rtol=0)
         np.testing.assert_allclose(m.numpy(), want_m[me], atol=1e-12, rtol=0)
-        ref_phi, ref_m = noloco_step(phis[me], thetas[me], moms[me], [(phis[other], thetas[other])],
-                                     alpha=alpha, beta=beta, gamma=gamma)
+        ref_phi, ref_m = noloco_step(
+            phis[me], thetas[me], moms[me], [(phis[other], thetas[other])], alpha=alpha, beta=beta, gamma=gamma
+        )
         assert torch.equal(phi, ref_phi) and torch.equal(m, ref_m)
 
 
 def test_shape_mismatch_named():
     with pytest.raises(ValueError, match="peers\\[0\\] delta"):
-        noloco_step_sent(t(A["phi"]), t(A["m"]), sent(A), [(t(B["phi"]), torch.zeros(3, dtype=f64))],
-                         alpha=0.5, beta=0.7, gamma=0.3)
+        noloco_step_sent(
+            t(A["phi"]), t(A["m"]), sent(A), [(t(B["phi"]), torch.zeros(3, dtype=f64))], alpha=0.5, beta=0.7, gamma=0.3
+        )

@@ -26,7 +26,9 @@ def send(transport: FlakyTransport) -> RuntimeStats:
     runtime = object.__new__(StageRuntime)  # only the send path: no worker, server or directory
     runtime.transport, runtime.stats = transport, RuntimeStats()
     key = MicrobatchKey(origin="QmOrigin", sequence=0, attempt=0)
-    asyncio.run(runtime._send_backward(Hop(peer_id="QmOrigin", address="127.0.0.1:1", stage=0), key, torch.zeros(1), 0.0, 1))
+    asyncio.run(
+        runtime._send_backward(Hop(peer_id="QmOrigin", address="127.0.0.1:1", stage=0), key, torch.zeros(1), 0.0, 1)
+    )
     return runtime.stats
 
 

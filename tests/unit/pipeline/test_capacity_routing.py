@@ -21,13 +21,19 @@ class Clock:
 def test_meter_measures_capacity_per_compute_second_and_throughput_per_wall_second():
     clock = Clock()
     meter = ThroughputMeter(alpha=1.0, clock=clock)
-    assert meter.record_fields() == {"capacity": 0.0, "throughput": 0.0, "busy": 0.0, "hop_s": 0.0,
-                                    "link_mbit_s": 0.0}
-    clock.now = 2.0  # the first sample already measures, from the meter's creation  # 2 s of wall time, 0.5 s of it computing 10 sequences, 4 of 8 slots in use
+    assert meter.record_fields() == {"capacity": 0.0, "throughput": 0.0, "busy": 0.0, "hop_s": 0.0, "link_mbit_s": 0.0}
+    # The first sample already measures, from the meter's creation: 2 s of wall time, 0.5 s of it
+    # computing 10 sequences, 4 of 8 slots in use.
+    clock.now = 2.0
     meter.sample(sequences=10, busy_s=0.5, in_flight=4, window=8)
     meter.observe_hop(0.02)
-    assert meter.record_fields() == {"capacity": 20.0, "throughput": 5.0, "busy": 0.5, "hop_s": 0.02,
-                                    "link_mbit_s": 0.0}
+    assert meter.record_fields() == {
+        "capacity": 20.0,
+        "throughput": 5.0,
+        "busy": 0.5,
+        "hop_s": 0.02,
+        "link_mbit_s": 0.0,
+    }
 
 
 def test_meter_smooths_and_keeps_capacity_through_idle_windows():

@@ -15,8 +15,9 @@ def last_stage_worker(defer: bool) -> StageWorker:
 
 def microbatches(n: int):
     gen = torch.Generator().manual_seed(1)
-    return [(torch.randn(2, SEQ, HIDDEN, generator=gen), torch.randint(0, VOCAB, (2, SEQ), generator=gen))
-            for _ in range(n)]
+    return [
+        (torch.randn(2, SEQ, HIDDEN, generator=gen), torch.randint(0, VOCAB, (2, SEQ), generator=gen)) for _ in range(n)
+    ]
 
 
 def test_a_deferred_step_waits_for_the_caller_and_changes_nothing():

@@ -17,8 +17,11 @@ def plan(replicas, margin=0.75, settle_s=10.0, cooldown_s=100.0, num_stages=2):
 
 def swarm(stages_caps, movable=True, load=1.0, **kw):
     """Replicas with these capacities, each doing `load` of its capacity (1.0 = saturated)."""
-    return [Replica(f"peer{s}{i}", s, cap, throughput=load * cap, movable=movable, **kw)
-            for s, caps in enumerate(stages_caps) for i, cap in enumerate(caps)]
+    return [
+        Replica(f"peer{s}{i}", s, cap, throughput=load * cap, movable=movable, **kw)
+        for s, caps in enumerate(stages_caps)
+        for i, cap in enumerate(caps)
+    ]
 
 
 def test_three_plus_one_moves_one_node_to_the_starved_stage():
@@ -41,7 +44,7 @@ def test_margin_is_the_threshold():
     # A slow stage 1 (0.5 vs 2 x 1.0): moving one stage-0 node gives min(1.0, 0.5 + 0.5) = 1.0.
     slow = swarm([[1.0, 1.0], [0.5]])
     assert plan(slow, margin=0.75) is not None  # 0.5 < 0.75 x 1.0
-    assert plan(slow, margin=0.4) is None       # 0.5 >= 0.4 x 1.0
+    assert plan(slow, margin=0.4) is None  # 0.5 >= 0.4 x 1.0
 
 
 def test_capacity_on_the_target_is_scaled_by_the_stages_cost():
@@ -52,16 +55,25 @@ def test_capacity_on_the_target_is_scaled_by_the_stages_cost():
 
 
 def test_the_fastest_useful_mover_is_chosen():
-    replicas = [Replica("a", 0, 1.0, 1.0, movable=True), Replica("b", 0, 3.0, 3.0, movable=True),
-                Replica("c", 0, 1.0, 1.0, movable=True), Replica("d", 1, 1.0, 1.0, movable=True)]
+    replicas = [
+        Replica("a", 0, 1.0, 1.0, movable=True),
+        Replica("b", 0, 3.0, 3.0, movable=True),
+        Replica("c", 0, 1.0, 1.0, movable=True),
+        Replica("d", 1, 1.0, 1.0, movable=True),
+    ]
     move = plan(replicas)
     # Moving b (3.0, estimated 3.0 x 1.0 / (5/3) = 1.8 on stage 1): min(2.0, 2.8) = 2.0; moving a: min(4.0, 1.6).
     assert move.peer_id == "b"
 
 
-@pytest.mark.parametrize("change", [
-    dict(status="leaving"), dict(status="joining"), dict(moved_at=NOW - 5.0),
-])
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(status="leaving"),
+        dict(status="joining"),
+        dict(moved_at=NOW - 5.0),
+    ],
+)
 def test_no_plan_while_the_swarm_is_unsettled(change):
     replicas = swarm([[1.0, 1.0, 1.0], [1.0]])
     replicas[1] = Replica(replicas[1].peer_id, 0, 1.0, 1.0, movable=True, **{"status": "serving", **change})
@@ -77,8 +89,11 @@ def test_a_limiting_stage_with_room_to_spare_draws_no_node():
     assert plan(busy) is not None
     # One fast replica busy and two slow ones idle (capacity routing sends them little): together
     # 1.0 of 2.0, not saturated.
-    mixed = swarm([[2.0, 2.0, 2.0]]) + [Replica("s0", 1, 1.0, 1.0, movable=True), Replica("s1", 1, 0.5, 0.0, movable=True),
-                                        Replica("s2", 1, 0.5, 0.0, movable=True)]
+    mixed = swarm([[2.0, 2.0, 2.0]]) + [
+        Replica("s0", 1, 1.0, 1.0, movable=True),
+        Replica("s1", 1, 0.5, 0.0, movable=True),
+        Replica("s2", 1, 0.5, 0.0, movable=True),
+    ]
     assert plan(mixed) is None
 
 
@@ -106,18 +121,29 @@ class SharedRecords:
         async def read():
             seen = {**{k: r.capacity for k, r in self.replicas.items()}, **(capacity_seen or {})}
             return [dataclasses.replace(r, capacity=seen[k]) for k, r in self.replicas.items()]
+
         return read
 
     def claimer(self, me):
         async def claim(claimed_at):
             self.claims.append((me, claimed_at))
             self.replicas[me] = dataclasses.replace(self.replicas[me], move_claimed_at=claimed_at)
+
         return claim
 
 
 def watcher(records, me, read=None, period_s=0.01):
-    return watch(me=me, read=read or records.reader(), claim=records.claimer(me), num_stages=2, margin=0.75,
-                 period_s=period_s, settle_s=1.0, cooldown_s=1.0, clock=lambda: NOW + time.monotonic())
+    return watch(
+        me=me,
+        read=read or records.reader(),
+        claim=records.claimer(me),
+        num_stages=2,
+        margin=0.75,
+        period_s=period_s,
+        settle_s=1.0,
+        cooldown_s=1.0,
+        clock=lambda: NOW + time.monotonic(),
+    )
 
 
 def test_watch_returns_only_the_move_that_names_us():
@@ -150,8 +176,10 @@ def test_two_nodes_named_by_different_views_move_one_of_them():
         assert plan(asyncio.run(records.reader(seen)())).peer_id == me
 
     async def race():
-        tasks = {me: asyncio.create_task(watcher(records, me, records.reader(seen), period_s=0.05))
-                 for me, seen in views.items()}
+        tasks = {
+            me: asyncio.create_task(watcher(records, me, records.reader(seen), period_s=0.05))
+            for me, seen in views.items()
+        }
         done, pending = await asyncio.wait(tasks.values(), timeout=1.5)
         for task in pending:
             task.cancel()

@@ -60,7 +60,9 @@ def test_fixed_routing_forms_one_pipeline_per_sender_index():
     router = Router(Bans())
     targets = [router.pick_fixed(list(reversed(RECEIVERS)), list(reversed(SENDERS)), me).peer_id for me in SENDERS]
     assert targets == ["r-0", "r-1", "r-2", "r-3"]  # by index among the sorted ids, whatever the listing order
-    assert all(router.pick_fixed(RECEIVERS, SENDERS, me).peer_id == t for me, t in zip(SENDERS, targets) for _ in range(20))
+    assert all(
+        router.pick_fixed(RECEIVERS, SENDERS, me).peer_id == t for me, t in zip(SENDERS, targets) for _ in range(20)
+    )
     assert router.pick_fixed(RECEIVERS[:3], SENDERS, "s-d").peer_id == "r-0"  # fewer receivers: wraps around
     assert router.pick_fixed(RECEIVERS, SENDERS, "stranger") is None
     router.bans.ban("r-1")

@@ -42,8 +42,9 @@ def test_claim_stage_reclaims_when_the_agreement_moves_it():
         announced.append((stage, withdrawn))
 
     async def run(me):
-        return await claim_stage(capacities=capacities, claims=claims, announce_claim=announce, me=me, settle_s=0.01,
-                                 clock=lambda: 0.0)
+        return await claim_stage(
+            capacities=capacities, claims=claims, announce_claim=announce, me=me, settle_s=0.01, clock=lambda: 0.0
+        )
 
     assert asyncio.run(run("peer-a")) == 0
     assert announced == [(0, None)]

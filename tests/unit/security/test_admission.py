@@ -45,12 +45,15 @@ def test_signed_call_proves_the_caller():
     assert _verifier().verify(metadata, METHOD) == ALICE.peer_id
 
 
-@pytest.mark.parametrize("tamper, message", [
-    (lambda md: md.pop(AUTH_HEADER), "unsigned"),
-    (lambda md: md.update({KEY_HEADER: BOB.public_b64}), "does not belong"),
-    (lambda md: md.update({AUTH_HEADER: md[AUTH_HEADER].replace(ALICE.peer_id, BOB.peer_id)}), "does not belong"),
-    (lambda md: md.update({AUTH_HEADER: md[AUTH_HEADER][:-8] + "AAAAAAA="}), "does not verify"),
-])
+@pytest.mark.parametrize(
+    "tamper, message",
+    [
+        (lambda md: md.pop(AUTH_HEADER), "unsigned"),
+        (lambda md: md.update({KEY_HEADER: BOB.public_b64}), "does not belong"),
+        (lambda md: md.update({AUTH_HEADER: md[AUTH_HEADER].replace(ALICE.peer_id, BOB.peer_id)}), "does not belong"),
+        (lambda md: md.update({AUTH_HEADER: md[AUTH_HEADER][:-8] + "AAAAAAA="}), "does not verify"),
+    ],
+)
 def test_forged_or_borrowed_tokens_are_refused(tamper, message):
     metadata = dict(CallSigner(ALICE).metadata(METHOD, SERVER.peer_id))
     tamper(metadata)

@@ -16,9 +16,17 @@ def test_parse_every_form():
     assert parse_fault("during_state_transfer:stall=2@1") == Fault("during_state_transfer", "stall", 2.0, 1, None)
 
 
-@pytest.mark.parametrize("spec, why", [("nowhere:crash", "unknown point"), ("mid_backward:explode", "unknown action"),
-                                       ("mid_backward:stall", "needs =SECONDS"), ("mid_backward:crash@0", "counts from 1"),
-                                       ("mid_backward:crash%2", "probability"), ("mid_backward", "not POINT:ACTION")])
+@pytest.mark.parametrize(
+    "spec, why",
+    [
+        ("nowhere:crash", "unknown point"),
+        ("mid_backward:explode", "unknown action"),
+        ("mid_backward:stall", "needs =SECONDS"),
+        ("mid_backward:crash@0", "counts from 1"),
+        ("mid_backward:crash%2", "probability"),
+        ("mid_backward", "not POINT:ACTION"),
+    ],
+)
 def test_bad_specs_say_why(spec, why):
     with pytest.raises(FaultSpecError, match=why):
         parse_fault(spec)
@@ -27,7 +35,9 @@ def test_bad_specs_say_why(spec, why):
 def test_config_names_the_field():
     with pytest.raises(ConfigError, match="faults.inject"):
         load_config(overrides={"faults": {"inject": ["mid_backward:explode"]}})
-    assert load_config(overrides={"faults": {"inject": ["mid_backward:crash@3"]}}).faults.inject == ("mid_backward:crash@3",)
+    assert load_config(overrides={"faults": {"inject": ["mid_backward:crash@3"]}}).faults.inject == (
+        "mid_backward:crash@3",
+    )
 
 
 def test_nth_fires_once_and_only_there():
@@ -66,9 +76,11 @@ def test_crash_exits_the_process_with_its_code():
     import subprocess
     import sys
 
-    code = ("from noloco_node.runtime.faults import FaultInjector\n"
-            "f = FaultInjector(['mid_backward:crash@2'])\nf.hit_sync('mid_backward')\nf.hit_sync('mid_backward')\n"
-            "raise SystemExit(0)")
+    code = (
+        "from noloco_node.runtime.faults import FaultInjector\n"
+        "f = FaultInjector(['mid_backward:crash@2'])\nf.hit_sync('mid_backward')\nf.hit_sync('mid_backward')\n"
+        "raise SystemExit(0)"
+    )
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 17
 
 

@@ -14,6 +14,7 @@ def _read_line(data: bytes) -> bytes:
         reader.feed_data(data)
         reader.feed_eof()
         return await read_line(reader, 1.0)
+
     return asyncio.run(read())
 
 
@@ -37,8 +38,11 @@ def test_request_lines_are_bounded():
 
 def test_relays_of_reads_circuit_addresses():
     relay, target = NodeIdentity.generate().peer_id, NodeIdentity.generate().peer_id
-    addrs = [f"/ip4/198.18.0.1/tcp/31330/p2p/{relay}/p2p-circuit/p2p/{target}", "/ip4/198.18.0.5/tcp/4001",
-             f"/ip4/198.18.0.1/tcp/31330/p2p/{relay}"]
+    addrs = [
+        f"/ip4/198.18.0.1/tcp/31330/p2p/{relay}/p2p-circuit/p2p/{target}",
+        "/ip4/198.18.0.5/tcp/4001",
+        f"/ip4/198.18.0.1/tcp/31330/p2p/{relay}",
+    ]
     assert relays_of(addrs) == [(relay, f"/ip4/198.18.0.1/tcp/31330/p2p/{relay}")]
     assert relays_of([]) == []
 
@@ -103,6 +107,7 @@ def test_relay_splices_and_bounds_circuits():
         async def dial(name: str, who: str):
             async def serve(reader, writer):
                 await service._on_stream(_Info(who), reader, writer)
+
             reader, writer = await _pipe_to(serve)
             writer.write(encode_request(name))
             await writer.drain()

@@ -32,10 +32,14 @@ def pair_round(codec_phi: str, codec_delta: str, round_index: int = 5, dtype=tor
     """Both sides of one pair round as NoLoCoSync runs it, minus the network: freeze, decode what
     the partner sent, fill the slice, apply."""
     states = {"a": replica(1, dtype), "b": replica(2, dtype)}
-    before = {n: {"phi": s.phi["w"].clone(), "theta": s.params["w"].detach().clone(), "m": s.momentum["w"].clone()}
-              for n, s in states.items()}
-    frozen = {n: freeze(s, PHI_DELTA, codec_phi, codec_delta, round_of=SliceRound(3, 1, round_index))
-              for n, s in states.items()}
+    before = {
+        n: {"phi": s.phi["w"].clone(), "theta": s.params["w"].detach().clone(), "m": s.momentum["w"].clone()}
+        for n, s in states.items()
+    }
+    frozen = {
+        n: freeze(s, PHI_DELTA, codec_phi, codec_delta, round_of=SliceRound(3, 1, round_index))
+        for n, s in states.items()
+    }
     for me, other in (("a", "b"), ("b", "a")):
         received = decode_snapshot(frozen[other].snapshot, frozen[me].expected, codec_phi)
         peer = fill_slices(states[me], unpack(received, PHI_DELTA, ["w"]), frozen[me].slices)
@@ -43,8 +47,10 @@ def pair_round(codec_phi: str, codec_delta: str, round_index: int = 5, dtype=tor
     return states, before, frozen
 
 
-@pytest.mark.parametrize("codec_phi,codec_delta", [("slice:0.25", "topk:0.05+int2"), ("slice:0.5", "topk:0.05+int4"),
-                                                   ("slice:0.125", "none")])
+@pytest.mark.parametrize(
+    "codec_phi,codec_delta",
+    [("slice:0.25", "topk:0.05+int2"), ("slice:0.5", "topk:0.05+int4"), ("slice:0.125", "none")],
+)
 def test_both_sides_reach_the_oracle(codec_phi, codec_delta):
     states, before, frozen = pair_round(codec_phi, codec_delta)
     parts = round(1 / float(codec_phi.partition(":")[2]))
@@ -112,8 +118,9 @@ def test_a_hostile_compressed_snapshot_is_refused_as_invalid(change):
     from noloco_node.sync.ports import EncodedSnapshot
 
     states = {"a": replica(1), "b": replica(2)}
-    frozen = {n: freeze(s, PHI_DELTA, "slice:0.25", "topk:0.05+int2", round_of=SliceRound(3, 1, 5))
-              for n, s in states.items()}
+    frozen = {
+        n: freeze(s, PHI_DELTA, "slice:0.25", "topk:0.05+int2", round_of=SliceRound(3, 1, 5)) for n, s in states.items()
+    }
     tensors = list(frozen["b"].snapshot.tensors)
     (phi_name, phi_spec, phi_payload), (delta_name, delta_spec, delta_payload) = tensors
     if change == "slice_seed":  # another round's slice, honestly encoded
@@ -122,8 +129,9 @@ def test_a_hostile_compressed_snapshot_is_refused_as_invalid(change):
     elif change == "slice_part":
         phi_spec = dataclasses.replace(phi_spec, slice_part=(phi_spec.slice_part + 1) % 4)
     elif change == "nnz":  # keeps 3x the run's share: an oversized payload
-        delta_spec, delta_payload = encode(states["b"].params["w"].detach() - states["b"].phi["w"], "topk_int2",
-                                           fraction=0.15)
+        delta_spec, delta_payload = encode(
+            states["b"].params["w"].detach() - states["b"].phi["w"], "topk_int2", fraction=0.15
+        )
     else:  # a duplicate index: one chunk, so its scale is bytes 0..3 and indices 0 and 1 bytes 4..6
         raw = bytearray(delta_payload)
         word = int.from_bytes(raw[4:7], "little")

@@ -71,8 +71,17 @@ def test_the_split_keeps_each_parameter_whole_and_balances_bytes():
 
 def run_fetch(hub: MemoryPairingHub, donors: list[str], joiner, **kwargs):
     _, outer, inner = joiner
-    fetched = asyncio.run(fetch_from_donors(hub.transport("joiner"), donors, stage=0, requester="joiner", timeout_s=5,
-                                            expected=expected_tensors(outer), **kwargs))
+    fetched = asyncio.run(
+        fetch_from_donors(
+            hub.transport("joiner"),
+            donors,
+            stage=0,
+            requester="joiner",
+            timeout_s=5,
+            expected=expected_tensors(outer),
+            **kwargs,
+        )
+    )
     import_state(outer, inner, fetched.tensors, fetched.counters)
     return fetched
 
@@ -153,8 +162,11 @@ def test_a_donor_refuses_names_it_does_not_have():
     hub.register("a", None, Donor(1))
     _, outer, _ = fresh_joiner()
     with pytest.raises(InvalidPayload, match="unknown parameter 'nope'"):
-        asyncio.run(hub.transport("j").fetch_state("a", stage=0, requester="j", timeout_s=5,
-                                                   expected=expected_tensors(outer), names=["0.weight", "nope"]))
+        asyncio.run(
+            hub.transport("j").fetch_state(
+                "a", stage=0, requester="j", timeout_s=5, expected=expected_tensors(outer), names=["0.weight", "nope"]
+            )
+        )
 
 
 class AbortContext:
@@ -165,13 +177,26 @@ class AbortContext:
         raise AssertionError("nothing may be sent")
 
 
-@pytest.mark.parametrize("names, message", [(["0.weight", "nope"], "unknown parameter 'nope'"),
-                                            (["0.weight", "0.weight"], "asked for twice"),
-                                            ([f"p{i}" for i in range(13)], "13 parameters asked for; this stage has 12"),
-                                            ([f"p{i}" for i in range(70_000)], "at most 65536")])
+@pytest.mark.parametrize(
+    "names, message",
+    [
+        (["0.weight", "nope"], "unknown parameter 'nope'"),
+        (["0.weight", "0.weight"], "asked for twice"),
+        ([f"p{i}" for i in range(13)], "13 parameters asked for; this stage has 12"),
+        ([f"p{i}" for i in range(70_000)], "at most 65536"),
+    ],
+)
 def test_the_grpc_donor_answers_invalid_argument_for_bad_names(names, message):
-    servicer = OuterServicer(None, peer_id="donor", run_id="r", manifest_hash="h", stage=0, max_bytes=1 << 24,
-                             deadlines=LinkDeadlines(), donor=Donor(1))
+    servicer = OuterServicer(
+        None,
+        peer_id="donor",
+        run_id="r",
+        manifest_hash="h",
+        stage=0,
+        max_bytes=1 << 24,
+        deadlines=LinkDeadlines(),
+        donor=Donor(1),
+    )
     request = outer_pb2.FetchStateRequest(stage=0, peer_id="joiner", names=names)
     request.run.run_id, request.run.manifest_hash = "r", "h"
     with pytest.raises(grpc.RpcError) as raised:
@@ -201,10 +226,21 @@ def test_over_grpc_two_donors_one_cut_mid_stream_and_the_compact_codecs_checked(
         for name, donor in donors.items():
             faults = stall if name == "a" else None
             server = grpc.aio.server()
-            outer_pb2_grpc.add_OuterServicer_to_server(OuterServicer(
-                None, peer_id=name, run_id="r", manifest_hash="h", stage=0, max_bytes=1 << 24,
-                # A node's floor is timeouts.match_s; without one a loaded machine cuts 20 kB at 0.1 s.
-                deadlines=LinkDeadlines(floor_s=10.0), donor=donor, faults=faults), server)
+            outer_pb2_grpc.add_OuterServicer_to_server(
+                OuterServicer(
+                    None,
+                    peer_id=name,
+                    run_id="r",
+                    manifest_hash="h",
+                    stage=0,
+                    max_bytes=1 << 24,
+                    # A node's floor is timeouts.match_s; without one a loaded machine cuts 20 kB at 0.1 s.
+                    deadlines=LinkDeadlines(floor_s=10.0),
+                    donor=donor,
+                    faults=faults,
+                ),
+                server,
+            )
             addresses[name] = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
             await server.start()
             servers[name] = server
@@ -220,8 +256,15 @@ def test_over_grpc_two_donors_one_cut_mid_stream_and_the_compact_codecs_checked(
 
         try:
             cutter = asyncio.create_task(cut_a())
-            fetched = await fetch_from_donors(client, ["a", "b"], stage=0, requester="joiner", timeout_s=20,
-                                              expected=expected_tensors(outer), compact=True)
+            fetched = await fetch_from_donors(
+                client,
+                ["a", "b"],
+                stage=0,
+                requester="joiner",
+                timeout_s=20,
+                expected=expected_tensors(outer),
+                compact=True,
+            )
             await cutter
             import_state(outer, inner, fetched.tensors, fetched.counters)
             return joiner, fetched
@@ -241,6 +284,9 @@ def test_over_grpc_two_donors_one_cut_mid_stream_and_the_compact_codecs_checked(
 
 def test_grouping_sends_each_parameter_together():
     names = ["phi/x", "phi/y", "momentum/x", "momentum/y", "adam_exp_avg_sq/x", "adam_exp_avg/x", "odd"]
-    assert tensors_by_parameter(names) == {"x": ["phi/x", "momentum/x", "adam_exp_avg/x", "adam_exp_avg_sq/x"],
-                                           "y": ["phi/y", "momentum/y"], "odd": ["odd"]}
+    assert tensors_by_parameter(names) == {
+        "x": ["phi/x", "momentum/x", "adam_exp_avg/x", "adam_exp_avg_sq/x"],
+        "y": ["phi/y", "momentum/y"],
+        "odd": ["odd"],
+    }
     assert json.loads(counters_json({"b": 1, "a": 2})) == {"a": 2, "b": 1}

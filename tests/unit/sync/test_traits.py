@@ -17,8 +17,9 @@ from noloco_node.sync.ports import NoSync
 ROOT = Path(__file__).resolve().parents[3]
 
 
-@pytest.mark.parametrize("method, cls", [("noloco", NoLoCoSync), ("diloco", DiLoCoSync), ("dp", DataParallelSync),
-                                         ("none", NoSync)])
+@pytest.mark.parametrize(
+    "method, cls", [("noloco", NoLoCoSync), ("diloco", DiLoCoSync), ("dp", DataParallelSync), ("none", NoSync)]
+)
 def test_the_factory_gives_the_traits_the_method_carries(method, cls):
     traits = method_traits(method)
     assert traits is cls.traits and traits.name == method
@@ -45,7 +46,12 @@ def test_start_at_is_a_no_op_where_a_method_counts_no_rounds_of_its_own():
 
 def test_no_module_outside_sync_compares_the_method():
     compare = re.compile(r"\.method (==|!=|in) ")
-    found = [f"{path.relative_to(ROOT)}:{n}" for package in ("node", "pipeline", "rpc") for path in (ROOT / "noloco_node" / package).rglob("*.py")
-             for n, line in enumerate(path.read_text().splitlines(), 1) if compare.search(line)]
+    found = [
+        f"{path.relative_to(ROOT)}:{n}"
+        for package in ("node", "pipeline", "rpc")
+        for path in (ROOT / "noloco_node" / package).rglob("*.py")
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if compare.search(line)
+    ]
     assert found == [], found
     assert not re.search(r"getattr\(self\.sync", (ROOT / "noloco_node/node/lifecycle.py").read_text())

@@ -15,8 +15,17 @@ from noloco_node.codec.tensors import CODECS, decode, encode
 from noloco_node.wire.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
 
 # Numbers on the wire are a contract between versions: appended, never renumbered.
-WIRE_NUMBERS = {"none": 1, "bf16": 2, "int8": 3, "topk": 4, "fp8": 5, "int4": 6, "topk_int2": 7, "topk_int4": 8,
-                "slice": 9}
+WIRE_NUMBERS = {
+    "none": 1,
+    "bf16": 2,
+    "int8": 3,
+    "topk": 4,
+    "fp8": 5,
+    "int4": 6,
+    "topk_int2": 7,
+    "topk_int4": 8,
+    "slice": 9,
+}
 
 
 def test_every_codec_has_its_stable_wire_number_and_maps_both_ways():
@@ -75,8 +84,10 @@ class LoopbackDialer:
         pass
 
 
-@pytest.mark.parametrize("activation_codec,gradient_codec", [("fp8", None), ("int4", None), ("bf16", "int4"),
-                                                             ("int4", "fp8"), ("none", "int8")])
+@pytest.mark.parametrize(
+    "activation_codec,gradient_codec",
+    [("fp8", None), ("int4", None), ("bf16", "int4"), ("int4", "fp8"), ("none", "int8")],
+)
 def test_server_accepts_any_codec_and_backward_uses_the_gradient_codec(activation_codec, gradient_codec):
     activations = torch.randn(1, 16, 32, generator=torch.Generator().manual_seed(0))
     grad = torch.randn(1, 16, 32, generator=torch.Generator().manual_seed(1)) * 1e-3
@@ -85,16 +96,30 @@ def test_server_accepts_any_codec_and_backward_uses_the_gradient_codec(activatio
     async def scenario():
         server = grpc.aio.server()
         stage_pb2_grpc.add_StageServicer_to_server(
-            StageServicer(recorder, run_id="r", manifest_hash="m", max_payload_bytes=1 << 20), server)
+            StageServicer(recorder, run_id="r", manifest_hash="m", max_payload_bytes=1 << 20), server
+        )
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         dialer = LoopbackDialer(f"127.0.0.1:{port}")
         try:
-            client = StageClient(run_id="r", manifest_hash="m", codec=activation_codec, timeout_s=10, dialer=dialer,
-                                 gradient_codec=gradient_codec, rounding_seed=5)
+            client = StageClient(
+                run_id="r",
+                manifest_hash="m",
+                codec=activation_codec,
+                timeout_s=10,
+                dialer=dialer,
+                gradient_codec=gradient_codec,
+                rounding_seed=5,
+            )
             microbatch = stage_pb2.MicrobatchId(origin_peer="me", sequence=1)
-            await client.forward("peer", microbatch=microbatch, route=[stage_pb2.Hop(peer_id="me", stage=0)],
-                                 target_stage=1, activations=activations, labels=torch.ones(16, dtype=torch.long))
+            await client.forward(
+                "peer",
+                microbatch=microbatch,
+                route=[stage_pb2.Hop(peer_id="me", stage=0)],
+                target_stage=1,
+                activations=activations,
+                labels=torch.ones(16, dtype=torch.long),
+            )
             await client.backward("peer", microbatch=microbatch, target_stage=0, grad=grad, loss=1.0, num_tokens=16)
         finally:
             await dialer.channel_.close()

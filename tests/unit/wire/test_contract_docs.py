@@ -23,14 +23,24 @@ CONTRACT = ROOT / "proto" / "README.md"
 PROTO_DIR = ROOT / "proto" / "noloco_node" / "wire" / "v1"
 PACKAGE = ROOT / "noloco_node"
 SERVICE_MODULES = (stage_pb2, outer_pb2, diag_pb2)
-SERVICERS = {"Stage": ("rpc/stage_service.py", "StageServicer"),
-             "Outer": ("rpc/outer_service.py", "OuterServicer"),
-             "Diagnostics": ("rpc/diagnostics.py", "DiagnosticsServicer")}
+SERVICERS = {
+    "Stage": ("rpc/stage_service.py", "StageServicer"),
+    "Outer": ("rpc/outer_service.py", "OuterServicer"),
+    "Diagnostics": ("rpc/diagnostics.py", "DiagnosticsServicer"),
+}
 # Methods whose servicer hands the call to a class of its own module.
 METHOD_SERVICERS = {("Outer", "FetchState"): ("rpc/state_service.py", "StateDonorServicer")}
 # What gRPC itself may answer whatever a servicer does: an unreachable or stopping node, a passed
 # deadline, a cancelled call, a service the node does not register, its message and call limits.
-GRPC_OWN = {"CANCELLED", "DEADLINE_EXCEEDED", "UNAVAILABLE", "UNIMPLEMENTED", "INTERNAL", "RESOURCE_EXHAUSTED", "UNKNOWN"}
+GRPC_OWN = {
+    "CANCELLED",
+    "DEADLINE_EXCEEDED",
+    "UNAVAILABLE",
+    "UNIMPLEMENTED",
+    "INTERNAL",
+    "RESOURCE_EXHAUSTED",
+    "UNKNOWN",
+}
 POINTER = re.compile(r"proto/README(\.md)?(?:: ([A-Z][A-Za-z ]*[a-z]))?")
 
 
@@ -49,9 +59,8 @@ def _section(text: str, heading: str) -> str:
         match = re.match(r"(#{1,6}) (.*)", line)
         if match and match.group(2).strip() == heading:
             level = len(match.group(1))
-            end = next((j for j in range(i + 1, len(lines))
-                        if re.match(rf"#{{1,{level}}} ", lines[j])), len(lines))
-            return "\n".join(lines[i + 1:end])
+            end = next((j for j in range(i + 1, len(lines)) if re.match(rf"#{{1,{level}}} ", lines[j])), len(lines))
+            return "\n".join(lines[i + 1 : end])
     raise AssertionError(f"proto/README.md has no heading {heading!r}")
 
 
@@ -60,8 +69,12 @@ def _documented_codes(section: str) -> set[str]:
 
 
 def _methods() -> list[tuple[str, str]]:
-    return [(service.name, method.name) for module in SERVICE_MODULES
-            for service in module.DESCRIPTOR.services_by_name.values() for method in service.methods]
+    return [
+        (service.name, method.name)
+        for module in SERVICE_MODULES
+        for service in module.DESCRIPTOR.services_by_name.values()
+        for method in service.methods
+    ]
 
 
 def _aborted_codes(functions: list[ast.AST]) -> set[str]:
@@ -74,8 +87,11 @@ def _aborted_codes(functions: list[ast.AST]) -> set[str]:
                 codes |= {code.name for code in TO_STATUS.values()} | {"INTERNAL"}
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "abort":
                 first = node.args[0] if node.args else None
-                if isinstance(first, ast.Attribute) and isinstance(first.value, ast.Attribute) \
-                        and first.value.attr == "StatusCode":
+                if (
+                    isinstance(first, ast.Attribute)
+                    and isinstance(first.value, ast.Attribute)
+                    and first.value.attr == "StatusCode"
+                ):
                     codes.add(first.attr)
     return codes
 
@@ -93,8 +109,14 @@ def _reachable(cls: ast.ClassDef, method: str) -> list[ast.AST]:
         if name in seen or name not in defs:
             continue
         seen.append(name)
-        todo += [n.func.attr for n in ast.walk(defs[name]) if isinstance(n, ast.Call)
-                 and isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Name) and n.func.value.id == "self"]
+        todo += [
+            n.func.attr
+            for n in ast.walk(defs[name])
+            if isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Attribute)
+            and isinstance(n.func.value, ast.Name)
+            and n.func.value.id == "self"
+        ]
     assert seen, f"{cls.name} has no method {method}"
     return [defs[name] for name in seen]
 
@@ -119,17 +141,22 @@ def test_every_status_a_method_can_return_is_documented_for_it(service, method):
     documented = _documented_codes(_section(_contract(), f"{service}.{method}"))
     returnable = _returnable(service, method)
     assert returnable <= documented, f"{service}.{method}: undocumented {sorted(returnable - documented)}"
-    assert documented <= returnable | GRPC_OWN, f"{service}.{method}: documented but never returned " \
-                                                f"{sorted(documented - returnable - GRPC_OWN)}"
+    assert documented <= returnable | GRPC_OWN, (
+        f"{service}.{method}: documented but never returned {sorted(documented - returnable - GRPC_OWN)}"
+    )
 
 
 @pytest.mark.parametrize("proto", ["stage.proto", "outer.proto", "diag.proto"])
 def test_proto_status_rules_match_the_servicers(proto):
     text = (PROTO_DIR / proto).read_text()
-    header = text[:text.index("syntax =")]
+    header = text[: text.index("syntax =")]
     listed = set(re.findall(r"^//\s{2,}([A-Z_]{2,})\s{2,}", header, re.M))
-    services = [name for module in SERVICE_MODULES if module.DESCRIPTOR.name.endswith(proto)
-                for name in module.DESCRIPTOR.services_by_name]
+    services = [
+        name
+        for module in SERVICE_MODULES
+        if module.DESCRIPTOR.name.endswith(proto)
+        for name in module.DESCRIPTOR.services_by_name
+    ]
     returnable = set().union(*(_returnable(s, m) for s, m in _methods() if s in services)) - {"OK"}
     assert returnable <= listed, f"{proto}: status rules miss {sorted(returnable - listed)}"
     never = listed - returnable - GRPC_OWN - {"OK"}
@@ -142,16 +169,26 @@ def test_proto_status_rules_match_the_servicers(proto):
 
 
 def _string_constants(path: Path) -> list[str]:
-    return [n.value for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+    return [
+        n.value
+        for n in ast.walk(ast.parse(path.read_text()))
+        if isinstance(n, ast.Constant) and isinstance(n.value, str)
+    ]
 
 
 def test_pointers_to_the_contract_name_headings_that_exist():
     headings = set(_headings(_contract()))
-    texts = [(str(p.relative_to(ROOT)), s) for p in PACKAGE.rglob("*.py") if "wire/v1" not in str(p)
-             for s in _string_constants(p)]
+    texts = [
+        (str(p.relative_to(ROOT)), s)
+        for p in PACKAGE.rglob("*.py")
+        if "wire/v1" not in str(p)
+        for s in _string_constants(p)
+    ]
     texts += [(str(p.relative_to(ROOT)), p.read_text()) for p in PROTO_DIR.glob("*.proto")]
     pointers = [(where, m) for where, text in texts if "proto/README" in text for m in POINTER.finditer(text)]
-    assert any(where.endswith("credentials.py") for where, _ in pointers), "the unsigned-call error points at the contract"
+    assert any(where.endswith("credentials.py") for where, _ in pointers), (
+        "the unsigned-call error points at the contract"
+    )
     for where, match in pointers:
         assert match.group(1) == ".md", f"{where}: write proto/README.md, the file's name"
         if match.group(2) is not None:
@@ -171,8 +208,13 @@ def test_the_signing_table_is_the_admission_rule():
     assert set(rows) == services
     for service, rule in rows.items():
         prefix = f"/{service}/"
-        expected = "never" if prefix in OPEN_PREFIXES else \
-            "optional in an open swarm" if prefix in ANONYMOUS_PREFIXES else "always"
+        expected = (
+            "never"
+            if prefix in OPEN_PREFIXES
+            else "optional in an open swarm"
+            if prefix in ANONYMOUS_PREFIXES
+            else "always"
+        )
         assert rule == expected, f"{service}: the contract says {rule!r}, admission does {expected!r}"
 
 
@@ -198,8 +240,9 @@ PROBE, FORWARD = "/noloco.wire.v1.Diagnostics/Probe", "/noloco.wire.v1.Stage/For
 
 def _interceptor(key: bytes | None) -> AdmissionInterceptor:
     guard = PeerGuard(requests_per_s=10, burst=10, max_streams=4, ban_after_invalid=5, ban_s=1, ban_max_s=1)
-    return AdmissionInterceptor(verifier=CallVerifier(SERVER.peer_id, swarm_key=key, max_skew_s=60), swarm_key=key,
-                                guard=guard)
+    return AdmissionInterceptor(
+        verifier=CallVerifier(SERVER.peer_id, swarm_key=key, max_skew_s=60), swarm_key=key, guard=guard
+    )
 
 
 def test_unsigned_probes_are_anonymous_only_in_an_open_swarm_and_every_other_call_is_signed():

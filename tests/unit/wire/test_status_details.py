@@ -6,8 +6,16 @@ import asyncio
 import grpc
 import pytest
 
-from noloco_node.errors import (InvalidPayload, NodeError, PeerBusy, PeerUnavailable, PoisonedPayload,
-                                ProtocolMismatch, TooLarge, UnknownMicrobatch)
+from noloco_node.errors import (
+    InvalidPayload,
+    NodeError,
+    PeerBusy,
+    PeerUnavailable,
+    PoisonedPayload,
+    ProtocolMismatch,
+    TooLarge,
+    UnknownMicrobatch,
+)
 from noloco_node.rpc.admission import CALLER
 from noloco_node.rpc.checks import ServedRun, check_caller
 from noloco_node.rpc.status import ERROR_KEY, abort_with, error_from_rpc, unavailable_from_rpc
@@ -60,8 +68,9 @@ def _answers(requests: list[bytes]) -> dict[bytes, grpc.aio.AioRpcError]:
 
 def test_each_refusal_keeps_its_status_code_and_carries_its_error_code():
     answers = _answers(list(REFUSALS))
-    codes = {request: (exc.code().name, dict(exc.trailing_metadata()).get(ERROR_KEY))
-             for request, exc in answers.items()}
+    codes = {
+        request: (exc.code().name, dict(exc.trailing_metadata()).get(ERROR_KEY)) for request, exc in answers.items()
+    }
     assert codes == {
         b"unknown": ("FAILED_PRECONDITION", "unknown-microbatch"),
         b"not forwarded": ("FAILED_PRECONDITION", "unknown-microbatch"),
@@ -79,10 +88,17 @@ def test_the_client_tells_an_unknown_microbatch_by_its_detail_not_its_words():
     errors = {request: error_from_rpc(exc, "peer") for request, exc in answers.items()}
     kinds = {request: type(error) for request, error in errors.items()}
     assert kinds == {
-        b"unknown": UnknownMicrobatch, b"not forwarded": UnknownMicrobatch, b"mismatch": ProtocolMismatch,
+        b"unknown": UnknownMicrobatch,
+        b"not forwarded": UnknownMicrobatch,
+        b"mismatch": ProtocolMismatch,
         # As before the detail: every RESOURCE_EXHAUSTED is "busy, try another", every INVALID_ARGUMENT ours.
-        b"busy": PeerBusy, b"too large": PeerBusy, b"invalid": InvalidPayload, b"poisoned": InvalidPayload,
-        b"text only": ProtocolMismatch, b"forged": InvalidPayload, b"gone": PeerUnavailable,
+        b"busy": PeerBusy,
+        b"too large": PeerBusy,
+        b"invalid": InvalidPayload,
+        b"poisoned": InvalidPayload,
+        b"text only": ProtocolMismatch,
+        b"forged": InvalidPayload,
+        b"gone": PeerUnavailable,
     }
     assert str(errors[b"unknown"]) == "peer: no saved input for microbatch k (expired or never seen)"
     assert str(errors[b"invalid"]) == "peer rejected our payload: chunk 1 arrived where chunk 0 was expected"

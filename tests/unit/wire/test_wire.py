@@ -8,8 +8,9 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_generated_code_matches_proto_sources():
-    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_proto.py"), "--check"],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gen_proto.py"), "--check"], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
 
 
@@ -47,11 +48,19 @@ def test_pure_layers_do_not_import_networking():
     import ast
 
     forbidden = {"grpc", "hivemind", "asyncio"}
-    files = [*(ROOT / "noloco_node" / "optim").glob("*.py"), *(ROOT / "noloco_node" / "model").glob("*.py"),
-             ROOT / "noloco_node" / "codec" / "tensors.py"]
+    files = [
+        *(ROOT / "noloco_node" / "optim").glob("*.py"),
+        *(ROOT / "noloco_node" / "model").glob("*.py"),
+        ROOT / "noloco_node" / "codec" / "tensors.py",
+    ]
     for path in files:
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             for name in names:
                 assert name.split(".")[0] not in forbidden, f"{path.name} imports {name}"
