@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from noloco_node.experiments.ports import RelayProcess, free_ports
+from noloco_node.experiments.preloaded import PreloadedProcess
 from noloco_node.experiments.process_group import ProcessGroup
 from noloco_node.netem.relay import LinkProfile
 
@@ -42,51 +43,16 @@ def run_round(
             relay = RelayProcess(profile, routes, work)
         for i in range(n):
             ready = work / f"p{i}.ready"
-            cmd = [
-                sys.executable,
-                "-m",
-                "noloco_node.experiments.outer_peer",
-                "--numel",
-                str(numel),
-                "--seed",
-                str(i),
-                "--method",
-                method,
-                "--codec",
-                codec,
-                "--match-s",
-                str(match_s),
-                "--matchmaking-s",
-                str(matchmaking_s),
-                "--group-size",
-                str(n),
-                "--out",
-                str(work / f"p{i}.out"),
-                "--ready-file",
-                str(ready),
-                "--go-file",
-                str(go),
-            ]
+            cmd = _peer_command(
+                method, i, n, work, go, numel=numel, codec=codec, match_s=match_s, matchmaking_s=matchmaking_s
+            )
             if relay is not None:
-                cmd += [
-                    "--port",
-                    str(grpc_ports[i]),
-                    "--announce-addr",
-                    f"127.0.0.1:{grpc_relays[i]}",
-                    "--dht-port",
-                    str(dht_ports[i]),
-                    "--dht-announce",
-                    f"127.0.0.1:{dht_relays[i]}",
-                ]
+                cmd += _relayed_addresses(grpc_ports[i], grpc_relays[i], dht_ports[i], dht_relays[i])
             if maddr:
                 cmd += ["--initial-peers", maddr]
             with open(work / f"p{i}.log", "w") as log:
                 procs.append(group.spawn(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
-            deadline = time.monotonic() + 120
-            while not ready.exists():
-                if procs[-1].poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError((work / f"p{i}.log").read_text()[-2000:])
-                time.sleep(0.05)
+            _wait_ready(procs[-1], ready, work / f"p{i}.log")
             maddr = maddr or json.loads(ready.read_text())["maddrs"][0]
         time.sleep(1.0)  # let every DHT record propagate
         go.touch()
@@ -101,3 +67,67 @@ def run_round(
         group.drain(grace_s=5.0)  # a killed hivemind peer leaves its p2pd daemon in the group
         if relay is not None:
             relay.stop()
+
+
+def _peer_command(
+    method: str,
+    i: int,
+    n: int,
+    work: Path,
+    go: Path,
+    *,
+    numel: int,
+    codec: str,
+    match_s: float,
+    matchmaking_s: float,
+) -> list[str]:
+    """Peer i's outer_peer command line, before its addresses and initial peers."""
+    return [
+        sys.executable,
+        "-m",
+        "noloco_node.experiments.outer_peer",
+        "--numel",
+        str(numel),
+        "--seed",
+        str(i),
+        "--method",
+        method,
+        "--codec",
+        codec,
+        "--match-s",
+        str(match_s),
+        "--matchmaking-s",
+        str(matchmaking_s),
+        "--group-size",
+        str(n),
+        "--out",
+        str(work / f"p{i}.out"),
+        "--ready-file",
+        str(work / f"p{i}.ready"),
+        "--go-file",
+        str(go),
+    ]
+
+
+def _relayed_addresses(grpc_port: int, grpc_relay: int, dht_port: int, dht_relay: int) -> list[str]:
+    """Behind the relay a peer listens on its own ports but announces the relay's, so every
+    other peer reaches it through the link profile."""
+    return [
+        "--port",
+        str(grpc_port),
+        "--announce-addr",
+        f"127.0.0.1:{grpc_relay}",
+        "--dht-port",
+        str(dht_port),
+        "--dht-announce",
+        f"127.0.0.1:{dht_relay}",
+    ]
+
+
+def _wait_ready(proc: subprocess.Popen | PreloadedProcess, ready: Path, log: Path) -> None:
+    """Peers start one by one: the next needs this one's multiaddr as its initial peer."""
+    deadline = time.monotonic() + 120
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(log.read_text()[-2000:])
+        time.sleep(0.05)
