@@ -10,11 +10,12 @@ import math
 import shutil
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from noloco_node.config import load_config
 from noloco_node.experiments.evaluate import evaluate_snapshots, pearson
-from noloco_node.experiments.launcher import LocalSwarm
+from noloco_node.experiments.launcher import LocalSwarm, NodeProcess
 from noloco_node.experiments.ports import RelayProcess, free_ports
 from noloco_node.experiments.scenario import Cell, Scenario
 from noloco_node.runtime.events import read_events
@@ -47,75 +48,115 @@ def run_cell(scenario: Scenario, cell: Cell, out_dir: Path) -> dict:
     config = load_config(overrides=overrides)
     events_dir, snapshots = out_dir / "events", out_dir / "snapshots"
     slots = [(s, d) for s in range(cell.stages) for d in range(cell.replicas)]
-    ports = free_ports(4 * len(slots))
-    grpc, grpc_relay, ar, ar_relay = (ports[i * len(slots) : (i + 1) * len(slots)] for i in range(4))
-    routes = dict(zip(grpc_relay, grpc)) | (dict(zip(ar_relay, ar)) if cell.method in ("diloco", "dp") else {})
+    slot_ports, routes = _slot_ports(cell, len(slots))
     relay = RelayProcess(cell.profile, routes, out_dir)
     swarm = LocalSwarm(out_dir / "swarm", overrides=overrides, threads=scenario.threads, startup_timeout_s=120)
     started = time.time()
     try:
         swarm.start_bootstrap()
 
-        def start(slot_index: int, *extra: str):
+        def start(slot_index: int, *extra: str) -> NodeProcess:
             s, d = slots[slot_index]
-            args = [
-                "--port",
-                str(grpc[slot_index]),
-                "--announce-addr",
-                f"127.0.0.1:{grpc_relay[slot_index]}",
-                "--events",
-                str(events_dir / f"stage{s}-r{d}.jsonl"),
-                "--snapshot-every",
-                str(scenario.eval_every),
-                "--snapshot-dir",
-                str(snapshots),
-                *extra,
-            ]
-            if scenario.chaos_action == "kill":  # a killed node restarts from its own checkpoint
-                args += [
-                    "--set",
-                    f"checkpoint.dir={out_dir / 'checkpoints' / f'{s}-{d}'}",
-                    "--set",
-                    "checkpoint.every_steps=1",
-                ]
-            if cell.method in ("diloco", "dp"):
-                args += [
-                    "--set",
-                    f"network.allreduce_port={ar[slot_index]}",
-                    "--set",
-                    f"network.allreduce_announce=127.0.0.1:{ar_relay[slot_index]}",
-                ]
+            args = _node_args(scenario, cell, out_dir, (s, d), slot_ports[slot_index], extra)
             return swarm.start_node(s, d, *args)
 
-        servers = [start(i) for i, (s, _) in enumerate(slots) if s > 0]
-        swarm.wait_ready(servers)
-        drivers = [
-            start(i, "--steps", str(scenario.steps), "--wait-replicas", str(cell.replicas))
-            for i, (s, _) in enumerate(slots)
-            if s == 0
-        ]
-        swarm.wait_ready(drivers)
-        if scenario.chaos_action is None:
-            swarm.wait_exit(drivers, timeout_s=scenario.cell_timeout_s)
-        else:
-            drivers = _wait_under_chaos(scenario, cell, swarm, out_dir)
-        failed = [n.label for n in drivers if n.proc.returncode != 0]
-        if failed:
-            raise RuntimeError(f"{', '.join(failed)} exited with an error; see {out_dir / 'swarm' / 'logs'}")
-        # A stage > 0 replica that reached the last step takes its outer step and writes that
-        # step's snapshot in the background after stage 0 exits: give it a bounded moment. One
-        # that ended short of it (routing gave it fewer microbatches) has nothing more to do;
-        # its final snapshot is written when it is stopped.
-        deadline, settle = time.monotonic() + 30, time.monotonic() + 1.0
-        while time.monotonic() < deadline and (
-            time.monotonic() < settle or _last_snapshots_pending(scenario, swarm, events_dir, snapshots)
-        ):
-            time.sleep(0.2)
+        _train(scenario, cell, swarm, slots, start, out_dir)
+        _wait_for_last_snapshots(scenario, swarm, events_dir, snapshots)
     finally:
         swarm.stop()
         relay.stop()
     wall_s = time.time() - started
     return summarize(scenario, cell, config, swarm, events_dir, snapshots, wall_s)
+
+
+def _slot_ports(cell: Cell, num_slots: int) -> tuple[list[tuple[int, int, int, int]], dict[int, int]]:
+    """Per slot (gRPC, its relay port, all-reduce, its relay port), and the relay's routes to the
+    nodes: the all-reduce ports only go through the relay for the methods that all-reduce."""
+    ports = free_ports(4 * num_slots)
+    grpc, grpc_relay, ar, ar_relay = (ports[i * num_slots : (i + 1) * num_slots] for i in range(4))
+    routes = dict(zip(grpc_relay, grpc)) | (dict(zip(ar_relay, ar)) if cell.method in ("diloco", "dp") else {})
+    return list(zip(grpc, grpc_relay, ar, ar_relay)), routes
+
+
+def _node_args(
+    scenario: Scenario,
+    cell: Cell,
+    out_dir: Path,
+    slot: tuple[int, int],
+    ports: tuple[int, int, int, int],
+    extra: tuple[str, ...],
+) -> list[str]:
+    """The command-line arguments of the node in `slot`: it listens on its own ports and
+    announces the relay's, so every link it has goes through the cell's profile."""
+    s, d = slot
+    grpc, grpc_relay, ar, ar_relay = ports
+    args = [
+        "--port",
+        str(grpc),
+        "--announce-addr",
+        f"127.0.0.1:{grpc_relay}",
+        "--events",
+        str(out_dir / "events" / f"stage{s}-r{d}.jsonl"),
+        "--snapshot-every",
+        str(scenario.eval_every),
+        "--snapshot-dir",
+        str(out_dir / "snapshots"),
+        *extra,
+    ]
+    if scenario.chaos_action == "kill":  # a killed node restarts from its own checkpoint
+        args += [
+            "--set",
+            f"checkpoint.dir={out_dir / 'checkpoints' / f'{s}-{d}'}",
+            "--set",
+            "checkpoint.every_steps=1",
+        ]
+    if cell.method in ("diloco", "dp"):
+        args += [
+            "--set",
+            f"network.allreduce_port={ar}",
+            "--set",
+            f"network.allreduce_announce=127.0.0.1:{ar_relay}",
+        ]
+    return args
+
+
+def _train(
+    scenario: Scenario,
+    cell: Cell,
+    swarm: LocalSwarm,
+    slots: list[tuple[int, int]],
+    start: Callable[..., NodeProcess],
+    out_dir: Path,
+) -> None:
+    """Start the servers (stages > 0) before the stage-0 drivers that route to them, and wait for
+    the drivers to finish training (under chaos, when the scenario has it); raises when one failed."""
+    servers = [start(i) for i, (s, _) in enumerate(slots) if s > 0]
+    swarm.wait_ready(servers)
+    drivers = [
+        start(i, "--steps", str(scenario.steps), "--wait-replicas", str(cell.replicas))
+        for i, (s, _) in enumerate(slots)
+        if s == 0
+    ]
+    swarm.wait_ready(drivers)
+    if scenario.chaos_action is None:
+        swarm.wait_exit(drivers, timeout_s=scenario.cell_timeout_s)
+    else:
+        drivers = _wait_under_chaos(scenario, cell, swarm, out_dir)
+    failed = [n.label for n in drivers if n.proc.returncode != 0]
+    if failed:
+        raise RuntimeError(f"{', '.join(failed)} exited with an error; see {out_dir / 'swarm' / 'logs'}")
+
+
+def _wait_for_last_snapshots(scenario: Scenario, swarm: LocalSwarm, events_dir: Path, snapshots: Path) -> None:
+    # A stage > 0 replica that reached the last step takes its outer step and writes that
+    # step's snapshot in the background after stage 0 exits: give it a bounded moment. One
+    # that ended short of it (routing gave it fewer microbatches) has nothing more to do;
+    # its final snapshot is written when it is stopped.
+    deadline, settle = time.monotonic() + 30, time.monotonic() + 1.0
+    while time.monotonic() < deadline and (
+        time.monotonic() < settle or _last_snapshots_pending(scenario, swarm, events_dir, snapshots)
+    ):
+        time.sleep(0.2)
 
 
 def _last_snapshots_pending(scenario: Scenario, swarm: LocalSwarm, events_dir: Path, snapshots: Path) -> bool:
