@@ -52,6 +52,23 @@ def sync_summary(sync_rows: list[dict]) -> list[dict]:
 
 def verdicts(groups: list[dict], sync_rows: list[dict], scenario: Scenario) -> list[str]:
     """Every comparison the grid supports, each with its uncertainty."""
+    by_method: dict[tuple, dict[str, dict]] = {}
+    by_variant: dict[tuple, list[dict]] = {}
+    for g in groups:
+        by_method.setdefault((g["variant"], g["replicas"], g["stages"], g["profile"]), {})[g["method"]] = g
+        by_variant.setdefault((g["method"], g["replicas"], g["stages"], g["profile"]), []).append(g)
+    equal_time_s = next((g["equal_time_s"] for g in groups), math.nan)
+    return [
+        *_cautions(groups),
+        *_method_verdicts(by_method, equal_time_s),
+        *_variant_verdicts(by_variant),
+        *_pearson_verdicts(groups),
+        *_sync_verdicts(sync_rows),
+    ]
+
+
+def _cautions(groups: list[dict]) -> list[str]:
+    """What makes the comparisons below less like for like than they read."""
     out = []
     steps = sorted({int(g["eval_step"]) for g in groups if g["seeds"] and not math.isnan(g["eval_step"])})
     if len(steps) > 1:
@@ -62,12 +79,12 @@ def verdicts(groups: list[dict], sync_rows: list[dict], scenario: Scenario) -> l
     failed = [g["group"] for g in groups if g["seeds"] < g["cells"]]
     if failed:
         out.append(f"Caution: some seeds failed in {', '.join(failed)}; their groups average fewer seeds.")
-    by_method: dict[tuple, dict[str, dict]] = {}
-    by_variant: dict[tuple, list[dict]] = {}
-    for g in groups:
-        by_method.setdefault((g["variant"], g["replicas"], g["stages"], g["profile"]), {})[g["method"]] = g
-        by_variant.setdefault((g["method"], g["replicas"], g["stages"], g["profile"]), []).append(g)
-    t = next((g["equal_time_s"] for g in groups), math.nan)
+    return out
+
+
+def _method_verdicts(by_method: dict[tuple, dict[str, dict]], equal_time_s: float) -> list[str]:
+    """Each pair of methods in the same setting, at the last step and at equal wall time."""
+    out = []
     for methods in by_method.values():
         names = [m for m in ("noloco", "diloco", "dp", "none") if m in methods]
         for i, a in enumerate(names):
@@ -82,9 +99,16 @@ def verdicts(groups: list[dict], sync_rows: list[dict], scenario: Scenario) -> l
                         ga["val_loss_equal_time"],
                         b,
                         gb["val_loss_equal_time"],
-                        f"Validation loss at equal wall time ({t:.0f} s)",
+                        f"Validation loss at equal wall time ({equal_time_s:.0f} s)",
                     )
                 )
+    return out
+
+
+def _variant_verdicts(by_variant: dict[tuple, list[dict]]) -> list[str]:
+    """Each variant of a method against its first (the baseline), also paired by seed; the spread
+    is only compared where replicas drift apart (not under dp)."""
+    out = []
     for variants in by_variant.values():
         if len(variants) < 2:
             continue
@@ -105,6 +129,12 @@ def verdicts(groups: list[dict], sync_rows: list[dict], scenario: Scenario) -> l
             if base["method"] != "dp":
                 out.append(verdict(a, other["spread"], b, base["spread"], "Final replica spread"))
                 out.append(verdict(a, other["peak_spread"], b, base["peak_spread"], "Peak replica spread"))
+    return out
+
+
+def _pearson_verdicts(groups: list[dict]) -> list[str]:
+    """Whether each outer-sync group's spread/lr correlation agrees with the paper's range."""
+    out = []
     for g in groups:
         p = g["pearson"]
         if g["method"] in ("noloco", "diloco") and p.n:
@@ -119,6 +149,12 @@ def verdicts(groups: list[dict], sync_rows: list[dict], scenario: Scenario) -> l
                 )
                 + "."
             )
+    return out
+
+
+def _sync_verdicts(sync_rows: list[dict]) -> list[str]:
+    """Whether all-reduce's round time over pairwise's grows like log2 N, as the paper argues."""
+    out = []
     for row in sync_summary(sync_rows):
         if math.isnan(row["ratio"]):
             continue
