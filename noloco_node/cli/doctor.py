@@ -177,6 +177,22 @@ async def _run_checks(config, args) -> list[Check]:
 
 
 async def _reach_and_clock(config, args, probers: list, port_free: bool) -> list[Check]:
+    if not port_free:
+        return [Check("reach", "skip", "the port is not free"), Check("clock", "skip", "needs a probe")]
+    if not probers:
+        return [Check("reach", "skip", "no directly reachable node to ask"), Check("clock", "skip", "needs a probe")]
+    address, results, errors = await _probe_from_peers(config, probers)
+    if not results:
+        return [
+            Check("reach", "skip", f"no live node answered a probe request ({'; '.join(errors)[:200]})"),
+            Check("clock", "skip", "needs a probe"),
+        ]
+    return [_reach_check(config.network, address, results), _clock_check(args.max_skew, results)]
+
+
+async def _probe_from_peers(config, probers: list) -> tuple[str, list, list[str]]:
+    """Serve a throwaway TLS health endpoint, as join will, and ask up to 4 peers to dial it: the
+    announced address, the peers' answers, and why the others gave none."""
     from noloco_node.node.joining import announced_address
     from noloco_node.rpc.diagnostics import probe_from_peers
     from noloco_node.rpc.server import NodeServer
@@ -187,11 +203,7 @@ async def _reach_and_clock(config, args, probers: list, port_free: bool) -> list
     from noloco_node.transport.tls import NodeCertificate
 
     net = config.network
-    if not port_free:
-        return [Check("reach", "skip", "the port is not free"), Check("clock", "skip", "needs a probe")]
-    if not probers:
-        return [Check("reach", "skip", "no directly reachable node to ask"), Check("clock", "skip", "needs a probe")]
-    certificate = NodeCertificate.generate()  # a throwaway TLS health endpoint, as join will serve
+    certificate = NodeCertificate.generate()
     server = NodeServer(net.host, net.port, credentials=certificate.server_credentials())
     port = await server.start()
     address = announced_address(net.host, port, net.announce_addr, [])
@@ -213,49 +225,48 @@ async def _reach_and_clock(config, args, probers: list, port_free: bool) -> list
     finally:
         await dialer.close()
         await server.stop(0.5)
-    if not results:
-        return [
-            Check("reach", "skip", f"no live node answered a probe request ({'; '.join(errors)[:200]})"),
-            Check("clock", "skip", "needs a probe"),
-        ]
+    return address, results, errors
+
+
+def _reach_check(net, address: str, results: list) -> Check:
     reached = [r for r in results if r.reachable]
     forward = (
         "for direct (faster) links, forward a fixed gRPC port (--port) to this machine and announce the "
         "public host:port with --announce-addr; check the firewall"
     )
     if reached:
-        reach = Check(
+        return Check(
             "reach",
             "ok",
             f"{len(reached)}/{len(results)} peer(s) reached {address}: peers will dial us directly over TLS",
         )
-    elif net.reach == "direct":
-        reach = Check(
+    if net.reach == "direct":
+        return Check(
             "reach",
             "fail",
             f"no peer could reach {address}: {results[0].detail} (network.reach = direct)",
             forward + ', or set network.reach = "auto" to be reached over libp2p instead',
         )
-    else:
-        reach = Check(
-            "reach",
-            "info",
-            f"no peer could reach {address} ({results[0].detail}): this node is behind "
-            "NAT or a firewall and will be reached over libp2p, hole-punched where the routers allow, "
-            "else through a relay (a public peer; slower). Nothing to configure",
-            forward,
-        )
+    return Check(
+        "reach",
+        "info",
+        f"no peer could reach {address} ({results[0].detail}): this node is behind "
+        "NAT or a firewall and will be reached over libp2p, hole-punched where the routers allow, "
+        "else through a relay (a public peer; slower). Nothing to configure",
+        forward,
+    )
+
+
+def _clock_check(max_skew: float, results: list) -> Check:
     skew = max((r.skew_s for r in results), key=abs)
-    if abs(skew) <= args.max_skew:
-        clock = Check("clock", "ok", f"clock offset to peers {skew:+.3f} s")
-    else:
-        clock = Check(
-            "clock",
-            "fail",
-            f"clock offset to a peer is {skew:+.1f} s (limit {args.max_skew} s)",
-            "enable time sync (NTP: `timedatectl set-ntp true`); DHT records expire by wall clock",
-        )
-    return [reach, clock]
+    if abs(skew) <= max_skew:
+        return Check("clock", "ok", f"clock offset to peers {skew:+.3f} s")
+    return Check(
+        "clock",
+        "fail",
+        f"clock offset to a peer is {skew:+.1f} s (limit {max_skew} s)",
+        "enable time sync (NTP: `timedatectl set-ntp true`); DHT records expire by wall clock",
+    )
 
 
 def _compat_check(config, records, version: str, compatible_version) -> Check:
