@@ -24,6 +24,16 @@ log = logging.getLogger(__name__)
 def register(subparsers) -> None:
     p = subparsers.add_parser("join", help="serve a pipeline stage of a run", description=__doc__)
     add_config_flags(p)
+    # In this order: --help lists the flags as they are added.
+    _add_swarm_flags(p)
+    _add_observer_flags(p)
+    _add_training_flags(p)
+    _add_output_flags(p)
+    p.set_defaults(run=run)
+
+
+def _add_swarm_flags(p: argparse.ArgumentParser) -> None:
+    """Where the node joins (peers, stage) and the address it is reached at."""
     p.add_argument("--initial-peers", nargs="*", metavar="MADDR", help="DHT multiaddrs to bootstrap from")
     p.add_argument(
         "--stage",
@@ -43,6 +53,10 @@ def register(subparsers) -> None:
         "checked at join by asking live peers to call our health endpoint; behind NAT, leave it out: "
         "the node is then reached over libp2p (hole punching or a relay)",
     )
+
+
+def _add_observer_flags(p: argparse.ArgumentParser) -> None:
+    """How people and tools watch the node: its web page and its event stream."""
     p.add_argument(
         "--dashboard",
         metavar="[HOST:]PORT",
@@ -50,6 +64,10 @@ def register(subparsers) -> None:
         "it, at /swarm) here (network.dashboard); a bare PORT binds 127.0.0.1: this machine only",
     )
     p.add_argument("--events", metavar="FILE", help="append a JSONL event stream here (log.events_file)")
+
+
+def _add_training_flags(p: argparse.ArgumentParser) -> None:
+    """How long stage 0 trains, what it waits for, and the threads it computes with."""
     p.add_argument(
         "--steps",
         type=_whole,
@@ -73,6 +91,10 @@ def register(subparsers) -> None:
         help="stage 0: wait (as long as it takes) until every stage has this many replicas",
     )
     p.add_argument("--threads", type=int, help="torch threads for this process (default: all cores)")
+
+
+def _add_output_flags(p: argparse.ArgumentParser) -> None:
+    """What the node writes for launchers, tests and experiments."""
     p.add_argument("--out", help="write this node's stats (and weights with --save-weights) here on exit")
     p.add_argument("--save-weights", action="store_true")
     p.add_argument(
@@ -88,7 +110,6 @@ def register(subparsers) -> None:
         help="experiments: save theta every K inner steps (and at start) under --snapshot-dir",
     )
     p.add_argument("--snapshot-dir", help="where --snapshot-every writes stage{s}-{peer}-step{k}.safetensors")
-    p.set_defaults(run=run)
 
 
 def _whole(value: str, least: int = 0) -> int:
