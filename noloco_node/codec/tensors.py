@@ -3,7 +3,7 @@ torch, no grpc.
 
 A codec turns a tensor into (TensorSpec, payload bytes) and decodes payload bytes into a
 preallocated tensor. Receivers validate a spec against their expectations and limits with
-`expected_payload_bytes` *before* allocating or reading any payload.
+`expected_payload_bytes` (codec/spec.py) *before* allocating or reading any payload.
 
 The blockwise codecs cut the flattened tensor into blocks of `block_size` elements (the last one
 may be shorter) and send one little-endian float32 scale per block, s = max(absmax / L, 2^-126)
@@ -54,100 +54,29 @@ to 0. The sender chooses nnz (the largest-|x| fraction, see `topk_count`); the s
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from noloco_node.codec import sparse
 from noloco_node.codec.names import WIRE_CODECS as CODECS
-from noloco_node.codec.sizes import (
-    BLOCKWISE,
-    CHUNK,
-    DEFAULT_BLOCK,
-    SparseCodecError,
-    blockwise_payload_bytes,
-    chunked_payload_bytes,
-    per_chunk_count,
+from noloco_node.codec.sizes import BLOCKWISE, CHUNK, DEFAULT_BLOCK, SparseCodecError, per_chunk_count
+from noloco_node.codec.spec import (
+    DTYPE_NAMES,
+    DTYPES,
+    FLOAT_DTYPES,
+    CodecError,
+    TensorSpec,
+    expected_payload_bytes,
 )
 
 DEFAULT_INT8_BLOCK = DEFAULT_BLOCK
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "int64": torch.int64,
-}
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-FLOAT_DTYPES = ("float32", "float64", "bfloat16", "float16")
 # Largest code per blockwise codec: a block's scale is its absmax / LEVELS.
 LEVELS = {"int8": 127.0, "fp8": 448.0, "int4": 7.0}
 # The smallest normal float32: a floor on scales, so x / s never divides by a denormal or zero.
 MIN_SCALE = 2.0**-126
 # The largest block absmax encoded: codes * scales then stay finite in float32.
 MAX_ABSMAX = 2.0**127
-
-
-class CodecError(ValueError):
-    """A payload or spec that cannot be decoded; the message says what is wrong."""
-
-
-@dataclass(frozen=True, slots=True)
-class TensorSpec:
-    """Everything a receiver needs to validate and preallocate one tensor."""
-
-    dtype: str
-    shape: tuple[int, ...]
-    codec: str
-    block_size: int = 0
-    payload_bytes: int = 0
-    nnz: int = 0
-    """topk: number of (index, value) pairs; topk_int2/4: values kept per chunk; slice: values on
-    the slice; 0 for the dense codecs."""
-    slice_seed: int = 0
-    slice_parts: int = 0
-    slice_part: int = 0
-    """slice: which slice of the coordinates travels (codec/sparse.py); 0 for the other codecs."""
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-
-def expected_payload_bytes(spec: TensorSpec) -> int:
-    """Exact payload length the spec implies; raises CodecError for an invalid spec."""
-    if spec.codec not in CODECS:
-        raise CodecError(f"unknown codec {spec.codec!r}; expected one of {', '.join(CODECS)}")
-    if spec.dtype not in DTYPES:
-        raise CodecError(f"unknown dtype {spec.dtype!r}; expected one of {', '.join(DTYPES)}")
-    if any(d < 0 for d in spec.shape):
-        raise CodecError(f"negative dimension in shape {spec.shape}")
-    n = spec.numel
-    if spec.codec == "none":
-        return n * DTYPES[spec.dtype].itemsize
-    if spec.dtype not in FLOAT_DTYPES:
-        raise CodecError(f"codec {spec.codec!r} needs a floating dtype, got {spec.dtype!r}")
-    if spec.codec == "bf16":
-        return 2 * n
-    if spec.codec == "topk":
-        if not 0 <= spec.nnz <= n or n >= 2**31:
-            raise CodecError(f"topk codec declares {spec.nnz} entries for a tensor of {n}")
-        return spec.nnz * (4 + DTYPES[spec.dtype].itemsize)
-    if spec.codec in sparse.TOPK_LEVELS:
-        try:
-            return chunked_payload_bytes(spec.codec, n, spec.nnz, spec.block_size)
-        except SparseCodecError as exc:
-            raise CodecError(str(exc)) from None
-    if spec.codec == "slice":
-        if not 0 <= spec.nnz <= n or spec.slice_parts < 1 or spec.slice_part >= spec.slice_parts:
-            raise CodecError(
-                f"slice declares {spec.nnz} values, part {spec.slice_part} of {spec.slice_parts}, for a tensor of {n}"
-            )
-        return spec.nnz * DTYPES[spec.dtype].itemsize
-    if spec.block_size < 1:
-        raise CodecError(f"{spec.codec} codec needs block_size >= 1, got {spec.block_size}")
-    return blockwise_payload_bytes(spec.codec, n, spec.block_size)
 
 
 def encode(
@@ -169,6 +98,28 @@ def encode(
     bytes, and no float32 round trip), which they encode exactly as they would the float32 tensor
     (bf16 rounds to the same bits); `none` and `topk` carry values as they are, so there it must match.
     `slice_key` = (seed, parts, part): which slice the slice codec sends (codec/sparse.py)."""
+    dtype = _declared_dtype(tensor, codec, dtype)
+    flat = tensor.detach().reshape(-1).cpu()
+    payload, nnz, spec_block, (seed, parts, part) = _encode_flat(
+        flat, codec, block_size=block_size, fraction=fraction, stochastic=stochastic, slice_key=slice_key
+    )
+    spec = TensorSpec(
+        dtype=dtype,
+        shape=tuple(tensor.shape),
+        codec=codec,
+        block_size=spec_block,
+        payload_bytes=len(payload),
+        nnz=nnz,
+        slice_seed=seed,
+        slice_parts=parts,
+        slice_part=part,
+    )
+    expected_payload_bytes(spec)  # rejects e.g. bf16 of int64
+    return spec, payload
+
+
+def _declared_dtype(tensor: Tensor, codec: str, dtype: str | None) -> str:
+    """The dtype the spec declares: the tensor's own, or a float one the lossy codecs encode alike."""
     actual = DTYPE_NAMES.get(tensor.dtype)
     if actual is None:
         raise CodecError(f"cannot encode dtype {tensor.dtype}")
@@ -177,7 +128,20 @@ def encode(
         codec in ("none", "topk", "slice") or dtype not in FLOAT_DTYPES or actual not in FLOAT_DTYPES
     ):
         raise CodecError(f"codec {codec!r} cannot send a {actual} tensor as {dtype}")
-    flat = tensor.detach().reshape(-1).cpu()
+    return dtype
+
+
+def _encode_flat(
+    flat: Tensor,
+    codec: str,
+    *,
+    block_size: int,
+    fraction: float,
+    stochastic: torch.Generator | None,
+    slice_key: tuple[int, int, int] | None,
+) -> tuple[bytes, int, int, tuple[int, int, int]]:
+    """The payload of the flattened CPU tensor, with what its spec declares besides: nnz, the block
+    size, and the slice's (seed, parts, part) (zeros where the codec has none)."""
     nnz = 0
     spec_block = block_size if codec in BLOCKWISE else 0
     seed = parts = part = 0
@@ -203,19 +167,7 @@ def encode(
         payload = _to_bytes(flat[coordinates].contiguous())
     else:
         raise CodecError(f"unknown codec {codec!r}; expected one of {', '.join(CODECS)}")
-    spec = TensorSpec(
-        dtype=dtype,
-        shape=tuple(tensor.shape),
-        codec=codec,
-        block_size=spec_block,
-        payload_bytes=len(payload),
-        nnz=nnz,
-        slice_seed=seed,
-        slice_parts=parts,
-        slice_part=part,
-    )
-    expected_payload_bytes(spec)  # rejects e.g. bf16 of int64
-    return spec, payload
+    return payload, nnz, spec_block, (seed, parts, part)
 
 
 def decode_into(spec: TensorSpec, payload: bytes | bytearray | memoryview, out: Tensor) -> Tensor:
