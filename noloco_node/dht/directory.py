@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
 from hivemind.dht.validation import CompositeValidator
-from hivemind.p2p import P2PDaemonError
+from hivemind.p2p import P2P, P2PDaemonError
 from hivemind.utils.timed_storage import get_dht_time
 
 from noloco_node.dht.records import StageRecord, make_validators, stage_key
@@ -91,46 +91,7 @@ class PeerDirectory:
             key = NodeIdentity.load_or_create(identity_path) if identity_path else NodeIdentity.generate()
         signer = RSASignatureValidator(key.hivemind_key())
         validator = CompositeValidator(make_validators(identity.run_id, identity.num_stages, signer))
-        authorizer = None
-        if swarm_key is not None:
-            from noloco_node.dht.auth import SwarmKeyAuthorizer
-
-            authorizer = SwarmKeyAuthorizer(swarm_key, max_skew_s=max_skew_s)
-        options = dict(p2p_options or {})
-        daemon_flags = options.pop("daemon_flags", {})
-        p2p = None
-        try:
-            # Our own P2P (DHTNode would make one without the flags hivemind does not expose).
-            p2p = await daemon_with_flags(daemon_flags).create(
-                initial_peers=list(initial_peers),
-                host_maddrs=[f"/ip4/{host}/tcp/{port}"],
-                identity_path=key.identity_path(),
-                check_if_identity_free=False,
-                startup_timeout=startup_timeout_s,
-                dht_mode="client" if client_mode else "server",
-                **options,
-            )
-            node = await asyncio.wait_for(
-                DHTNode.create(
-                    p2p=p2p,
-                    initial_peers=list(initial_peers),
-                    record_validator=validator,
-                    client_mode=client_mode,
-                    authorizer=authorizer,
-                ),
-                timeout=startup_timeout_s + 5,
-            )
-        except (P2PDaemonError, asyncio.TimeoutError, OSError, RuntimeError) as exc:
-            # hivemind raises RuntimeError when no initial peer answered a ping: they are down,
-            # unreachable, or (in a keyed swarm) ignoring us because our swarm key differs.
-            where = ", ".join(initial_peers) or "(none)"
-            hint = "" if swarm_key is not None else " (if the swarm uses a key, pass it with --swarm-key)"
-            if p2p is not None:
-                await p2p.shutdown()
-            raise BootstrapError(f"could not join the DHT through initial peers {where}: {exc}{hint}".strip()) from None
-        directory = cls(node, identity, signer, key=key)
-        directory._own_p2p = p2p
-        directory._start_args = dict(
+        start_args = dict(
             initial_peers=initial_peers,
             host=host,
             port=port,
@@ -140,6 +101,9 @@ class PeerDirectory:
             max_skew_s=max_skew_s,
             key=key,
         )
+        node, p2p = await _join_dht(start_args, validator, p2p_options)
+        directory = cls(node, identity, signer, key=key)
+        directory._own_p2p, directory._start_args = p2p, start_args
         return directory
 
     @property
@@ -368,6 +332,49 @@ class PeerDirectory:
                 child.kill()
 
 
+async def _join_dht(args: dict, validator: CompositeValidator, p2p_options: dict | None) -> tuple[DHTNode, P2P]:
+    """start()'s libp2p daemon and DHT node, from its `args`; BootstrapError with a fix if no initial peer answers."""
+    initial_peers, swarm_key, timeout_s = args["initial_peers"], args["swarm_key"], args["startup_timeout_s"]
+    authorizer = None
+    if swarm_key is not None:
+        from noloco_node.dht.auth import SwarmKeyAuthorizer
+
+        authorizer = SwarmKeyAuthorizer(swarm_key, max_skew_s=args["max_skew_s"])
+    options = dict(p2p_options or {})
+    daemon_flags = options.pop("daemon_flags", {})
+    p2p = None
+    try:
+        # Our own P2P (DHTNode would make one without the flags hivemind does not expose).
+        p2p = await daemon_with_flags(daemon_flags).create(
+            initial_peers=list(initial_peers),
+            host_maddrs=[f"/ip4/{args['host']}/tcp/{args['port']}"],
+            identity_path=args["key"].identity_path(),
+            check_if_identity_free=False,
+            startup_timeout=timeout_s,
+            dht_mode="client" if args["client_mode"] else "server",
+            **options,
+        )
+        node = await asyncio.wait_for(
+            DHTNode.create(
+                p2p=p2p,
+                initial_peers=list(initial_peers),
+                record_validator=validator,
+                client_mode=args["client_mode"],
+                authorizer=authorizer,
+            ),
+            timeout=timeout_s + 5,
+        )
+    except (P2PDaemonError, asyncio.TimeoutError, OSError, RuntimeError) as exc:
+        # hivemind raises RuntimeError when no initial peer answered a ping: they are down,
+        # unreachable, or (in a keyed swarm) ignoring us because our swarm key differs.
+        where = ", ".join(initial_peers) or "(none)"
+        hint = "" if swarm_key is not None else " (if the swarm uses a key, pass it with --swarm-key)"
+        if p2p is not None:
+            await p2p.shutdown()
+        raise BootstrapError(f"could not join the DHT through initial peers {where}: {exc}{hint}".strip()) from None
+    return node, p2p
+
+
 def _targets(maddrs: list[str], own_peer_id: str) -> dict[str, list[str]]:
     """Peer id -> its transport addresses, from full multiaddrs (`.../p2p/<peer id>`)."""
     out: dict[str, list[str]] = {}
@@ -382,8 +389,6 @@ def daemon_with_flags(flags: dict):
     """hivemind.P2P whose p2pd gets extra command-line flags, e.g. relayDiscovery=False, which
     makes the trusted relays static: the reservation is made at once (~0.2 s) instead of after
     auto-relay's three-minute wait for more relay candidates."""
-    from hivemind.p2p import P2P
-
     if not flags:
         return P2P
 
