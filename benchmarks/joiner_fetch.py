@@ -31,6 +31,7 @@ from torch import nn
 from noloco_node.netem.relay import LinkProfile, Relay
 from noloco_node.optim.inner import InnerOptimizer, InnerSchedule
 from noloco_node.optim.state import OuterState
+from noloco_node.rpc.checks import ServedRun
 from noloco_node.rpc.outer_service import OuterClient, OuterServicer
 from noloco_node.runtime.link_estimates import LinkDeadlines
 from noloco_node.sync.state_fetch import fetch_from_donors
@@ -103,9 +104,7 @@ async def run(layers: int, donors: int, compact: bool, profile: LinkProfile) -> 
             OuterServicer(
                 None,
                 peer_id=f"donor{i}",
-                run_id="bench",
-                manifest_hash="h",
-                stage=1,
+                run=ServedRun("bench", "h", 1),
                 max_bytes=1 << 30,
                 deadlines=LinkDeadlines(),
                 donor=Donor(params, seed=1),

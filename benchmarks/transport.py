@@ -257,8 +257,9 @@ async def _serve(pipe, opts: dict) -> None:
     from hivemind.p2p import P2P
 
     from noloco_node.rpc.admission import AdmissionInterceptor
-    from noloco_node.rpc.guard import PeerGuard
+    from noloco_node.rpc.guard import GuardLimits, PeerGuard
     from noloco_node.rpc.server import NodeServer
+    from noloco_node.rpc.checks import ServedRun
     from noloco_node.rpc.stage_service import GRPC_OPTIONS, StageServicer
     from noloco_node.runtime.memory import tune_allocator
     from noloco_node.transport.bridge import Libp2pBridge
@@ -277,7 +278,7 @@ async def _serve(pipe, opts: dict) -> None:
         return found
 
     guard = PeerGuard(
-        requests_per_s=1e6, burst=10**6, max_streams=64, ban_after_invalid=10**6, ban_s=1.0, ban_max_s=1.0
+        GuardLimits(requests_per_s=1e6, burst=10**6, max_streams=64, ban_after_invalid=10**6, ban_s=1.0, ban_max_s=1.0)
     )
     refusals: list[str] = []
 
@@ -292,7 +293,7 @@ async def _serve(pipe, opts: dict) -> None:
     admission = RecordingAdmission(verifier=links.verifier, swarm_key=None, guard=guard, bridged=bridged)
     server = NodeServer("127.0.0.1", 0, credentials=links.certificate.server_credentials(), admission=admission)
     servicer = StageServicer(
-        _Sink(), run_id=RUN_ID, manifest_hash=MANIFEST, max_payload_bytes=opts["max_bytes"], receive_s=30.0
+        _Sink(), run=ServedRun(RUN_ID, MANIFEST), max_payload_bytes=opts["max_bytes"], receive_s=30.0
     )
     server.add_stage(servicer)
     rejections: list[str] = []
@@ -524,9 +525,11 @@ def _forward_messages(tensor, client_id: str, seq: int) -> tuple[list, int]:
 
 
 def _stage_client(dialer, timeout_s: float):
-    from noloco_node.rpc.stage_service import StageClient
+    from noloco_node.rpc.stage_service import StageClient, StageCodecs
 
-    return StageClient(run_id=RUN_ID, manifest_hash=MANIFEST, codec="none", timeout_s=timeout_s, dialer=dialer)
+    return StageClient(
+        run_id=RUN_ID, manifest_hash=MANIFEST, codecs=StageCodecs("none"), timeout_s=timeout_s, dialer=dialer
+    )
 
 
 def _dialer(signer, contact, bridge=None, circuit: bool = False):

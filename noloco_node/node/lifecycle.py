@@ -34,10 +34,11 @@ from noloco_node.node.manifest import load_run_inputs
 from noloco_node.pipeline.driver import Stage0Driver
 from noloco_node.pipeline.ports import Hop
 from noloco_node.pipeline.rebalance import Move, watch
+from noloco_node.rpc.checks import ServedRun
 from noloco_node.rpc.outer_service import OuterClient, OuterServicer, Traffic
 from noloco_node.rpc.security import build_admission, read_swarm_key
 from noloco_node.rpc.server import NodeServer
-from noloco_node.rpc.stage_service import GRPC_OPTIONS, StageClient, StageServicer
+from noloco_node.rpc.stage_service import GRPC_OPTIONS, StageClient, StageCodecs, StageServicer
 from noloco_node.rpc.stage_transport import GrpcStageTransport
 from noloco_node.runtime.events import EventLog
 from noloco_node.runtime.every import LOOK_BUSY_S, LOOK_IDLE_S, TOUCH_PERIOD_S, Every
@@ -196,8 +197,7 @@ class Node:
         self.client = StageClient(
             run_id=cfg.run.run_id,
             manifest_hash=self.manifest_hash,
-            codec=cfg.pipeline.activation_codec,
-            gradient_codec=cfg.pipeline.gradient_codec,
+            codecs=StageCodecs(cfg.pipeline.activation_codec, cfg.pipeline.gradient_codec),
             timeout_s=cfg.timeouts.rpc_s,
             deadlines=deadlines,
             observe=self._observe_rpc,
@@ -266,8 +266,7 @@ class Node:
         max_bytes = cfg.pipeline.microbatch_size * cfg.model.seq_len * parts.shape.boundary_width * 4
         self.servicer = StageServicer(
             self.runtime,
-            run_id=cfg.run.run_id,
-            manifest_hash=self.manifest_hash,
+            run=ServedRun(cfg.run.run_id, self.manifest_hash),
             max_payload_bytes=max_bytes,
             receive_s=cfg.timeouts.receive_s,
             min_bytes_per_s=cfg.security.min_receive_bytes_per_s,
@@ -281,9 +280,7 @@ class Node:
                 OuterServicer(
                     self.sync.responder,
                     peer_id=self.peer_id,
-                    run_id=cfg.run.run_id,
-                    manifest_hash=self.manifest_hash,
-                    stage=self.stage_index,
+                    run=ServedRun(cfg.run.run_id, self.manifest_hash, self.stage_index),
                     max_bytes=state_bytes,
                     deadlines=deadlines.floored(cfg.timeouts.match_s),
                     traffic=self.outer_traffic,

@@ -108,58 +108,59 @@ class AdmissionInterceptor(grpc.aio.ServerInterceptor):
             return handler
         return self._wrap(handler, details.method)
 
+    async def _gate(self, method: str, context) -> str:
+        """The caller's proven identity if the call may run (else the call is aborted)."""
+        try:
+            peer, path = self._prove(method, context)
+        except CallAuthError as exc:
+            self._count(method, grpc.StatusCode.UNAUTHENTICATED)
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
+        why = self.guard.admit(peer)
+        if why is not None:
+            self._count(method, grpc.StatusCode.RESOURCE_EXHAUSTED)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
+        CALLER.set(peer)
+        CALLER_PATH.set(path)
+        POISONED.set(False)
+        return peer
+
+    def _finished(self, method: str, peer: str, context) -> None:
+        """Tells the guard how the call ended: an INVALID_ARGUMENT is a strike, poisoned values a ban."""
+        code = context.code()
+        invalid = "invalid_argument" if code == grpc.StatusCode.INVALID_ARGUMENT else None
+        poisoned = invalid is not None and POISONED.get()
+        banned_s = self.guard.finish(peer, "poisoned" if poisoned else invalid, at_once=poisoned)
+        if banned_s is not None:
+            log.warning(
+                "banned peer %s for %.0f s after %s (last on %s)",
+                peer,
+                banned_s,
+                "values that would corrupt this stage" if poisoned else "repeated invalid messages",
+                method,
+            )
+
     def _wrap(self, handler, method: str):
-        async def gate(context) -> str:
-            """The caller's proven identity if the call may run (else the call is aborted)."""
-            try:
-                peer, path = self._prove(method, context)
-            except CallAuthError as exc:
-                self._count(method, grpc.StatusCode.UNAUTHENTICATED)
-                await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
-            why = self.guard.admit(peer)
-            if why is not None:
-                self._count(method, grpc.StatusCode.RESOURCE_EXHAUSTED)
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
-            CALLER.set(peer)
-            CALLER_PATH.set(path)
-            POISONED.set(False)
-            return peer
-
-        def finished(peer: str, context) -> None:
-            code = context.code()
-            invalid = "invalid_argument" if code == grpc.StatusCode.INVALID_ARGUMENT else None
-            poisoned = invalid is not None and POISONED.get()
-            banned_s = self.guard.finish(peer, "poisoned" if poisoned else invalid, at_once=poisoned)
-            if banned_s is not None:
-                log.warning(
-                    "banned peer %s for %.0f s after %s (last on %s)",
-                    peer,
-                    banned_s,
-                    "values that would corrupt this stage" if poisoned else "repeated invalid messages",
-                    method,
-                )
-
         def wrap_call(behavior):
             if behavior is None:
                 return None
             if inspect.isasyncgenfunction(behavior):
 
                 async def streamed(request, context):
-                    peer = await gate(context)
+                    peer = await self._gate(method, context)
                     try:
                         async for item in behavior(request, context):
                             yield item
                     finally:
-                        finished(peer, context)
+                        self._finished(method, peer, context)
 
                 return streamed
 
             async def called(request, context):
-                peer = await gate(context)
+                peer = await self._gate(method, context)
                 try:
                     return await behavior(request, context)
                 finally:
-                    finished(peer, context)
+                    self._finished(method, peer, context)
 
             return called
 

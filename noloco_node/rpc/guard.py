@@ -32,24 +32,32 @@ class GuardStats:
     invalid: dict[str, int] = field(default_factory=dict)
 
 
+@dataclass(frozen=True, kw_only=True)
+class GuardLimits:
+    """What one peer may cost this node (security.peer_* and security.ban_*)."""
+
+    requests_per_s: float
+    burst: int
+    """The token bucket's size: calls a peer may make at once before the rate applies."""
+    max_streams: int
+    """Calls of one peer in progress at once."""
+    ban_after_invalid: int
+    """Invalid calls before a ban."""
+    ban_s: float
+    """The first ban's length; each next one doubles, up to `ban_max_s`."""
+    ban_max_s: float
+    ban_after_poisoned: int = 1
+    """Poisoned payloads (non-finite, out of bounds) before a ban."""
+    max_peers: int = 4096
+    """Identities tracked at once (the least recently seen forgotten first)."""
+
+
 class PeerGuard:
-    def __init__(
-        self,
-        *,
-        requests_per_s: float,
-        burst: int,
-        max_streams: int,
-        ban_after_invalid: int,
-        ban_s: float,
-        ban_max_s: float,
-        max_peers: int = 4096,
-        clock=time.monotonic,
-        ban_after_poisoned: int = 1,
-    ) -> None:
-        self.rate, self.burst, self.max_streams = requests_per_s, burst, max_streams
-        self.ban_after, self.ban_s, self.ban_max_s = ban_after_invalid, ban_s, ban_max_s
-        self.ban_after_poisoned = ban_after_poisoned
-        self.max_peers, self.clock = max_peers, clock
+    def __init__(self, limits: GuardLimits, *, clock=time.monotonic) -> None:
+        self.rate, self.burst, self.max_streams = limits.requests_per_s, limits.burst, limits.max_streams
+        self.ban_after, self.ban_s, self.ban_max_s = limits.ban_after_invalid, limits.ban_s, limits.ban_max_s
+        self.ban_after_poisoned = limits.ban_after_poisoned
+        self.max_peers, self.clock = limits.max_peers, clock
         self._peers: OrderedDict[str, _PeerState] = OrderedDict()
         self.stats = GuardStats()
 

@@ -11,7 +11,6 @@ against the expected tensor list before anything is allocated.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import time
 from collections.abc import Sequence
@@ -20,22 +19,14 @@ import grpc
 import torch
 from torch import Tensor
 
-from noloco_node.codec.checked import decode_checked
 from noloco_node.codec.state_layout import ReceivedState
 from noloco_node.errors import InvalidPayload, NodeError, PeerBusy, PeerUnavailable, ProtocolMismatch
 from noloco_node.rpc.checks import ServedRun, check_caller
-from noloco_node.rpc.deadlines import (
-    ExchangeLimits,
-    Progress,
-    TransferTimedOut,
-    exchange_limits,
-    watch_exchange,
-    within,
-)
+from noloco_node.rpc.deadlines import TransferTimedOut, exchange_limits, within
+from noloco_node.rpc.exchange import Traffic, exchange_snapshots
 from noloco_node.rpc.state_service import StateDonorServicer, StateFetcher
 from noloco_node.rpc.status import abort_with, unavailable_from_rpc
 from noloco_node.rpc.stubs import StubCache
-from noloco_node.rpc.tensors import PayloadReceiver, header_to_spec, iter_chunks, spec_to_header
 from noloco_node.runtime.faults import FaultInjector
 from noloco_node.runtime.link_estimates import LinkDeadlines
 from noloco_node.sync.ports import (
@@ -45,20 +36,11 @@ from noloco_node.sync.ports import (
     PairingResponder,
     PairProposal,
     StateDonor,
-    check_tensor_count,
 )
 from noloco_node.wire.v1 import outer_pb2, outer_pb2_grpc, tensor_pb2
 
 log = logging.getLogger(__name__)
 ACCEPT = outer_pb2.PairReply.ACCEPT
-
-
-class Traffic:
-    """Bytes this node wrote on Outer exchange streams, as initiator and as responder: each message
-    serialized, with gRPC's 5-byte length prefix (what the snapshot costs on the wire, headers included)."""
-
-    def __init__(self) -> None:
-        self.bytes_sent = 0
 
 
 _DECISIONS = {
@@ -91,139 +73,13 @@ def pair_request(proposal: PairProposal) -> outer_pb2.PairRequest:
     )
 
 
-async def exchange_snapshots(
-    read,
-    write,
-    mine: EncodedSnapshot,
-    expected: list[ExpectedTensor],
-    codec: str,
-    max_bytes: int,
-    traffic: Traffic | None = None,
-    faults: FaultInjector | None = None,
-    limits: ExchangeLimits | None = None,
-) -> dict[str, Tensor]:
-    """Send `mine` and receive the partner's snapshot concurrently; returns the decoded tensors
-    once both receipts check out. Raises InvalidPayload / PeerUnavailable otherwise, and
-    TransferTimedOut past `limits` (rpc/deadlines.py: the total deadline for the bytes both ways,
-    set once the partner's manifest is in, and the progress deadline)."""
-    limits = limits or ExchangeLimits(total_s=lambda _: 3600.0, stall_s=3600.0)
-    progress = Progress(limits.stall_s, asyncio.get_running_loop().time)
-    stream = _ExchangeStream(read, write, progress, traffic, faults)
-    sender = asyncio.create_task(stream.send(mine))
-    receiver = asyncio.create_task(stream.receive(mine, expected, codec, max_bytes, limits))
-    try:
-        await watch_exchange(receiver, sender, progress, stream.received_all)
-        result = receiver.result()
-        await within(sender, limits.stall_s, "writing our receipt")
-        return result
-    finally:
-        for task in (sender, receiver):
-            if not task.done():
-                task.cancel()
-
-
-class _ExchangeStream:
-    """Our two directions of one exchange stream: the sender's receipt waits for the receiver's
-    digest, and both stamp the progress the deadlines watch."""
-
-    def __init__(self, read, write, progress: Progress, traffic: Traffic | None, faults: FaultInjector | None) -> None:
-        self.read, self.write, self.progress = read, write, progress
-        self.traffic, self.faults = traffic, faults
-        self.received_all = asyncio.Event()
-        self.received_hash: list[bytes] = []
-
-    async def put(self, message) -> None:
-        """Write one message, counting its bytes on the wire."""
-        if self.faults is not None:
-            await self.faults.hit("exchange_write")  # tests: a partner that dies (or stalls) mid-stream
-        await self.write(message)
-        self.progress.stamp_wrote()
-        if self.traffic is not None:  # on the wire: the message and gRPC's 5-byte length prefix
-            self.traffic.bytes_sent += message.ByteSize() + 5
-
-    async def send(self, mine: EncodedSnapshot) -> None:
-        """Our manifest, tensors and chunks, then, once the partner's payload is in, our receipt."""
-        await self.put(
-            outer_pb2.ExchangeMessage(
-                manifest=outer_pb2.SnapshotManifest(num_tensors=len(mine.tensors), payload_bytes=mine.payload_bytes)
-            )
-        )
-        for name, spec, payload in mine.tensors:
-            await self.put(outer_pb2.ExchangeMessage(tensor=spec_to_header(spec, name)))
-            for chunk in iter_chunks(payload):
-                await self.put(outer_pb2.ExchangeMessage(chunk=chunk))
-        if self.faults is not None:
-            await self.faults.hit("during_exchange")
-        await self.received_all.wait()
-        receipt = outer_pb2.ExchangeMessage(receipt=outer_pb2.Receipt(sha256=self.received_hash[0]))
-        await self.write(receipt)
-        if self.traffic is not None:
-            self.traffic.bytes_sent += receipt.ByteSize() + 5
-
-    async def next_message(self, kind: str):
-        """The next message's `kind` part; an abort, the stream's end or another kind raise."""
-        message = await self.read()
-        self.progress.stamp_read()
-        if message is None:
-            raise InvalidPayload(f"undecodable message while waiting for {kind}")
-        if message is grpc.aio.EOF:
-            raise PeerUnavailable(f"stream ended while waiting for {kind}")
-        if message.WhichOneof("kind") == "abort":
-            raise PeerUnavailable(f"partner aborted: {message.abort.reason}")
-        if message.WhichOneof("kind") != kind:
-            raise InvalidPayload(f"expected {kind}, got {message.WhichOneof('kind')}")
-        return getattr(message, kind)
-
-    async def receive(
-        self, mine: EncodedSnapshot, expected: list[ExpectedTensor], codec: str, max_bytes: int, limits: ExchangeLimits
-    ) -> dict[str, Tensor]:
-        """The partner's tensors, once its receipt matches what we sent."""
-        manifest = await self.next_message("manifest")
-        check_tensor_count(manifest.num_tensors, expected)
-        self.progress.set_total(limits.total_s(mine.payload_bytes + manifest.payload_bytes))
-        began = self.progress.read
-        out, digest = await _receive_tensors(self.next_message, expected, codec, max_bytes, self.progress)
-        if limits.observe is not None:
-            limits.observe(manifest.payload_bytes, self.progress.clock() - began)
-        self.received_hash.append(digest)
-        self.received_all.set()
-        receipt = await self.next_message("receipt")
-        if receipt.sha256 != mine.sha256:
-            raise InvalidPayload("partner's receipt does not match what we sent")
-        return out
-
-
-async def _receive_tensors(
-    next_message, expected: list[ExpectedTensor], codec: str, max_bytes: int, progress: Progress
-) -> tuple[dict[str, Tensor], bytes]:
-    """The partner's tensors, each checked against `expected` before it is allocated, and the
-    SHA-256 of their payloads."""
-    digest, out = hashlib.sha256(), {}
-    budget = max_bytes
-    for want in expected:
-        header = await next_message("tensor")
-        spec = header_to_spec(header)
-        want.check(header.name, spec, codec)
-        receiver = PayloadReceiver(spec, max_bytes=budget)
-        while not receiver.complete:
-            receiver.add(await next_message("chunk"))
-        budget -= spec.payload_bytes
-        payload = receiver.finish()
-        digest.update(payload)
-        out[want.name] = decode_checked(spec, payload)
-        progress.stamp_read()  # decoding a large tensor is not the partner stalling
-    return out, digest.digest()
-
-
 class OuterServicer(outer_pb2_grpc.OuterServicer):
     def __init__(
         self,
         handler: PairingResponder | None,
         *,
         peer_id: str,
-        run_id: str,
-        manifest_hash: str,
-        stage: int,
+        run: ServedRun,
         max_bytes: int,
         deadlines: LinkDeadlines,
         traffic: Traffic | None = None,
@@ -231,15 +87,16 @@ class OuterServicer(outer_pb2_grpc.OuterServicer):
         faults: FaultInjector | None = None,
     ) -> None:
         """`handler` answers pairing proposals (None: this node does not pair, e.g. a dp replica);
-        `peer_id` is this node's, named in every reply. `deadlines` (runtime/link_estimates.py)
-        derives each exchange's deadline from the caller's measured bandwidth; its floor
-        (timeouts.match_s) also bounds the wait for a PairRequest; a state transfer's is also never
-        shorter than the joiner's own call deadline (rpc/state_service.py)."""
+        `peer_id` is this node's, named in every reply; `run` names the run and stage it serves.
+        `deadlines` (runtime/link_estimates.py) derives each exchange's deadline from the caller's
+        measured bandwidth; its floor (timeouts.match_s) also bounds the wait for a PairRequest; a
+        state transfer's is also never shorter than the joiner's own call deadline
+        (rpc/state_service.py)."""
         self.handler, self.peer_id = handler, peer_id
         self.faults = faults
         self.traffic = traffic
         self.donor = donor
-        self.run = ServedRun(run_id, manifest_hash, stage)
+        self.run = run
         self.max_bytes, self.deadlines = max_bytes, deadlines
         self.timeout_s = deadlines.floor_s
         self.state_donor = StateDonorServicer(run=self.run, deadlines=deadlines, donor=donor, faults=faults)

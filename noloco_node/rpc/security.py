@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from noloco_node.config import ConfigError, SecurityConfig
 from noloco_node.rpc.admission import AdmissionInterceptor, SwarmKeyError, load_swarm_key
-from noloco_node.rpc.guard import PeerGuard
+from noloco_node.rpc.guard import GuardLimits, PeerGuard
 
 
 @dataclass
@@ -32,7 +32,7 @@ def build_admission(cfg: SecurityConfig, links) -> Admission:
     """`links` (transport.links.Links) verifies call tokens and names the libp2p peer behind a
     bridged connection."""
     key = read_swarm_key(cfg)
-    guard = PeerGuard(
+    limits = GuardLimits(
         requests_per_s=cfg.peer_requests_per_s,
         burst=cfg.peer_burst,
         max_streams=cfg.peer_max_streams,
@@ -41,6 +41,7 @@ def build_admission(cfg: SecurityConfig, links) -> Admission:
         ban_max_s=cfg.ban_max_s,
         ban_after_poisoned=cfg.ban_after_poisoned,
     )
+    guard = PeerGuard(limits)
     return Admission(
         key, guard, AdmissionInterceptor(verifier=links.verifier, swarm_key=key, guard=guard, bridged=links.origin)
     )

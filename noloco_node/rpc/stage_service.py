@@ -14,6 +14,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 import grpc
 import torch
@@ -91,7 +92,8 @@ async def _receive(messages: AsyncIterator, spec: TensorSpec, max_bytes: int, st
 
 
 class StageServicer(stage_pb2_grpc.StageServicer):
-    """`receive_s` bounds how long a caller may take to send its header; its payload must then
+    """`run` names the run served (its stage left to the handler, which checks each call's target
+    stage). `receive_s` bounds how long a caller may take to send its header; its payload must then
     arrive within `receive_s` plus its size at `min_bytes_per_s`, or at the caller's measured
     bandwidth (`deadlines`, runtime/link_estimates.py) times the slack where that is slower, and
     no chunk may take longer than the progress deadline: a stream that stalls is cut with
@@ -101,8 +103,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         self,
         handler: StageHandler,
         *,
-        run_id: str,
-        manifest_hash: str,
+        run: ServedRun,
         max_payload_bytes: int,
         receive_s: float = 10.0,
         min_bytes_per_s: float = 1e6,
@@ -111,7 +112,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         deadlines: LinkDeadlines | None = None,
     ) -> None:
         self.handler = handler
-        self.run = ServedRun(run_id, manifest_hash)
+        self.run = run
         self.max_payload_bytes = max_payload_bytes
         self.receive_s, self.min_bytes_per_s = receive_s, min_bytes_per_s
         self.deadlines = deadlines or LinkDeadlines()
@@ -221,13 +222,25 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             await self._cut(context, "Backward", asyncio.get_running_loop().time() - started)
 
 
+@dataclass(frozen=True)
+class StageCodecs:
+    """How a StageClient encodes what it sends (codec/tensors.py)."""
+
+    activations: str
+    """Forward's activations (pipeline.activation_codec)."""
+    gradients: str | None = None
+    """Backward's gradients (pipeline.gradient_codec); None: the activations' codec."""
+    rounding_seed: int | None = None
+    """Seeds the stochastic rounding of gradients (None: a fresh random seed)."""
+
+
 class StageClient:
     """Sends activations and gradients to other nodes, by peer id, through the dialer
     (transport/dialer.py: direct TLS or gRPC over libp2p, whichever the peer's record says).
 
-    `codec` encodes the activations of Forward, `gradient_codec` (None = `codec`) the gradients
-    of Backward. Gradients round stochastically where the codec can (int4, see codec/tensors.py),
-    with draws from a generator seeded by `rounding_seed` (None = a fresh random seed).
+    `codecs` encode the activations of Forward and the gradients of Backward. Gradients round
+    stochastically where the codec can (int4, see codec/tensors.py), with draws from a generator
+    seeded by `codecs.rounding_seed` (None = a fresh random seed).
 
     A call's deadline is `timeout_s` (timeouts.rpc_s) or its payload's time at the peer's measured
     bandwidth times the slack, whichever is longer (`deadlines`, runtime/link_estimates.py; None: a
@@ -239,24 +252,22 @@ class StageClient:
         *,
         run_id: str,
         manifest_hash: str,
-        codec: str,
+        codecs: StageCodecs,
         timeout_s: float,
         dialer,
         observe: Callable[[str, float], None] | None = None,
-        gradient_codec: str | None = None,
-        rounding_seed: int | None = None,
         deadlines: LinkDeadlines | None = None,
     ) -> None:
         self.run = tensor_pb2.RunIdentity(run_id=run_id, manifest_hash=manifest_hash)
         self.dialer = dialer
-        self.codec, self.timeout_s = codec, timeout_s
+        self.codec, self.timeout_s = codecs.activations, timeout_s
         self.deadlines = (deadlines or LinkDeadlines()).floored(timeout_s)
-        self.gradient_codec = gradient_codec or codec
+        self.gradient_codec = codecs.gradients or codecs.activations
         self.rounding = torch.Generator()
-        if rounding_seed is None:
+        if codecs.rounding_seed is None:
             self.rounding.seed()
         else:
-            self.rounding.manual_seed(rounding_seed)
+            self.rounding.manual_seed(codecs.rounding_seed)
         self.observe = observe  # (method, seconds) after every call, for latency metrics
         self._stubs = StubCache(dialer, stage_pb2_grpc.StageStub)
         self.bytes_sent = 0

@@ -294,6 +294,7 @@ def test_a_state_donor_takes_no_bandwidth_sample_from_its_own_buffered_writes():
     """A donor's writes return once buffered, not once delivered: 1.2 MB 'sent' in no time must not
     become a rate for the requester, or every later exchange with it gets only the floor (seen
     at 0.6 Mbit/s: the donor measured ~4000 Mbit/s and cut each exchange at match_s)."""
+    from noloco_node.rpc.checks import ServedRun
     from noloco_node.rpc.outer_service import OuterServicer
     from noloco_node.wire.v1 import outer_pb2
 
@@ -319,9 +320,7 @@ def test_a_state_donor_takes_no_bandwidth_sample_from_its_own_buffered_writes():
     servicer = OuterServicer(
         None,
         peer_id="donor",
-        run_id="r",
-        manifest_hash="h",
-        stage=0,
+        run=ServedRun("r", "h", 0),
         max_bytes=1 << 24,
         deadlines=deadlines,
         donor=Donor(),

@@ -9,7 +9,7 @@ from hivemind.proto import dht_pb2
 
 from noloco_node.dht.auth import SwarmKeyAuthorizer
 from noloco_node.rpc.admission import SwarmKeyError, load_swarm_key
-from noloco_node.rpc.guard import PeerGuard
+from noloco_node.rpc.guard import GuardLimits, PeerGuard
 from noloco_node.transport.credentials import AUTH_HEADER, KEY_HEADER, CallAuthError, CallSigner, CallVerifier
 from noloco_node.transport.identity import NodeIdentity, peer_id_of_owner_marker
 
@@ -124,9 +124,9 @@ class Clock:
 
 
 def guard(clock, **kw):
-    args = dict(requests_per_s=10, burst=3, max_streams=2, ban_after_invalid=2, ban_s=10, ban_max_s=25, clock=clock)
+    args = dict(requests_per_s=10, burst=3, max_streams=2, ban_after_invalid=2, ban_s=10, ban_max_s=25)
     args.update(kw)
-    return PeerGuard(**args)
+    return PeerGuard(GuardLimits(**args), clock=clock)
 
 
 def test_rate_limit_refills_at_the_rate():

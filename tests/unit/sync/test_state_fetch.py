@@ -14,6 +14,7 @@ from torch import nn
 from noloco_node.errors import InvalidPayload
 from noloco_node.optim.inner import InnerOptimizer, InnerSchedule
 from noloco_node.optim.state import OuterState
+from noloco_node.rpc.checks import ServedRun
 from noloco_node.rpc.outer_service import OuterClient, OuterServicer
 from noloco_node.runtime.link_estimates import LinkDeadlines
 from noloco_node.sync.memory import MemoryPairingHub
@@ -190,9 +191,7 @@ def test_the_grpc_donor_answers_invalid_argument_for_bad_names(names, message):
     servicer = OuterServicer(
         None,
         peer_id="donor",
-        run_id="r",
-        manifest_hash="h",
-        stage=0,
+        run=ServedRun("r", "h", 0),
         max_bytes=1 << 24,
         deadlines=LinkDeadlines(),
         donor=Donor(1),
@@ -230,9 +229,7 @@ def test_over_grpc_two_donors_one_cut_mid_stream_and_the_compact_codecs_checked(
                 OuterServicer(
                     None,
                     peer_id=name,
-                    run_id="r",
-                    manifest_hash="h",
-                    stage=0,
+                    run=ServedRun("r", "h", 0),
                     max_bytes=1 << 24,
                     # A node's floor is timeouts.match_s; without one a loaded machine cuts 20 kB at 0.1 s.
                     deadlines=LinkDeadlines(floor_s=10.0),

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from noloco_node.errors import InvalidPayload
-from noloco_node.rpc.stage_service import StageClient, StageServicer
+from noloco_node.rpc.checks import ServedRun
+from noloco_node.rpc.stage_service import StageClient, StageCodecs, StageServicer
 from noloco_node.rpc.tensors import encode_tensor, header_to_spec, spec_to_header
 from noloco_node.codec.tensors import CODECS, decode, encode
 from noloco_node.wire.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
@@ -96,7 +97,7 @@ def test_server_accepts_any_codec_and_backward_uses_the_gradient_codec(activatio
     async def scenario():
         server = grpc.aio.server()
         stage_pb2_grpc.add_StageServicer_to_server(
-            StageServicer(recorder, run_id="r", manifest_hash="m", max_payload_bytes=1 << 20), server
+            StageServicer(recorder, run=ServedRun("r", "m"), max_payload_bytes=1 << 20), server
         )
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
@@ -105,11 +106,9 @@ def test_server_accepts_any_codec_and_backward_uses_the_gradient_codec(activatio
             client = StageClient(
                 run_id="r",
                 manifest_hash="m",
-                codec=activation_codec,
+                codecs=StageCodecs(activation_codec, gradient_codec, rounding_seed=5),
                 timeout_s=10,
                 dialer=dialer,
-                gradient_codec=gradient_codec,
-                rounding_seed=5,
             )
             microbatch = stage_pb2.MicrobatchId(origin_peer="me", sequence=1)
             await client.forward(

@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from noloco_node.rpc.admission import ANONYMOUS_PREFIXES, OPEN_PREFIXES, AdmissionInterceptor
-from noloco_node.rpc.guard import PeerGuard
+from noloco_node.rpc.guard import GuardLimits, PeerGuard
 from noloco_node.rpc.status import TO_STATUS
 from noloco_node.transport.credentials import CallAuthError, CallSigner, CallVerifier
 from noloco_node.transport.identity import NodeIdentity
@@ -239,7 +239,9 @@ PROBE, FORWARD = "/noloco.wire.v1.Diagnostics/Probe", "/noloco.wire.v1.Stage/For
 
 
 def _interceptor(key: bytes | None) -> AdmissionInterceptor:
-    guard = PeerGuard(requests_per_s=10, burst=10, max_streams=4, ban_after_invalid=5, ban_s=1, ban_max_s=1)
+    guard = PeerGuard(
+        GuardLimits(requests_per_s=10, burst=10, max_streams=4, ban_after_invalid=5, ban_s=1, ban_max_s=1)
+    )
     return AdmissionInterceptor(
         verifier=CallVerifier(SERVER.peer_id, swarm_key=key, max_skew_s=60), swarm_key=key, guard=guard
     )
