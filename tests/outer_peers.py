@@ -113,6 +113,7 @@ class MemoryPeers:
         from noloco_node.pipeline.router import Bans
         from noloco_node.runtime.compute import ComputeThread
         from noloco_node.sync.noloco import NoLoCoSync
+        from noloco_node.sync.pairing import NoLoCoSettings
         from noloco_node.sync.ports import SyncParts
 
         path = self.dir / f"{name}.state"
@@ -133,9 +134,8 @@ class MemoryPeers:
             parts,
             transport=self.hub.transport(name),
             directory=self.network.directory(),
-            match_s=args.match_s,
+            settings=NoLoCoSettings(match_s=args.match_s, payload=args.payload),
             bans=bans,
-            payload=args.payload,
         )
         self.hub.register(name, sync)
         self.peers[name] = (args, sync, model, outer_state, tensors, bans, compute)

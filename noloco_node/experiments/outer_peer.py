@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import torch
@@ -34,29 +33,34 @@ from torch import nn
 
 from noloco_node import __version__
 from noloco_node.dht.directory import DirectoryIdentity, PeerDirectory
-from noloco_node.dht.records import StageRecord
 from noloco_node.node.adapters import DhtMatching
 from noloco_node.optim.state import OuterState
 from noloco_node.pipeline.router import Bans
 from noloco_node.config import OuterConfig
+from noloco_node.rpc.checks import ServedRun
 from noloco_node.rpc.outer_service import OuterClient, OuterServicer, Traffic
 from noloco_node.rpc.server import NodeServer
 from noloco_node.runtime.compute import ComputeThread
 from noloco_node.runtime.faults import FaultInjector
-from noloco_node.runtime.link_estimates import DeadlinePolicy, LinkDeadlines, LinkEstimates
-from noloco_node.runtime.node_status import Status
+from noloco_node.runtime.link_estimates import LinkDeadlines
 from noloco_node.sync.diloco import DiLoCoSync
 from noloco_node.sync.noloco import NoLoCoSync
+from noloco_node.sync.pairing import NoLoCoSettings
 from noloco_node.sync.ports import SyncParts
 from noloco_node.runtime.files import atomic_write_text
 
-from noloco_node.rpc.admission import AdmissionInterceptor
-from noloco_node.rpc.guard import PeerGuard
 from noloco_node.rpc.stage_service import GRPC_OPTIONS
-from noloco_node.transport.dialer import Contact
 from noloco_node.transport.links import Links
+from noloco_node.experiments.outer_peer_net import (
+    MANIFEST,
+    RUN,
+    Announcer,
+    close_all,
+    contact_lookup,
+    link_deadlines,
+    node_server,
+)
 
-RUN, MANIFEST = "outer-test", "m-outer"
 log = logging.getLogger("outer_peer")
 
 
@@ -199,18 +203,18 @@ async def fetch_from_peer(
 async def main(args: argparse.Namespace) -> None:
     model, state, tensors = initial_state(args)
     faults = _fault_injector(args)
-    deadlines = _link_deadlines(args)
+    deadlines = link_deadlines(args)
     directory = await PeerDirectory.start(
         DirectoryIdentity(RUN, MANIFEST, __version__, 1), initial_peers=args.initial_peers, startup_timeout_s=20
     )
     all_reduce = await _all_reduce(args, directory, model) if args.method == "diloco" else None
     links = Links(
-        directory.key, swarm_key=None, max_skew_s=60.0, options=GRPC_OPTIONS, lookup=_contact_lookup(directory)
+        directory.key, swarm_key=None, max_skew_s=60.0, options=GRPC_OPTIONS, lookup=contact_lookup(directory)
     )
     compute, bans = ComputeThread(), Bans()
     config = outer_config(args)
-    server = _node_server(args, links)
-    announcer = _Announcer(directory, links, deadlines)
+    server = node_server(args, links)
+    announcer = Announcer(directory, links, deadlines)
     max_bytes = 16 * max(1, model.w.numel()) + (1 << 20)  # phi and delta, float64
     traffic = Traffic()
     client = OuterClient(
@@ -234,24 +238,46 @@ async def main(args: argparse.Namespace) -> None:
             parts,
             transport=client,
             directory=DhtMatching(directory),
-            match_s=args.match_s,
+            settings=NoLoCoSettings(match_s=args.match_s, payload=args.payload),
             bans=bans,
-            payload=args.payload,
         )
-        server.add_outer(
-            OuterServicer(
-                sync,
-                peer_id=directory.peer_id,
-                run_id=RUN,
-                manifest_hash=MANIFEST,
-                stage=0,
-                max_bytes=max_bytes,
-                deadlines=deadlines,
-                traffic=traffic,
-                faults=faults,
-                donor=_Donor(state),
-            )
-        )
+        server.add_outer(_pairing_servicer(sync, directory.peer_id, state, client))
+    await _announce_ready(args, server, announcer, directory)
+    await _wait_for(args.go_file, poll_s=0.02)
+    log.info("round starts")
+    if args.fetch_state:
+        outputs, summary = await fetch_from_peer(args, directory, client, state)
+    else:
+        outputs, summary = await _rounds_with_summary(args, sync, model, state, tensors, bans)
+    _write_outputs(args, directory.peer_id, outputs, summary, deadlines)
+    await asyncio.sleep(1.0)  # let a partner finish reading our receipt before we close
+    if args.serve_until:
+        await _wait_for(args.serve_until, poll_s=0.05)
+    await close_all(server, client, links, directory)
+    if all_reduce is not None:
+        all_reduce.shutdown()
+    compute.shutdown()
+
+
+def _pairing_servicer(sync: NoLoCoSync, peer_id: str, state: OuterState, client: OuterClient) -> OuterServicer:
+    """The Outer service that answers our partners, and serves our state, with the client's byte
+    limit, deadlines, fault injector and traffic count: one count for both sides of exchanges."""
+    return OuterServicer(
+        sync,
+        peer_id=peer_id,
+        run=ServedRun(RUN, MANIFEST, 0),
+        max_bytes=client.max_bytes,
+        deadlines=client.deadlines,
+        traffic=client.traffic,
+        faults=client.faults,
+        donor=_Donor(state),
+    )
+
+
+async def _announce_ready(
+    args: argparse.Namespace, server: NodeServer, announcer: Announcer, directory: PeerDirectory
+) -> None:
+    """Serve, announce the address peers dial, and tell the harness (--ready-file) where we are."""
     port = await server.start()
     address = args.announce_addr or f"127.0.0.1:{port}"
     await announcer.serve_at(address)
@@ -259,34 +285,23 @@ async def main(args: argparse.Namespace) -> None:
         args.ready_file,
         json.dumps({"peer_id": directory.peer_id, "address": address, "maddrs": await directory.visible_maddrs()}),
     )
-    await _wait_for(args.go_file, poll_s=0.02)
-    log.info("round starts")
-    if args.fetch_state:
-        outputs, summary = await fetch_from_peer(args, directory, client, state)
-    else:
-        outcome, per_round = await run_rounds(args, sync, model, state, tensors)
-        outputs = {
-            "phi": state.phi["w"],
-            "momentum": state.momentum["w"],
-            "theta": model.w.detach().clone(),
-            **per_round,
-        }
-        summary = {
-            "outcome": outcome,
-            "bytes_sent": sync.bytes_sent,
-            "method": args.method,
-            "counters": {k: v for k, v in vars(sync.counters).items() if k != "history"},
-            "history": sync.counters.history,
-            "banned": bans.total,
-        }
-    _write_outputs(args, directory.peer_id, outputs, summary, deadlines)
-    await asyncio.sleep(1.0)  # let a partner finish reading our receipt before we close
-    if args.serve_until:
-        await _wait_for(args.serve_until, poll_s=0.05)
-    await _close(server, client, links, directory)
-    if all_reduce is not None:
-        all_reduce.shutdown()
-    compute.shutdown()
+
+
+async def _rounds_with_summary(
+    args: argparse.Namespace, sync, model: nn.Module, state: OuterState, tensors: dict, bans: Bans
+) -> tuple[dict, dict]:
+    """The --rounds outer rounds; the state they left (for --out) and their summary (its JSON)."""
+    outcome, per_round = await run_rounds(args, sync, model, state, tensors)
+    outputs = {"phi": state.phi["w"], "momentum": state.momentum["w"], "theta": model.w.detach().clone(), **per_round}
+    summary = {
+        "outcome": outcome,
+        "bytes_sent": sync.bytes_sent,
+        "method": args.method,
+        "counters": {k: v for k, v in vars(sync.counters).items() if k != "history"},
+        "history": sync.counters.history,
+        "banned": bans.total,
+    }
+    return outputs, summary
 
 
 def _fault_injector(args: argparse.Namespace) -> FaultInjector:
@@ -295,17 +310,6 @@ def _fault_injector(args: argparse.Namespace) -> FaultInjector:
     return FaultInjector(
         ([f"exchange_write:crash@{args.die_after_writes + 1}"] if args.die_after_writes else []) + list(args.fault)
     )
-
-
-def _link_deadlines(args: argparse.Namespace) -> LinkDeadlines:
-    """Deadlines that follow the measured link, under the --assumed-mbit, --stall-s, --deadline-* policy."""
-    policy = DeadlinePolicy(
-        assumed_bytes_per_s=args.assumed_mbit * 1e6 / 8,
-        slack=args.deadline_slack,
-        ceiling_s=args.deadline_ceiling_s,
-        stall_s=args.stall_s,
-    )
-    return LinkDeadlines(LinkEstimates(), policy, floor_s=args.match_s)
 
 
 async def _wait_for(path: str, *, poll_s: float) -> None:
@@ -322,69 +326,6 @@ def _write_outputs(
     Path(args.out + ".json").write_text(
         json.dumps({"peer_id": peer_id, **summary, "links": deadlines.estimates.summary()})
     )
-
-
-async def _close(server: NodeServer, client: OuterClient, links: Links, directory: PeerDirectory) -> None:
-    """Stop serving and close the client, links and directory, each given at most 5 s."""
-    for step in (server.stop(1.0), client.close(), links.close(), directory.shutdown()):
-        try:
-            await asyncio.wait_for(step, timeout=5)
-        except asyncio.TimeoutError:
-            log.warning("shutdown step timed out")
-
-
-def _contact_lookup(directory: PeerDirectory) -> Callable[[str], Awaitable[Contact | None]]:
-    """The dialer's lookup: a peer's current record as a transport Contact."""
-
-    async def lookup(peer_id: str):
-        r = await directory.record_of(peer_id)
-        return None if r is None else Contact(r.peer_id, r.address, r.reach, r.tls_cert, tuple(r.p2p_addrs))
-
-    return lookup
-
-
-def _node_server(args: argparse.Namespace, links: Links) -> NodeServer:
-    """The gRPC server on --port, behind the admission checks (a guard generous enough for tests)."""
-    guard = PeerGuard(requests_per_s=1000, burst=1000, max_streams=64, ban_after_invalid=5, ban_s=30, ban_max_s=60)
-    return NodeServer(
-        "127.0.0.1",
-        args.port,
-        credentials=links.certificate.server_credentials(),
-        admission=AdmissionInterceptor(verifier=links.verifier, swarm_key=None, guard=guard, bridged=links.origin),
-    )
-
-
-class _Announcer:
-    """This peer's stage record in the DHT, announced again at each status change."""
-
-    def __init__(self, directory: PeerDirectory, links: Links, deadlines: LinkDeadlines) -> None:
-        self.directory, self.links, self.deadlines = directory, links, deadlines
-        self.status = {"status": Status.SERVING, "round": 0, "address": ""}
-
-    async def serve_at(self, address: str) -> None:
-        """Announce the address peers dial, serving at round 0."""
-        self.status["address"] = address
-        await self.set_status(Status.SERVING, 0)
-
-    async def set_status(self, value: str, round_index: int) -> None:
-        """sync.ports.SyncParts.set_status: announce `value` at `round_index`."""
-        self.status.update(status=value, round=round_index)
-        record = StageRecord(
-            peer_id=self.directory.peer_id,
-            address=self.status["address"],
-            stage=0,
-            inner_step=0,
-            outer_round=round_index,
-            status=value,
-            tokens_per_s=0.0,
-            version=__version__,
-            manifest_hash=MANIFEST,
-            run_id=RUN,
-            updated_at=time.time(),
-            tls_cert=self.links.certificate.b64,
-            link_mbit_s=round(self.deadlines.estimates.link_mbit_s(), 3),
-        )
-        await self.directory.announce(record, ttl_s=30)
 
 
 async def _all_reduce(args: argparse.Namespace, directory: PeerDirectory, model: nn.Module):

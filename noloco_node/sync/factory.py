@@ -58,6 +58,7 @@ def build_outer_sync(
     allreduce_s = timeouts.outer_round_s
     if outer.method == "noloco":
         from noloco_node.sync.noloco import NoLoCoSync
+        from noloco_node.sync.pairing import NoLoCoSettings
 
         return NoLoCoSync(
             state,
@@ -65,8 +66,7 @@ def build_outer_sync(
             parts,
             transport=ports.pairing,
             directory=ports.matching,
-            match_s=timeouts.match_s,
-            run_seed=config.run.seed,
+            settings=NoLoCoSettings(match_s=timeouts.match_s, run_seed=config.run.seed),
         )
     if outer.method == "diloco":
         from noloco_node.sync.diloco import DiLoCoSync

@@ -21,12 +21,10 @@ pair step used what was sent.
 from __future__ import annotations
 
 import asyncio
-import collections
 import functools
 import logging
 import os
 import random
-import statistics
 import time
 
 from torch import Tensor
@@ -48,38 +46,19 @@ from noloco_node.sync.ports import (
     PairProposal,
     SyncParts,
 )
-from noloco_node.sync.snapshot import (
-    PHI_DELTA,
-    THETA,
-    Frozen,
-    SliceRound,
-    check_snapshot,
-    choose_payload,
-    fill_slices,
-    freeze,
-    unpack,
+from noloco_node.sync.pairing import (
+    NoLoCoSettings,
+    PartnerDistances,
+    announced_steps,
+    apply_pair_step,
+    drawn_mate,
+    partner_snapshot,
+    replica_count,
+    wait_at_most,
 )
+from noloco_node.sync.snapshot import PHI_DELTA, THETA, Frozen, SliceRound, choose_payload, freeze
 
 log = logging.getLogger(__name__)
-
-
-async def _wait(event: asyncio.Event, timeout_s: float) -> None:
-    if timeout_s > 0:
-        try:
-            await asyncio.wait_for(event.wait(), timeout_s)
-        except asyncio.TimeoutError:
-            pass
-
-
-def drawn_mate(peer_ids: list[str], me: str, stage: int, round_index: int) -> str | None:
-    """`me`'s mate in the round's pairing of `peer_ids`: shuffled with a seed of (stage, round,
-    count), paired in that order; None for the odd one out. The same on every replica that sees
-    the same ids, and different from round to round."""
-    ids = sorted(set(peer_ids))
-    random.Random(f"{stage}:{round_index}:{len(ids)}").shuffle(ids)
-    index = ids.index(me)
-    mate = index + 1 if index % 2 == 0 else index - 1
-    return ids[mate] if mate < len(ids) else None
 
 
 class NoLoCoSync(OuterSync):
@@ -95,32 +74,27 @@ class NoLoCoSync(OuterSync):
         *,
         transport: PairingTransport,
         directory: MatchingDirectory,
-        match_s: float,
+        settings: NoLoCoSettings,
         bans: Bans | None = None,
         rng: random.Random | None = None,
-        payload: str | None = None,
-        run_seed: int = 0,
     ) -> None:
-        """`config.codec_phi` encodes phi (or theta), `config.codec_delta` the outer delta.
-        `payload` forces the snapshot form ("theta" or "phi+delta"; tests, benchmarks); None
-        lets the node choose (theta wherever it loses nothing). `run_seed` (run.seed, the same on
-        every replica of a run) draws the slices of a sliced phi."""
+        """`config.codec_phi` encodes phi (or theta), `config.codec_delta` the outer delta;
+        `settings` (sync/pairing.py) bound the matching and may force the snapshot form."""
         super().__init__()
         self.state, self.parts, self.transport, self.directory = state, parts, transport, directory
         self.compute, self.faults, self.set_status = parts.compute, parts.faults, parts.set_status
         self.peer_id, self.stage = parts.peer_id, parts.stage
         self.every, self.overlap = config.inner_steps_per_outer, config.overlap
         self.codec_phi, self.codec_delta = config.codec_phi, config.codec_delta
-        self.payload = payload or choose_payload(state, self.codec_phi, self.codec_delta)
+        self.payload = settings.payload or choose_payload(state, self.codec_phi, self.codec_delta)
         if self.payload == THETA and choose_payload(state, self.codec_phi, self.codec_delta) != THETA:
             raise ValueError(
                 "theta alone carries the pair update only with gamma == beta and one dense codec for phi and delta"
             )
         self.feedback = ErrorFeedback()
-        self.run_seed = run_seed
-        # How far the last honest partners were (check_snapshot's bound follows their median).
-        self._accepted_distances: collections.deque[float] = collections.deque(maxlen=8)
-        self.match_s, self.max_distance_ratio = match_s, config.max_distance_ratio
+        self.run_seed = settings.run_seed
+        self.distances = PartnerDistances(config.max_distance_ratio)
+        self.match_s = settings.match_s
         self.bans = bans or Bans()
         self.rng = rng or random.Random(self.peer_id + "outer")
         self.round: int | None = None
@@ -201,11 +175,6 @@ class NoLoCoSync(OuterSync):
         # would wait for it forever (seen under CI load in test_partner_dies_mid_exchange).
         await asyncio.shield(self._complete(peer_id, received, reason))
 
-    def _typical_distance(self) -> float:
-        """The median distance of the last accepted partners (0 before any): one liar among them
-        cannot move it, and an honest swarm's spread keeps passing once our own drift shrinks."""
-        return statistics.median(self._accepted_distances) if self._accepted_distances else 0.0
-
     async def _announce(self, status: str, round_index: int) -> None:
         self._announced_round = round_index
         await self.set_status(status, round_index)
@@ -214,55 +183,11 @@ class NoLoCoSync(OuterSync):
     async def outer_step(self, inner_step: int, round_index: int) -> str:
         """Run one outer round; returns its outcome ('paired' or 'solo')."""
         start = time.monotonic()
-        self.round, self.partner, self.outgoing = round_index, None, None
-        self.done = asyncio.Event()
-        self.claimed = False
-        self._outcome = ("solo", None)
-        self._reason = "no partner"
-        self._applied_at = inner_step
-        poison = self.faults.poison() if self.faults is not None else None
-        frozen_at = self.parts.inner_steps()  # past inner_step when the boundaries before it queued up
-        self._frozen = await self.compute.run(
-            functools.partial(
-                freeze,
-                self.state,
-                self.payload,
-                self.codec_phi,
-                self.codec_delta,
-                dict(self.feedback.residual),
-                poison,
-                SliceRound(self.run_seed, self.stage, round_index),
-            )
-        )
+        frozen_at = await self._start_round(inner_step, round_index)
         self.matching = True
         await self._announce(Status.MATCHING, round_index)
-        deadline = start + self.match_s
         tried: set[str] = set()
-        await self._propose_to_drawn_mate(inner_step, round_index, deadline, tried)
-        if self.rng.random() < 0.5:  # passive for a short random while, so proposals do not all cross
-            await _wait(self.done, min(self.rng.uniform(0, 0.1 * self.match_s), deadline - time.monotonic()))
-        for window in range(2):
-            await self._match(inner_step, round_index, deadline, tried)
-            if (
-                window
-                or self.done.is_set()
-                or self.partner is not None
-                or not await self._replica_on_its_way(inner_step)
-            ):
-                break
-            # Once per round, one more window: with no barrier, a replica that fell a window behind
-            # would otherwise stay there, and every round of both would go solo (seen: two stage-0
-            # replicas 3 s apart with match_s = 3, 0 of 6 rounds paired).
-            deadline = time.monotonic() + self.match_s
-        if self.partner is not None and not self.done.is_set():
-            # A session we accepted is still streaming: its server side ends it within a deadline
-            # derived from the partner's link and finishes the round; this wait only backs that up.
-            exchange_s = getattr(self.transport, "exchange_deadline_s", None)
-            await _wait(
-                self.done,
-                self.match_s
-                + (0.0 if exchange_s is None else exchange_s(self.partner, 2 * self._frozen.snapshot.payload_bytes)),
-            )
+        await self._find_partner(inner_step, round_index, start + self.match_s, tried)
         if not self.claimed:
             await self._complete(None, None, "no partner")
         await self.done.wait()
@@ -286,11 +211,65 @@ class NoLoCoSync(OuterSync):
         await self._announce(Status.SERVING, round_index + 1)
         return outcome
 
+    async def _start_round(self, inner_step: int, round_index: int) -> int:
+        """Resets the per-round state and freezes this round's snapshot; returns the inner step
+        it was frozen at."""
+        self.round, self.partner, self.outgoing = round_index, None, None
+        self.done = asyncio.Event()
+        self.claimed = False
+        self._outcome = ("solo", None)
+        self._reason = "no partner"
+        self._applied_at = inner_step
+        poison = self.faults.poison() if self.faults is not None else None
+        frozen_at = self.parts.inner_steps()  # past inner_step when the boundaries before it queued up
+        self._frozen = await self.compute.run(
+            functools.partial(
+                freeze,
+                self.state,
+                self.payload,
+                self.codec_phi,
+                self.codec_delta,
+                dict(self.feedback.residual),
+                poison,
+                SliceRound(self.run_seed, self.stage, round_index),
+            )
+        )
+        return frozen_at
+
+    async def _find_partner(self, inner_step: int, round_index: int, deadline: float, tried: set[str]) -> None:
+        """The drawn mate first, then random proposals until `deadline` (once, one window more for
+        a replica on its way), then the end of a session we accepted."""
+        await self._propose_to_drawn_mate(inner_step, round_index, deadline, tried)
+        if self.rng.random() < 0.5:  # passive for a short random while, so proposals do not all cross
+            await wait_at_most(self.done, min(self.rng.uniform(0, 0.1 * self.match_s), deadline - time.monotonic()))
+        for window in range(2):
+            await self._match(inner_step, round_index, deadline, tried)
+            if (
+                window
+                or self.done.is_set()
+                or self.partner is not None
+                or not await self._replica_on_its_way(inner_step)
+            ):
+                break
+            # Once per round, one more window: with no barrier, a replica that fell a window behind
+            # would otherwise stay there, and every round of both would go solo (seen: two stage-0
+            # replicas 3 s apart with match_s = 3, 0 of 6 rounds paired).
+            deadline = time.monotonic() + self.match_s
+        if self.partner is not None and not self.done.is_set():
+            # A session we accepted is still streaming: its server side ends it within a deadline
+            # derived from the partner's link and finishes the round; this wait only backs that up.
+            exchange_s = getattr(self.transport, "exchange_deadline_s", None)
+            await wait_at_most(
+                self.done,
+                self.match_s
+                + (0.0 if exchange_s is None else exchange_s(self.partner, 2 * self._frozen.snapshot.payload_bytes)),
+            )
+
     async def _match(self, inner_step: int, round_index: int, deadline: float, tried: set[str]) -> None:
         """Propose to replicas matching this round, one at a time, until the round is done or `deadline`."""
         while not self.done.is_set() and time.monotonic() < deadline:
             if self.partner is not None:  # an accepted incoming session is running
-                await _wait(self.done, deadline - time.monotonic())
+                await wait_at_most(self.done, deadline - time.monotonic())
                 continue
             candidates = [
                 p
@@ -298,7 +277,7 @@ class NoLoCoSync(OuterSync):
                 if p.peer_id != self.peer_id and p.peer_id not in tried and not self.bans.is_banned(p.peer_id)
             ]
             if not candidates:
-                await _wait(self.done, min(0.1, deadline - time.monotonic()))
+                await wait_at_most(self.done, min(0.1, deadline - time.monotonic()))
                 continue
             # Prefer a partner we reach without a relay; a relayed one only when nobody else matches.
             unrelayed = [p for p in candidates if p.reach != "relayed"]
@@ -307,13 +286,7 @@ class NoLoCoSync(OuterSync):
     async def _replica_on_its_way(self, inner_step: int) -> bool:
         """Whether another replica of our stage is less than a round short of this boundary (so it
         will be matching this round soon), by the inner steps the replicas announce."""
-        steps = getattr(self.directory, "inner_steps", None)
-        if steps is None:
-            return False
-        try:
-            progress = await steps(self.stage, timeout_s=min(2.0, self.match_s))
-        except Exception:  # noqa: BLE001 - unknown: this round ends as it would have
-            return False
+        progress = await announced_steps(self.directory, self.stage, timeout_s=min(2.0, self.match_s))
         return any(
             inner_step - self.every <= step < inner_step
             for peer, step in progress.items()
@@ -331,7 +304,7 @@ class NoLoCoSync(OuterSync):
         views differ (a late replica), the random proposals below take over."""
         gather_s = min(1.0, 0.1 * self.match_s)
         gather_end = min(deadline, time.monotonic() + gather_s)
-        expected = await self._replica_count()
+        expected = await replica_count(self.directory, self.stage)
         while True:
             if self.done.is_set() or self.partner is not None:
                 return
@@ -344,21 +317,14 @@ class NoLoCoSync(OuterSync):
             )
             if len(matching) + 1 >= expected or time.monotonic() >= gather_end:
                 break  # everyone we know of is here, or the window is over
-            await _wait(self.done, min(0.05, gather_end - time.monotonic()))
+            await wait_at_most(self.done, min(0.05, gather_end - time.monotonic()))
         mate = drawn_mate([peer_id for peer_id, _ in matching] + [self.peer_id], self.peer_id, self.stage, round_index)
         if mate is None:
             return  # the odd one out this round: it proposes at random below
         if self.peer_id < mate:
             await self._propose(dict(matching)[mate], inner_step, deadline, tried)
         else:
-            await _wait(self.done, min(2 * gather_s, deadline - time.monotonic()))
-
-    async def _replica_count(self) -> int:
-        count = getattr(self.directory, "replica_count", None)
-        try:
-            return await count(self.stage) if count is not None else 0
-        except Exception:  # noqa: BLE001 - unknown: wait out the whole gather window
-            return 1 << 30
+            await wait_at_most(self.done, min(2 * gather_s, deadline - time.monotonic()))
 
     async def _propose(self, peer: Peer, inner_step: int, deadline: float, tried: set[str]) -> None:
         tried.add(peer.peer_id)
@@ -408,25 +374,11 @@ class NoLoCoSync(OuterSync):
             return
         self.claimed = True  # first completion wins; claimed before awaiting so no second one runs
         frozen = self._frozen
-        peer = (
-            None
-            if received is None
-            else fill_slices(self.state, unpack(received, frozen.payload, list(self.state.params)), frozen.slices)
-        )
-        if peer is not None:
-            measured: dict[str, float] = {}
-            problem = check_snapshot(
-                self.state,
-                peer,
-                max_distance_ratio=self.max_distance_ratio,
-                typical_distance=self._typical_distance(),
-                distances=measured,
-            )
-            if problem is None:
-                self._accepted_distances.append(measured["fast"])
-            if problem is not None:
-                log.warning("round %d: snapshot from %s rejected: %s", self.round, (peer_id or "?")[-8:], problem)
-                peer, reason = None, "rejected"
+        peer = None if received is None else partner_snapshot(self.state, frozen, received)
+        problem = None if peer is None else self.distances.problem(self.state, peer)
+        if problem is not None:
+            log.warning("round %d: snapshot from %s rejected: %s", self.round, (peer_id or "?")[-8:], problem)
+            peer, reason = None, "rejected"
         if reason == "rejected":
             self.counters.rejected += 1
             if peer_id is not None:
@@ -434,12 +386,7 @@ class NoLoCoSync(OuterSync):
         elif reason == "timed_out" and peer_id is not None:
             self.counters.timed_out += 1
         if peer is not None:
-            if frozen.payload == THETA:
-                own = {name: theta for name, (_, theta) in frozen.own.items()}
-                await self.compute.run(self.state.apply_noloco, [peer], own, frozen.theta)
-            else:
-                await self.compute.run(self.state.apply_noloco_sent, [peer], frozen.own, frozen.theta)
-                self.feedback.commit(frozen.residual)  # our pair step used what we sent: keep what it left out
+            await apply_pair_step(self.compute, self.state, frozen, peer, self.feedback)
             self.counters.paired += 1
             self._outcome = ("paired", peer_id)
             log.info("round %d: paired with %s", self.round, peer_id[-8:])

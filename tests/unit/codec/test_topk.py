@@ -151,6 +151,7 @@ def test_partners_must_share_the_snapshot_form():
     """A theta sender and a phi+delta sender cannot pair: MISMATCH before anything streams."""
     from noloco_node.config import OuterConfig
     from noloco_node.sync.noloco import NoLoCoSync
+    from noloco_node.sync.pairing import NoLoCoSettings
     from noloco_node.sync.ports import Decision, PairProposal, SyncParts
 
     def sync(gamma, codec_delta=None, payload=None):
@@ -161,8 +162,7 @@ def test_partners_must_share_the_snapshot_form():
             SyncParts(compute=None, peer_id="me", stage=0, set_status=None),
             transport=None,
             directory=None,
-            match_s=1.0,
-            payload=payload,
+            settings=NoLoCoSettings(match_s=1.0, payload=payload),
         )
 
     def proposal(slow_weights: bool) -> PairProposal:

@@ -12,6 +12,7 @@ from noloco_node.optim.state import OuterState
 from noloco_node.pipeline.router import Bans
 from noloco_node.config import OuterConfig
 from noloco_node.sync.noloco import NoLoCoSync
+from noloco_node.sync.pairing import NoLoCoSettings
 from noloco_node.sync.ports import SyncParts
 
 
@@ -43,7 +44,7 @@ def test_cancelled_finish_still_completes_the_round():
         parts,
         transport=None,
         directory=NoPeers(),
-        match_s=1.0,
+        settings=NoLoCoSettings(match_s=1.0),
         bans=Bans(),
         rng=random.Random(0),
     )
