@@ -13,15 +13,13 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable
 
 from torch import Tensor
 
 from noloco_node.codec.tensors import TensorSpec
 from noloco_node.errors import InvalidPayload, NodeError, PeerBusy, PeerUnknown, ProtocolMismatch, UnknownMicrobatch
-from noloco_node.pipeline.ports import BackwardCall, ForwardCall, Hop, MicrobatchKey, ReplicaDirectory, StageTransport
-from noloco_node.pipeline.completions import Stage0Completions
-from noloco_node.pipeline.router import Router
+from noloco_node.pipeline.ports import BackwardCall, ForwardCall, Hop, MicrobatchKey
+from noloco_node.pipeline.runtime_settings import RuntimeHooks, RuntimeSettings, StageNetwork, StageShape
 from noloco_node.pipeline.worker import StageWorker
 from noloco_node.runtime.compute import ComputeThread
 from noloco_node.runtime.faults import FaultInjector
@@ -30,27 +28,6 @@ log = logging.getLogger(__name__)
 
 # Waits before looking an unknown upstream peer up again (each lookup is a fresh DHT get).
 BACKWARD_LOOKUP_RETRIES_S = (0.5, 1.0, 2.0)
-
-
-@dataclass(frozen=True, kw_only=True)
-class StageShape:
-    stage: int
-    num_stages: int
-    boundary_width: int
-    """Values per token crossing a stage boundary: the hidden size, or the residual subspace's rank."""
-    seq_len: int
-    microbatch_size: int
-    vocab_size: int
-    carries_token_ids: bool = False
-    """A residual-subspace model: the token ids travel with every forward (model/subspace.py)."""
-
-    @property
-    def is_first(self) -> bool:
-        return self.stage == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.stage == self.num_stages - 1
 
 
 @dataclass
@@ -78,43 +55,6 @@ class RuntimeStats:
     routed_to: Counter = field(default_factory=Counter)  # next-stage peer id -> forwards it accepted
 
 
-@dataclass(frozen=True, kw_only=True)
-class RuntimeSettings:
-    max_in_flight: int
-    """Microbatches this stage holds at once; more are answered BUSY (the sender tries another)."""
-    send_deadline_s: float
-    """How long a forward keeps trying replicas of the next stage before the microbatch is dropped here."""
-    routing: str = "random"
-    """random | capacity | balanced | fixed (pipeline/router.py); balanced and fixed pick by sender index."""
-    routing_seed: int = 0
-    lockstep: bool = False
-    """dp: a microbatch goes only to its balanced receiver, retried there until the deadline and
-    never handed to another replica. A dp replica of a later stage steps per batch it received, so
-    any other share leaves one replica short and the whole stage waiting for it in the all-reduce
-    (seen in the convergence reproduction: three stage-1 replicas at step 12, one short, the
-    stage-0 replicas waiting for the gradients those three hold until their round completes)."""
-    lockstep_replicas: int = 0
-    """In lockstep, the replicas every stage has (outer.allreduce_group_size; 0 = unknown). A view of
-    the stages with fewer (records expired on a loaded machine) is not routed on: in it the balanced
-    choice is another replica's, so the sender waits for the whole view instead."""
-    delay_before_forward_s: float = 0.0
-    """Fault injection (faults.delay_before_forward_s)."""
-
-
-@dataclass(frozen=True)
-class RuntimeHooks:
-    """Where the rest of the node joins the microbatch lifecycle."""
-
-    on_inner_step: Callable[[int], Awaitable[None]] | None = None
-    """Spawned after each inner step this runtime's compute took (stages > 0; stage 0's driver
-    steps itself): the outer-sync boundary, checkpoints, events."""
-    inner_step: Callable[[], Awaitable[float]] | None = None
-    """A method that takes the inner step itself (dp): awaited whenever a batch worth of sequences
-    has been accumulated, instead of the worker's own step."""
-    stage0: Stage0Completions | None = None
-    """Stage 0: where completed microbatches are reported to the driver."""
-
-
 class StageRuntime:
     def __init__(
         self,
@@ -122,16 +62,14 @@ class StageRuntime:
         shape: StageShape,
         worker: StageWorker,
         compute: ComputeThread,
-        transport: StageTransport,
-        directory: ReplicaDirectory,
-        router: Router,
-        me: Hop,
+        network: StageNetwork,
         settings: RuntimeSettings,
         hooks: RuntimeHooks = RuntimeHooks(),
         faults: FaultInjector | None = None,
     ) -> None:
         self.shape, self.worker, self.compute = shape, worker, compute
-        self.transport, self.directory, self.router, self.me = transport, directory, router, me
+        self.transport, self.directory = network.transport, network.directory
+        self.router, self.me = network.router, network.me
         self.max_in_flight, self.send_deadline_s = settings.max_in_flight, settings.send_deadline_s
         self.delay_before_forward_s = settings.delay_before_forward_s
         self.routing, self.routing_seed, self.lockstep = settings.routing, settings.routing_seed, settings.lockstep
@@ -324,8 +262,7 @@ class StageRuntime:
                 # Everyone was tried once (or is banned), or (lockstep) the stages' views of who is
                 # in them differ for now: wait a little, then look again.
                 tried.clear()
-                await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-                delay = min(1.0, delay * 2)
+                delay = await _back_off(delay, deadline)
                 continue
             try:
                 await self.transport.forward(
@@ -337,36 +274,43 @@ class StageRuntime:
                     labels=labels,
                     token_ids=token_ids,
                 )
-                ticket = self.in_flight.get(key)
-                if ticket is not None:
-                    ticket.downstream = peer.peer_id
-                self.router.bans.clear(peer.peer_id)
-                self.stats.forwards_sent += 1
-                self.stats.routed_to[peer.peer_id] += 1
-                if balanced is peer:
-                    self.stats.routed_balanced += 1
-                else:
-                    self.stats.routed_random += 1
+                self._forwarded(key, peer.peer_id, routed_balanced=balanced is peer)
                 return peer.peer_id
             except PeerBusy:
                 tried.add(peer.peer_id)
                 if self.lockstep:  # the same receiver again, after a pause
-                    await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-                    delay = min(1.0, delay * 2)
+                    delay = await _back_off(delay, deadline)
             except NodeError as exc:
                 tried.add(peer.peer_id)
-                self.stats.send_failures += 1
-                if self.lockstep:
-                    log.info("forward of %s to %s failed (%s); trying it again", key, peer.peer_id[-8:], exc)
-                    await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-                    delay = min(1.0, delay * 2)
-                    continue
-                duration = self.router.bans.ban(peer.peer_id)
-                log.info("forward of %s to %s failed (%s); banned for %.0f s", key, peer.peer_id[-8:], exc, duration)
+                if self._forward_failed(key, peer.peer_id, exc):
+                    delay = await _back_off(delay, deadline)
         log.warning(
             "no replica of stage %d took microbatch %s within %.0f s", self.shape.stage + 1, key, self.send_deadline_s
         )
         return None
+
+    def _forwarded(self, key: MicrobatchKey, peer_id: str, *, routed_balanced: bool) -> None:
+        ticket = self.in_flight.get(key)
+        if ticket is not None:
+            ticket.downstream = peer_id
+        self.router.bans.clear(peer_id)
+        self.stats.forwards_sent += 1
+        self.stats.routed_to[peer_id] += 1
+        if routed_balanced:
+            self.stats.routed_balanced += 1
+        else:
+            self.stats.routed_random += 1
+
+    def _forward_failed(self, key: MicrobatchKey, peer_id: str, exc: NodeError) -> bool:
+        """Counts the failure; returns whether to try the same receiver again after a pause
+        (lockstep), else bans it so the next pick goes elsewhere."""
+        self.stats.send_failures += 1
+        if self.lockstep:
+            log.info("forward of %s to %s failed (%s); trying it again", key, peer_id[-8:], exc)
+            return True
+        duration = self.router.bans.ban(peer_id)
+        log.info("forward of %s to %s failed (%s); banned for %.0f s", key, peer_id[-8:], exc, duration)
+        return False
 
     def _routes_balanced(self, tried: set[str]) -> bool:
         """Balanced and fixed routing pick by sender index for a first attempt; a re-issue or a
@@ -428,6 +372,12 @@ class StageRuntime:
             await asyncio.sleep(0.05)
         for task in list(self._tasks):
             task.cancel()
+
+
+async def _back_off(delay: float, deadline: float) -> float:
+    """Sleeps `delay` (never past `deadline`); returns the next, doubled up to a second."""
+    await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+    return min(1.0, delay * 2)
 
 
 def _check_token_list(what: str, values, count: int, vocab_size: int) -> None:
