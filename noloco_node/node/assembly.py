@@ -33,6 +33,7 @@ from noloco_node.pipeline.driver import DriverCounters, DriverSettings, Stage0Dr
 from noloco_node.pipeline.ports import Hop, ReplicaDirectory, StageTransport
 from noloco_node.pipeline.router import Bans, Router
 from noloco_node.pipeline.runtime import RuntimeHooks, RuntimeSettings, StageRuntime, StageShape
+from noloco_node.pipeline.runtime_settings import StageNetwork
 from noloco_node.pipeline.worker import StageWorker, WorkerSettings
 from noloco_node.runtime.compute import ComputeThread, compute_device
 from noloco_node.runtime.events import EventLog
@@ -69,24 +70,14 @@ def build_compute(
     faults: FaultInjector,
 ) -> ComputeParts:
     """Build (and check the fit of) stage `stage_index` with its optimizers and worker."""
-    pipe, inner, traits = config.pipeline, config.inner, method_traits(config.outer.method)
-    device = compute_device(pipe.device)
+    traits = method_traits(config.outer.method)
+    device = compute_device(config.pipeline.device)
     estimate = check_fits(config, llama, ranges, stage_index, device)  # before anything is allocated
     baseline = current_memory_bytes(device)
     # Drawn on the CPU (model/init.py) and materialised on the device: every device starts from the
     # same phi_0, and a GPU node never holds its stage in host RAM.
     stage = build_run_stage(config, llama, ranges, stage_index, device=device)
-    schedule = InnerSchedule(
-        lr_max=inner.lr, warmup_steps=inner.warmup_steps, total_steps=inner.total_steps, min_lr_ratio=inner.min_lr_ratio
-    )
-    optimizer = InnerOptimizer(
-        stage.parameters(),
-        schedule,
-        betas=(inner.beta1, inner.beta2),
-        eps=inner.eps,
-        weight_decay=inner.weight_decay,
-        clip_norm=inner.clip_norm,
-    )
+    optimizer = _inner_optimizer(config, stage)
     outer_state = None
     if traits.outer_rounds:  # slow weights phi and outer momentum m
         outer_state = OuterState(
@@ -95,7 +86,44 @@ def build_compute(
     # Stages > 0 step every batch worth of sequences, the step left due until the batch's last
     # gradient is on its way upstream; a method that takes the step (dp, after its all-reduce) does it itself.
     auto_step = stage_index != 0 and not traits.takes_inner_step
-    settings = WorkerSettings(
+    worker = StageWorker(
+        stage,
+        optimizer,
+        _worker_settings(config, stage, device, auto_step=auto_step),
+        faults=faults,
+        emit=events.emit,
+        slow_weights=None if outer_state is None else (lambda: outer_state.phi),
+    )
+    return ComputeParts(
+        stage,
+        device,
+        worker,
+        ComputeThread(),
+        outer_state,
+        _stage_shape(config, stage, stage_index, vocab_size),
+        memory_estimate_bytes=int(estimate.total),
+        memory_baseline_bytes=baseline,
+    )
+
+
+def _inner_optimizer(config: NodeConfig, stage: LlamaStage) -> InnerOptimizer:
+    inner = config.inner
+    schedule = InnerSchedule(
+        lr_max=inner.lr, warmup_steps=inner.warmup_steps, total_steps=inner.total_steps, min_lr_ratio=inner.min_lr_ratio
+    )
+    return InnerOptimizer(
+        stage.parameters(),
+        schedule,
+        betas=(inner.beta1, inner.beta2),
+        eps=inner.eps,
+        weight_decay=inner.weight_decay,
+        clip_norm=inner.clip_norm,
+    )
+
+
+def _worker_settings(config: NodeConfig, stage: LlamaStage, device: torch.device, *, auto_step: bool) -> WorkerSettings:
+    pipe = config.pipeline
+    return WorkerSettings(
         batch_size=pipe.batch_size,
         saved_ttl_s=config.timeouts.saved_input_ttl_s,
         auto_step=auto_step,
@@ -110,32 +138,18 @@ def build_compute(
             for codec in (pipe.activation_codec, pipe.gradient_codec)
         ),
     )
-    worker = StageWorker(
-        stage,
-        optimizer,
-        settings,
-        faults=faults,
-        emit=events.emit,
-        slow_weights=None if outer_state is None else (lambda: outer_state.phi),
-    )
-    shape = StageShape(
+
+
+def _stage_shape(config: NodeConfig, stage: LlamaStage, stage_index: int, vocab_size: int) -> StageShape:
+    """What the runtime checks every tensor crossing this stage's boundaries against."""
+    return StageShape(
         stage=stage_index,
-        num_stages=pipe.num_stages,
+        num_stages=config.pipeline.num_stages,
         boundary_width=stage.boundary_width,
         seq_len=config.model.seq_len,
-        microbatch_size=pipe.microbatch_size,
+        microbatch_size=config.pipeline.microbatch_size,
         vocab_size=vocab_size,
         carries_token_ids=stage.subspace is not None,
-    )
-    return ComputeParts(
-        stage,
-        device,
-        worker,
-        ComputeThread(),
-        outer_state,
-        shape,
-        memory_estimate_bytes=int(estimate.total),
-        memory_baseline_bytes=baseline,
     )
 
 
@@ -212,10 +226,7 @@ def build_pipeline(
         shape=parts.shape,
         worker=parts.worker,
         compute=parts.compute,
-        transport=transport,
-        directory=directory,
-        router=router,
-        me=me,
+        network=StageNetwork(transport=transport, directory=directory, router=router, me=me),
         settings=runtime_settings(config),
         hooks=hooks,
         faults=faults,
