@@ -151,15 +151,26 @@ class Zygote:
         threading.Thread(target=self._read, name="zygote-reader", daemon=True).start()
 
     def spawn(
-        self, argv: list[str], env: Mapping[str, str], cwd: str, pgid: int, fds: tuple[int, int, int]
+        self,
+        argv: list[str],
+        env: Mapping[str, str],
+        cwd: str,
+        pgid: int,
+        fds: tuple[int, int, int],
+        netns: str | None = None,
     ) -> tuple[PreloadedProcess, int]:
-        """Fork a child running `python *argv`; (the process, the group it is in)."""
+        """Fork a child running `python *argv` (inside network namespace `netns` when given);
+        (the process, the group it is in)."""
         with self._request_lock:
             if self.lost:
                 raise ZygoteUnavailable("the zygote has exited")
             self._next_serial += 1
             serial = self._next_serial
-            send(self._control, {"argv": argv, "env": dict(env), "cwd": cwd, "pgid": pgid, "serial": serial}, fds)
+            send(
+                self._control,
+                {"argv": argv, "env": dict(env), "cwd": cwd, "pgid": pgid, "serial": serial, "netns": netns},
+                fds,
+            )
             try:
                 reply = self._replies.get(timeout=REPLY_TIMEOUT_S)
             except queue.Empty:

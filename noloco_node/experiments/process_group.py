@@ -116,27 +116,37 @@ class ProcessGroup:
         self.preload = preload
         self._lock = threading.Lock()
 
-    def spawn(self, cmd: Sequence[str], **popen_kwargs: Any) -> subprocess.Popen | PreloadedProcess:
-        """`Popen(cmd, **popen_kwargs)` in this group, with the launcher's death signal set."""
+    def spawn(
+        self, cmd: Sequence[str], *, netns: str | None = None, **popen_kwargs: Any
+    ) -> subprocess.Popen | PreloadedProcess:
+        """`Popen(cmd, **popen_kwargs)` in this group, with the launcher's death signal set;
+        `netns`: inside that network namespace, as `ip netns exec NETNS cmd` would run it."""
         popen_kwargs.setdefault("stdin", subprocess.DEVNULL)  # a background group must not read the tty
         cmd = list(cmd)
         if self.preload and preloadable(cmd, popen_kwargs):
             zygote = _zygotes.get(popen_kwargs.get("env") or os.environ, _start_zygote)
             if zygote is not None:
                 try:
-                    return self._fork(zygote, cmd, popen_kwargs)
+                    return self._fork(zygote, cmd, popen_kwargs, netns)
                 except ZygoteUnavailable as exc:
                     log.warning("starting %s without the zygote: %s", cmd[2], exc)
+        if netns is not None:
+            cmd = ["ip", "netns", "exec", netns, *cmd]
         if threading.current_thread() is threading.main_thread():
             return self._spawn(cmd, popen_kwargs)
         return _spawner.submit(self._spawn, cmd, popen_kwargs).result()
 
-    def _fork(self, zygote: Zygote, cmd: list[str], kwargs: dict) -> PreloadedProcess:
+    def _fork(self, zygote: Zygote, cmd: list[str], kwargs: dict, netns: str | None) -> PreloadedProcess:
         fds, opened = std_fds(kwargs)
         try:
             with self._lock:
                 proc, pgid = zygote.spawn(
-                    cmd[1:], kwargs.get("env") or os.environ, str(kwargs.get("cwd") or os.getcwd()), self.pgid or 0, fds
+                    cmd[1:],
+                    kwargs.get("env") or os.environ,
+                    str(kwargs.get("cwd") or os.getcwd()),
+                    self.pgid or 0,
+                    fds,
+                    netns,
                 )
                 self.pgid = pgid  # ours, or the child's own where every member of ours had exited
                 self.procs.append(proc)

@@ -8,7 +8,7 @@ CPU. Forked from here, a node starts with all of that already in memory (shared 
 Run by preloaded.py as `python -m noloco_node.experiments.zygote FD MODULE...`: it imports the
 MODULEs, then serves FD, one end of an AF_UNIX SOCK_SEQPACKET pair; one JSON message per packet:
 
-    launcher -> zygote  {"argv": [...], "env": {...}, "cwd": "...", "pgid": N, "serial": S}
+    launcher -> zygote  {"argv": [...], "env": {...}, "cwd": "...", "pgid": N, "serial": S, "netns": NAME|null}
                         + fds stdin, stdout, stderr
     zygote -> launcher  {"ready": zygote_pid} or {"error": traceback}            once, after the imports
                         {"pid": N, "pgid": G, "serial": S}                       one per request
@@ -200,6 +200,8 @@ def _become(request: dict, fds: list[int]) -> tuple[str, list[str]]:
     for fd in fds:
         if fd > 2:
             os.close(fd)
+    if request.get("netns"):
+        _enter_network_namespace(request["netns"])
     _option, module, *args = request["argv"]  # ["-m", MODULE, ...]: preloaded.preloadable checks
     _set_title(module, args)  # before the environment changes: the title takes its place in memory
     os.chdir(request["cwd"])
@@ -209,6 +211,21 @@ def _become(request: dict, fds: list[int]) -> tuple[str, list[str]]:
     if "numpy" in sys.modules:  # Python's own `random` reseeds itself after a fork; numpy's does not
         sys.modules["numpy"].random.seed()
     return module, args
+
+
+def _enter_network_namespace(name: str) -> None:
+    """What `ip netns exec NAME` does for the network (the tests' NAT topologies): join the
+    namespace bound at /run/netns/NAME; alone in the process, so every socket it opens is there."""
+    import ctypes
+
+    clone_newnet = 0x40000000
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, clone_newnet) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into network namespace {name!r}")
+    finally:
+        os.close(fd)
 
 
 def _reopen_std_streams(unbuffered: bool) -> None:

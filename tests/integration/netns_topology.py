@@ -28,6 +28,8 @@ import subprocess
 import time
 from typing import Any, Sequence
 
+from noloco_node.experiments.process_group import ProcessGroup
+
 PUBLIC_IP = "198.18.0.1"
 ROUTER_WAN_IPS = ("198.18.0.11", "198.18.0.12")
 ROUTER_LAN_IPS = ("198.19.1.1", "198.19.2.1")
@@ -200,11 +202,12 @@ class NatTopology:
 
     def run(self, ns: str, argv: Sequence[str], **popen_kwargs: Any) -> subprocess.Popen[Any]:
         """Start argv inside namespace ns in its own process group, so close() can kill the whole
-        tree (e.g. a Python script and the p2pd daemons it spawned)."""
+        tree (e.g. a Python script and the p2pd daemons it spawned). A node is forked from the
+        launcher's zygote, which enters the namespace as `ip netns exec` would; anything else is
+        run by `ip netns exec` itself."""
         if ns not in self._created:
             raise ValueError(f"{ns} is not a namespace of this topology")
-        popen_kwargs.setdefault("start_new_session", True)
-        proc = subprocess.Popen(["ip", "netns", "exec", ns, *argv], **popen_kwargs)
+        proc = ProcessGroup().spawn(argv, netns=ns, **popen_kwargs)
         self._procs.append(proc)
         return proc
 

@@ -5,6 +5,7 @@ it running while the test looks at it through /proc."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -160,3 +161,25 @@ def test_a_process_group_forks_noloco_commands_and_execs_the_rest(tmp_path, monk
         group.drain(grace_s=5)
         zygote.close()
     assert execd.returncode == -signal.SIGTERM
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip"), reason="network namespaces need root and iproute2")
+def test_a_child_asked_to_runs_inside_a_network_namespace(zygote, tmp_path):
+    name = f"zygote-test-{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", name], check=True, timeout=10)
+    try:
+        read, write = os.pipe()
+        with open(tmp_path / "out", "w") as out:
+            proc, _ = zygote.spawn(
+                ["-m", "json.tool"], dict(os.environ), str(tmp_path), 0, (read, out.fileno(), out.fileno()), netns=name
+            )
+        os.close(read)
+        target, ours = os.stat(f"/run/netns/{name}").st_ino, os.stat("/proc/self/ns/net").st_ino
+        deadline = time.monotonic() + 10  # the fork returns before the child has set itself up
+        while (inside := os.stat(f"/proc/{proc.pid}/ns/net").st_ino) != target and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert inside == target != ours
+        os.close(write)
+        assert proc.wait(timeout=10) == 1  # empty stdin is not JSON: it ran, in there
+    finally:
+        subprocess.run(["ip", "netns", "del", name], timeout=10)

@@ -31,7 +31,9 @@ def test_noloco_with_three_replicas_learns_routes_everywhere_and_counts_solo_rou
         for index in range(1, steps // every + 1):
             rounds = [r for n in swarm.stage(stage) for r in n.sync.counters.history if r["round"] == index]
             assert len(rounds) == 3 and any(r["outcome"] == "solo" for r in rounds), (stage, index, rounds)
-    assert outer["solo"] >= 6 and outer["paired"] % 2 == 0, outer
+    # Every pair has two sides, each of which used the other's snapshot (paired) or refused it
+    # (rejected, counted solo: the integrity bound can refuse an honest partner that drifted far).
+    assert outer["solo"] >= 6 and (outer["paired"] + outer["rejected"]) % 2 == 0, outer
     routes = swarm.routes()
     assert set(routes) == {"s1r0", "s1r1", "s1r2"}
     assert all(set(received) == {"s0r0", "s0r1", "s0r2"} for received in routes.values()), routes
