@@ -173,13 +173,24 @@ class _Donor:
         return tensors, json.dumps({"inner_step": 0, "outer_round": self.state.round})
 
 
+async def _donors(directory: PeerDirectory, wait_s: float) -> list[str]:
+    """The other peers' ids, looked up again for up to `wait_s`: a record stored a moment ago may
+    not have reached the peers this one asks yet (seen on a loaded machine)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        donors = [r.peer_id for r in await directory.replicas(0, fresh=True) if r.peer_id != directory.peer_id]
+        if donors:
+            return donors
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"--fetch-state: no other peer to copy from (looked for {wait_s:.0f} s)")
+        await asyncio.sleep(0.5)
+
+
 async def fetch_from_peer(
     args: argparse.Namespace, directory: PeerDirectory, client: OuterClient, state: OuterState
 ) -> tuple[dict, dict]:
     """--fetch-state: another peer's phi and momentum, and how long the copy took."""
-    donors = [r.peer_id for r in await directory.replicas(0, fresh=True) if r.peer_id != directory.peer_id]
-    if not donors:
-        raise RuntimeError("--fetch-state: no other peer to copy from")
+    donors = await _donors(directory, wait_s=args.match_s)
     expected = {f"{kind}/w": (tuple(state.phi["w"].shape), state.phi["w"].dtype) for kind in ("phi", "momentum")}
     start = time.monotonic()
     tensors, counters = await client.fetch_state(

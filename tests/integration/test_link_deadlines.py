@@ -22,6 +22,7 @@ import pytest
 from safetensors.torch import load_file
 
 from noloco_node.experiments.ports import RelayProcess, free_ports
+from noloco_node.experiments.process_group import ProcessGroup
 from noloco_node.netem.relay import LinkProfile
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -71,9 +72,8 @@ class RelayedPeers:
         if self.maddr:
             cmd += ["--initial-peers", self.maddr]
         with open(self.work / f"{name}.log", "w") as log:
-            self.procs[name] = subprocess.Popen(
-                cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
+            # A group of its own (killed alone), forked from the zygote where it can be.
+            self.procs[name] = ProcessGroup().spawn(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
         while not ready.exists():
             assert self.procs[name].poll() is None and time.monotonic() < deadline, self.log(name)

@@ -1,7 +1,8 @@
 """The package's structure (scripts/structure.py, read from the source with ast): no import against
-the layering, at most two loose top-level modules, no function over 60 lines, no constructor over
-10 parameters, and no hook assigned onto another object after it was built. Each check is also run
-on a small sample that breaks it, so a checker that stopped finding anything would fail here."""
+the layering, at most two loose top-level modules, no module over 400 lines, no function over 60
+lines, no constructor over 8 parameters, and no hook assigned onto another object after it was
+built. Each check is also run on a small sample that breaks it, so a checker that stopped finding
+anything would fail here."""
 
 import ast
 import importlib.util
@@ -18,6 +19,7 @@ def test_the_package_keeps_its_structure():
     report = structure.measure()
     assert report.layering == []
     assert len(report.loose_modules) <= structure.MAX_LOOSE_MODULES, report.loose_modules
+    assert report.long_modules == []
     assert report.long_functions == []
     assert report.wide_constructors == []
     assert report.late_hooks == []
@@ -77,8 +79,21 @@ def test_long_functions_and_wide_constructors_are_found():
     assert report.long_functions == [f"sample.py:1 f ({structure.MAX_FUNCTION_LINES + 1} lines)"]
 
 
-def test_the_function_limit_is_the_house_style():
-    assert structure.MAX_FUNCTION_LINES == 60
+def test_the_limits_are_the_house_style():
+    assert (structure.MAX_MODULE_LINES, structure.MAX_FUNCTION_LINES, structure.MAX_INIT_PARAMS) == (400, 60, 8)
     report = structure.Report()
     structure._check_functions(report, "sample.py", _function_of(structure.MAX_FUNCTION_LINES))
     assert report.long_functions == []  # at the limit is within it
+    at_limit = "class A:\n    def __init__(self, a, b, c, d, e, f, g, *, h): pass\n"  # 8 parameters
+    structure._check_functions(report, "sample.py", ast.parse(at_limit))
+    assert report.wide_constructors == []
+    structure._check_functions(report, "sample.py", ast.parse(at_limit.replace("*, h", "*, h, i")))
+    assert report.wide_constructors == ["sample.py:2 __init__ (9 parameters)"]
+
+
+def test_long_modules_are_found_and_one_at_the_limit_is_not():
+    report = structure.Report()
+    structure._check_module_length(report, "at_limit.py", "x = 1\n" * structure.MAX_MODULE_LINES)
+    assert report.long_modules == []
+    structure._check_module_length(report, "over.py", "x = 1\n" * (structure.MAX_MODULE_LINES + 1))
+    assert report.long_modules == [f"over.py ({structure.MAX_MODULE_LINES + 1} lines)"]

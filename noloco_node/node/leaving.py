@@ -1,0 +1,96 @@
+"""How a node leaves: after a running outer step, withdrawn from the DHT first (peers stop routing
+to it), its microbatches drained, its last checkpoint, snapshot and outputs written, then every
+part closed within a deadline; and how a node whose start failed closes what it had opened."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+from noloco_node.runtime.node_status import Status
+
+if TYPE_CHECKING:
+    from noloco_node.node.lifecycle import Node
+
+log = logging.getLogger(__name__)
+
+
+async def leave(node: Node, grace_s: float | None = None, *, final: bool = True) -> None:
+    """Finish a running outer step, withdraw the DHT record (status leaving), drain the
+    microbatches in flight within `grace_s`, checkpoint, write stats (and weights), shut down.
+    `final=False` (a move to another stage): no checkpoint, snapshot or outputs of this stage."""
+    cfg = node.config
+    grace_s = cfg.timeouts.drain_s if grace_s is None else grace_s
+    node.events.emit("stopping", inner_step=node.worker.inner_steps, in_flight=len(node.runtime.in_flight))
+    # Let a running outer step finish first, while our record still says we are here: withdrawn
+    # first, a partner's lookup no longer found us and an overlapped round in flight at the end
+    # went solo (seen in 8 of 20 overlapped loss_price cells); and the weights we save are post-update.
+    if not await node.sync.settle(cfg.timeouts.outer_round_s):
+        log.warning("an outer step was still running at shutdown")
+    node.status = Status.LEAVING
+    # A mover's leaving record outlives its trip to the new stage (a restart, a state fetch), so
+    # no other node plans a move while this one is in transit (pipeline/rebalance.py).
+    ttl_s = None if final else max(cfg.timeouts.record_ttl_s, 2 * cfg.pipeline.rebalance_period_s)
+    try:  # withdraw first, so peers stop routing to us while we drain
+        await asyncio.wait_for(node.announce(ttl_s), timeout=cfg.timeouts.connect_s)
+    except Exception as exc:  # noqa: BLE001 - leaving anyway; the record expires by TTL
+        log.info("could not withdraw our record (%r); it expires by its TTL", exc)
+    await node.runtime.drain(grace_s)
+    if final:
+        await _final_outputs(node)
+    node.cancel_background()
+    await _shut_down(node)
+
+
+async def _final_outputs(node: Node) -> None:
+    if node.snapshots is not None:  # where training left this node, whatever inner step that is
+        await node.snapshots.save(node.worker.inner_steps, final=True)
+    if node.checkpoints is not None:
+        await node.boundary.checkpoint(node.driver)
+    if node.outputs.out_dir is not None:
+        from noloco_node.node.outputs import write_outputs
+
+        write_outputs(node, node.outputs.out_dir)
+
+
+async def abandon(node: Node) -> None:
+    """After a start that failed: close what it had opened (its gRPC server, libp2p links and
+    DHT peer; no record to withdraw, nothing to drain), so the process exits quietly with the
+    error that stopped it."""
+    closers = {
+        "dashboard": node.dashboard and node.dashboard.close,
+        "server": node.server and (lambda: node.server.stop(0)),
+        "links": node.links and node.links.close,
+        "dht": node.directory and node.directory.shutdown,
+    }
+    for name, close in closers.items():
+        if not close:
+            continue
+        try:
+            await asyncio.wait_for(close(), timeout=10)
+        except Exception as exc:  # noqa: BLE001 - exiting with the start's error anyway
+            log.debug("closing the %s after a failed start: %r", name, exc)
+
+
+async def _shut_down(node: Node) -> None:
+    timeout_s = node.config.timeouts.connect_s + 5
+    await node.sync.close()
+    dashboard = node.dashboard.close() if node.dashboard is not None else asyncio.sleep(0)
+    for name, step in (
+        ("dashboard", dashboard),
+        ("server", node.server.stop(1.0)),
+        ("client", node.client.close()),
+        ("outer client", node.outer_client.close()),
+        ("links", node.links.close()),
+        ("dht", node.directory.shutdown()),
+    ):
+        try:
+            await asyncio.wait_for(step, timeout=timeout_s)
+        except asyncio.TimeoutError:
+            log.warning("shutdown of the %s timed out; exiting anyway", name)
+    if node.metrics is not None:
+        node.metrics.stop()
+    node.parts.compute.shutdown()
+    node.events.emit("stopped", inner_step=node.worker.inner_steps, saved_inputs=len(node.worker.saved))
+    node.events.close()

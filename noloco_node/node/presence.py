@@ -1,0 +1,89 @@
+"""The swarm's view of a node, kept current: the heartbeat (our record, our reach, our neighbours)
+and the rebalancing watch that may ask the node to move (pipeline/rebalance.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+from noloco_node.node.adapters import swarm_replicas
+from noloco_node.node.joining import look_around, public_libp2p_addrs
+from noloco_node.pipeline.rebalance import watch
+from noloco_node.runtime.every import LOOK_BUSY_S, LOOK_IDLE_S, TOUCH_PERIOD_S, Every
+
+if TYPE_CHECKING:
+    from noloco_node.node.lifecycle import Node
+
+log = logging.getLogger(__name__)
+
+
+async def heartbeat(node: Node) -> None:
+    """Every timeouts.heartbeat_s until cancelled: measure, keep in touch with the DHT, look around,
+    announce our record, expire saved inputs, re-probe our reach, and (behind NAT) dial out."""
+    touch, look = Every(), Every()
+    touching: asyncio.Task | None = None
+    while True:
+        await asyncio.sleep(node.config.timeouts.heartbeat_s)
+        try:
+            node.meter.sample(
+                sequences=node.worker.sequences_total,
+                busy_s=node.parts.compute.busy_s,
+                in_flight=len(node.runtime.in_flight),
+                window=node.config.pipeline.max_in_flight,
+            )
+            if (touching is None or touching.done()) and touch.due(TOUCH_PERIOD_S):
+                # Its own task: a dead peer takes seconds.
+                touching = node.spawn(node.directory.keep_in_touch())
+            await _look_around(node, look)
+            await node.announce()
+            await node.runtime.expire_saved()
+            if node.reprobe is not None and node.reprobe.due():  # its own task: a probe takes seconds
+                node.spawn(node.reprobe.run())
+            if node.links.reach != "direct" and node.links.bridge is not None:  # behind NAT: see joining.py
+                await node.links.bridge.dial_out(
+                    await public_libp2p_addrs(node.directory, node.config.pipeline.num_stages)
+                )
+        except Exception:  # noqa: BLE001 - a failed heartbeat is retried next period
+            log.exception("heartbeat failed")
+
+
+async def _look_around(node: Node, look: Every) -> None:
+    """How many replicas our stage has (a lone one pairs with nobody), and, unless we already wait
+    for something else, which neighbouring stage has none (we wait for it, and say so). Every
+    LOOK_IDLE_S while we make no progress, every LOOK_BUSY_S while we do: a training node has its
+    neighbours, and DHT lookups on every 1 s heartbeat cost a busy machine ~15% of its
+    throughput (and an idle swarm of three processes 60% more CPU)."""
+    busy = node.progress.since_progress_s() < 2 * node.config.timeouts.heartbeat_s
+    # A view of our stage as lone is looked at again soon: it may be from before a fellow
+    # replica announced itself, and it turns every solo round into a "no second replica" warning.
+    lone = (node.stage_replicas or 0) < 2
+    if not look.due(LOOK_BUSY_S if busy and not lone else LOOK_IDLE_S):
+        return
+    node.stage_replicas, missing = await look_around(node.directory, node.stage_index, node.config.pipeline.num_stages)
+    if node.progress.waiting_for is None or node.progress.waiting_for.startswith("a stage-"):
+        node.progress.wait(missing)
+
+
+async def watch_balance(node: Node) -> None:
+    """Rebalancing (pipeline/rebalance.py): when the plan names this node, ask whoever serves it
+    to move it (node/serving.py: it drains, leaves and comes back on the target stage)."""
+    p = node.config.pipeline
+    node.move = await watch(
+        me=node.peer_id,
+        read=lambda: swarm_replicas(node.directory),
+        claim=node.claim_move,
+        num_stages=p.num_stages,
+        margin=p.rebalance_margin,
+        period_s=p.rebalance_period_s,
+        settle_s=2 * p.rebalance_period_s,
+        cooldown_s=10 * p.rebalance_period_s,
+    )
+    node.events.emit(
+        "move_planned",
+        source=node.move.source,
+        target=node.move.target,
+        throughput_now=node.move.throughput_now,
+        throughput_after=node.move.throughput_after,
+    )
+    node.move_requested.set()
