@@ -1,7 +1,10 @@
 """Test-wide settings: nothing may reach a model or data hub, and caches stay per session."""
 
+import logging
 import os
 import tempfile
+
+import pytest
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
@@ -10,22 +13,38 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="noloco-hf-datasets-"))
 
 
+@pytest.fixture(autouse=True)
+def _root_logger_restored():
+    """A test that runs a command in-process (cli.main) points the root logger at the stderr pytest
+    captures for that test; left so, later tests' logs go to a closed file ("Logging error")."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
 # The longest tests run first, so that the two workers finish together: run last, a 3-minute test
 # kept one worker busy while the other sat idle (xdist's worksteal only moves tests not yet started).
 # Measured in clean-clone CI runs (--durations); the unit tier fills in behind them.
 LONGEST_FIRST = (
-    "test_experiment.py",
-    "test_lifecycle.py",
     "test_nat.py",
+    "test_lifecycle.py",
+    "test_experiment.py",
+    "test_link_deadlines.py",
+    "test_memory.py",
     "test_export.py",
-    "test_demo_noloco.py",
+    "test_admission.py",
     "test_chaos.py",
     "test_hostile_input.py",
+    "test_rebalance.py",
+    "test_demo_noloco.py",
+    "test_capacity_routing.py",
+    "test_first_hour.py",
     "test_metrics.py",
     "test_subspace_swarm.py",
     "test_integrity.py",
     "test_launcher_signals.py",
-    "test_first_hour.py",
     "test_state_transfer.py",
 )
 

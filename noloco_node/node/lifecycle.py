@@ -42,7 +42,6 @@ from noloco_node.runtime.node_status import Status
 from noloco_node.runtime.throughput import ThroughputMeter
 from noloco_node.sync.factory import method_traits
 from noloco_node.sync.ports import OuterSync
-from noloco_node.sync.transfer import counters_json, export_state
 from noloco_node.transport.identity import NodeIdentity
 from noloco_node.transport.links import Links
 
@@ -209,7 +208,6 @@ class Node:
                 observe_rpc=self._observe_rpc,
                 set_status=self._set_status,
                 bytes_sent=self.bytes_sent,
-                donor=self,
             ),
             SnapshotOutputs(self.outputs.snapshot_every, self.outputs.snapshot_dir),
             all_reduce,
@@ -279,13 +277,6 @@ class Node:
     def bytes_sent(self) -> int:
         """Payload bytes this node sent: pipeline and outer sync."""
         return self.client.bytes_sent + self.sync.bytes_sent
-
-    async def export_state(self) -> tuple[dict, str]:
-        """sync.ports.StateDonor: a consistent copy of our state, taken on the compute thread."""
-        tensors, counters = await self.parts.compute.run(
-            export_state, self.parts.outer_state, self.worker.inner, inner_step=self.worker.inner_steps
-        )
-        return tensors, counters_json(counters)
 
     def stats(self) -> dict:
         from noloco_node.node.stats import node_stats

@@ -26,7 +26,8 @@ from noloco_node.runtime.events import EventLog
 from noloco_node.runtime.faults import FaultInjector
 from noloco_node.runtime.link_estimates import DeadlinePolicy, LinkDeadlines, LinkEstimates
 from noloco_node.sync.factory import SyncPorts
-from noloco_node.sync.ports import OuterSync, StateDonor
+from noloco_node.sync.ports import OuterSync
+from noloco_node.sync.transfer import counters_json, export_state
 from noloco_node.transport.links import Links
 
 
@@ -61,7 +62,21 @@ class NodeHooks:
     observe_rpc: Callable[[str, float], None]
     set_status: Callable[[str, int], Awaitable[None]]
     bytes_sent: Callable[[], int]
-    donor: StateDonor
+
+
+@dataclass(frozen=True)
+class StageStateDonor:
+    """sync.ports.StateDonor: what a joiner of our stage copies (phi, momentum, Adam, counters), a
+    consistent copy taken on the compute thread between two of its jobs."""
+
+    parts: ComputeParts
+
+    async def export_state(self) -> tuple[dict, str]:
+        worker = self.parts.worker
+        tensors, counters = await self.parts.compute.run(
+            export_state, self.parts.outer_state, worker.inner, inner_step=worker.inner_steps
+        )
+        return tensors, counters_json(counters)
 
 
 @dataclass(frozen=True)
@@ -187,7 +202,7 @@ def _serve_outer(
             deadlines=deadlines,
             traffic=traffic,
             faults=hooks.faults,
-            donor=hooks.donor,
+            donor=StageStateDonor(inputs.parts),
         )
     )
 
