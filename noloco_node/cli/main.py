@@ -71,10 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     for sub in _subparsers(parser):
         sub.set_defaults(parser_of=sub)
     args = parse_args(parser, argv)
-    from noloco_node.runtime.logging import setup_logging
+    from noloco_node.runtime.logging import quiet_native_logs, setup_logging
 
     setup_logging(args.log_level)
-    _quiet_native_logs(args.log_level)
+    quiet_native_logs(args.log_level)
     try:
         return int(args.run(args) or 0)
     except BrokenPipeError:
@@ -91,17 +91,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("noloco-node: interrupted", file=sys.stderr)
         return 130
-
-
-def _quiet_native_logs(level: str) -> None:
-    """Below DEBUG, keep libraries that log on their own out of the console: gRPC's C core (its
-    INFO line 'fork_posix ... skipping fork() handlers' whenever a node process forks while gRPC
-    threads run) and hivemind's own handler, which installs itself at INFO on import (so a process
-    hivemind forks during start-up keeps INFO). Set before either is imported, and inherited by
-    child processes; a value the user set wins."""
-    if level.upper() != "DEBUG":
-        os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
-        os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
 
 
 if __name__ == "__main__":

@@ -255,8 +255,12 @@ def import_env(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
 
 def preloadable(cmd: list[str], popen_kwargs: dict[str, Any]) -> bool:
     """A command the zygote can run, with output it can hand over: files, fds or nowhere."""
+    levels = [b for a, b in zip(cmd, cmd[1:]) if a == "--log-level"]
+    levels += [a.split("=", 1)[1] for a in cmd if a.startswith("--log-level=")]
+    wants_debug_logs = any(level.upper() == "DEBUG" for level in levels)
     return (
-        len(cmd) >= 3
+        not wants_debug_logs  # the zygote loaded gRPC and hivemind with their native logs quiet
+        and len(cmd) >= 3
         and cmd[0] == sys.executable
         and cmd[1] == "-m"
         and (cmd[2] == "noloco_node" or cmd[2].startswith("noloco_node."))

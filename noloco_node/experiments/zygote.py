@@ -34,6 +34,8 @@ import socket
 import sys
 import traceback
 
+from noloco_node.runtime.logging import quiet_native_logs
+
 MAX_FDS = 3
 MAX_MESSAGE = 1 << 20
 
@@ -57,6 +59,9 @@ def main() -> None:
     for sig in (signal.SIGTERM, signal.SIGHUP):  # a launcher may ignore them; exec keeps SIG_IGN
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the launcher's to handle
+    # What cli/main.py sets before a node's imports, set before ours: gRPC and hivemind read it when
+    # they load (a node asked for DEBUG logs is exec'd instead: preloaded.preloadable).
+    quiet_native_logs("INFO")
     try:
         for module in sys.argv[2:]:
             __import__(module)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 
@@ -34,3 +35,15 @@ class ProgressLine:
         if self.enabled:
             self.stream.write("\n")
             self.stream.flush()
+
+
+def quiet_native_logs(level: str) -> None:
+    """Below DEBUG, keep libraries that log on their own out of the console: gRPC's C core (its
+    INFO line 'fork_posix ... skipping fork() handlers' whenever a node process forks while gRPC
+    threads run) and hivemind's own handler, which installs itself at INFO on import (so a process
+    hivemind forks during start-up keeps INFO). Must run before either is imported (the CLI, and
+    the zygote before its imports: experiments/zygote.py); inherited by child processes; a value
+    the user set wins."""
+    if level.upper() != "DEBUG":
+        os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+        os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")

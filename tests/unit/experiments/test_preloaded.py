@@ -135,6 +135,10 @@ def test_only_noloco_modules_with_file_output_go_to_the_zygote(tmp_path):
     assert not preloadable(node, {"start_new_session": True})  # a Popen option the zygote does not offer
     assert not preloadable(["ip", "netns", "exec", "ns", *node], {})
     assert not preloadable([sys.executable, "-m", "json.tool"], {})
+    # gRPC and hivemind read their log levels when they load: the zygote loaded them quiet.
+    assert not preloadable([sys.executable, "-m", "noloco_node", "--log-level", "DEBUG", "join"], {})
+    assert not preloadable([sys.executable, "-m", "noloco_node", "--log-level=debug", "join"], {})
+    assert preloadable([sys.executable, "-m", "noloco_node", "--log-level", "WARNING", "join"], {})
 
     with open(tmp_path / "log", "w") as log:
         fds, opened = std_fds({"stdin": subprocess.DEVNULL, "stdout": log, "stderr": subprocess.STDOUT})
