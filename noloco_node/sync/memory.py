@@ -81,6 +81,9 @@ class MemoryPairing:
     ) -> dict[str, Tensor]:
         return await asyncio.wait_for(self._exchange(peer_id, proposal, mine, expected, codec), timeout_s)
 
+    def exchange_deadline_s(self, peer_id: str, payload_bytes: int) -> float:
+        return 1.0  # a swap in memory takes no time on a link; this only backs up the responder's finish
+
     async def _exchange(
         self, peer_id: str, proposal: PairProposal, mine: EncodedSnapshot, expected: list[ExpectedTensor], codec: str
     ) -> dict[str, Tensor]:

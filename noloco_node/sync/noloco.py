@@ -139,6 +139,19 @@ class NoLoCoSync(OuterSync):
     def responder(self) -> "NoLoCoSync":
         return self
 
+    def round_bound_s(self) -> float:
+        """The round under way ends within: the matching windows (two, after the gather), the wait
+        for a session we accepted to finish (a window and the transfer's deadline at the partner's
+        link), and 10 s for freezing and applying on a loaded machine. A node that stops waits this
+        long for it: a fixed 2 x match_s + 10 cut a final round short under CI load (3 of 4 rounds)."""
+        if self._round_task is None or self._round_task.done():
+            return 0.0
+        return 3 * self.match_s + self._exchange_s(self.partner or "") + 10.0
+
+    def _exchange_s(self, peer_id: str) -> float:
+        payload = self._frozen.snapshot.payload_bytes if self._frozen is not None else 0
+        return self.transport.exchange_deadline_s(peer_id, 2 * payload)
+
     def start_at(self, round_index: int) -> None:
         """A joiner that copied a replica's state carries on from that replica's round."""
         self._announced_round = round_index
@@ -258,12 +271,7 @@ class NoLoCoSync(OuterSync):
         if self.partner is not None and not self.done.is_set():
             # A session we accepted is still streaming: its server side ends it within a deadline
             # derived from the partner's link and finishes the round; this wait only backs that up.
-            exchange_s = getattr(self.transport, "exchange_deadline_s", None)
-            await wait_at_most(
-                self.done,
-                self.match_s
-                + (0.0 if exchange_s is None else exchange_s(self.partner, 2 * self._frozen.snapshot.payload_bytes)),
-            )
+            await wait_at_most(self.done, self.match_s + self._exchange_s(self.partner))
 
     async def _match(self, inner_step: int, round_index: int, deadline: float, tried: set[str]) -> None:
         """Propose to replicas matching this round, one at a time, until the round is done or `deadline`."""

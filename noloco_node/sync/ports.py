@@ -199,6 +199,9 @@ class PairingTransport(Protocol):
         """Propose and, if accepted, swap snapshots; returns the partner's decoded tensors.
         Raises PeerBusy (refused), ProtocolMismatch, InvalidPayload or PeerUnavailable."""
 
+    def exchange_deadline_s(self, peer_id: str, payload_bytes: int) -> float:
+        """The longest an accepted exchange moving `payload_bytes` (both ways) with the peer may run."""
+
     async def fetch_state(
         self,
         peer_id: str,
@@ -315,6 +318,11 @@ class OuterSync(ABC):
     def responder(self) -> PairingResponder | None:
         """The responder a transport's server hands pairing proposals to, if the method pairs."""
         return None
+
+    def round_bound_s(self) -> float:
+        """How long the round under way may still take by the method's own deadlines (0: none, or
+        the method has no bound of its own and the caller's timeout applies)."""
+        return 0.0
 
     async def settle(self, timeout_s: float) -> bool:
         """Wait until no round is running (the weights are post-update); False on timeout."""

@@ -75,7 +75,8 @@ def test_demo_noloco_d4_p2(tmp_path):
     # (the default) gives a replica measured faster more, but starves none. Together they stepped
     # once per B of the 4 x 20 batches, less at most one partial batch each; a microbatch the driver
     # gave up on and reissued may have been computed at two replicas (B = 2 microbatches).
-    assert [nodes[f"stage0/replica{r}"]["outer"]["rounds"] for r in range(4)] == [4, 4, 4, 4]
+    rounds = [nodes[f"stage0/replica{r}"]["outer"]["rounds"] for r in range(4)]
+    assert rounds == [4, 4, 4, 4], f"{rounds}\n{_log_tails(out / 'logs')}"
     stage1_steps = [nodes[f"stage1/replica{r}"]["inner_steps"] for r in range(4)]
     most = 80 + (mb["reissued"] + 1) // 2
     assert 77 <= sum(stage1_steps) <= most and min(stage1_steps) >= 8, (stage1_steps, mb)

@@ -78,3 +78,47 @@ def test_drawn_mates_agree_between_replicas_and_change_between_rounds():
     assert all(len(found) == 3 for found in partners.values())  # over 20 rounds everyone met everyone
     odd = [drawn_mate(ids[:3], p, stage=0, round_index=2) for p in ids[:3]]
     assert odd.count(None) == 1
+
+
+class SlowLink:
+    """A pairing transport whose partner's link gives an accepted exchange a long deadline."""
+
+    def exchange_deadline_s(self, peer_id: str, payload_bytes: int) -> float:
+        return 120.0 if peer_id == "far" else 1.0
+
+
+def test_a_stopping_node_waits_for_its_round_as_long_as_the_round_may_take():
+    model = nn.Module()
+    model.w = nn.Parameter(torch.ones(4))
+    state = OuterState(model.named_parameters(), alpha=0.5, beta=0.7)
+
+    async def set_status(*_):
+        return None
+
+    parts = SyncParts(compute=SlowCompute(), peer_id="me", stage=0, set_status=set_status, inner_steps=lambda: 5)
+    sync = NoLoCoSync(
+        state,
+        OuterConfig(codec="none", inner_steps_per_outer=5, overlap=True),
+        parts,
+        transport=SlowLink(),
+        directory=NoPeers(),
+        settings=NoLoCoSettings(match_s=1.0),
+        bans=Bans(),
+        rng=random.Random(0),
+    )
+
+    async def scenario():
+        assert sync.round_bound_s() == 0.0  # no round: the caller's own timeout applies
+        await sync.at_boundary(5)  # overlapped: returns with the round under way
+        await asyncio.sleep(0.3)  # its snapshot frozen, matching
+        sync.partner = "far"  # a session we accepted from a replica on a slow link is streaming
+        while_streaming = sync.round_bound_s()
+        await sync.finish("far", None, "timed_out")
+        settled = await sync.settle(while_streaming)
+        return while_streaming, settled
+
+    while_streaming, settled = asyncio.run(scenario())
+    # More than the fixed 2 x match_s + 10 a stop used to wait: the partner's transfer deadline
+    # and the matching windows, or a final round is cut short and its update lost.
+    assert while_streaming >= 3 * 1.0 + 120.0 + 10.0
+    assert settled and sync.counters.rounds == 1 and sync.round_bound_s() == 0.0
