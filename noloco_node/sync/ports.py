@@ -325,11 +325,16 @@ class OuterSync(ABC):
         return 0.0
 
     async def settle(self, timeout_s: float) -> bool:
-        """Wait until no round is running (the weights are post-update); False on timeout."""
-        if not self._running:
-            return True
-        done, _ = await asyncio.wait(set(self._running), timeout=timeout_s)
-        return not self._running - done
+        """Wait until no round is running (the weights are post-update); False on timeout. A round
+        that starts while we wait (a later stage still stepping on the gradients in flight) is
+        waited for too: waiting only for the rounds running at the call left that one cut short."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while self._running:
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                return False
+            await asyncio.wait(set(self._running), timeout=left)
+        return True
 
     async def close(self) -> None:
         """Release what the method holds (transports, averager processes)."""

@@ -122,3 +122,32 @@ def test_a_stopping_node_waits_for_its_round_as_long_as_the_round_may_take():
     # and the matching windows, or a final round is cut short and its update lost.
     assert while_streaming >= 3 * 1.0 + 120.0 + 10.0
     assert settled and sync.counters.rounds == 1 and sync.round_bound_s() == 0.0
+
+
+def test_settle_waits_for_a_round_that_starts_while_it_waits():
+    from noloco_node.sync.ports import OuterSync
+
+    class TwoRounds(OuterSync):
+        """A later stage: the gradients in flight step it past one more boundary while it stops."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.finished: list[int] = []
+
+        async def at_boundary(self, inner_step: int) -> None:
+            self._track(asyncio.ensure_future(self._round(inner_step)))
+
+        async def _round(self, inner_step: int) -> None:
+            await asyncio.sleep(0.2)
+            self.finished.append(inner_step)
+            if inner_step == 5:
+                await self.at_boundary(10)  # the next round starts as this one ends
+
+    async def scenario():
+        sync = TwoRounds()
+        await sync.at_boundary(5)
+        settled = await sync.settle(5.0)
+        return settled, sync.finished
+
+    settled, finished = asyncio.run(scenario())
+    assert settled and finished == [5, 10]
