@@ -222,7 +222,7 @@ class _JoinReporter:
 
         node = self.node
         if self.training.due(node.worker.inner_steps):
-            self.training.step(training_snapshot(node.stats()))
+            self.training.step(training_snapshot(node.read_stats()))
         if self.args.ready_file:
             atomic_write_text(self.args.ready_file, json.dumps({**ready_fields(node), "maddrs": self.maddrs}))
         self.ticks += 1
@@ -246,7 +246,7 @@ class _JoinReporter:
     def stopped(self, node) -> None:
         from noloco_node.node.stats import training_snapshot
 
-        self.training.summary(training_snapshot(node.stats()))
+        self.training.summary(training_snapshot(node.read_stats()))
 
 
 def _progress(mode: str):

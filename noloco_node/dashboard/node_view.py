@@ -1,5 +1,5 @@
 """A node's own page (docs/dashboard.md, `/api/node`): what it contributes and how it is doing,
-from its stats (node/stats.py) and the record it announces, as plain dicts. `NodeView` samples
+from its typed stats (runtime/node_stats.py) and the record it announces (a plain dict). `NodeView` samples
 them for the charts; `LastProblem` remembers the last warning the node logged."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 
 from noloco_node.dashboard.history import HISTORY_POINTS, NodeHistory
+from noloco_node.runtime.node_stats import NodeStats
 
 log = logging.getLogger(__name__)
 SCHEMA = "noloco-node/node/1"
@@ -32,7 +33,7 @@ def partners(history: list[dict]) -> dict[str, int]:
 
 
 def node_json(
-    stats: Mapping,
+    stats: NodeStats,
     record: Mapping,
     *,
     online_s: float,
@@ -43,42 +44,41 @@ def node_json(
     now: float | None = None,
 ) -> dict:
     """`/api/node` from `node_stats(node)` and the node's StageRecord fields."""
-    outer, history = stats.get("outer") or {}, stats.get("outer_history") or []
-    losses = stats.get("losses") or []
+    work, outer = stats.work, stats.outer
     return {
         "schema": SCHEMA,
         "generated_at": time.time() if now is None else now,
-        "peer_id": stats["peer_id"],
-        "stage": stats["stage"],
-        "address": stats["address"],
+        "peer_id": stats.peer_id,
+        "stage": stats.stage,
+        "address": stats.address,
         "status": record["status"],
         "version": record["version"],
         "run_id": record["run_id"],
         "manifest_hash": record["manifest_hash"],
         "method": method,
         "contribution": {
-            "tokens": stats["tokens"],
-            "flops": stats["tokens"] * flops_per_token,
+            "tokens": work.tokens,
+            "flops": work.tokens * flops_per_token,
             "hours_online": online_s / 3600,
-            "inner_steps": stats["inner_steps"],
-            "microbatches_served": sum(stats["forwards_received"].values()),
-            "microbatches_driven": (stats.get("microbatches") or {}).get("completed", 0),
-            "outer_rounds": outer.get("rounds", 0),
-            "outer_paired": outer.get("paired", 0),
-            "partners": partners(history),
-            "bytes_sent": stats["bytes_sent"] + stats.get("bytes_sent_outer", 0),
-            "bytes_received": stats["bytes_received"],
+            "inner_steps": work.inner_steps,
+            "microbatches_served": work.served,
+            "microbatches_driven": stats.microbatches_completed,
+            "outer_rounds": outer.counts.rounds if outer is not None else 0,
+            "outer_paired": outer.counts.paired if outer is not None else 0,
+            "partners": partners(outer.history if outer is not None else []),
+            "bytes_sent": stats.bytes_sent,
+            "bytes_received": work.bytes_received,
         },
         "health": {
             "reach": record["reach"],
             "link_mbit_s": record["link_mbit_s"],
             "memory_estimate_bytes": record["memory_estimate_bytes"],
             "memory_peak_bytes": record["memory_peak_bytes"],
-            "in_flight": stats["in_flight"],
-            "tokens_per_s": stats["tokens_per_s"],
-            "loss": losses[-1] if losses else None,
+            "in_flight": work.in_flight,
+            "tokens_per_s": stats.tokens_per_s,
+            "loss": stats.loss,
             "last_error": last_error,
-            "attention": list(stats.get("attention") or []),
+            "attention": list(stats.attention),
         },
         "swarm_page": swarm_page,
     }
@@ -114,7 +114,7 @@ class NodeView:
 
     def __init__(
         self,
-        read: Callable[[], tuple[Mapping, Mapping]],
+        read: Callable[[], tuple[NodeStats, Mapping]],
         *,
         method: str,
         flops_per_token: float,
@@ -144,12 +144,8 @@ class NodeView:
 
     def sample(self) -> None:
         stats, _ = self.read()
-        losses = stats.get("losses") or []
         self.history.observe(
-            time.time(),
-            tokens_per_s=stats["tokens_per_s"],
-            inner_step=stats["inner_steps"],
-            loss=losses[-1] if losses else None,
+            time.time(), tokens_per_s=stats.tokens_per_s, inner_step=stats.work.inner_steps, loss=stats.loss
         )
 
     async def run(self) -> None:

@@ -28,7 +28,7 @@ class NodeDashboard:
         host, port = parse_listen(cfg.network.dashboard)
         problems = LastProblem().__enter__()
         view = NodeView(
-            lambda: (node.stats(), node.record().dict(exclude={"tls_cert"})),
+            lambda: (node.read_stats(), node.record().dict(exclude={"tls_cert"})),
             method=cfg.outer.method,
             flops_per_token=training_flops_per_token(node.parts.stage, cfg.model.seq_len),
             poll_s=cfg.network.dashboard_poll_s,

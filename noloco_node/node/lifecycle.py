@@ -38,6 +38,7 @@ from noloco_node.rpc.stage_service import GRPC_OPTIONS
 from noloco_node.runtime.events import EventLog
 from noloco_node.runtime.faults import FaultInjector
 from noloco_node.runtime.memory import tune_allocator
+from noloco_node.runtime.node_stats import NodeStats
 from noloco_node.runtime.node_status import Status
 from noloco_node.runtime.throughput import ThroughputMeter
 from noloco_node.sync.factory import method_traits
@@ -232,7 +233,7 @@ class Node:
         if cfg.network.metrics_port is not None:
             from noloco_node.node.metrics import NodeMetrics
 
-            self.metrics = NodeMetrics(self.stats, peer_id=self.peer_id, stage=self.stage_index)
+            self.metrics = NodeMetrics(self.read_stats, peer_id=self.peer_id, stage=self.stage_index)
             self.metrics_port = self.metrics.serve(cfg.network.host, cfg.network.metrics_port)
         if cfg.network.dashboard is not None:
             from noloco_node.node.dashboard import NodeDashboard
@@ -279,6 +280,11 @@ class Node:
         return self.client.bytes_sent + self.sync.bytes_sent
 
     def stats(self) -> dict:
+        """The stats file's dict: `read_stats().to_dict()`."""
+        return self.read_stats().to_dict()
+
+    def read_stats(self) -> NodeStats:
+        """Everything the node reports about itself, typed, each part reporting its own numbers."""
         from noloco_node.node.stats import node_stats
 
         return node_stats(self)

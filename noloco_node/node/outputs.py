@@ -13,7 +13,7 @@ def write_outputs(node, out_dir: Path) -> None:
     """The stats JSON (and, with save_weights, theta and the outer state) under out_dir."""
     out_dir.mkdir(parents=True, exist_ok=True)
     name = f"stage{node.stage_index}-{node.peer_id[-8:]}"
-    atomic_write_text(out_dir / f"{name}.json", json.dumps(node.stats(), indent=1))
+    atomic_write_text(out_dir / f"{name}.json", json.dumps(node.read_stats().to_dict(), indent=1))
     if not node.outputs.save_weights:
         return
     from safetensors.torch import save_file

@@ -2,7 +2,7 @@
 a step line every `log.every_steps` inner steps and one closing summary line.
 
 Formatting is pure (a `Snapshot` of plain numbers in, one line out) so it is tested without a
-node; node/stats.py's `training_snapshot` gathers the numbers from the node's read model.
+node; node/stats.py's `training_snapshot` gathers the numbers from the node's typed stats.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from noloco_node.runtime.node_stats import RoundBytes
 
 log = logging.getLogger("noloco_node.training")
 
@@ -32,7 +34,7 @@ class Snapshot:
     dropped: int = 0  # stage 0: microbatches given up; other stages: forwards dropped here
     issued: int | None = None  # stage 0: distinct microbatches issued
     attention: tuple[str, ...] = ()  # what needs attention (node/attention.py)
-    round_bytes: dict | None = None  # an outer snapshot's bytes: {"last", "mean", "fp32_fraction"} (node/stats.py)
+    round_bytes: RoundBytes | None = None  # an outer snapshot's bytes: last, mean and share of fp32 phi + Delta
 
 
 def format_bytes(n: float) -> str:
@@ -105,10 +107,10 @@ def summary_line(snap: Snapshot, *, total: int | None, wall_s: float) -> str:
             f"outer {o.get('rounds', 0)} rounds: {o.get('paired', 0)} paired, {o.get('solo', 0)} solo, "
             f"{o.get('rejected', 0)} rejected"
         )
-        if snap.round_bytes and snap.round_bytes.get("mean"):
+        if snap.round_bytes is not None and snap.round_bytes.mean:
             parts.append(
-                f"{format_bytes(snap.round_bytes['mean'])} per round "
-                f"({snap.round_bytes['fp32_fraction']:.2%} of fp32 phi + Delta)"
+                f"{format_bytes(snap.round_bytes.mean)} per round "
+                f"({snap.round_bytes.fp32_fraction:.2%} of fp32 phi + Delta)"
             )
     parts.append(_bytes(snap))
     parts.append(

@@ -21,6 +21,7 @@ from noloco_node.pipeline.completions import Stage0Completions
 from noloco_node.pipeline.ports import Hop, MicrobatchKey
 from noloco_node.pipeline.worker import NonFiniteValues
 from noloco_node.pipeline.runtime import StageRuntime, Ticket
+from noloco_node.runtime.node_stats import DriverStats, MicrobatchCounts
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +111,21 @@ class Stage0Driver:
         """Finish the inner step under way (its microbatches complete and it steps), then return
         from run(): the driver's part of a graceful move to another stage."""
         self.stop_requested = True
+
+    def stats_view(self) -> DriverStats:
+        """Its microbatches, losses and schedule, as the node's stats report them."""
+        log_ = self.log
+        return DriverStats(
+            microbatches=MicrobatchCounts(**self.counters.as_dict()),
+            losses=list(log_.losses),
+            lrs=list(log_.lrs),
+            step_times=list(log_.step_times),
+            step_losses=list(log_.step_losses),
+            reissued_sequences=list(log_.reissued_sequences),
+            overlap=self.overlap,
+            stale_microbatches=log_.stale_microbatches,
+            max_staleness=log_.max_staleness,
+        )
 
     async def run(self, steps: int, on_inner_step: Callable[[int], Awaitable[None]] | None = None) -> None:
         previous: tuple[list[asyncio.Task], int, int] | None = None  # overlap: the batch still draining

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from noloco_node.config import ConfigError, SecurityConfig
 from noloco_node.rpc.admission import AdmissionInterceptor, SwarmKeyError, load_swarm_key
 from noloco_node.rpc.guard import GuardLimits, PeerGuard
+from noloco_node.runtime.node_stats import AdmissionStats
 
 
 @dataclass
@@ -15,6 +16,20 @@ class Admission:
     key: bytes | None
     guard: PeerGuard
     interceptor: AdmissionInterceptor
+
+    def stats_view(self) -> AdmissionStats:
+        """Calls refused before any servicer ran, and the guard's bans and limits."""
+        guard = self.guard
+        return AdmissionStats(
+            swarm_key=self.key is not None,
+            refused=dict(self.interceptor.refused),
+            peers_banned=guard.stats.bans,
+            banned_now=guard.banned(),
+            rate_limited=guard.stats.rate_limited,
+            over_stream_cap=guard.stats.over_stream_cap,
+            refused_banned=guard.stats.refused_banned,
+            tracked_peers=guard.tracked(),
+        )
 
 
 def read_swarm_key(cfg: SecurityConfig) -> bytes | None:

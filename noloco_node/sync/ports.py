@@ -36,6 +36,7 @@ from noloco_node.errors import InvalidPayload
 from noloco_node.pipeline.ports import Peer
 from noloco_node.runtime.compute import ComputeThread
 from noloco_node.runtime.faults import FaultInjector
+from noloco_node.runtime.node_stats import OuterCounts, OuterStats
 from noloco_node.codec.tensors import TensorSpec
 
 if TYPE_CHECKING:
@@ -146,6 +147,10 @@ class OuterCounters:
     # one entry per round: round, outcome, partner, seconds, payload ("theta" or "phi+delta"),
     # bytes per tensor kind, delta_rel_error (and phi_rel_error), codecs
     history: list[dict] = field(default_factory=list)
+
+    def snapshot(self) -> OuterCounts:
+        """The counters now, without the history."""
+        return OuterCounts(**{name: value for name, value in vars(self).items() if name != "history"})
 
 
 @dataclass(frozen=True)
@@ -313,6 +318,12 @@ class OuterSync(ABC):
     @property
     def bytes_sent(self) -> int:
         return 0
+
+    def stats_view(self) -> OuterStats:
+        """Its round counters, rounds and outer bytes sent, as the node's stats report them."""
+        return OuterStats(
+            counts=self.counters.snapshot(), history=list(self.counters.history), bytes_sent=self.bytes_sent
+        )
 
     @property
     def responder(self) -> PairingResponder | None:

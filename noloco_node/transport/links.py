@@ -10,6 +10,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
+from noloco_node.runtime.node_stats import LinkStats
 from noloco_node.transport.bridge import Libp2pBridge, PathTraffic
 from noloco_node.transport.credentials import CallSigner, CallVerifier
 from noloco_node.transport.dialer import Contact, Dialer
@@ -95,6 +96,20 @@ class Links:
         elif punched > 0:
             self.reach = "holepunched"
         return self.reach
+
+    def stats_view(self) -> LinkStats:
+        """How peers reach the node, the bytes per path, the bridge's streams and what it relayed."""
+        bridge = self.bridge
+        return LinkStats(
+            reach=self.reach,
+            p2p_addrs=list(self.p2p_addrs),
+            bytes_by_path=self.traffic.as_dict(),
+            replayed_tokens=self.verifier.replays,
+            streams_in=bridge.streams_in if bridge else 0,
+            streams_out=bridge.streams_out if bridge else 0,
+            streams_refused_in=bridge.refused_in if bridge else 0,
+            relay_served=self.relay.stats() if self.relay is not None else None,
+        )
 
     async def reserve_relays(self, relays: list[str], timeout_s: float) -> list[str]:
         """Our circuit addresses (`<relay>/p2p-circuit/p2p/<us>`) through every relay our daemon

@@ -9,6 +9,8 @@ from noloco_node.config import ConfigError, load_config
 from noloco_node.node.reporting import Snapshot, TrainingLog, format_bytes, step_line, summary_line
 from noloco_node.node.stats import training_snapshot
 
+from .node.stats_sample import sample_stats
+
 PAIRED = {"rounds": 5, "paired": 4, "solo": 1, "rejected": 0, "timed_out": 0}
 
 
@@ -113,45 +115,17 @@ def test_every_steps_zero_logs_no_step_lines_but_the_summary():
     assert report.summary(stage0()) is not None
 
 
-def fake_stats(*, stage: int, driver: bool, outer: bool) -> dict:
-    """What node/stats.py's node_stats reports, with the fields a step line reads."""
-    stats = {
-        "stage": stage,
-        "inner_steps": 8,
-        "tokens": 512,
-        "last_lr": 5e-4,
-        "in_flight": 2,
-        "forwards_received": {"p": 3, "q": 4},
-        "dropped_here": 2,
-        "bytes_sent": 1000,
-        "bytes_received": 700,
-    }
-    if outer:
-        stats.update(
-            outer={"rounds": 2, "paired": 1, "solo": 1, "rejected": 0},
-            outer_history=[{"round": 2, "outcome": "solo"}],
-            bytes_sent_outer=500,
-        )
-    if driver:
-        stats.update(
-            losses=[7.0, 8.0],
-            step_losses=[7.5, 6.25],
-            lrs=[1e-3, 2e-3],
-            microbatches={"issued": 16, "completed": 15, "reissued": 0, "dropped": 1},
-        )
-    return stats
-
-
 def test_snapshot_of_stage0_takes_loss_and_lr_from_the_driver():
-    snap = training_snapshot(fake_stats(stage=0, driver=True, outer=True))
+    snap = training_snapshot(sample_stats(stage=0, driver=True, outer=True))
     assert (snap.loss, snap.first_loss, snap.lr, snap.step, snap.tokens) == (6.25, 7.5, 2e-3, 8, 512)
     assert snap.in_flight == 2
     assert (snap.bytes_sent, snap.bytes_received, snap.dropped, snap.issued) == (1500, 700, 1, 16)
-    assert snap.outer == {"rounds": 2, "paired": 1, "solo": 1, "rejected": 0} and snap.last_round["outcome"] == "solo"
+    assert snap.outer["rounds"] == 2 and snap.outer["paired"] == 1 and snap.last_round["outcome"] == "solo"
+    assert snap.round_bytes.mean == 400.0
 
 
 def test_snapshot_of_a_later_stage_without_outer_method():
-    snap = training_snapshot(fake_stats(stage=1, driver=False, outer=False))
+    snap = training_snapshot(sample_stats(stage=1, driver=False, outer=False))
     assert (snap.loss, snap.lr, snap.served, snap.dropped, snap.issued) == (None, 5e-4, 7, 2, None)
     assert snap.outer is None and snap.last_round is None
 

@@ -1,33 +1,15 @@
 """A node's page: what it contributes and how it is doing, from its stats and record."""
 
+import dataclasses
 import logging
 
 import torch
 
 from noloco_node.dashboard.node_view import LastProblem, NodeView, node_json, partners, training_flops_per_token
 
-STATS = {
-    "peer_id": "me",
-    "stage": 0,
-    "address": "127.0.0.1:1",
-    "tokens": 1000,
-    "inner_steps": 7,
-    "in_flight": 2,
-    "forwards_received": {"x": 3, "y": 4},
-    "bytes_sent": 100,
-    "bytes_sent_outer": 50,
-    "bytes_received": 70,
-    "tokens_per_s": 12.5,
-    "losses": [5.0, 4.0],
-    "attention": ["note"],
-    "microbatches": {"completed": 9},
-    "outer": {"rounds": 3, "paired": 2},
-    "outer_history": [
-        {"outcome": "paired", "partner": "p1"},
-        {"outcome": "solo", "partner": None},
-        {"outcome": "paired", "partner": "p1"},
-    ],
-}
+from ..node.stats_sample import DRIVER, WORK, sample_stats
+
+STATS = sample_stats(work=dataclasses.replace(WORK, tokens=1000, inner_steps=7, bytes_sent=100, bytes_received=70))
 RECORD = {
     "status": "serving",
     "version": "0.2.0",
@@ -48,12 +30,17 @@ def test_node_json_counts_what_the_node_contributed_and_its_health():
         c["flops"] == 6e9
         and c["hours_online"] == 1.5
         and c["microbatches_served"] == 7
-        and c["microbatches_driven"] == 9
+        and c["microbatches_driven"] == 15
     )
-    assert c["bytes_sent"] == 150 and c["outer_rounds"] == 3 and c["outer_paired"] == 2 and c["partners"] == {"p1": 2}
-    assert h["reach"] == "relayed" and h["loss"] == 4.0 and h["attention"] == ["note"] and h["last_error"] is None
+    assert c["bytes_sent"] == 600 and c["outer_rounds"] == 2 and c["outer_paired"] == 1 and c["partners"] == {"p1": 1}
+    assert h["reach"] == "relayed" and h["loss"] == 8.0 and h["attention"] == ["note"] and h["last_error"] is None
     later = node_json(
-        {**STATS, "losses": []}, RECORD, online_s=1.0, flops_per_token=1.0, method="none", last_error=None
+        dataclasses.replace(STATS, driver=dataclasses.replace(DRIVER, losses=[])),
+        RECORD,
+        online_s=1.0,
+        flops_per_token=1.0,
+        method="none",
+        last_error=None,
     )
     assert later["health"]["loss"] is None
 
@@ -78,18 +65,22 @@ def test_flops_per_token_count_matrices_and_attention_not_the_embedding_lookup()
 
 
 async def test_the_view_samples_loss_per_step_and_remembers_the_last_warning():
-    stats = dict(STATS)
+    stats = [STATS]
     with LastProblem() as problems:
-        view = NodeView(lambda: (stats, RECORD), method="noloco", flops_per_token=1.0, poll_s=1.0, problems=problems)
+        view = NodeView(lambda: (stats[0], RECORD), method="noloco", flops_per_token=1.0, poll_s=1.0, problems=problems)
         view.sample()
         view.sample()  # same step, same loss: one point
-        stats.update(inner_steps=8, losses=[5.0, 4.0, 3.5])
+        stats[0] = dataclasses.replace(
+            STATS,
+            work=dataclasses.replace(STATS.work, inner_steps=8),
+            driver=dataclasses.replace(DRIVER, losses=[5.0, 4.0, 3.5]),
+        )
         view.sample()
         logging.getLogger("noloco_node.sync.noloco").warning("outer round %d went solo", 4)
         logging.getLogger("elsewhere").error("not ours")
         page = await view.node()
     history = await view.history_json()
-    assert [p[1:] for p in history["loss"]] == [[7, 4.0], [8, 3.5]] and len(history["tokens_per_s"]) == 3
+    assert [p[1:] for p in history["loss"]] == [[7, 8.0], [8, 3.5]] and len(history["tokens_per_s"]) == 3
     assert page["health"]["last_error"]["message"] == "outer round 4 went solo"
     assert page["health"]["last_error"]["level"] == "warning"
     assert problems not in logging.getLogger("noloco_node").handlers
