@@ -181,12 +181,7 @@ async def _serve(config, args: argparse.Namespace) -> int:
         snapshot_every=args.snapshot_every,
         snapshot_dir=Path(args.snapshot_dir or "snapshots"),
     )
-    node = Node(config, outputs=outputs)
-    try:
-        await node.start()
-    except BaseException:
-        await node.abandon()
-        raise
+    node = await Node.create(config, outputs=outputs)  # a start that fails closes what it opened
     plan = ServePlan(steps=args.steps, serve_after=args.serve_after, wait_replicas=args.wait_replicas)
     return await serve(node, plan, stop, _JoinReporter(config, args))
 

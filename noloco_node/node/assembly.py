@@ -274,8 +274,6 @@ class AssemblyPorts:
     directory: ReplicaDirectory
     me: Hop
     set_status: Callable[[str, int], Awaitable[None]]
-    bytes_sent: Callable[[], int]
-    """Payload bytes the node sent (pipeline and outer sync), for the boundary's events."""
 
 
 @dataclass
@@ -306,7 +304,7 @@ def assemble(
         events=events,
         compute=parts.compute,
         stage_index=parts.shape.stage,
-        bytes_sent=ports.bytes_sent,
+        bytes_sent=lambda: ports.transport.bytes_sent + sync.bytes_sent,
         checkpoints=checkpoints,
         snapshots=snapshots,
     )

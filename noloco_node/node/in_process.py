@@ -121,7 +121,6 @@ class InProcessSwarm:
             directory=self.network.directory(),
             me=Hop(peer_id, f"memory:{peer_id}", stage),
             set_status=set_status,
-            bytes_sent=lambda: transport.bytes_sent + pairing.bytes_sent,
         )
         assembly = assemble(config, parts, ports, events=events, faults=faults)
         sync, boundary, pipeline = assembly.sync, assembly.boundary, assembly.pipeline

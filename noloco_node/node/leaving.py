@@ -28,7 +28,7 @@ async def leave(node: Node, grace_s: float | None = None, *, final: bool = True)
     # went solo (seen in 8 of 20 overlapped loss_price cells); and the weights we save are post-update.
     if not await node.sync.settle(max(cfg.timeouts.outer_round_s, node.sync.round_bound_s())):
         log.warning("an outer step was still running at shutdown")
-    node.status = Status.LEAVING
+    node.board.become(Status.LEAVING)  # announced next, with the record withdrawn
     # A mover's leaving record outlives its trip to the new stage (a restart, a state fetch), so
     # no other node plans a move while this one is in transit (pipeline/rebalance.py).
     ttl_s = None if final else max(cfg.timeouts.record_ttl_s, 2 * cfg.pipeline.rebalance_period_s)
@@ -55,14 +55,15 @@ async def _final_outputs(node: Node) -> None:
 
 
 async def abandon(node: Node) -> None:
-    """After a start that failed: close what it had opened (its gRPC server, libp2p links and
-    DHT peer; no record to withdraw, nothing to drain), so the process exits quietly with the
-    error that stopped it."""
+    """After a start that failed once the node was built (node/building.py closes what a failed
+    build opened): close its page, gRPC server, libp2p links and DHT peer (no record to withdraw,
+    nothing to drain), so the process exits quietly with the error that stopped it."""
     closers = {
         "dashboard": node.dashboard and node.dashboard.close,
-        "server": node.server and (lambda: node.server.stop(0)),
-        "links": node.links and node.links.close,
-        "dht": node.directory and node.directory.shutdown,
+        "server": lambda: node.server.stop(0),
+        "outer sync": node.sync.close,  # an all-reduce method's averager processes
+        "links": node.links.close,
+        "dht": node.directory.shutdown,
     }
     for name, close in closers.items():
         if not close:
@@ -71,6 +72,9 @@ async def abandon(node: Node) -> None:
             await asyncio.wait_for(close(), timeout=10)
         except Exception as exc:  # noqa: BLE001 - exiting with the start's error anyway
             log.debug("closing the %s after a failed start: %r", name, exc)
+    if node.metrics is not None:
+        node.metrics.stop()
+    node.parts.compute.shutdown()
 
 
 async def _shut_down(node: Node) -> None:

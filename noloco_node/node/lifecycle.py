@@ -1,6 +1,6 @@
-"""A node's life: start (identity, directory, stage, parts, services, reachability, state),
-heartbeat, train (stage 0), stop (withdraw, drain, checkpoint, outputs) and moving to another
-stage. Building the parts is node/assembly.py's; this module only orders the steps."""
+"""A node's life: created (node/building.py builds and wires its parts, then it serves, finds out
+how peers reach it, takes up its state and announces itself), heartbeat, train (stage 0), stop
+(withdraw, drain, checkpoint, outputs) and moving to another stage. This module orders the steps."""
 
 from __future__ import annotations
 
@@ -9,42 +9,30 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from noloco_node.config import NodeConfig
-from noloco_node.dht.directory import PeerDirectory
 from noloco_node.dht.records import StageRecord
-from noloco_node.model.build import run_model
+from noloco_node.node.assembly import PipelineParts, build_driver
 from noloco_node.node.attention import Progress
-from noloco_node.node.assembly import ComputeParts, PipelineParts, build_compute, build_driver
 from noloco_node.node.boundary import InnerStepBoundary
-from noloco_node.node.discovery import choose_stage, start_directory
-from noloco_node.node.joining import (
-    announced_address,
-    contact_lookup,
-    fetch_state,
-    settle_reach,
-    wait_for_replicas,
-)
+from noloco_node.node.building import BuiltNode, NodeBasics, build_node
+from noloco_node.node.joining import Reprobe, fetch_state, settle_reach, wait_for_replicas
 from noloco_node.node.leaving import abandon, leave
-from noloco_node.node.manifest import load_run_inputs
 from noloco_node.node.presence import heartbeat, watch_balance
-from noloco_node.node.wiring import NodeHooks, SnapshotOutputs, WiringInputs, wire_services
+from noloco_node.node.wiring import SnapshotOutputs
 from noloco_node.pipeline.driver import Stage0Driver
-from noloco_node.pipeline.ports import Hop
 from noloco_node.pipeline.rebalance import Move
-from noloco_node.rpc.security import build_admission, read_swarm_key
-from noloco_node.rpc.server import NodeServer
-from noloco_node.rpc.stage_service import GRPC_OPTIONS
-from noloco_node.runtime.events import EventLog
-from noloco_node.runtime.faults import FaultInjector
 from noloco_node.runtime.memory import tune_allocator
 from noloco_node.runtime.node_stats import NodeStats
 from noloco_node.runtime.node_status import Status
-from noloco_node.runtime.throughput import ThroughputMeter
 from noloco_node.sync.factory import method_traits
 from noloco_node.sync.ports import OuterSync
 from noloco_node.transport.identity import NodeIdentity
-from noloco_node.transport.links import Links
+
+if TYPE_CHECKING:
+    from noloco_node.node.dashboard import NodeDashboard
+    from noloco_node.node.metrics import NodeMetrics
 
 log = logging.getLogger(__name__)
 
@@ -70,17 +58,27 @@ class Membership:
 
 
 class Node:
+    """A running node of the swarm. Only `Node.create` makes one: a node that exists is wired,
+    serving its stage and announced."""
+
     def __init__(
-        self, config: NodeConfig, *, outputs: NodeOutputs = NodeOutputs(), membership: Membership | None = None
+        self,
+        config: NodeConfig,
+        basics: NodeBasics,
+        built: BuiltNode,
+        *,
+        outputs: NodeOutputs,
+        moves: list[dict],
     ) -> None:
-        """A node that moved between stages keeps its identity (peer id) and the record of its
-        moves. Only a method whose traits say so moves (NoLoCo): the mover needs a replica's state
-        (FetchState), and the all-reduce baselines' groups have a fixed size."""
+        """Keeps what `create` built; does nothing else. Only a method whose traits say so moves
+        between stages (NoLoCo): the mover needs a replica's state (FetchState), and the
+        all-reduce baselines' groups have a fixed size."""
         self.config, self.outputs = config, outputs
         self.traits = method_traits(config.outer.method)
-        membership = membership or Membership()
-        self.identity = membership.identity or NodeIdentity.from_file_or_fresh(config.security.identity_file)
-        self.moves = list(membership.moves)
+        self.identity, self.events, self.faults = basics.identity, basics.events, basics.faults
+        self.meter, self.board, self.rpc_timings = basics.meter, basics.board, basics.rpc
+        self.board.publish_with(self.announce)
+        self.moves = list(moves)
         rebalance = config.pipeline.rebalance
         self.movable = (
             (config.pipeline.stage is None if rebalance is None else rebalance)
@@ -90,38 +88,57 @@ class Node:
         self.move: Move | None = None
         self.move_claimed_at = 0.0
         self.move_requested = asyncio.Event()
-        self.stage_index = config.pipeline.stage
-        self.meter = ThroughputMeter()
-        self.events = EventLog(config.log.events_file)
-        self.faults = FaultInjector(config.faults.inject)
         self.started_at = time.monotonic()
-        self.status = Status.JOINING
         self.progress = Progress()
         self.stage_replicas: int | None = None  # live replicas of our stage, ours included (heartbeat)
         self.done_at_step: int | None = None  # stage 0 trained all its steps and only serves now
-        self.directory: PeerDirectory | None = None
-        self.server: NodeServer | None = None
-        self.links: Links | None = None
-        self.driver: Stage0Driver | None = None
-        self.metrics = None
-        self.metrics_port = None
-        self.dashboard = None
+        self.corpus, self.tokenizer, self.manifest_hash = built.corpus, built.tokenizer, built.manifest_hash
+        self.stage_index, self.parts, self.directory = built.stage_index, built.parts, built.directory
+        self.peer_id = built.directory.peer_id
+        self.links, self.admission = built.links, built.admission
+        self.server, self.address = built.server, built.address
+        services = built.services
+        self.client, self.outer_client = services.client, services.outer_client
+        self.outer_traffic = services.outer_traffic
+        self.checkpoints, self.snapshots = services.checkpoints, services.snapshots
+        self.sync: OuterSync = services.sync
+        self.boundary: InnerStepBoundary = services.boundary
+        self.pipeline: PipelineParts = services.pipeline
+        self.servicer = services.servicer
+        self.driver: Stage0Driver | None = None  # stage 0, once it trains
+        self.reprobe: Reprobe | None = None
+        self.metrics: NodeMetrics | None = None
+        self.metrics_port: int | None = None
+        self.dashboard: NodeDashboard | None = None
         self.fetched_state: dict | None = None
         self.resumed_from: dict | None = None
         self._background: set[asyncio.Task] = set()
 
-    # ---- start ------------------------------------------------------------------------------
-    async def start(self) -> None:
-        """Run inputs, stage, compute parts, DHT peer, server, services, reachability, state; then
-        announce ourselves and start the background work."""
+    @classmethod
+    async def create(
+        cls, config: NodeConfig, *, outputs: NodeOutputs = NodeOutputs(), membership: Membership | None = None
+    ) -> Node:
+        """Build every part (node/building.py), then serve, find out how peers reach us, take up
+        our state (our checkpoint, or a replica's) and announce ourselves. A node that moved
+        between stages keeps its identity (peer id) and the record of its moves. A start that
+        fails closes what it had opened and raises."""
         tune_allocator()
-        swarm_key = read_swarm_key(self.config.security)
-        all_reduce = await self._build_parts(swarm_key)
-        await self._open_server(swarm_key)
-        self._wire(all_reduce)
+        membership = membership or Membership()
+        basics = NodeBasics.for_config(config, membership.identity)
+        snapshots = SnapshotOutputs(outputs.snapshot_every, outputs.snapshot_dir)
+        built = await build_node(config, basics, method_traits(config.outer.method), snapshots)
+        node = cls(config, basics, built, outputs=outputs, moves=membership.moves)
+        try:
+            await node._go_live()
+        except BaseException:
+            await abandon(node)
+            raise
+        return node
+
+    async def _go_live(self) -> None:
         await self._serve()
         await self._join_state()
-        self.status = Status.SERVING
+        self.board.become(Status.SERVING)
         await self.announce()
         self.spawn(heartbeat(self))
         if self.movable:
@@ -145,84 +162,8 @@ class Node:
             self.manifest_hash,
         )
 
-    async def _build_parts(self, swarm_key: bytes | None) -> object | None:
-        """The run's inputs, our stage (chosen in the DHT with --stage auto), its compute parts and,
-        for an all-reduce method, hivemind's averager (returned)."""
-        cfg = self.config
-        self.corpus, self.tokenizer, self.manifest_hash = load_run_inputs(cfg)
-        if self.stage_index is None:
-            self.directory, self.stage_index = await choose_stage(cfg, self.manifest_hash, self.identity, swarm_key)
-        llama, ranges = run_model(cfg, len(self.tokenizer))
-        self.parts: ComputeParts = build_compute(
-            cfg, llama, ranges, self.stage_index, vocab_size=len(self.tokenizer), events=self.events, faults=self.faults
-        )
-        if not self.traits.all_reduce:
-            return None
-        # hivemind forks its DHT and averager processes: do it before gRPC starts any thread.
-        from noloco_node.dht.averaging import build_all_reduce
-
-        return build_all_reduce(cfg, self.stage_index, self.traits.all_reduce_shapes(self.parts.worker), swarm_key)
-
-    async def _open_server(self, swarm_key: bytes | None) -> None:
-        """Our DHT peer, the links peers reach us by, and the gRPC server, bound (not started)."""
-        cfg = self.config
-        if self.directory is None:
-            self.directory = await start_directory(cfg, self.manifest_hash, self.identity, swarm_key)
-        self.peer_id = self.directory.peer_id
-        self.links = Links(
-            self.identity,
-            swarm_key=swarm_key,
-            max_skew_s=cfg.security.max_clock_skew_s,
-            lookup=contact_lookup(self.directory),
-            options=GRPC_OPTIONS,
-        )
-        self.admission = build_admission(cfg.security, self.links)
-        self.server = NodeServer(
-            cfg.network.host,
-            cfg.network.port,
-            admission=self.admission.interceptor,
-            credentials=self.links.certificate.server_credentials(),
-            max_concurrent_rpcs=cfg.security.max_concurrent_rpcs,
-        )
-        port = self.server.bind()
-        self.address = announced_address(
-            cfg.network.host, port, cfg.network.announce_addr, await self.directory.visible_maddrs()
-        )
-
-    def _wire(self, all_reduce: object | None) -> None:
-        """The services (node/wiring.py), kept as the node's own attributes: stats, metrics and the
-        pages read them there."""
-        services = wire_services(
-            WiringInputs(
-                config=self.config,
-                parts=self.parts,
-                manifest_hash=self.manifest_hash,
-                me=Hop(self.peer_id, self.address, self.stage_index),
-                links=self.links,
-                directory=self.directory,
-                server=self.server,
-                link_estimates=self.meter.links,
-            ),
-            NodeHooks(
-                events=self.events,
-                faults=self.faults,
-                observe_rpc=self._observe_rpc,
-                set_status=self._set_status,
-                bytes_sent=self.bytes_sent,
-            ),
-            SnapshotOutputs(self.outputs.snapshot_every, self.outputs.snapshot_dir),
-            all_reduce,
-        )
-        self.client, self.outer_client = services.client, services.outer_client
-        self.outer_traffic = services.outer_traffic
-        self.checkpoints, self.snapshots = services.checkpoints, services.snapshots
-        self.sync: OuterSync = services.sync
-        self.boundary: InnerStepBoundary = services.boundary
-        self.pipeline: PipelineParts = services.pipeline
-        self.servicer = services.servicer
-
     async def _serve(self) -> None:
-        """Start the services, find out how peers reach us, and open /metrics."""
+        """Start the services, find out how peers reach us, and open /metrics and the node page."""
         cfg = self.config
         await self.server.start()
         await self.links.attach(self.directory.p2p, self.server.bridge_port, self.server.tls_target)
@@ -235,6 +176,7 @@ class Node:
 
             self.metrics = NodeMetrics(self.read_stats, peer_id=self.peer_id, stage=self.stage_index)
             self.metrics_port = self.metrics.serve(cfg.network.host, cfg.network.metrics_port)
+            self.rpc_timings.sinks.append(self.metrics.observe_rpc)
         if cfg.network.dashboard is not None:
             from noloco_node.node.dashboard import NodeDashboard
 
@@ -275,10 +217,6 @@ class Node:
     def outer_round(self) -> int:
         return self.sync.outer_round
 
-    def bytes_sent(self) -> int:
-        """Payload bytes this node sent: pipeline and outer sync."""
-        return self.client.bytes_sent + self.sync.bytes_sent
-
     def stats(self) -> dict:
         """The stats file's dict: `read_stats().to_dict()`."""
         return self.read_stats().to_dict()
@@ -295,9 +233,10 @@ class Node:
         return float(self.worker.tokens_total / max(1e-6, time.monotonic() - self.started_at))
 
     # ---- the swarm's view of us ------------------------------------------------------------
-    async def _set_status(self, status: str, round_index: int) -> None:
-        self.status = status
-        await self.announce()
+    @property
+    def status(self) -> Status:
+        """What our record says we are doing (the outer sync sets `matching` through the board)."""
+        return self.board.status
 
     def record(self) -> StageRecord:
         from noloco_node.node.stats import stage_record
@@ -317,12 +256,6 @@ class Node:
         """Announce (t > 0) or withdraw (0) our claim to a rebalancing move (pipeline/rebalance.py)."""
         self.move_claimed_at = claimed_at
         await self.announce()
-
-    def _observe_rpc(self, method: str, seconds: float) -> None:
-        if method == "Forward":
-            self.meter.observe_hop(seconds)
-        if self.metrics is not None:
-            self.metrics.observe_rpc(method, seconds)
 
     def spawn(self, coro) -> asyncio.Task:
         """A background task of this node's: cancelled when it stops."""
@@ -375,12 +308,6 @@ class Node:
         microbatches in flight within `grace_s`, checkpoint, write stats (and weights), shut down.
         `final=False` (a move to another stage): no checkpoint, snapshot or outputs of this stage."""
         await leave(self, grace_s, final=final)
-
-    async def abandon(self) -> None:
-        """After a start that failed: close what it had opened (its gRPC server, libp2p links and
-        DHT peer; no record to withdraw, nothing to drain), so the process exits quietly with the
-        error that stopped it."""
-        await abandon(self)
 
     def cancel_background(self) -> None:
         for task in list(self._background):

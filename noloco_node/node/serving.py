@@ -162,7 +162,7 @@ async def race(coro, stop: asyncio.Event) -> None:
 
 async def moved(node: Node) -> Node:
     """Leave this stage gracefully (withdraw, drain, no checkpoint of it) and come back on
-    the planned stage under the same identity; start() fetches the new stage's state from a replica."""
+    the planned stage under the same identity; Node.create fetches the new stage's state from a replica."""
     move = node.move
     log.info("moving: %s", move)
     await node.stop(final=False)
@@ -171,8 +171,7 @@ async def moved(node: Node) -> Node:
         record["microbatches"] = node.driver.counters.as_dict()
     cfg = node.config
     there = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, stage=move.target, rebalance=True))
-    new = Node(there, outputs=node.outputs, membership=Membership(node.identity, node.moves + [record]))
-    await new.start()
+    new = await Node.create(there, outputs=node.outputs, membership=Membership(node.identity, node.moves + [record]))
     new.events.emit("moved", **record)
     log.info("moved to stage %d (state fetched: %s)", new.stage_index, new.fetched_state)
     return new

@@ -1,7 +1,7 @@
 """A node's services, wired once its parts, links and server exist: the stage and outer clients,
 the outer-sync method with the boundary and the pipeline (assembly.assemble), checkpoints and
 snapshots, and the services its server offers (Stage, Outer when the method pairs or donates
-state, Diagnostics). Node.start calls `wire_services` once and keeps what it returns."""
+state, Diagnostics). node/building.py calls `wire_services` once, before the node exists."""
 
 from __future__ import annotations
 
@@ -55,13 +55,15 @@ class WiringInputs:
 
 @dataclass(frozen=True)
 class NodeHooks:
-    """What the services report back to, or ask of, the node that owns them."""
+    """What the services report to: objects made before them (node/building.NodeBasics), never
+    the node they will belong to."""
 
     events: EventLog
     faults: FaultInjector
     observe_rpc: Callable[[str, float], None]
+    """each stage call's latency"""
     set_status: Callable[[str, int], Awaitable[None]]
-    bytes_sent: Callable[[], int]
+    """(status, outer round) -> announced"""
 
 
 @dataclass(frozen=True)
@@ -127,7 +129,6 @@ def wire_services(
         directory=DhtReplicas(inputs.directory),
         me=inputs.me,
         set_status=hooks.set_status,
-        bytes_sent=hooks.bytes_sent,
     )
     checkpoints, snapshot_writer = _checkpoints(inputs), _snapshots(inputs, snapshots)
     assembly = assemble(

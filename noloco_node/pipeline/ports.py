@@ -37,6 +37,9 @@ class Hop:
 
 
 class StageTransport(Protocol):
+    bytes_sent: int
+    """Payload bytes this node sent to other stages."""
+
     async def forward(
         self,
         peer: Peer,

@@ -1,14 +1,13 @@
 """NoLoCo outer step over the network: pair with one random replica of the stage, exchange
 snapshots, apply the pair update; anything else ends in the solo step. No global barrier.
 
-Pairing (PAIR-v1, docs/architecture.md: The outer step and pairing): at its boundary a node freezes its snapshot
-and marks itself `matching` for round r in the DHT. With probability 1/2 it proposes at once,
-else after a short random passive wait (up to 10% of match_s). A node is in at most one pair per
-round: while its own proposal
-is pending it refuses others, except the crossing case (A->B and B->A at once), which both sides
-resolve the same way: the session proposed by the smaller peer id wins. Received snapshots are
-validated (finite, within a distance bound) before use; a bad one is rejected, its sender banned,
-and the node takes the solo step.
+Pairing (PAIR-v1, docs/architecture.md: The outer step and pairing): at its boundary a node freezes
+its snapshot and marks itself `matching` for round r in the DHT. With probability 1/2 it proposes at
+once, else after a short random passive wait (up to 10% of match_s). A node is in at most one pair
+per round: while its own proposal is pending it refuses others, except the crossing case (A->B and
+B->A at once), which both sides resolve the same way: the session proposed by the smaller peer id
+wins. Received snapshots are validated (finite, within a distance bound) before use; a bad one is
+rejected, its sender banned, and the node takes the solo step.
 
 What travels (snapshot.py): slow weights phi and outer delta Delta, each with its own codec
 (outer.codec_phi, outer.codec_delta), so any alpha, beta, gamma runs; or, when gamma == beta and
@@ -36,16 +35,8 @@ from noloco_node.optim.state import OuterState
 from noloco_node.pipeline.ports import Peer
 from noloco_node.pipeline.router import Bans
 from noloco_node.runtime.node_status import Status
-from noloco_node.sync.ports import (
-    Decision,
-    MatchingDirectory,
-    MethodTraits,
-    OuterSync,
-    PairAnswer,
-    PairingTransport,
-    PairProposal,
-    SyncParts,
-)
+from noloco_node.sync.ports import Decision, MatchingDirectory, MethodTraits, OuterSync, PairAnswer
+from noloco_node.sync.ports import PairingTransport, PairProposal, SyncParts
 from noloco_node.sync.pairing import (
     NoLoCoSettings,
     PartnerDistances,
@@ -140,13 +131,10 @@ class NoLoCoSync(OuterSync):
         return self
 
     def round_bound_s(self) -> float:
-        """The round under way ends within: the matching windows (two, after the gather), the wait
-        for a session we accepted to finish (a window and the transfer's deadline at the partner's
-        link), and 10 s for freezing and applying on a loaded machine. A node that stops waits this
-        long for it: a fixed 2 x match_s + 10 cut a final round short under CI load (3 of 4 rounds)."""
-        if self._round_task is None or self._round_task.done():
-            return 0.0
-        return 3 * self.match_s + self._exchange_s(self.partner or "") + 10.0
+        """The round under way ends within its matching windows, the wait for a session we accepted
+        (a window and the transfer's deadline at the partner's link) and 10 s to freeze and apply."""
+        running = self._round_task is not None and not self._round_task.done()
+        return 3 * self.match_s + self._exchange_s(self.partner or "") + 10.0 if running else 0.0
 
     def _exchange_s(self, peer_id: str) -> float:
         payload = self._frozen.snapshot.payload_bytes if self._frozen is not None else 0
