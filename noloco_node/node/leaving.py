@@ -26,7 +26,8 @@ async def leave(node: Node, grace_s: float | None = None, *, final: bool = True)
     # Let a running outer step finish first, while our record still says we are here: withdrawn
     # first, a partner's lookup no longer found us and an overlapped round in flight at the end
     # went solo (seen in 8 of 20 overlapped loss_price cells); and the weights we save are post-update.
-    if not await node.sync.settle(max(cfg.timeouts.outer_round_s, node.sync.round_bound_s())):
+    # A fixed bound: launchers size their grace after SIGTERM by it (experiments/launcher.py).
+    if not await node.sync.settle(cfg.timeouts.outer_round_s):
         log.warning("an outer step was still running at shutdown")
     node.board.become(Status.LEAVING)  # announced next, with the record withdrawn
     # A mover's leaving record outlives its trip to the new stage (a restart, a state fetch), so

@@ -87,7 +87,7 @@ class SlowLink:
         return 120.0 if peer_id == "far" else 1.0
 
 
-def test_a_stopping_node_waits_for_its_round_as_long_as_the_round_may_take():
+def test_a_rounds_bound_covers_its_partners_transfer_deadline():
     model = nn.Module()
     model.w = nn.Parameter(torch.ones(4))
     state = OuterState(model.named_parameters(), alpha=0.5, beta=0.7)
@@ -118,8 +118,8 @@ def test_a_stopping_node_waits_for_its_round_as_long_as_the_round_may_take():
         return while_streaming, settled
 
     while_streaming, settled = asyncio.run(scenario())
-    # More than the fixed 2 x match_s + 10 a stop used to wait: the partner's transfer deadline
-    # and the matching windows, or a final round is cut short and its update lost.
+    # More than the fixed 2 x match_s + 10 (timeouts.outer_round_s): the matching windows and the
+    # partner's transfer deadline. Stage 0 waits this long for its last round when training ends.
     assert while_streaming >= 3 * 1.0 + 120.0 + 10.0
     assert settled and sync.counters.rounds == 1 and sync.round_bound_s() == 0.0
 
