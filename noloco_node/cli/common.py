@@ -10,6 +10,7 @@ import signal
 from typing import Any
 
 from noloco_node.config import NodeConfig, load_config
+from noloco_node.runtime.logging import is_grpc_stream_leak
 
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
@@ -94,6 +95,9 @@ def stop_on_signals() -> asyncio.Event:
         error = context.get("exception")
         if stop.is_set() and isinstance(error, (ConnectionError, asyncio.IncompleteReadError)):
             log.debug("while stopping: %s: %r", context.get("message"), error)
+            return
+        if is_grpc_stream_leak(context):  # gRPC's, harmless: not an ERROR in a volunteer's log
+            log.debug("gRPC left a cut stream's request task: %s", context.get("message"))
             return
         loop.default_exception_handler(context)
 

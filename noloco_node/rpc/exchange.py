@@ -49,6 +49,10 @@ async def exchange_snapshots(
     stream = _ExchangeStream(read, write, progress, traffic, faults)
     sender = asyncio.create_task(stream.send(mine))
     receiver = asyncio.create_task(stream.receive(mine, expected, codec, max_bytes, limits))
+    for task in (sender, receiver):
+        # When one direction fails, the other often fails too ('stream ended'): the exchange raises
+        # the first, and the second is no "exception never retrieved" ERROR in the node's log.
+        task.add_done_callback(_retrieved)
     try:
         await watch_exchange(receiver, sender, progress, stream.received_all)
         result = receiver.result()
@@ -58,6 +62,11 @@ async def exchange_snapshots(
         for task in (sender, receiver):
             if not task.done():
                 task.cancel()
+
+
+def _retrieved(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 class _ExchangeStream:

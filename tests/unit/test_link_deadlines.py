@@ -344,3 +344,32 @@ def test_small_hops_on_a_slow_link_are_measured_by_default():
         links.observe("p", 33_000, 33_000 * 8 / 0.6e6 + 0.05, "sent")
     rate = links.bytes_per_s("p", "sent")
     assert rate is not None and 0.4 < rate * 8 / 1e6 < 0.7, rate  # measured: about the link's 0.6 Mbit/s
+
+
+class EndedPipe(Pipe):
+    """A stream the partner ended: reads see its end, writes fail."""
+
+    async def write(self, message) -> None:
+        raise PeerUnavailable("the partner ended the exchange")
+
+    async def read(self):
+        return None
+
+
+def test_both_directions_failing_raise_once_and_report_nothing_else():
+    reports: list[dict] = []
+
+    async def main():
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: reports.append(context))
+        ended = EndedPipe()
+        mine, expected = _snapshot(1, 1000)
+        with pytest.raises(PeerUnavailable):
+            await exchange_snapshots(ended.read, ended.write, mine, expected, "none", 1 << 20)
+        await asyncio.sleep(0.05)
+        import gc
+
+        gc.collect()  # an exception nobody retrieved is reported when its task is collected
+        await asyncio.sleep(0)
+
+    asyncio.run(main())
+    assert reports == []
