@@ -52,9 +52,10 @@ def quiet_native_logs(level: str) -> None:
 def is_grpc_stream_leak(context: dict) -> bool:
     """Whether an asyncio error report is grpc.aio's known leak, not ours: a client-streaming call
     made through interceptors (ours sign every call) that the server ends before all was written (a
-    busy or refusing receiver) leaves the task feeding it its requests pending (grpc/grpc#37355,
-    not merged); when the call is collected, asyncio reports that task and the generator it read.
-    The call itself failed with its status and was handled."""
+    busy or refusing receiver) leaves the task feeding it its requests pending (a fix was proposed
+    upstream in grpc/grpc#37355; grpcio 1.85 still does it); when the call is collected, asyncio
+    reports that task and the generator it read. The call itself failed with its status and was
+    handled."""
     task = context.get("task")
     if task is not None and context.get("message") == "Task was destroyed but it is pending!":
         return getattr(task.get_coro(), "__qualname__", "") == "_StreamRequestMixin._consume_request_iterator"
