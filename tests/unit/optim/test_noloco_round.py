@@ -29,25 +29,30 @@ class NoPeers:
         return []
 
 
-def test_cancelled_finish_still_completes_the_round():
+async def _no_status(*_) -> None:
+    return None
+
+
+def lone_sync(config: OuterConfig, transport=None) -> NoLoCoSync:
+    """A replica with one 4-element weight, no peers to match and a slow compute thread."""
     model = nn.Module()
     model.w = nn.Parameter(torch.ones(4))
     state = OuterState(model.named_parameters(), alpha=0.5, beta=0.7)
-
-    async def set_status(*_):
-        return None
-
-    parts = SyncParts(compute=SlowCompute(), peer_id="me", stage=0, set_status=set_status)
-    sync = NoLoCoSync(
+    parts = SyncParts(compute=SlowCompute(), peer_id="me", stage=0, set_status=_no_status, inner_steps=lambda: 5)
+    return NoLoCoSync(
         state,
-        OuterConfig(codec="none"),
+        config,
         parts,
-        transport=None,
+        transport=transport,
         directory=NoPeers(),
         settings=NoLoCoSettings(match_s=1.0),
         bans=Bans(),
         rng=random.Random(0),
     )
+
+
+def test_cancelled_finish_still_completes_the_round():
+    sync = lone_sync(OuterConfig(codec="none"))
 
     async def scenario():
         round_task = asyncio.ensure_future(sync.outer_step(inner_step=1, round_index=1))
@@ -88,24 +93,7 @@ class SlowLink:
 
 
 def test_a_rounds_bound_covers_its_partners_transfer_deadline():
-    model = nn.Module()
-    model.w = nn.Parameter(torch.ones(4))
-    state = OuterState(model.named_parameters(), alpha=0.5, beta=0.7)
-
-    async def set_status(*_):
-        return None
-
-    parts = SyncParts(compute=SlowCompute(), peer_id="me", stage=0, set_status=set_status, inner_steps=lambda: 5)
-    sync = NoLoCoSync(
-        state,
-        OuterConfig(codec="none", inner_steps_per_outer=5, overlap=True),
-        parts,
-        transport=SlowLink(),
-        directory=NoPeers(),
-        settings=NoLoCoSettings(match_s=1.0),
-        bans=Bans(),
-        rng=random.Random(0),
-    )
+    sync = lone_sync(OuterConfig(codec="none", inner_steps_per_outer=5, overlap=True), transport=SlowLink())
 
     async def scenario():
         assert sync.round_bound_s() == 0.0  # no round: the caller's own timeout applies
