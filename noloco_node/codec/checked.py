@@ -5,13 +5,20 @@ Every receiver of tensors uses it: the Stage servicer (rpc/stage_service.py), th
 and the state fetch (rpc/outer_service.py, rpc/state_service.py), and their in-memory twins
 (sync/memory.py, pipeline/memory.py), so a payload is judged the same way whichever transport
 carried it. The spec must be validated first (rpc/tensors.py `header_to_spec`, or the expected
-tensor it must match): this allocates `spec.numel` elements."""
+tensor it must match): this allocates `spec.numel` elements.
+
+`decode_received` is what the Stage servicer and its twin hand a stage: the same check, but a
+bfloat16 payload of a float32 tensor stays bfloat16, a view of the received bytes. Every bfloat16
+value is a float32 value, so nothing changes but where the widening happens: on the stage's
+device (pipeline/worker.py), after a copy of half the bytes, instead of a pass over the payload
+and a float32 tensor twice its size on the receiving node's event loop."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
+from noloco_node.codec.spec import expected_payload_bytes
 from noloco_node.codec.tensors import DTYPES, CodecError, TensorSpec, decode_into
 from noloco_node.errors import InvalidPayload
 
@@ -27,3 +34,22 @@ def decode_checked(spec: TensorSpec, payload: bytes | bytearray | memoryview) ->
     except CodecError as exc:
         raise InvalidPayload(str(exc)) from None
     return out
+
+
+def decode_received(spec: TensorSpec, payload: bytes | bytearray | memoryview) -> Tensor:
+    """`payload` as a stage takes it: a `bf16` payload of a float32 tensor as a bfloat16 tensor over
+    the payload's own bytes (no copy: hand in a writable buffer the caller will not reuse), anything
+    else as `decode_checked` decodes it."""
+    if spec.codec != "bf16" or spec.dtype != "float32":
+        return decode_checked(spec, payload)
+    try:
+        expected = expected_payload_bytes(spec)
+    except CodecError as exc:
+        raise InvalidPayload(str(exc)) from None
+    if len(payload) != expected:
+        raise InvalidPayload(f"payload is {len(payload)} bytes; spec bf16/float32{list(spec.shape)} needs {expected}")
+    if expected == 0:
+        return torch.empty(spec.shape, dtype=torch.bfloat16)
+    if memoryview(payload).readonly:  # the tensor must own writable memory (a stage may write into it)
+        payload = bytearray(payload)
+    return torch.frombuffer(payload, dtype=torch.bfloat16).view(spec.shape)

@@ -19,17 +19,38 @@ import torch
 from torch import Tensor
 
 
-def tensor_rms(tensor: Tensor, peak: float | None = None) -> float:
-    """Root mean square, without overflowing on values near float32's limit (+-3e38 squares to inf).
-    `peak` is max |x| when the caller has it already."""
+# Below this, a sum of squares cannot overflow float32 (largest finite ~3.4e38).
+_SAFE_SUM_OF_SQUARES = 1e37
+
+
+def peak_abs(tensor: Tensor) -> float:
+    """max |x| in one pass (aminmax, no |x| temporary): NaN when any element is NaN, inf when any
+    is infinite. A received activation is checked with it on the node's event loop, so it is kept
+    to a pass over the payload: `abs().max()` allocated and read a copy of it."""
     if tensor.numel() == 0:
         return 0.0
+    low, high = (float(v) for v in torch.aminmax(tensor.detach()))
+    if math.isnan(low) or math.isnan(high):
+        return math.nan
+    return max(-low, high)
+
+
+def tensor_rms(tensor: Tensor, peak: float | None = None) -> float:
+    """Root mean square, without overflowing on values near float32's limit (+-3e38 squares to inf).
+    `peak` is max |x| when the caller has it already. A bfloat16 tensor is read as it is (its
+    products accumulate in float32), not widened first."""
+    flat = tensor.detach().reshape(-1)
+    n = flat.numel()
+    if n == 0:
+        return 0.0
     if peak is None:
-        peak = float(tensor.detach().abs().max())
+        peak = peak_abs(flat)
     if not math.isfinite(peak) or peak == 0.0:
         return peak
-    scaled = tensor.detach().to(torch.float32) / peak
-    return peak * float(scaled.pow(2).mean().sqrt())
+    if peak * peak * n < _SAFE_SUM_OF_SQUARES:
+        return math.sqrt(float(torch.dot(flat, flat)) / n)
+    scaled = flat.to(torch.float32) / peak
+    return peak * math.sqrt(float(torch.dot(scaled, scaled)) / n)
 
 
 class RunningBounds:
@@ -47,7 +68,7 @@ class RunningBounds:
 
     def check(self, tensor: Tensor) -> str | None:
         """None if acceptable (and then counted into the window), else why not."""
-        peak = float(tensor.detach().abs().max()) if tensor.numel() else 0.0
+        peak = peak_abs(tensor)
         if not math.isfinite(peak):
             return self._refuse("payload holds non-finite values")
         if peak > self.max_abs:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from noloco_node.codec.checked import decode_checked
+from noloco_node.codec.checked import decode_received
 from noloco_node.codec.tensors import encode
 from noloco_node.errors import PeerUnavailable, PeerUnknown
 from noloco_node.pipeline.ports import BackwardCall, ForwardCall, Hop, MicrobatchKey, Peer, StageHandler
@@ -77,12 +77,13 @@ class MemoryNetwork:
 def through_wire(tensor: Tensor, codec: str) -> tuple[object, Tensor, int]:
     """(spec, the tensor a receiver decodes, payload bytes) for `tensor` sent with `codec`: float32
     values, handed in as float32 or as the bfloat16 copy a GPU stage makes for a lossy codec,
-    which encodes to the same payload (as the gRPC client sends it, rpc/stage_service.py)."""
+    which encodes to the same payload (as the gRPC client sends it, rpc/stage_service.py); decoded
+    as the Stage servicer decodes it (bf16 stays bf16, codec/checked.py's decode_received)."""
     sent = tensor.detach().cpu()
     if codec in ("none", "topk"):  # these carry the values as they are: float32 on the wire
         sent = sent.to(torch.float32)
     spec, payload = encode(sent, codec, dtype="float32")
-    return spec, decode_checked(spec, payload), len(payload)
+    return spec, decode_received(spec, payload), len(payload)
 
 
 class MemoryStageTransport:

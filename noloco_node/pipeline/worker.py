@@ -130,7 +130,7 @@ class StageWorker:
         with stash_weights (the graph is built on a copy of the weights)."""
         self.step_if_due()
         self._slow_down()
-        inputs = self._to_device(inputs)
+        inputs = self._input_to_device(inputs)
         saved = Saved(inputs, self.clock(), None if token_ids is None else self._to_device(token_ids))
         self.saved[key] = saved
         saved.stash = self._current_stash() if self.stash_weights else None
@@ -150,7 +150,7 @@ class StageWorker:
         (grad w.r.t. inputs, unscaled loss, tokens)."""
         self.step_if_due()
         self._slow_down(2)
-        x = self._to_device(inputs).detach().requires_grad_()
+        x = self._input_to_device(inputs).detach().requires_grad_()
         with self._autocast():
             loss = LlamaStage.loss(
                 self.stage(x, None if token_ids is None else self._to_device(token_ids)), self._to_device(labels)
@@ -249,6 +249,15 @@ class StageWorker:
             return tensor
         # Received tensors are host buffers: pin them so the copy is a DMA that overlaps compute.
         return tensor.pin_memory().to(self.device, non_blocking=True)
+
+    def _input_to_device(self, inputs: Tensor) -> Tensor:
+        """Received activations on the device, float32 as the stage computes them: a bf16 hop
+        arrives as bfloat16 (codec/checked.py's decode_received), so the host copies half the
+        bytes and the device widens them. Token ids (stage 0) pass as they are."""
+        inputs = self._to_device(inputs)
+        if inputs.is_floating_point() and inputs.dtype != torch.float32:
+            inputs = inputs.to(torch.float32)
+        return inputs
 
     def _to_host(self, tensor: Tensor, dtype: torch.dtype, *, finite: tuple[Hashable, str] | None = None) -> Tensor:
         """A result on its way to the wire, as a host tensor of `dtype` (the codec decides the wire

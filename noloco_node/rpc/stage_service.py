@@ -20,7 +20,7 @@ import grpc
 import torch
 from torch import Tensor
 
-from noloco_node.codec.checked import decode_checked
+from noloco_node.codec.checked import decode_received
 from noloco_node.codec.tensors import TensorSpec
 from noloco_node.errors import InvalidPayload, NodeError, PoisonedPayload, TooLarge
 from noloco_node.optim.integrity import RunningBounds
@@ -88,7 +88,7 @@ async def _receive(messages: AsyncIterator, spec: TensorSpec, max_bytes: int, st
             raise InvalidPayload("a second header arrived inside a stream; expected payload chunks")
         receiver.add(message.chunk)
     payload = receiver.finish()
-    return decode_checked(spec, payload), len(payload)
+    return decode_received(spec, payload), len(payload)
 
 
 class StageServicer(stage_pb2_grpc.StageServicer):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from noloco_node.optim.inner import InnerOptimizer, InnerSchedule
-from noloco_node.optim.integrity import RunningBounds, repair_weights, tensor_rms
+from noloco_node.optim.integrity import RunningBounds, peak_abs, repair_weights, tensor_rms
 from noloco_node.optim.state import OuterState
 from noloco_node.pipeline.worker import NonFiniteValues, StageWorker, WorkerSettings
 from noloco_node.runtime.faults import FaultInjector
@@ -18,6 +18,26 @@ def test_rms_does_not_overflow_near_the_float32_limit():
     assert tensor_rms(x) == pytest.approx(3e38, rel=1e-6)
     assert tensor_rms(torch.zeros(3)) == 0.0
     assert tensor_rms(torch.tensor([3.0, 4.0])) == pytest.approx(math.sqrt(12.5))
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_peak_finds_a_single_non_finite_element(bad, dtype):
+    x = torch.randn(3, 1000)
+    assert peak_abs(x.to(dtype)) == pytest.approx(float(x.to(dtype).abs().max()))
+    x[2, 517] = bad
+    peak = peak_abs(x.to(dtype))
+    assert math.isnan(peak) if math.isnan(bad) else peak == math.inf
+    assert peak_abs(torch.empty(0)) == 0.0
+
+
+def test_a_bf16_payloads_rms_is_its_float32_values_rms():
+    x = torch.randn(4, 64, 256) * 0.3
+    narrow = x.to(torch.bfloat16)
+    assert tensor_rms(narrow) == pytest.approx(tensor_rms(narrow.float()), rel=1e-2)
+    assert tensor_rms(narrow.float()) == pytest.approx(float(narrow.float().pow(2).mean().sqrt()), rel=1e-5)
+    big = torch.full((1 << 12,), 1e18)  # a sum of squares past float32's range takes the scaled path
+    assert tensor_rms(big) == pytest.approx(1e18, rel=1e-5) and tensor_rms(big.to(torch.bfloat16)) > 9e17
 
 
 def test_bounds_follow_the_running_median_and_refuse_scaled_payloads():

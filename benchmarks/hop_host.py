@@ -1,0 +1,140 @@
+"""Host work of one pipeline hop, phase by phase, at a model preset's activation shape, each as a
+multiple of one plain copy of the hop's float32 tensor measured in the same run (this machine is
+noisy; the ratio is the figure).
+
+A hop's host work runs on the sending and the receiving node's event loop, beside the compute
+thread that launches the stage's kernels: on a GPU node every millisecond of it competes with the
+device's feed for the CPU and the GIL (issue 35: processes over gRPC ran at 0.71 of a plain loop
+where the same parts in one process ran at 0.90). Phases, in the order a hop crosses them:
+
+  sender    encode          StageClient's encode_tensor of the stage's host result (bf16 for a
+                            bf16 hop, as a GPU stage hands it; float32 for the others)
+            chunk           the 1 MiB ForwardMessage chunks (rpc/tensors.iter_chunks)
+            serialize       what gRPC does to each message before it writes it
+  receiver  parse           gRPC's parse of each message
+            collect         PayloadReceiver.add of every chunk into the preallocated buffer
+            decode          decode_received: bf16 stays a view of the buffer, the others decode
+            check           RunningBounds.check, the servicer's value screen (optim/integrity.py)
+            widen           float32 of what arrived narrower: on a GPU this runs on the device
+                            after the copy, so it is listed, not counted in the host total
+  previous  decode+check    the receive path before: every codec decoded to float32, screened
+                            with abs().max() and a scaled square mean (kept here to compare with)
+
+    .venv/bin/python benchmarks/hop_host.py [--preset medium] [--microbatch 4] [--seq 1024]
+        [--codecs bf16,int8,int4] [--repeats 7] [--threads 1] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from noloco_node.codec.checked import decode_checked, decode_received
+from noloco_node.config.sections import MODEL_PRESETS
+from noloco_node.optim.integrity import RunningBounds
+from noloco_node.runtime.memory import tune_allocator
+from noloco_node.rpc.tensors import PayloadReceiver, encode_tensor, header_to_spec, iter_chunks
+from noloco_node.wire.v1 import stage_pb2
+
+HOST_PHASES = ("encode", "chunk", "serialize", "parse", "collect", "decode", "check")
+
+
+def timed(fn: Callable[[], object], repeats: int) -> float:
+    """Median seconds of `fn` over `repeats` calls after one warm-up."""
+    fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def previous_screen(tensor: torch.Tensor) -> float:
+    """The value screen before this benchmark's change: |x| materialised for its max, then the
+    square mean of x / peak (two more temporaries)."""
+    peak = float(tensor.abs().max())
+    scaled = tensor.to(torch.float32) / peak
+    return peak * float(scaled.pow(2).mean().sqrt())
+
+
+def hop_phases(activations: torch.Tensor, codec: str, repeats: int) -> dict[str, float]:
+    """Median seconds of each phase of one hop of `activations` (float32) sent with `codec`."""
+    handed = activations.to(torch.bfloat16) if codec != "none" else activations  # what a GPU stage hands on
+    header, payload = encode_tensor(handed, codec, dtype="float32")
+    spec = header_to_spec(header)
+    messages = [stage_pb2.ForwardMessage(chunk=c) for c in iter_chunks(payload)]
+    wire = [m.SerializeToString() for m in messages]
+    parsed = [stage_pb2.ForwardMessage.FromString(w) for w in wire]
+
+    def collect() -> bytearray:
+        receiver = PayloadReceiver(spec, max_bytes=len(payload))
+        for message in parsed:
+            receiver.add(message.chunk)
+        return receiver.finish()
+
+    buffer = collect()
+    received = decode_received(spec, buffer)
+    bounds = RunningBounds(factor=1000.0, max_abs=1e6)
+    return {
+        "encode": timed(lambda: encode_tensor(handed, codec, dtype="float32"), repeats),
+        "chunk": timed(lambda: [stage_pb2.ForwardMessage(chunk=c) for c in iter_chunks(payload)], repeats),
+        "serialize": timed(lambda: [m.SerializeToString() for m in messages], repeats),
+        "parse": timed(lambda: [stage_pb2.ForwardMessage.FromString(w) for w in wire], repeats),
+        "collect": timed(collect, repeats),
+        "decode": timed(lambda: decode_received(spec, buffer), repeats),
+        "check": timed(lambda: bounds.check(received), repeats),
+        "widen": timed(lambda: received.to(torch.float32), repeats) if received.dtype != torch.float32 else 0.0,
+        "previous decode+check": timed(lambda: previous_screen(decode_checked(spec, buffer)), repeats),
+        "payload_bytes": len(payload),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="medium", choices=sorted(MODEL_PRESETS))
+    p.add_argument("--microbatch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--codecs", default="bf16,int8,int4")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: steadier on a shared machine)")
+    p.add_argument("--json", help="also write the results here")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    tune_allocator()  # as a node does (node/lifecycle.py): large temporaries reuse their pages
+    hidden = MODEL_PRESETS[args.preset][0]
+    activations = torch.randn(args.microbatch, args.seq, hidden, generator=torch.Generator().manual_seed(0))
+    target = torch.empty_like(activations)
+    copy_s = timed(lambda: target.copy_(activations), args.repeats)
+    print(
+        f"{args.preset}: a hop of {args.microbatch} x {args.seq} x {hidden} float32 "
+        f"({activations.nbytes / 1e6:.1f} MB); one copy of it {copy_s * 1e3:.2f} ms (the unit below); "
+        f"{args.threads} torch thread(s), median of {args.repeats}"
+    )
+    results = {"preset": args.preset, "shape": list(activations.shape), "copy_s": copy_s, "codecs": {}}
+    for codec in args.codecs.split(","):
+        phases = hop_phases(activations, codec, args.repeats)
+        host = sum(phases[name] for name in HOST_PHASES)
+        receive = sum(phases[name] for name in ("parse", "collect", "decode", "check"))
+        previous = receive - phases["decode"] - phases["check"] + phases["previous decode+check"]
+        results["codecs"][codec] = {**phases, "host_s": host, "receive_s": receive, "previous_receive_s": previous}
+        print(f"\n{codec}: {phases['payload_bytes'] / 1e6:.1f} MB on the wire")
+        for name in (*HOST_PHASES, "widen", "previous decode+check"):
+            print(f"  {name:22s} {phases[name] * 1e3:8.2f} ms  {phases[name] / copy_s:6.2f} copies")
+        print(f"  {'host, both ends':22s} {host * 1e3:8.2f} ms  {host / copy_s:6.2f} copies")
+        print(
+            f"  {'receiver':22s} {receive * 1e3:8.2f} ms  {receive / copy_s:6.2f} copies "
+            f"(previous path {previous * 1e3:.2f} ms, {previous / copy_s:.2f} copies: {previous / receive:.2f}x)"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
