@@ -7,8 +7,8 @@ thread that launches the stage's kernels: on a GPU node every millisecond of it 
 device's feed for the CPU and the GIL (issue 35: processes over gRPC ran at 0.71 of a plain loop
 where the same parts in one process ran at 0.90). Phases, in the order a hop crosses them:
 
-  sender    encode          StageClient's encode_tensor of the stage's host result (bf16 for a
-                            bf16 hop, as a GPU stage hands it; float32 for the others)
+  sender    encode          StageClient's encode_tensor of the stage's host result, as a GPU stage
+                            hands it (bfloat16; a bf16 payload is then a view of it, no copy)
             chunk           the 1 MiB ForwardMessage chunks (rpc/tensors.iter_chunks)
             serialize       what gRPC does to each message before it writes it
   receiver  parse           gRPC's parse of each message
@@ -66,7 +66,7 @@ def previous_screen(tensor: torch.Tensor) -> float:
 def hop_phases(activations: torch.Tensor, codec: str, repeats: int) -> dict[str, float]:
     """Median seconds of each phase of one hop of `activations` (float32) sent with `codec`."""
     handed = activations.to(torch.bfloat16) if codec != "none" else activations  # what a GPU stage hands on
-    header, payload = encode_tensor(handed, codec, dtype="float32")
+    header, payload = encode_tensor(handed, codec, dtype="float32", copy=False)
     spec = header_to_spec(header)
     messages = [stage_pb2.ForwardMessage(chunk=c) for c in iter_chunks(payload)]
     wire = [m.SerializeToString() for m in messages]
@@ -82,7 +82,7 @@ def hop_phases(activations: torch.Tensor, codec: str, repeats: int) -> dict[str,
     received = decode_received(spec, buffer)
     bounds = RunningBounds(factor=1000.0, max_abs=1e6)
     return {
-        "encode": timed(lambda: encode_tensor(handed, codec, dtype="float32"), repeats),
+        "encode": timed(lambda: encode_tensor(handed, codec, dtype="float32", copy=False), repeats),
         "chunk": timed(lambda: [stage_pb2.ForwardMessage(chunk=c) for c in iter_chunks(payload)], repeats),
         "serialize": timed(lambda: [m.SerializeToString() for m in messages], repeats),
         "parse": timed(lambda: [stage_pb2.ForwardMessage.FromString(w) for w in wire], repeats),

@@ -88,7 +88,8 @@ def encode(
     stochastic: torch.Generator | None = None,
     dtype: str | None = None,
     slice_key: tuple[int, int, int] | None = None,
-) -> tuple[TensorSpec, bytes]:
+    copy: bool = True,
+) -> tuple[TensorSpec, bytes | memoryview]:
     """Encode `tensor` (any device) with `codec`; returns its spec and the payload bytes.
     `fraction` is topk's share of elements sent (the largest magnitudes). `stochastic`: int4
     rounds stochastically (unbiased) with draws from this CPU generator; None = to nearest. The
@@ -97,12 +98,18 @@ def encode(
     hands a bfloat16 copy of float32 activations for the lossy codecs (half the device-to-host
     bytes, and no float32 round trip), which they encode exactly as they would the float32 tensor
     (bf16 rounds to the same bits); `none` and `topk` carry values as they are, so there it must match.
-    `slice_key` = (seed, parts, part): which slice the slice codec sends (codec/sparse.py)."""
+    `slice_key` = (seed, parts, part): which slice the slice codec sends (codec/sparse.py).
+    `copy=False`: where the payload is the values' own memory (`none`, and `bf16` of a bfloat16
+    CPU tensor), a read-only memoryview over them instead of a copy: for a sender that owns the
+    tensor and leaves it unchanged until the payload is sent (a stage's hop)."""
     dtype = _declared_dtype(tensor, codec, dtype)
     flat = tensor.detach().reshape(-1).cpu()
-    payload, nnz, spec_block, (seed, parts, part) = _encode_flat(
-        flat, codec, block_size=block_size, fraction=fraction, stochastic=stochastic, slice_key=slice_key
-    )
+    if not copy and codec in ("none", "bf16"):
+        payload, nnz, spec_block, (seed, parts, part) = _bytes_view(flat, codec), 0, 0, (0, 0, 0)
+    else:
+        payload, nnz, spec_block, (seed, parts, part) = _encode_flat(
+            flat, codec, block_size=block_size, fraction=fraction, stochastic=stochastic, slice_key=slice_key
+        )
     spec = TensorSpec(
         dtype=dtype,
         shape=tuple(tensor.shape),
@@ -206,6 +213,15 @@ def decode(spec: TensorSpec, payload: bytes | bytearray | memoryview) -> Tensor:
 
 def _to_bytes(tensor: Tensor) -> bytes:
     return tensor.numpy().tobytes() if tensor.numel() else b""
+
+
+def _bytes_view(flat: Tensor, codec: str) -> memoryview:
+    """The payload of `none` or `bf16` as a read-only view of the values (copied only where the
+    values are not already in the wire's dtype, or not contiguous)."""
+    wire = flat.contiguous() if codec == "none" else flat.to(torch.bfloat16).contiguous().view(torch.int16)
+    if wire.numel() == 0:
+        return memoryview(b"")
+    return memoryview(wire.numpy()).cast("B").toreadonly()
 
 
 _from_bytes = sparse.frombuffer

@@ -284,7 +284,8 @@ class StageClient:
         token_ids: Tensor | None = None,
     ) -> None:
         # Activations and gradients are float32 on the wire's spec, whatever precision the stage handed over.
-        tensor_header, payload = encode_tensor(activations, self.codec, dtype="float32")
+        # The hop's tensor is the stage's result, unchanged while it is sent: a bf16 payload is a view of it.
+        tensor_header, payload = encode_tensor(activations, self.codec, dtype="float32", copy=False)
         header = stage_pb2.ForwardHeader(
             run=self.run,
             microbatch=microbatch,
@@ -309,7 +310,9 @@ class StageClient:
         loss: float,
         num_tokens: int,
     ) -> None:
-        tensor_header, payload = encode_tensor(grad, self.gradient_codec, stochastic=self.rounding, dtype="float32")
+        tensor_header, payload = encode_tensor(
+            grad, self.gradient_codec, stochastic=self.rounding, dtype="float32", copy=False
+        )
         header = stage_pb2.BackwardHeader(
             run=self.run,
             microbatch=microbatch,

@@ -82,15 +82,22 @@ def header_to_spec(header: tensor_pb2.TensorHeader) -> TensorSpec:
 
 
 def encode_tensor(
-    tensor: Tensor, codec: str, name: str = "", *, stochastic: torch.Generator | None = None, dtype: str | None = None
-) -> tuple[tensor_pb2.TensorHeader, bytes]:
+    tensor: Tensor,
+    codec: str,
+    name: str = "",
+    *,
+    stochastic: torch.Generator | None = None,
+    dtype: str | None = None,
+    copy: bool = True,
+) -> tuple[tensor_pb2.TensorHeader, bytes | memoryview]:
     """`stochastic`: int4 rounds stochastically with this generator's draws; `dtype`: the logical
-    dtype when a lower-precision copy is handed in (codec/tensors.py)."""
-    spec, payload = encode(tensor, codec, stochastic=stochastic, dtype=dtype)
+    dtype when a lower-precision copy is handed in; `copy=False`: a view of the values where the
+    codec's payload is their own bytes (codec/tensors.py)."""
+    spec, payload = encode(tensor, codec, stochastic=stochastic, dtype=dtype, copy=copy)
     return spec_to_header(spec, name), payload
 
 
-def iter_chunks(payload: bytes, chunk_bytes: int = CHUNK_BYTES) -> Iterator[tensor_pb2.TensorChunk]:
+def iter_chunks(payload: bytes | memoryview, chunk_bytes: int = CHUNK_BYTES) -> Iterator[tensor_pb2.TensorChunk]:
     view = memoryview(payload)
     for index, start in enumerate(range(0, len(payload), chunk_bytes)):
         yield tensor_pb2.TensorChunk(index=index, data=bytes(view[start : start + chunk_bytes]))

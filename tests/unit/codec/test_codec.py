@@ -103,3 +103,25 @@ def test_int8_rejects_non_finite_input():
     x[3] = float("nan")
     with pytest.raises(CodecError, match="non-finite"):
         encode(x, "int8")
+
+
+# (none carries values as they are: a bfloat16 tensor is no float32 payload for it)
+@pytest.mark.parametrize(
+    "codec,handed",
+    [("none", torch.float32), ("bf16", torch.float32), ("bf16", torch.bfloat16), ("int8", torch.bfloat16)],
+)
+def test_a_payload_without_a_copy_is_the_same_bytes(codec, handed):
+    tensor = torch.randn(3, 70).to(handed)
+    spec, payload = encode(tensor, codec, dtype="float32")
+    view_spec, view = encode(tensor, codec, dtype="float32", copy=False)
+    assert view_spec == spec and bytes(view) == payload and len(view) == len(payload)
+    assert torch.equal(decode(view_spec, view), decode(spec, payload))
+
+
+def test_a_bf16_payload_without_a_copy_is_a_read_only_view_of_a_bf16_tensor():
+    tensor = torch.randn(4, 8).to(torch.bfloat16)
+    spec, view = encode(tensor, "bf16", dtype="float32", copy=False)
+    assert isinstance(view, memoryview) and view.readonly
+    tensor[0, 0] = 3.0  # the sender must leave it unchanged until sent: the payload is its memory
+    assert decode(spec, view)[0, 0] == 3.0
+    assert encode(torch.empty(0), "bf16", copy=False)[1] == b""
