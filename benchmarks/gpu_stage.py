@@ -17,6 +17,8 @@ benchmarks/gpu_profile.py.
 
     python benchmarks/gpu_stage.py --preset medium [--processes] [--price-steps 40 --seeds 0,1] [--json F]
     python benchmarks/gpu_stage.py --preset medium --runs hf,exact,overlap,processes --json F
+    python benchmarks/gpu_stage.py --preset medium --runs hf,exact,processes --compile --json F  # compiled layers
+    python benchmarks/gpu_stage.py --preset medium --runs hf,exact,overlap --subspace 128 --json F  # k = d/16 hops
 """
 
 from __future__ import annotations
@@ -84,6 +86,8 @@ def config_for(args, out: Path, **extra: str):
         "timeouts.microbatch_s": 1200,
         "timeouts.receive_s": 600,
         "data.holdout_fraction": 0.02,
+        "pipeline.compile": str(args.compile).lower(),
+        "model.residual_subspace": args.subspace,
         **extra,
     }
     return load_config(overrides=[f"{k}={v}" for k, v in sets.items()])
@@ -95,6 +99,9 @@ def plain_hf(llama_cfg, batches, args) -> dict:
     llama_cfg._attn_implementation = "sdpa"
     with torch.device(args.device):  # initialised where it trains: no host copy of the whole model
         model = LlamaForCausalLM(llama_cfg).train()
+    if args.compile:  # as pipeline.compile does a stage's: each decoder layer in place
+        for layer in model.model.layers:
+            layer.compile()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=args.device == "cuda")
     n_micro = args.batch // args.micro
 
@@ -232,8 +239,19 @@ def main() -> int:
     p.add_argument("--price-steps", type=int, default=0)
     p.add_argument("--seeds", default="0")
     p.add_argument("--json", type=Path)
+    p.add_argument(
+        "--subspace",
+        type=int,
+        default=0,
+        help="model.residual_subspace k of the node runs (the plain loop stays dense)",
+    )
+    p.add_argument(
+        "--compile", action="store_true", help="torch.compile the decoder layers: the plain loop's and pipeline.compile"
+    )
     p.add_argument("--device", default="cuda", help="cpu: a dry run of this script's logic on a tiny model")
     args = p.parse_args()
+    if args.subspace and (args.price_only or args.price_steps):
+        p.error("the price of overlap chains dense stages: leave --subspace out of it")
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_stage: torch sees no CUDA device on this machine; nothing measured.")
         return 0
@@ -246,9 +264,12 @@ def main() -> int:
         llama, ranges = run_model(config, len(tokenizer))
         fpt = flops_per_token(llama, args.seq_len)
         peak = args.peak_tflops * 1e12
+        result["flops_per_token"], result["peak_flops"] = fpt, peak
         print(
             f"{result['device']}: {args.preset} hidden {llama.hidden_size} layers {llama.num_hidden_layers}, split "
-            f"{[len(r) for r in ranges]}, seq {args.seq_len} batch {args.batch} micro {args.micro}",
+            f"{[len(r) for r in ranges]}, seq {args.seq_len} batch {args.batch} micro {args.micro}"
+            f"{', decoder layers compiled' if args.compile else ''}"
+            f"{f', node runs with a residual subspace of {args.subspace}' if args.subspace else ''}",
             flush=True,
         )
         if args.price_only:
@@ -290,6 +311,8 @@ def main() -> int:
                     "pipeline.device": args.device,
                     "pipeline.activation_codec": "bf16",
                     "pipeline.max_in_flight": args.max_in_flight,
+                    "pipeline.compile": str(args.compile).lower(),
+                    "model.residual_subspace": args.subspace,
                     "outer.method": "none",
                     "inner.lr": 3e-4,
                     "timeouts.rpc_s": 600,

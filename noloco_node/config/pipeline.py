@@ -51,6 +51,11 @@ class PipelineConfig:
     """Decoder layers per stage, e.g. [7, 5]; empty = split by per-token compute cost (model/split.py)."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward instead of keeping them (less memory)."""
+    compile: bool = False
+    """Compile each decoder layer with torch.compile (inductor): norms, rotary embedding, SwiGLU and
+    residual adds fused into fewer kernels, half a GPU stage's kernel time in eager mode. The first
+    microbatches of each kind (forward, recompute, backward) wait while it compiles; needs a C++
+    compiler on CPU. Measured with benchmarks/gpu_stage.py (--compile)."""
     schedule: str = "exact"
     """Stage 0's schedule. exact: a batch's microbatches all complete and the stage steps before
     the next batch starts (the oracle-equal mode). overlap: the next batch's forwards start while

@@ -166,4 +166,6 @@ def build_run_stage(cfg, config: LlamaConfig, ranges: list[range], stage_index: 
         subspace_rank=cfg.model.residual_subspace,
     )
     stage.activation_checkpointing = cfg.pipeline.activation_checkpointing
+    if cfg.pipeline.compile:
+        stage.compile_layers()
     return stage

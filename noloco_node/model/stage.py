@@ -90,6 +90,13 @@ class LlamaStage(nn.Module):
             self._mask_cache = (key, causal_mask(*key))
         return self._mask_cache[1]
 
+    def compile_layers(self) -> None:
+        """torch.compile each decoder layer in place (pipeline.compile). In place, so parameter names,
+        checkpoints, exports and the weight stash's functional_call see the same module tree; the
+        layers share one compiled graph, their parameters being its inputs."""
+        for layer in self.model.layers.values():
+            layer.compile()
+
     @property
     def boundary_width(self) -> int:
         """Values per token of what crosses a stage boundary: the hidden size, or the subspace rank."""

@@ -1,6 +1,7 @@
 """A bf16 hop reaches the worker as bfloat16 (codec/checked.py's decode_received): the stage widens
 it to float32 on its device and computes exactly what the float32 tensor would give."""
 
+import pytest
 import torch
 
 from .tiny_workers import HIDDEN, SEQ, tiny_worker
@@ -35,3 +36,23 @@ def test_the_last_stage_computes_the_same_loss_and_input_gradient_from_bf16_inpu
     (grad_a, loss_a, tokens_a), (grad_b, loss_b, tokens_b) = results
     assert grad_a.dtype == torch.float32 and torch.equal(grad_a, grad_b)
     assert loss_a == loss_b and tokens_a == tokens_b == 2 * SEQ
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_a_bf16_hop_is_pinned_copied_and_widened_there():
+    from noloco_node.model.stage import build_stage, llama_config
+    from noloco_node.optim.inner import InnerOptimizer, InnerSchedule
+    from noloco_node.pipeline.worker import StageWorker, WorkerSettings
+
+    config = llama_config(
+        vocab_size=32, hidden_size=HIDDEN, intermediate_size=32, num_layers=2, num_heads=2, max_seq_len=SEQ
+    )
+    narrow, wide = received(7)
+    outputs = []
+    for inputs in (narrow, wide):
+        stage = build_stage(config, seed=0, stage_index=1, num_stages=2, device="cuda")
+        inner = InnerOptimizer(stage.parameters(), InnerSchedule(lr_max=1e-2, warmup_steps=1, total_steps=10))
+        worker = StageWorker(stage, inner, WorkerSettings(batch_size=2, saved_ttl_s=60, auto_step=False, device="cuda"))
+        outputs.append(worker.forward_backward_last(inputs, torch.zeros(2, SEQ, dtype=torch.int64)))
+    (grad_a, loss_a, _), (grad_b, loss_b, _) = outputs
+    assert grad_a.device.type == "cpu" and torch.equal(grad_a, grad_b) and loss_a == loss_b

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# One device call for the GPU stage's figures: the CUDA tests, the stage against the plain HF loop
+# at a preset (eager, REPEATS times, each run with its own plain loop; with the decoder layers
+# compiled, pipeline.compile; with a residual subspace of SUBSPACE), the overlap schedule's held-out
+# loss against exact over PRICE_STEPS steps, then the profile. Every step has its own timeout inside a total BUDGET (s); a step that no
+# longer fits is skipped and says so. Results print as they come and land as JSON under $OUT.
+#
+# What the call carries (the device machine reaches no package index): .gpu/whl, the wheels of the
+# packages its python lacks (docs/research.md, "A pipeline stage on a GPU", says which and how they
+# are built), and .gpu/cache, this machine's ~/.cache/noloco-node (the corpus and the trained
+# tokenizer, so no process trains it again).
+#   device:          bash benchmarks/gpu_call.sh           (the run tool: carry [".gpu"])
+#   CPU dry run:     DEVICE=cpu PRESET=tiny PY=.venv/bin/python OUT=/tmp/gpuout bash benchmarks/gpu_call.sh
+set -u
+T0=$(date +%s)
+BUDGET=${BUDGET:-520}
+DEVICE=${DEVICE:-cuda}
+PRESET=${PRESET:-medium}
+REPEATS=${REPEATS:-3}
+PRICE_STEPS=${PRICE_STEPS:-50}
+PY=${PY:-python3}
+O=${OUT:-/tmp/gpuout}; mkdir -p "$O"
+exec > >(tee "$O/run.log") 2>&1
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+left() { echo $((BUDGET - ($(date +%s) - T0))); }
+if [ "$PRESET" = tiny ]; then SIZE="--seq-len 64 --batch 8 --micro 2"; else SIZE="--seq-len 1024 --batch 16 --micro 4"; fi
+if [ "$DEVICE" = cuda ]; then SCALE=1; else SCALE=${CPU_SCALE:-2}; fi  # a CPU dry run is slower per step
+
+step() {  # step LABEL SECONDS CMD...: run CMD with at most SECONDS (and what the budget has left)
+  local label=$1 secs=$(($2 * SCALE)); shift 2
+  local l; l=$(left)
+  if ((secs > l - 10)); then secs=$((l - 10)); fi
+  if ((secs < 25)); then echo "== $label: SKIPPED (${l}s of the budget left)"; return; fi
+  echo "== $label: up to ${secs}s, t=$(($(date +%s) - T0))s"
+  local s0; s0=$(date +%s)
+  PYTHONPATH="$SITE$PWD:$PWD/benchmarks" timeout -k 5 "$secs" "$@" 2>&1 | grep -v -E "Warning|warnings.warn|USDT|^\s*$"
+  echo "== $label: rc=${PIPESTATUS[0]} in $(($(date +%s) - s0))s"
+}
+
+SITE=""
+if [ "$DEVICE" = cuda ]; then
+  nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl 2>&1 \
+    | grep -v "root" | tail -3
+  SITE=/tmp/site:
+  mkdir -p "$HOME/.cache/noloco-node" && cp -r .gpu/cache/* "$HOME/.cache/noloco-node/"
+  PYTHONPATH=/tmp/site "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', \
+transformers.__version__, torch.cuda.get_device_name())"
+fi
+echo "setup done at t=$(($(date +%s) - T0))s"
+
+TESTS=${TESTS:-tests/unit/model/test_stage_cuda.py tests/unit/model/test_compile.py tests/unit/pipeline tests/unit/optim \
+tests/unit/node/test_swarm_in_process.py}
+step "CUDA unit tests" 90 "$PY" -m pytest -q -p no:cacheprovider -n "${XDIST:-6}" --timeout 80 $TESTS
+STAGE="$PY benchmarks/gpu_stage.py --device $DEVICE --preset $PRESET $SIZE --steps 5 --warmup 2 --swarm-timeout 110"
+EAGER="--runs hf,exact,overlap,processes"
+# Most telling first: one eager repeat, the compiled layers, the price; then the other repeats.
+step "stage vs plain loop, eager, repeat 1" 130 $STAGE $EAGER --json "$O/stage_eager_1.json"
+step "stage vs plain loop, compiled layers" 200 $STAGE --runs hf,exact,processes --compile --warmup 3 \
+  --json "$O/stage_compiled.json"
+step "overlap's loss price, $PRICE_STEPS steps" 150 $STAGE --price-only --price-steps "$PRICE_STEPS" --seeds 0 \
+  --json "$O/price.json"
+for r in $(seq 2 "$REPEATS"); do
+  step "stage vs plain loop, eager, repeat $r" 130 $STAGE $EAGER --json "$O/stage_eager_$r.json"
+done
+step "residual subspace k = d/16, exact and overlap" 100 $STAGE --runs hf,exact,overlap --subspace "${SUBSPACE:-128}" \
+  --json "$O/stage_subspace.json"
+step "profile" 60 "$PY" benchmarks/gpu_profile.py --device "$DEVICE" --preset "$PRESET" $SIZE --warmup 2 --steps 4 \
+  --profile-steps 2 --label now --json "$O/profile.json"
+"$PY" benchmarks/gpu_summary.py "$O"
+echo "== done at t=$(($(date +%s) - T0))s"
+ls -la "$O"

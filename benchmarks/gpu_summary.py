@@ -1,0 +1,86 @@
+"""The figures of one benchmarks/gpu_call.sh run, from the JSON it left in a folder: each run's
+tokens/s as the median over the repeats (and their range), its ratio to the plain loop of the same
+repeat (the figure: a repeat's runs share the device and the minute), MFU and each stage's busy-time
+MFU; the compiled run beside it; the overlap schedule's held-out loss against exact.
+
+    python benchmarks/gpu_summary.py OUT_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+RUNS = (
+    ("hf", "plain HF loop"),
+    ("in_process_exact", "in-process P=2 exact"),
+    ("in_process_overlap", "in-process P=2 overlap"),
+    ("processes", "processes P=2 over gRPC"),
+)
+
+
+def _spread(values: list[float]) -> str:
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return f"{values[0]:.3f}"
+    return f"{statistics.median(values):.3f} [{min(values):.3f}-{max(values):.3f}]"
+
+
+def summarize(results: list[dict], title: str) -> list[str]:
+    lines = [f"{title}: {len(results)} repeat(s) on {results[0].get('device', '?')}"]
+    lines.append(f"  {'run':26s} {'tok/s':>9s}  {'x plain loop':22s} {'MFU':22s} busy-time MFU per stage")
+    for key, label in RUNS:
+        rows = [r for r in results if isinstance(r.get(key), dict) and "tok_s" in r[key]]
+        if not rows:
+            continue
+        tok = [r[key]["tok_s"] for r in rows]
+        ratio = [r[key]["tok_s"] / r["hf"]["tok_s"] for r in rows if r.get("hf", {}).get("tok_s")]
+        mfu = [r[key]["tok_s"] * r["flops_per_token"] / r["peak_flops"] for r in rows if "flops_per_token" in r]
+        stages = {}
+        for r in rows:
+            for s in r[key].get("stages", []):
+                stages.setdefault(s["stage"], []).append(s["busy_mfu"])
+        busy = "  ".join(f"stage {k}: {_spread(v)}" for k, v in sorted(stages.items()))
+        lines.append(f"  {label:26s} {statistics.median(tok):9.0f}  {_spread(ratio):22s} {_spread(mfu):22s} {busy}")
+    refused = {k for r in results for k, v in r.items() if isinstance(v, dict) and "refused" in v}
+    lines += [f"  {k}: refused by the memory check" for k in sorted(refused)]
+    return lines
+
+
+def price(rows: list[dict]) -> list[str]:
+    lines = ["overlap's price (held-out loss, same seed and steps):"]
+    by_seed: dict[int, dict[str, float]] = {}
+    for row in rows:
+        by_seed.setdefault(row["seed"], {})[row["schedule"]] = row["held_out_loss"]
+    for seed, losses in sorted(by_seed.items()):
+        gap = losses.get("overlap", float("nan")) - losses.get("exact", float("nan"))
+        lines.append(
+            f"  seed {seed}: exact {losses.get('exact', float('nan')):.4f}  overlap "
+            f"{losses.get('overlap', float('nan')):.4f}  overlap - exact {gap:+.4f}"
+        )
+    return lines
+
+
+def main(folder: Path) -> int:
+    def load(pattern: str) -> list[dict]:
+        return [json.loads(p.read_text()) for p in sorted(folder.glob(pattern))]
+
+    lines: list[str] = []
+    for pattern, title in (
+        ("stage_eager_*.json", "eager"),
+        ("stage_compiled*.json", "decoder layers compiled"),
+        ("stage_subspace*.json", "residual subspace (node runs; the plain loop is dense)"),
+    ):
+        results = [r for r in load(pattern) if "hf" in r]
+        lines += summarize(results, title) if results else [f"{title}: no result"]
+    priced = [row for r in load("price*.json") for row in r.get("price_of_overlap", [])]
+    lines += price(priced) if priced else ["overlap's price: no result"]
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(Path(sys.argv[1])))
