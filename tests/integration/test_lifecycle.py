@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from noloco_node.experiments.process_group import ProcessGroup
 from noloco_node.runtime.events import read_events
 
 from .conftest import prepare_tokenizer, tiny_overrides
@@ -26,6 +27,30 @@ def cli(overrides, *args, timeout=120):
         text=True,
         timeout=timeout,
     )
+
+
+def cli_side_by_side(tmp_path, *calls: tuple, timeout_s: float = 150) -> list[subprocess.CompletedProcess]:
+    """`noloco-node` commands run at once, each (overrides, *args), forked from the zygote that has
+    done their imports (ProcessGroup), with their output in files: the doctor's checks only read the
+    swarm, so they need not wait for each other. Returns their results in the order given; whatever
+    still runs when this returns or fails is stopped."""
+    group, started = ProcessGroup(), []
+    try:
+        for i, (overrides, *args) in enumerate(calls):
+            sets = [a for o in overrides for a in ("--set", o)]
+            out, err = tmp_path / f"cli{i}.out", tmp_path / f"cli{i}.err"
+            with open(out, "w") as stdout, open(err, "w") as stderr:
+                cmd = [sys.executable, "-m", "noloco_node", args[0], *sets, *args[1:]]
+                started.append((cmd, group.spawn(cmd, stdout=stdout, stderr=stderr), out, err))
+        deadline = time.monotonic() + timeout_s
+        return [
+            subprocess.CompletedProcess(
+                cmd, proc.wait(timeout=max(1.0, deadline - time.monotonic())), out.read_text(), err.read_text()
+            )
+            for cmd, proc, out, err in started
+        ]
+    finally:
+        group.drain(grace_s=5)
 
 
 def closed_port() -> int:
@@ -80,41 +105,44 @@ def test_stage_auto_and_doctor_against_a_live_swarm(tmp_path, make_swarm):
     swarm.wait_ready(pair)
     assert sorted(n.info["stage"] for n in pair) == [0, 1]
 
-    result = cli(overrides, "doctor", "--initial-peers", swarm.maddr)
-    assert result.returncode == 0, result.stdout + result.stderr[-2000:]
+    closed = closed_port()  # an announced address nobody listens on (the NAT / firewall case)
+    direct = overrides + ["network.reach=direct"]  # the node must be dialled directly
+    taken = int(stage1[0].info["address"].rsplit(":", 1)[1])  # a port a running node holds
+    ok, unreached, unreached_direct, port_taken, other_manifest, join_unreached = cli_side_by_side(
+        tmp_path,
+        (overrides, "doctor", "--initial-peers", swarm.maddr),
+        (overrides, "doctor", "--initial-peers", swarm.maddr, "--announce-addr", f"127.0.0.1:{closed}"),
+        (direct, "doctor", "--initial-peers", swarm.maddr, "--announce-addr", f"127.0.0.1:{closed}"),
+        (overrides, "doctor", "--initial-peers", swarm.maddr, "--port", str(taken)),
+        (overrides + ["model.hidden_size=64"], "doctor", "--initial-peers", swarm.maddr),
+        (direct, "join", "--stage", "1", "--initial-peers", swarm.maddr, "--announce-addr", f"127.0.0.1:{closed}"),
+    )
+    assert ok.returncode == 0, ok.stdout + ok.stderr[-2000:]
     for check in ("python", "port", "dht", "reach", "clock", "compat"):
-        assert f"[ok  ] {check}" in result.stdout, result.stdout
+        assert f"[ok  ] {check}" in ok.stdout, ok.stdout
 
-    # An announced address nobody listens on (the NAT / firewall case). By default (network.reach =
-    # auto) that is no failure, only information: the node will be reached over libp2p instead.
-    closed = closed_port()
-    result = cli(overrides, "doctor", "--initial-peers", swarm.maddr, "--announce-addr", f"127.0.0.1:{closed}")
-    assert result.returncode == 0, result.stdout + result.stderr[-2000:]
-    assert f"[info] reach   no peer could reach 127.0.0.1:{closed}" in result.stdout and "libp2p" in result.stdout
-    # With network.reach = direct (the node must be dialled directly) the reach check fails.
-    direct = overrides + ["network.reach=direct"]
-    result = cli(direct, "doctor", "--initial-peers", swarm.maddr, "--announce-addr", f"127.0.0.1:{closed}")
-    assert result.returncode == 14, result.stdout + result.stderr[-2000:]
-    assert f"no peer could reach 127.0.0.1:{closed}" in result.stdout and "--announce-addr" in result.stdout
+    # By default (network.reach = auto) an unreachable announced address is no failure, only
+    # information: the node will be reached over libp2p instead.
+    assert unreached.returncode == 0, unreached.stdout + unreached.stderr[-2000:]
+    assert f"[info] reach   no peer could reach 127.0.0.1:{closed}" in unreached.stdout
+    assert "libp2p" in unreached.stdout
+    # With network.reach = direct the reach check fails.
+    assert unreached_direct.returncode == 14, unreached_direct.stdout + unreached_direct.stderr[-2000:]
+    assert f"no peer could reach 127.0.0.1:{closed}" in unreached_direct.stdout
+    assert "--announce-addr" in unreached_direct.stdout
 
-    # A port already taken (here by a running node): the port check fails.
-    taken = int(stage1[0].info["address"].rsplit(":", 1)[1])
-    result = cli(overrides, "doctor", "--initial-peers", swarm.maddr, "--port", str(taken))
-    assert result.returncode == 12, result.stdout + result.stderr[-2000:]
-    assert "cannot bind" in result.stdout
+    # A port already taken: the port check fails.
+    assert port_taken.returncode == 12, port_taken.stdout + port_taken.stderr[-2000:]
+    assert "cannot bind" in port_taken.stdout
 
     # Another config (so another manifest): the compat check fails and names the fix.
-    result = cli(overrides + ["model.hidden_size=64"], "doctor", "--initial-peers", swarm.maddr)
-    assert result.returncode == 16, result.stdout + result.stderr[-2000:]
-    assert "manifest" in result.stdout and "--config" in result.stdout
+    assert other_manifest.returncode == 16, other_manifest.stdout + other_manifest.stderr[-2000:]
+    assert "manifest" in other_manifest.stdout and "--config" in other_manifest.stdout
 
-    # A node that must be dialled directly (network.reach = direct) but announces an unreachable
-    # address is refused at join, with exit 4. (With reach = auto it would serve over libp2p.)
-    result = cli(
-        direct, "join", "--stage", "1", "--initial-peers", swarm.maddr, "--announce-addr", f"127.0.0.1:{closed}"
-    )
-    assert result.returncode == 4, result.stderr[-2000:]
-    assert "no peer could reach this node" in result.stderr and "--announce-addr" in result.stderr
+    # A node that must be dialled directly but announces an unreachable address is refused at join,
+    # with exit 4. (With reach = auto it would serve over libp2p.)
+    assert join_unreached.returncode == 4, join_unreached.stderr[-2000:]
+    assert "no peer could reach this node" in join_unreached.stderr and "--announce-addr" in join_unreached.stderr
 
     swarm.terminate(auto.proc)
     stats = swarm.node_stats()[auto.info["peer_id"]]
