@@ -50,7 +50,7 @@ fi
 echo "setup done at t=$(($(date +%s) - T0))s"
 
 TESTS=${TESTS:-tests/unit/model/test_stage_cuda.py tests/unit/model/test_compile.py tests/unit/pipeline tests/unit/optim \
-tests/unit/node/test_swarm_in_process.py}
+tests/unit/codec tests/unit/wire/test_codec_enum.py tests/unit/node/test_swarm_in_process.py}
 step "CUDA unit tests" 90 "$PY" -m pytest -q -p no:cacheprovider -n "${XDIST:-6}" --timeout 80 $TESTS
 STAGE="$PY benchmarks/gpu_stage.py --device $DEVICE --preset $PRESET $SIZE --steps 5 --warmup 2 --swarm-timeout 110"
 EAGER="--runs hf,exact,overlap,processes"
@@ -63,6 +63,7 @@ step "overlap's loss price, $PRICE_STEPS steps" 150 $STAGE --price-only --price-
 for r in $(seq 2 "$REPEATS"); do
   step "stage vs plain loop, eager, repeat $r" 130 $STAGE $EAGER --json "$O/stage_eager_$r.json"
 done
+step "int8 hops, encoded on the device" 100 $STAGE --runs hf,exact,processes --codec int8 --json "$O/stage_int8.json"
 step "residual subspace k = d/16, exact and overlap" 100 $STAGE --runs hf,exact,overlap --subspace "${SUBSPACE:-128}" \
   --json "$O/stage_subspace.json"
 step "profile" 60 "$PY" benchmarks/gpu_profile.py --device "$DEVICE" --preset "$PRESET" $SIZE --warmup 2 --steps 4 \

@@ -385,6 +385,7 @@ def main() -> int:
     p.add_argument("--json", type=Path)
     p.add_argument("--compile", action="store_true", help="pipeline.compile: the decoder layers torch.compile'd")
     p.add_argument("--subspace", type=int, default=0, help="model.residual_subspace k")
+    p.add_argument("--codec", default="bf16", help="pipeline.activation_codec")
     p.add_argument("--trace", type=Path, help="also write the whole chrome trace here, gzipped")
     p.add_argument("--device", default="cuda", help="cpu: a dry run of this script's logic")
     args = p.parse_args()

@@ -76,7 +76,7 @@ def config_for(args, out: Path, **extra: str):
         "pipeline.microbatch_size": args.micro,
         "pipeline.num_stages": 2,
         "pipeline.device": args.device,
-        "pipeline.activation_codec": "bf16",
+        "pipeline.activation_codec": args.codec,
         "pipeline.max_in_flight": args.max_in_flight,
         "inner.lr": 3e-4,
         "inner.warmup_steps": 4,
@@ -240,6 +240,9 @@ def main() -> int:
     p.add_argument("--seeds", default="0")
     p.add_argument("--json", type=Path)
     p.add_argument(
+        "--codec", default="bf16", help="pipeline.activation_codec of the node runs (int8: encoded on the GPU)"
+    )
+    p.add_argument(
         "--subspace",
         type=int,
         default=0,
@@ -309,7 +312,7 @@ def main() -> int:
                     "pipeline.batch_size": args.batch,
                     "pipeline.microbatch_size": args.micro,
                     "pipeline.device": args.device,
-                    "pipeline.activation_codec": "bf16",
+                    "pipeline.activation_codec": args.codec,
                     "pipeline.max_in_flight": args.max_in_flight,
                     "pipeline.compile": str(args.compile).lower(),
                     "model.residual_subspace": args.subspace,

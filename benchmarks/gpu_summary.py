@@ -72,6 +72,7 @@ def main(folder: Path) -> int:
     for pattern, title in (
         ("stage_eager_*.json", "eager"),
         ("stage_compiled*.json", "decoder layers compiled"),
+        ("stage_int8*.json", "int8 hops (encoded on the GPU)"),
         ("stage_subspace*.json", "residual subspace (node runs; the plain loop is dense)"),
     ):
         results = [r for r in load(pattern) if "hf" in r]

@@ -121,6 +121,10 @@ def _inner_optimizer(config: NodeConfig, stage: LlamaStage) -> InnerOptimizer:
     )
 
 
+# Blockwise codecs a GPU stage encodes on its device; the last, int4, only to nearest (activations).
+DEVICE_CODECS = ("int8", "fp8", "int4")
+
+
 def _worker_settings(config: NodeConfig, stage: LlamaStage, device: torch.device, *, auto_step: bool) -> WorkerSettings:
     pipe = config.pipeline
     return WorkerSettings(
@@ -136,6 +140,12 @@ def _worker_settings(config: NodeConfig, stage: LlamaStage, device: torch.device
         host_dtypes=tuple(
             torch.bfloat16 if device.type == "cuda" and codec == "bf16" else torch.float32
             for codec in (pipe.activation_codec, pipe.gradient_codec)
+        ),
+        # A GPU encodes its blockwise hops itself: activations round to nearest, gradients too
+        # except int4's, whose stochastic rounding stays with the transport's seeded generator.
+        device_codecs=(
+            pipe.activation_codec if device.type == "cuda" and pipe.activation_codec in DEVICE_CODECS else None,
+            pipe.gradient_codec if device.type == "cuda" and pipe.gradient_codec in DEVICE_CODECS[:2] else None,
         ),
     )
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
+from noloco_node.codec.blockwise import EncodedTensor
 from noloco_node.codec.checked import decode_received
 from noloco_node.codec.tensors import encode
 from noloco_node.errors import PeerUnavailable, PeerUnknown
@@ -74,11 +75,16 @@ class MemoryNetwork:
         return handler
 
 
-def through_wire(tensor: Tensor, codec: str) -> tuple[object, Tensor, int]:
+def through_wire(tensor: Tensor | EncodedTensor, codec: str) -> tuple[object, Tensor, int]:
     """(spec, the tensor a receiver decodes, payload bytes) for `tensor` sent with `codec`: float32
     values, handed in as float32 or as the bfloat16 copy a GPU stage makes for a lossy codec,
     which encodes to the same payload (as the gRPC client sends it, rpc/stage_service.py); decoded
     as the Stage servicer decodes it (bf16 stays bf16, codec/checked.py's decode_received)."""
+    if isinstance(tensor, EncodedTensor):  # encoded by the stage on its device
+        if tensor.spec.codec != codec:
+            raise ValueError(f"the stage encoded {tensor.spec.codec}, this network sends {codec}")
+        spec, payload = tensor.spec, tensor.payload_view()
+        return spec, decode_received(spec, payload), len(payload)
     sent = tensor.detach().cpu()
     if codec in ("none", "topk"):  # these carry the values as they are: float32 on the wire
         sent = sent.to(torch.float32)
@@ -100,7 +106,7 @@ class MemoryStageTransport:
         key: MicrobatchKey,
         route: list[Hop],
         target_stage: int,
-        activations: Tensor,
+        activations: Tensor | EncodedTensor,
         labels: Tensor,
         token_ids: Tensor | None = None,
     ) -> None:
@@ -118,7 +124,14 @@ class MemoryStageTransport:
         await handler.accept_forward(ticket, tensor)
 
     async def backward(
-        self, peer_id: str, *, key: MicrobatchKey, target_stage: int, grad: Tensor, loss: float, num_tokens: int
+        self,
+        peer_id: str,
+        *,
+        key: MicrobatchKey,
+        target_stage: int,
+        grad: Tensor | EncodedTensor,
+        loss: float,
+        num_tokens: int,
     ) -> None:
         handler = self.network.handler_of(peer_id)
         spec, tensor, size = through_wire(grad, self.network.gradient_codec)

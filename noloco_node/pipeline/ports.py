@@ -9,6 +9,7 @@ from typing import Any, Protocol
 
 from torch import Tensor
 
+from noloco_node.codec.blockwise import EncodedTensor
 from noloco_node.codec.tensors import TensorSpec
 
 
@@ -47,15 +48,23 @@ class StageTransport(Protocol):
         key: MicrobatchKey,
         route: list[Hop],
         target_stage: int,
-        activations: Tensor,
+        activations: Tensor | EncodedTensor,
         labels: Tensor,
         token_ids: Tensor | None = None,
     ) -> None:
         """Deliver activations (with the input token ids when the model has a residual subspace);
-        raises PeerBusy, PeerUnavailable, InvalidPayload or ProtocolMismatch."""
+        raises PeerBusy, PeerUnavailable, InvalidPayload or ProtocolMismatch. An EncodedTensor was
+        encoded by the stage on its device with this transport's codec and is sent as it is."""
 
     async def backward(
-        self, peer_id: str, *, key: MicrobatchKey, target_stage: int, grad: Tensor, loss: float, num_tokens: int
+        self,
+        peer_id: str,
+        *,
+        key: MicrobatchKey,
+        target_stage: int,
+        grad: Tensor | EncodedTensor,
+        loss: float,
+        num_tokens: int,
     ) -> None:
         """Deliver the gradient of the receiver's output (the upstream hop `peer_id`), with the loss."""
 

@@ -21,10 +21,12 @@ from typing import Any, Hashable
 import torch
 from torch import Tensor
 
+from noloco_node.codec.blockwise import EncodedTensor
 from noloco_node.errors import NodeError
 from noloco_node.model.stage import LlamaStage
 from noloco_node.optim.inner import InnerOptimizer
 from noloco_node.optim.integrity import all_finite, repair_weights
+from noloco_node.pipeline.transfers import Transfers
 from noloco_node.runtime.faults import FaultInjector
 
 log = logging.getLogger(__name__)
@@ -75,6 +77,10 @@ class WorkerSettings:
     """(activations, gradients): the dtype a GPU stage copies its results to the host in.
     bfloat16 when that direction's wire codec is bf16: cast on the device, the copy moves half the
     bytes and the codec sends the same bits it would have made from float32."""
+    device_codecs: tuple[str | None, str | None] = (None, None)
+    """(activations, gradients): a blockwise codec (int8, fp8, int4 to nearest) the stage encodes its
+    results with where it computed them, handing the transport an EncodedTensor: the host copies
+    the payload and does no codec work. None: a tensor of host_dtypes, encoded by the transport."""
 
 
 class StageWorker:
@@ -101,7 +107,7 @@ class StageWorker:
         )
         self.defer_step, self.stash_weights = settings.defer_step, settings.stash_weights
         self.compute_delay_s = settings.compute_delay_s
-        self.host_dtypes = settings.host_dtypes
+        self.transfers = Transfers(self.device, settings.host_dtypes, settings.device_codecs)
         self.clock = clock
         self.saved: dict[Hashable, Saved] = {}
         self.sequences_since_step = 0
@@ -130,18 +136,16 @@ class StageWorker:
         with stash_weights (the graph is built on a copy of the weights)."""
         self.step_if_due()
         self._slow_down()
-        inputs = self._input_to_device(inputs)
-        saved = Saved(inputs, self.clock(), None if token_ids is None else self._to_device(token_ids))
+        inputs = self.transfers.input_to_device(inputs)
+        saved = Saved(inputs, self.clock(), None if token_ids is None else self.transfers.to_device(token_ids))
         self.saved[key] = saved
         saved.stash = self._current_stash() if self.stash_weights else None
         if keep_graph:
             with self._autocast():
                 saved.output = self._run_stage(inputs, saved.stash, saved.token_ids)
-            return self._to_host(saved.output.detach(), self.host_dtypes[0])
+            return self._to_host(saved.output.detach(), 0)
         with torch.no_grad(), self._autocast():
-            return self._to_host(
-                self._run_stage(inputs, saved.stash, saved.token_ids), self.host_dtypes[0], finite=(key, "output")
-            )
+            return self._to_host(self._run_stage(inputs, saved.stash, saved.token_ids), 0, finite=(key, "output"))
 
     def forward_backward_last(
         self, inputs: Tensor, labels: Tensor, token_ids: Tensor | None = None
@@ -150,15 +154,14 @@ class StageWorker:
         (grad w.r.t. inputs, unscaled loss, tokens)."""
         self.step_if_due()
         self._slow_down(2)
-        x = self._input_to_device(inputs).detach().requires_grad_()
+        x = self.transfers.input_to_device(inputs).detach().requires_grad_()
+        token_ids = None if token_ids is None else self.transfers.to_device(token_ids)
         with self._autocast():
-            loss = LlamaStage.loss(
-                self.stage(x, None if token_ids is None else self._to_device(token_ids)), self._to_device(labels)
-            )
+            loss = LlamaStage.loss(self.stage(x, token_ids), self.transfers.to_device(labels))
         self._finite(loss.detach(), "last stage", "loss")  # before backward: the accumulated gradients stay clean
         (loss * (inputs.shape[0] / self.batch_size)).backward()
         self._count(inputs.shape[0], labels.numel())
-        return self._to_host(x.grad, self.host_dtypes[1]), float(loss.detach()), labels.numel()
+        return self._to_host(x.grad, 1), float(loss.detach()), labels.numel()
 
     def forward_backward_whole(self, inputs: Tensor, labels: Tensor) -> tuple[float, int]:
         """A single-stage swarm (P = 1): the whole model here, from token ids to loss and back;
@@ -166,7 +169,7 @@ class StageWorker:
         self.step_if_due()
         self._slow_down(2)
         with self._autocast():
-            loss = LlamaStage.loss(self.stage(self._to_device(inputs)), self._to_device(labels))
+            loss = LlamaStage.loss(self.stage(self.transfers.to_device(inputs)), self.transfers.to_device(labels))
         self._finite(loss.detach(), "whole model", "loss")
         (loss * (inputs.shape[0] / self.batch_size)).backward()
         self._count(inputs.shape[0], labels.numel())
@@ -178,7 +181,7 @@ class StageWorker:
         self.step_if_due()
         saved = self.saved.pop(key)
         self._slow_down()
-        inputs, grad_output = saved.inputs, self._to_device(grad_output)
+        inputs, grad_output = saved.inputs, self.transfers.to_device(grad_output)
         if saved.output is not None:
             saved.output.backward(grad_output.to(saved.output.dtype))
             grad_input = None if self.stage.is_first else inputs.grad
@@ -193,7 +196,7 @@ class StageWorker:
         self._count(inputs.shape[0], inputs.shape[0] * inputs.shape[1])
         if grad_input is None:
             return None
-        return self._to_host(grad_input, self.host_dtypes[1], finite=(key, "input gradient"))
+        return self._to_host(grad_input, 1, finite=(key, "input gradient"))
 
     def _run_stage(self, inputs: Tensor, stash: dict[str, Tensor] | None, token_ids: Tensor | None = None) -> Tensor:
         if stash is None:
@@ -244,40 +247,16 @@ class StageWorker:
     def _autocast(self):
         return torch.autocast("cuda", dtype=torch.bfloat16) if self.autocast else contextlib.nullcontext()
 
-    def _to_device(self, tensor: Tensor) -> Tensor:
-        if self.device.type == "cpu":
-            return tensor
-        # Received tensors are host buffers: pin them so the copy is a DMA that overlaps compute.
-        return tensor.pin_memory().to(self.device, non_blocking=True)
-
-    def _input_to_device(self, inputs: Tensor) -> Tensor:
-        """Received activations on the device, float32 as the stage computes them: a bf16 hop
-        arrives as bfloat16 (codec/checked.py's decode_received), so the host copies half the
-        bytes and the device widens them. Token ids (stage 0) pass as they are."""
-        inputs = self._to_device(inputs)
-        if inputs.is_floating_point() and inputs.dtype != torch.float32:
-            inputs = inputs.to(torch.float32)
-        return inputs
-
-    def _to_host(self, tensor: Tensor, dtype: torch.dtype, *, finite: tuple[Hashable, str] | None = None) -> Tensor:
-        """A result on its way to the wire, as a host tensor of `dtype` (the codec decides the wire
-        format); with `finite` = (microbatch, what), checked to be finite first (_finite).
-        From a GPU: cast there, DMA into pinned memory from torch's caching host allocator and hand
-        that buffer itself to the transport (it goes back to the cache once the transport drops
-        it: no second, pageable host copy per result). The finiteness flag travels with the
-        result, so the host waits on the device once per result instead of twice."""
-        if tensor.device.type == "cpu":
-            return tensor if finite is None else self._finite(tensor, *finite)
-        host = torch.empty(tensor.shape, dtype=dtype, pin_memory=True)
-        host.copy_(tensor.detach().to(dtype), non_blocking=True)
-        flag = None
-        if finite is not None:
-            flag = torch.empty((), dtype=torch.bool, pin_memory=True)
-            flag.copy_(torch.isfinite(tensor).all(), non_blocking=True)
-        torch.cuda.current_stream(tensor.device).synchronize()
-        if flag is not None and not bool(flag):
+    def _to_host(
+        self, tensor: Tensor, direction: int, *, finite: tuple[Hashable, str] | None = None
+    ) -> Tensor | EncodedTensor:
+        """A result on its way to the wire (`direction` 0: activations, 1: gradients), as the
+        transport takes it (pipeline/transfers.py); with `finite` = (microbatch, what), a result
+        that is not finite is dropped here (_drop_non_finite)."""
+        result, is_finite = self.transfers.to_host(tensor, direction, check_finite=finite is not None)
+        if not is_finite:
             self._drop_non_finite(*finite)
-        return host
+        return result
 
     def _count(self, sequences: int, tokens: int) -> None:
         self.sequences_since_step += sequences

@@ -20,6 +20,7 @@ import grpc
 import torch
 from torch import Tensor
 
+from noloco_node.codec.blockwise import EncodedTensor
 from noloco_node.codec.checked import decode_received
 from noloco_node.codec.tensors import TensorSpec
 from noloco_node.errors import InvalidPayload, NodeError, PoisonedPayload, TooLarge
@@ -30,7 +31,7 @@ from noloco_node.rpc.checks import ServedRun, check_caller
 from noloco_node.rpc.deadlines import Progress, paced, while_sending
 from noloco_node.rpc.status import abort_with, error_from_rpc, status_of
 from noloco_node.rpc.stubs import StubCache
-from noloco_node.rpc.tensors import PayloadReceiver, encode_tensor, header_to_spec, iter_chunks
+from noloco_node.rpc.tensors import PayloadReceiver, encode_tensor, header_to_spec, iter_chunks, spec_to_header
 from noloco_node.runtime.link_estimates import RECEIVED, SENT, LinkDeadlines
 from noloco_node.wire.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
 
@@ -279,13 +280,11 @@ class StageClient:
         microbatch: stage_pb2.MicrobatchId,
         route: list[stage_pb2.Hop],
         target_stage: int,
-        activations: Tensor,
+        activations: Tensor | EncodedTensor,
         labels: Tensor,
         token_ids: Tensor | None = None,
     ) -> None:
-        # Activations and gradients are float32 on the wire's spec, whatever precision the stage handed over.
-        # The hop's tensor is the stage's result, unchanged while it is sent: a bf16 payload is a view of it.
-        tensor_header, payload = encode_tensor(activations, self.codec, dtype="float32", copy=False)
+        tensor_header, payload = self._encoded(activations, self.codec, None)
         header = stage_pb2.ForwardHeader(
             run=self.run,
             microbatch=microbatch,
@@ -306,13 +305,11 @@ class StageClient:
         *,
         microbatch: stage_pb2.MicrobatchId,
         target_stage: int,
-        grad: Tensor,
+        grad: Tensor | EncodedTensor,
         loss: float,
         num_tokens: int,
     ) -> None:
-        tensor_header, payload = encode_tensor(
-            grad, self.gradient_codec, stochastic=self.rounding, dtype="float32", copy=False
-        )
+        tensor_header, payload = self._encoded(grad, self.gradient_codec, self.rounding)
         header = stage_pb2.BackwardHeader(
             run=self.run,
             microbatch=microbatch,
@@ -324,6 +321,20 @@ class StageClient:
         messages = [stage_pb2.BackwardMessage(header=header)]
         messages += [stage_pb2.BackwardMessage(chunk=c) for c in iter_chunks(payload)]
         await self._call(peer_id, "Backward", messages, len(payload))
+
+    @staticmethod
+    def _encoded(
+        tensor: Tensor | EncodedTensor, codec: str, rounding: torch.Generator | None
+    ) -> tuple[tensor_pb2.TensorHeader, bytes | memoryview]:
+        """The header and payload of a hop: as the stage encoded it on its device, or encoded here.
+        Activations and gradients are float32 on the wire's spec, whatever precision the stage
+        handed over; the tensor is the stage's result, unchanged while it is sent, so a bf16 payload
+        is a view of it."""
+        if isinstance(tensor, EncodedTensor):
+            if tensor.spec.codec != codec:
+                raise ValueError(f"the stage encoded {tensor.spec.codec}, this link sends {codec}")
+            return spec_to_header(tensor.spec), tensor.payload_view()
+        return encode_tensor(tensor, codec, stochastic=rounding, dtype="float32", copy=False)
 
     async def _call(self, peer_id: str, method: str, messages: list, payload_bytes: int) -> None:
         stub, path = await self._stubs.get(peer_id)

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from noloco_node.codec.blockwise import encode_on_device
 from noloco_node.codec.tensors import (
     LEVELS,
     MAX_ABSMAX,
@@ -257,3 +258,24 @@ def test_stochastic_rounding_is_unbiased_and_nearest_is_not():
     # The same statistic on nearest rounding: the bias is many standard errors (the test has power).
     nearest = rounding_z_scores(x, draws, None)
     assert float(nearest[small].abs().median()) > 20
+
+
+@pytest.mark.parametrize("codec", ["int8", "fp8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 63, 64, 1001])
+def test_encoding_on_the_device_gives_the_hosts_payload(codec, dtype, n):
+    x = (torch.randn(n, generator=torch.Generator().manual_seed(n)) * 3).to(dtype)
+    spec, payload, ok = encode_on_device(x.view(1, n), codec, 64)
+    host_spec, host_payload = encode(x.view(1, n), codec, dtype="float32")
+    assert bool(ok) and spec == host_spec and payload.dtype == torch.uint8
+    assert payload.numpy().tobytes() == host_payload
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf, 1e38 * 3])
+def test_encoding_on_the_device_flags_what_the_host_refuses(bad):
+    x = torch.randn(200)
+    x[77] = bad
+    _, _, ok = encode_on_device(x, "int8", 64)
+    assert not bool(ok)
+    with pytest.raises(CodecError):
+        encode(x, "int8")

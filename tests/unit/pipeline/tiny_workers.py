@@ -15,6 +15,7 @@ def tiny_worker(
     auto_step: bool,
     defer_step: bool = False,
     stash_weights: bool = False,
+    device_codecs: tuple[str | None, str | None] = (None, None),
 ) -> StageWorker:
     config = llama_config(
         vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=32, num_layers=num_stages, num_heads=2, max_seq_len=SEQ
@@ -22,6 +23,11 @@ def tiny_worker(
     stage = build_stage(config, seed=0, stage_index=stage_index, num_stages=num_stages)
     inner = InnerOptimizer(stage.parameters(), InnerSchedule(lr_max=1e-2, warmup_steps=1, total_steps=10))
     settings = WorkerSettings(
-        batch_size=batch_size, saved_ttl_s=60.0, auto_step=auto_step, defer_step=defer_step, stash_weights=stash_weights
+        batch_size=batch_size,
+        saved_ttl_s=60.0,
+        auto_step=auto_step,
+        defer_step=defer_step,
+        stash_weights=stash_weights,
+        device_codecs=device_codecs,
     )
     return StageWorker(stage, inner, settings)

@@ -8,6 +8,7 @@ import grpc
 import pytest
 import torch
 
+from noloco_node.codec.blockwise import EncodedTensor, encode_on_device
 from noloco_node.errors import InvalidPayload
 from noloco_node.rpc.checks import ServedRun
 from noloco_node.rpc.stage_service import StageClient, StageCodecs, StageServicer
@@ -85,13 +86,9 @@ class LoopbackDialer:
         pass
 
 
-@pytest.mark.parametrize(
-    "activation_codec,gradient_codec",
-    [("fp8", None), ("int4", None), ("bf16", "int4"), ("int4", "fp8"), ("none", "int8")],
-)
-def test_server_accepts_any_codec_and_backward_uses_the_gradient_codec(activation_codec, gradient_codec):
-    activations = torch.randn(1, 16, 32, generator=torch.Generator().manual_seed(0))
-    grad = torch.randn(1, 16, 32, generator=torch.Generator().manual_seed(1)) * 1e-3
+def send_over_grpc(activation_codec, gradient_codec, activations, grad) -> list:
+    """A real StageClient's Forward and Backward into a real StageServicer on 127.0.0.1: what the
+    handler received, [(kind, codec, tensor)]."""
     recorder = Recorder()
 
     async def scenario():
@@ -125,8 +122,19 @@ def test_server_accepts_any_codec_and_backward_uses_the_gradient_codec(activatio
             await server.stop(None)
 
     asyncio.run(scenario())
+    return recorder.received
+
+
+@pytest.mark.parametrize(
+    "activation_codec,gradient_codec",
+    [("fp8", None), ("int4", None), ("bf16", "int4"), ("int4", "fp8"), ("none", "int8")],
+)
+def test_server_accepts_any_codec_and_backward_uses_the_gradient_codec(activation_codec, gradient_codec):
+    activations = torch.randn(1, 16, 32, generator=torch.Generator().manual_seed(0))
+    grad = torch.randn(1, 16, 32, generator=torch.Generator().manual_seed(1)) * 1e-3
+    received = send_over_grpc(activation_codec, gradient_codec, activations, grad)
     sent_grad_codec = gradient_codec or activation_codec
-    (kind_f, codec_f, got_activations), (kind_b, codec_b, got_grad) = recorder.received
+    (kind_f, codec_f, got_activations), (kind_b, codec_b, got_grad) = received
     assert (kind_f, codec_f, kind_b, codec_b) == ("forward", activation_codec, "backward", sent_grad_codec)
     # Bit for bit what the codec gives: nearest for activations, the seeded draws for gradients.
     assert torch.equal(got_activations, decode(*encode(activations, activation_codec)))
@@ -141,3 +149,20 @@ def test_encode_tensor_passes_the_generator_on():
     _, payload = encode_tensor(x, "int4", stochastic=torch.Generator().manual_seed(3))
     assert payload == encode(x, "int4", stochastic=torch.Generator().manual_seed(3))[1]
     assert payload != encode_tensor(x, "int4")[1]
+
+
+@pytest.mark.parametrize("activation_codec,gradient_codec", [("int8", "int8"), ("int4", "fp8")])
+def test_what_a_stage_encoded_on_its_device_arrives_as_the_clients_own_encoding(activation_codec, gradient_codec):
+    activations = torch.randn(1, 16, 32, generator=torch.Generator().manual_seed(0))
+    grad = torch.randn(1, 16, 32, generator=torch.Generator().manual_seed(1)) * 1e-3
+    encoded = [
+        EncodedTensor(*encode_on_device(x, codec, 64)[:2])
+        for x, codec in ((activations, activation_codec), (grad, gradient_codec))
+    ]
+    (_, codec_f, got_activations), (_, codec_b, got_grad) = send_over_grpc(activation_codec, gradient_codec, *encoded)
+    assert (codec_f, codec_b) == (activation_codec, gradient_codec)
+    assert torch.equal(got_activations, decode(*encode(activations, activation_codec)))
+    assert torch.equal(got_grad, decode(*encode(grad, gradient_codec)))
+    int8 = EncodedTensor(*encode_on_device(activations, "int8", 64)[:2])
+    with pytest.raises(ValueError, match="the stage encoded int8, this link sends fp8"):
+        send_over_grpc("fp8", None, int8, grad)  # a misconfigured stage is a bug, not a silent re-encode
