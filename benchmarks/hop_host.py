@@ -17,8 +17,9 @@ where the same parts in one process ran at 0.90). Phases, in the order a hop cro
             check           RunningBounds.check, the servicer's value screen (optim/integrity.py)
             widen           float32 of what arrived narrower: on a GPU this runs on the device
                             after the copy, so it is listed, not counted in the host total
-  previous  decode+check    the receive path before: every codec decoded to float32, screened
-                            with abs().max() and a scaled square mean (kept here to compare with)
+  previous  decode+check    the receive path's decode and screen before: every codec decoded to
+                            float32 (by today's decoders), screened with abs().max() and a scaled
+                            square mean (kept here to compare with)
 
     .venv/bin/python benchmarks/hop_host.py [--preset medium] [--microbatch 4] [--seq 1024]
         [--codecs bf16,int8,int4] [--repeats 7] [--threads 1] [--json FILE]
