@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# One device call for the GPU stage's figures: the CUDA tests, the stage against the plain HF loop
-# at a preset (eager, REPEATS times, each run with its own plain loop; with the decoder layers
-# compiled, pipeline.compile; with a residual subspace of SUBSPACE), the overlap schedule's held-out
-# loss against exact over PRICE_STEPS steps, then the profile. Every step has its own timeout inside a total BUDGET (s); a step that no
-# longer fits is skipped and says so. Results print as they come and land as JSON under $OUT.
+# One device call for the GPU stage's figures: the CUDA tests, the stage against the plain HF loop at
+# a preset (eager, REPEATS times, each run with its own plain loop), the overlap schedule's held-out
+# loss against exact over PRICE_STEPS steps, int8 hops encoded on the device, the decoder layers
+# compiled (pipeline.compile), a residual subspace of SUBSPACE, then the profile. Every step has its
+# own timeout inside a total BUDGET (s); a step that no longer fits is skipped and says so (at medium
+# on an H200 one call holds about the tests, three eager repeats and the price: REPEATS=1 reaches
+# the later steps). Results print as they come and land as JSON under $OUT.
 #
 # What the call carries (the device machine reaches no package index): .gpu/whl, the wheels of the
 # packages its python lacks (docs/research.md, "A pipeline stage on a GPU", says which and how they
@@ -13,7 +15,7 @@
 #   CPU dry run:     DEVICE=cpu PRESET=tiny PY=.venv/bin/python OUT=/tmp/gpuout bash benchmarks/gpu_call.sh
 set -u
 T0=$(date +%s)
-BUDGET=${BUDGET:-520}
+BUDGET=${BUDGET:-560}
 DEVICE=${DEVICE:-cuda}
 PRESET=${PRESET:-medium}
 REPEATS=${REPEATS:-3}
@@ -54,16 +56,16 @@ tests/unit/codec tests/unit/wire/test_codec_enum.py tests/unit/node/test_swarm_i
 step "CUDA unit tests" 90 "$PY" -m pytest -q -p no:cacheprovider -n "${XDIST:-6}" --timeout 80 $TESTS
 STAGE="$PY benchmarks/gpu_stage.py --device $DEVICE --preset $PRESET $SIZE --steps 5 --warmup 2 --swarm-timeout 110"
 EAGER="--runs hf,exact,overlap,processes"
-# Most telling first: one eager repeat, the compiled layers, the price; then the other repeats.
+# The figures first (eager repeats, the overlap's price), then what may move them.
 step "stage vs plain loop, eager, repeat 1" 130 $STAGE $EAGER --json "$O/stage_eager_1.json"
-step "stage vs plain loop, compiled layers" 200 $STAGE --runs hf,exact,processes --compile --warmup 3 \
-  --json "$O/stage_compiled.json"
 step "overlap's loss price, $PRICE_STEPS steps" 150 $STAGE --price-only --price-steps "$PRICE_STEPS" --seeds 0 \
   --json "$O/price.json"
 for r in $(seq 2 "$REPEATS"); do
   step "stage vs plain loop, eager, repeat $r" 130 $STAGE $EAGER --json "$O/stage_eager_$r.json"
 done
 step "int8 hops, encoded on the device" 100 $STAGE --runs hf,exact,processes --codec int8 --json "$O/stage_int8.json"
+step "stage vs plain loop, compiled layers" 200 $STAGE --runs hf,exact,processes --compile --warmup 3 \
+  --json "$O/stage_compiled.json"
 step "residual subspace k = d/16, exact and overlap" 100 $STAGE --runs hf,exact,overlap --subspace "${SUBSPACE:-128}" \
   --json "$O/stage_subspace.json"
 step "profile" 60 "$PY" benchmarks/gpu_profile.py --device "$DEVICE" --preset "$PRESET" $SIZE --warmup 2 --steps 4 \
