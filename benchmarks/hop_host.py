@@ -9,7 +9,7 @@ where the same parts in one process ran at 0.90). Phases, in the order a hop cro
 
   sender    encode          StageClient's encode_tensor of the stage's host result, as a GPU stage
                             hands it (bfloat16; a bf16 payload is then a view of it, no copy)
-            chunk           the 1 MiB ForwardMessage chunks (rpc/tensors.iter_chunks)
+            chunk           the 1 MiB ForwardMessage chunks (rpc/tensors.chunk_messages)
             serialize       what gRPC does to each message before it writes it
   receiver  parse           gRPC's parse of each message
             collect         PayloadReceiver.add of every chunk into the preallocated buffer
@@ -39,7 +39,7 @@ from noloco_node.codec.checked import decode_checked, decode_received
 from noloco_node.config.sections import MODEL_PRESETS
 from noloco_node.optim.integrity import RunningBounds
 from noloco_node.runtime.memory import tune_allocator
-from noloco_node.rpc.tensors import PayloadReceiver, encode_tensor, header_to_spec, iter_chunks
+from noloco_node.rpc.tensors import PayloadReceiver, chunk_messages, encode_tensor, header_to_spec
 from noloco_node.wire.v1 import stage_pb2
 
 HOST_PHASES = ("encode", "chunk", "serialize", "parse", "collect", "decode", "check")
@@ -69,7 +69,7 @@ def hop_phases(activations: torch.Tensor, codec: str, repeats: int) -> dict[str,
     handed = activations.to(torch.bfloat16) if codec != "none" else activations  # what a GPU stage hands on
     header, payload = encode_tensor(handed, codec, dtype="float32", copy=False)
     spec = header_to_spec(header)
-    messages = [stage_pb2.ForwardMessage(chunk=c) for c in iter_chunks(payload)]
+    messages = list(chunk_messages(stage_pb2.ForwardMessage, payload))
     wire = [m.SerializeToString() for m in messages]
     parsed = [stage_pb2.ForwardMessage.FromString(w) for w in wire]
 
@@ -84,7 +84,7 @@ def hop_phases(activations: torch.Tensor, codec: str, repeats: int) -> dict[str,
     bounds = RunningBounds(factor=1000.0, max_abs=1e6)
     return {
         "encode": timed(lambda: encode_tensor(handed, codec, dtype="float32", copy=False), repeats),
-        "chunk": timed(lambda: [stage_pb2.ForwardMessage(chunk=c) for c in iter_chunks(payload)], repeats),
+        "chunk": timed(lambda: list(chunk_messages(stage_pb2.ForwardMessage, payload)), repeats),
         "serialize": timed(lambda: [m.SerializeToString() for m in messages], repeats),
         "parse": timed(lambda: [stage_pb2.ForwardMessage.FromString(w) for w in wire], repeats),
         "collect": timed(collect, repeats),

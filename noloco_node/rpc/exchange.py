@@ -15,7 +15,7 @@ from torch import Tensor
 from noloco_node.codec.checked import decode_checked
 from noloco_node.errors import InvalidPayload, PeerUnavailable
 from noloco_node.rpc.deadlines import ExchangeLimits, Progress, watch_exchange, within
-from noloco_node.rpc.tensors import PayloadReceiver, header_to_spec, iter_chunks, spec_to_header
+from noloco_node.rpc.tensors import PayloadReceiver, chunk_messages, header_to_spec, spec_to_header
 from noloco_node.runtime.faults import FaultInjector
 from noloco_node.sync.ports import EncodedSnapshot, ExpectedTensor, check_tensor_count
 from noloco_node.wire.v1 import outer_pb2
@@ -97,8 +97,8 @@ class _ExchangeStream:
         )
         for name, spec, payload in mine.tensors:
             await self.put(outer_pb2.ExchangeMessage(tensor=spec_to_header(spec, name)))
-            for chunk in iter_chunks(payload):
-                await self.put(outer_pb2.ExchangeMessage(chunk=chunk))
+            for message in chunk_messages(outer_pb2.ExchangeMessage, payload):
+                await self.put(message)
         if self.faults is not None:
             await self.faults.hit("during_exchange")
         await self.received_all.wait()

@@ -31,7 +31,7 @@ from noloco_node.rpc.checks import ServedRun, check_caller
 from noloco_node.rpc.deadlines import Progress, paced, while_sending
 from noloco_node.rpc.status import abort_with, error_from_rpc, status_of
 from noloco_node.rpc.stubs import StubCache
-from noloco_node.rpc.tensors import PayloadReceiver, encode_tensor, header_to_spec, iter_chunks, spec_to_header
+from noloco_node.rpc.tensors import PayloadReceiver, chunk_messages, encode_tensor, header_to_spec, spec_to_header
 from noloco_node.runtime.link_estimates import RECEIVED, SENT, LinkDeadlines
 from noloco_node.wire.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
 
@@ -295,7 +295,7 @@ class StageClient:
             token_ids=[] if token_ids is None else token_ids.reshape(-1).tolist(),
         )
         messages = [stage_pb2.ForwardMessage(header=header)]
-        messages += [stage_pb2.ForwardMessage(chunk=c) for c in iter_chunks(payload)]
+        messages += chunk_messages(stage_pb2.ForwardMessage, payload)
         # Counted with the header: labels and token ids cross the link too.
         await self._call(peer_id, "Forward", messages, len(payload) + header.ByteSize())
 
@@ -319,7 +319,7 @@ class StageClient:
             target_stage=target_stage,
         )
         messages = [stage_pb2.BackwardMessage(header=header)]
-        messages += [stage_pb2.BackwardMessage(chunk=c) for c in iter_chunks(payload)]
+        messages += chunk_messages(stage_pb2.BackwardMessage, payload)
         await self._call(peer_id, "Backward", messages, len(payload))
 
     @staticmethod

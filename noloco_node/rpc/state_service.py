@@ -32,7 +32,7 @@ from noloco_node.errors import InvalidPayload, NodeError, ProtocolMismatch
 from noloco_node.rpc.checks import ServedRun, check_caller
 from noloco_node.rpc.deadlines import Progress, TransferTimedOut, within
 from noloco_node.rpc.status import abort_with, unavailable_from_rpc
-from noloco_node.rpc.tensors import PayloadReceiver, header_to_spec, iter_chunks, spec_to_header
+from noloco_node.rpc.tensors import PayloadReceiver, chunk_messages, header_to_spec, spec_to_header
 from noloco_node.runtime.faults import FaultInjector
 from noloco_node.runtime.link_estimates import RECEIVED, SENT, LinkDeadlines
 from noloco_node.sync.ports import StateDonor
@@ -134,8 +134,8 @@ class StateDonorServicer:
                 spec, payload = await asyncio.to_thread(encode, tensor, codec, block_size=STATE_BLOCK)
                 progress.stamp_wrote()  # encoding is not the requester stalling
                 await put(outer_pb2.StateMessage(tensor=spec_to_header(spec, name)))
-                for chunk in iter_chunks(payload):
-                    await put(outer_pb2.StateMessage(chunk=chunk))
+                for message in chunk_messages(outer_pb2.StateMessage, payload):
+                    await put(message)
         # No bandwidth sample here: a server stream's writes return once the bytes are buffered
         # (socket buffers and HTTP/2 windows hold megabytes), long before they arrive, so bytes
         # over write time measured thousands of Mbit/s on a 0.6 Mbit/s link, and every later

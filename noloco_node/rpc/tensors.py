@@ -103,6 +103,18 @@ def iter_chunks(payload: bytes | memoryview, chunk_bytes: int = CHUNK_BYTES) -> 
         yield tensor_pb2.TensorChunk(index=index, data=bytes(view[start : start + chunk_bytes]))
 
 
+def chunk_messages(message_type: type, payload: bytes | memoryview, chunk_bytes: int = CHUNK_BYTES) -> Iterator:
+    """One `message_type` (a stream message with a `chunk` field) per chunk of `payload`, the chunk
+    filled in place: a TensorChunk made first and handed to the message's constructor is copied
+    into it once more (upb), a pass over the payload on the sender's event loop."""
+    view = memoryview(payload).cast("B")
+    for index, start in enumerate(range(0, len(view), chunk_bytes)):
+        message = message_type()
+        message.chunk.index = index
+        message.chunk.data = bytes(view[start : start + chunk_bytes])
+        yield message
+
+
 class PayloadReceiver:
     """Collects the chunks of one tensor into a buffer preallocated from the validated spec."""
 
