@@ -51,7 +51,7 @@ transformers.__version__, torch.cuda.get_device_name())"
 fi
 echo "setup done at t=$(($(date +%s) - T0))s"
 
-TESTS=${TESTS:-tests/unit/model/test_stage_cuda.py tests/unit/model/test_compile.py tests/unit/pipeline tests/unit/optim \
+TESTS=${TESTS:-tests/unit/model/test_stage_cuda.py tests/integration/test_compile.py tests/unit/pipeline tests/unit/optim \
 tests/unit/codec tests/unit/wire/test_codec_enum.py tests/unit/node/test_swarm_in_process.py}
 step "CUDA unit tests" 90 "$PY" -m pytest -q -p no:cacheprovider -n "${XDIST:-6}" --timeout 80 $TESTS
 STAGE="$PY benchmarks/gpu_stage.py --device $DEVICE --preset $PRESET $SIZE --steps 5 --warmup 2 --swarm-timeout 110"

@@ -32,13 +32,15 @@ def tune_allocator(mmap_threshold_bytes: int = 1 << 30, trim_threshold_bytes: in
 
 def rss_mb(pid: int) -> float | None:
     """Resident memory of process `pid` in MiB, from /proc (Linux); None once it has exited
-    (a zombie has no VmRSS), which a sampler polling a live process can always race into."""
+    (a zombie has no VmRSS), which a sampler polling a live process can always race into: the
+    file is gone (FileNotFoundError), or the process went between its open and its read
+    (ProcessLookupError, seen in CI)."""
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
                 if line.startswith("VmRSS:"):
                     return int(line.split()[1]) / 1024
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):
         pass
     return None
 

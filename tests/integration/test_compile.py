@@ -2,12 +2,16 @@
 compiler). The worker's three kinds of call, a forward without a graph, the recompute through a
 weight stash (functional_call) and the backward, give what the eager stage gives."""
 
+import pytest
 import torch
 
 from noloco_node.config import load_config
 from noloco_node.model.build import build_run_stage, run_model
 
-from ..pipeline.tiny_workers import HIDDEN, SEQ, tiny_worker
+from ..unit.pipeline.tiny_workers import HIDDEN, SEQ, tiny_worker
+
+# An integration with the machine's C++ toolchain (inductor compiles on CPU): 15-70 s, so not in the fast tier.
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 
 def test_the_config_compiles_every_decoder_layer_in_place():
