@@ -10,7 +10,7 @@ tensor it must match): this allocates `spec.numel` elements.
 `decode_received` is what the Stage servicer and its twin hand a stage: the same check, but a
 bfloat16 payload of a float32 tensor stays bfloat16, a view of the received bytes. Every bfloat16
 value is a float32 value, so nothing changes but where the widening happens: on the stage's
-device (pipeline/worker.py), after a copy of half the bytes, instead of a pass over the payload
+device (pipeline/transfers.py), after a copy of half the bytes, instead of a pass over the payload
 and a float32 tensor twice its size on the receiving node's event loop."""
 
 from __future__ import annotations

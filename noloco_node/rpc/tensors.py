@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import numpy
 import torch
 from torch import Tensor
 
@@ -124,7 +125,10 @@ class PayloadReceiver:
                 f"declared payload of {spec.payload_bytes} bytes exceeds this node's limit of {max_bytes}"
             )
         self.spec = spec
-        self.buffer = bytearray(spec.payload_bytes)
+        # Uninitialised, from malloc's heap: a bytearray zero-fills (a pass over every payload on the
+        # loop) and torch.empty maps fresh pages each time (a fault per page). finish() hands it on
+        # only once every byte has been written.
+        self.buffer = memoryview(numpy.empty(spec.payload_bytes, dtype=numpy.uint8))
         self.received = 0
         self.next_index = 0
 
@@ -143,7 +147,7 @@ class PayloadReceiver:
     def complete(self) -> bool:
         return self.received == len(self.buffer)
 
-    def finish(self) -> bytearray:
+    def finish(self) -> memoryview:
         if not self.complete:
             raise InvalidPayload(f"stream ended after {self.received} of {len(self.buffer)} payload bytes (truncated)")
         return self.buffer
