@@ -29,11 +29,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
-from collections.abc import Callable
 
 import torch
+from codec_throughput import median_seconds
 
 from noloco_node.codec.checked import decode_checked, decode_received
 from noloco_node.config.sections import MODEL_PRESETS
@@ -43,17 +41,6 @@ from noloco_node.rpc.tensors import PayloadReceiver, chunk_messages, encode_tens
 from noloco_node.wire.v1 import stage_pb2
 
 HOST_PHASES = ("encode", "chunk", "serialize", "parse", "collect", "decode", "check")
-
-
-def timed(fn: Callable[[], object], repeats: int) -> float:
-    """Median seconds of `fn` over `repeats` calls after one warm-up."""
-    fn()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
 
 
 def previous_screen(tensor: torch.Tensor) -> float:
@@ -83,15 +70,17 @@ def hop_phases(activations: torch.Tensor, codec: str, repeats: int) -> dict[str,
     received = decode_received(spec, buffer)
     bounds = RunningBounds(factor=1000.0, max_abs=1e6)
     return {
-        "encode": timed(lambda: encode_tensor(handed, codec, dtype="float32", copy=False), repeats),
-        "chunk": timed(lambda: list(chunk_messages(stage_pb2.ForwardMessage, payload)), repeats),
-        "serialize": timed(lambda: [m.SerializeToString() for m in messages], repeats),
-        "parse": timed(lambda: [stage_pb2.ForwardMessage.FromString(w) for w in wire], repeats),
-        "collect": timed(collect, repeats),
-        "decode": timed(lambda: decode_received(spec, buffer), repeats),
-        "check": timed(lambda: bounds.check(received), repeats),
-        "widen": timed(lambda: received.to(torch.float32), repeats) if received.dtype != torch.float32 else 0.0,
-        "previous decode+check": timed(lambda: previous_screen(decode_checked(spec, buffer)), repeats),
+        "encode": median_seconds(lambda: encode_tensor(handed, codec, dtype="float32", copy=False), repeats),
+        "chunk": median_seconds(lambda: list(chunk_messages(stage_pb2.ForwardMessage, payload)), repeats),
+        "serialize": median_seconds(lambda: [m.SerializeToString() for m in messages], repeats),
+        "parse": median_seconds(lambda: [stage_pb2.ForwardMessage.FromString(w) for w in wire], repeats),
+        "collect": median_seconds(collect, repeats),
+        "decode": median_seconds(lambda: decode_received(spec, buffer), repeats),
+        "check": median_seconds(lambda: bounds.check(received), repeats),
+        "widen": median_seconds(lambda: received.to(torch.float32), repeats)
+        if received.dtype != torch.float32
+        else 0.0,
+        "previous decode+check": median_seconds(lambda: previous_screen(decode_checked(spec, buffer)), repeats),
         "payload_bytes": len(payload),
     }
 
@@ -111,7 +100,7 @@ def main() -> None:
     hidden = MODEL_PRESETS[args.preset][0]
     activations = torch.randn(args.microbatch, args.seq, hidden, generator=torch.Generator().manual_seed(0))
     target = torch.empty_like(activations)
-    copy_s = timed(lambda: target.copy_(activations), args.repeats)
+    copy_s = median_seconds(lambda: target.copy_(activations), args.repeats)
     print(
         f"{args.preset}: a hop of {args.microbatch} x {args.seq} x {hidden} float32 "
         f"({activations.nbytes / 1e6:.1f} MB); one copy of it {copy_s * 1e3:.2f} ms (the unit below); "

@@ -106,8 +106,9 @@ def encode(
     tensor and leaves it unchanged until the payload is sent (a stage's hop)."""
     dtype = _declared_dtype(tensor, codec, dtype)
     flat = tensor.detach().reshape(-1).cpu()
-    if not copy and codec in ("none", "bf16"):
-        payload, nnz, spec_block, (seed, parts, part) = _bytes_view(flat, codec), 0, 0, (0, 0, 0)
+    if codec in ("none", "bf16"):  # the values' own bytes: a view, or its one copy
+        view = _bytes_view(flat, codec)
+        payload, nnz, spec_block, (seed, parts, part) = (bytes(view) if copy else view), 0, 0, (0, 0, 0)
     else:
         payload, nnz, spec_block, (seed, parts, part) = _encode_flat(
             flat, codec, block_size=block_size, fraction=fraction, stochastic=stochastic, slice_key=slice_key
@@ -154,11 +155,7 @@ def _encode_flat(
     nnz = 0
     spec_block = block_size if codec in BLOCKWISE else 0
     seed = parts = part = 0
-    if codec == "none":
-        payload = _to_bytes(flat.contiguous())
-    elif codec == "bf16":
-        payload = _to_bytes(flat.to(torch.bfloat16).view(torch.int16))
-    elif codec in BLOCKWISE:
+    if codec in BLOCKWISE:
         payload = encode_blockwise(flat, codec, block_size, stochastic if codec == "int4" else None)
     elif codec == "topk":
         nnz = topk_count(flat.numel(), fraction)

@@ -121,8 +121,15 @@ def _inner_optimizer(config: NodeConfig, stage: LlamaStage) -> InnerOptimizer:
     )
 
 
-# Blockwise codecs a GPU stage encodes on its device; the last, int4, only to nearest (activations).
-DEVICE_CODECS = ("int8", "fp8", "int4")
+# Blockwise codecs a GPU stage encodes on its device. int4 gradients round stochastically from the
+# transport's seeded generator, so they stay with the transport.
+DEVICE_ACTIVATION_CODECS = ("int8", "fp8", "int4")
+DEVICE_GRADIENT_CODECS = ("int8", "fp8")
+
+
+def _device_codec(device: torch.device, codec: str, encodable: tuple[str, ...]) -> str | None:
+    """The codec a GPU stage encodes one direction's results with on its device, if any."""
+    return codec if device.type == "cuda" and codec in encodable else None
 
 
 def _worker_settings(config: NodeConfig, stage: LlamaStage, device: torch.device, *, auto_step: bool) -> WorkerSettings:
@@ -144,8 +151,10 @@ def _worker_settings(config: NodeConfig, stage: LlamaStage, device: torch.device
         # A GPU encodes its blockwise hops itself: activations round to nearest, gradients too
         # except int4's, whose stochastic rounding stays with the transport's seeded generator.
         device_codecs=(
-            pipe.activation_codec if device.type == "cuda" and pipe.activation_codec in DEVICE_CODECS else None,
-            pipe.gradient_codec if device.type == "cuda" and pipe.gradient_codec in DEVICE_CODECS[:2] else None,
+            pipe.activation_codec
+            if device.type == "cuda" and pipe.activation_codec in DEVICE_ACTIVATION_CODECS
+            else None,
+            pipe.gradient_codec if device.type == "cuda" and pipe.gradient_codec in DEVICE_GRADIENT_CODECS else None,
         ),
     )
 

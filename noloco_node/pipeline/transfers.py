@@ -56,25 +56,25 @@ class Transfers:
                 return encoded, True
         if tensor.device.type == "cpu":
             return tensor, not check_finite or bool(torch.isfinite(tensor).all())
-        dtype = self.host_dtypes[direction]
-        host = torch.empty(tensor.shape, dtype=dtype, pin_memory=True)
-        host.copy_(tensor.detach().to(dtype), non_blocking=True)
-        flag = None
-        if check_finite:
-            flag = torch.empty((), dtype=torch.bool, pin_memory=True)
-            flag.copy_(torch.isfinite(tensor).all(), non_blocking=True)
-        torch.cuda.current_stream(tensor.device).synchronize()
-        return host, flag is None or bool(flag)
+        finite = torch.isfinite(tensor).all() if check_finite else None
+        return _pinned(tensor.detach().to(self.host_dtypes[direction]), finite)
 
     def _encode_here(self, tensor: Tensor, codec: str) -> EncodedTensor | None:
         """`tensor` encoded on its device, its payload on the host after one wait; None when a value
         is not finite or out of the codec's range."""
         spec, payload, ok = encode_on_device(tensor, codec, DEFAULT_BLOCK)
-        if payload.device.type != "cpu":
-            host = torch.empty(payload.shape, dtype=torch.uint8, pin_memory=True)
-            host.copy_(payload, non_blocking=True)
-            flag = torch.empty((), dtype=torch.bool, pin_memory=True)
-            flag.copy_(ok, non_blocking=True)
-            torch.cuda.current_stream(payload.device).synchronize()
-            payload, ok = host, flag
-        return EncodedTensor(spec, payload) if bool(ok) else None
+        payload, good = (payload, bool(ok)) if payload.device.type == "cpu" else _pinned(payload, ok)
+        return EncodedTensor(spec, payload) if good else None
+
+
+def _pinned(tensor: Tensor, flag: Tensor | None) -> tuple[Tensor, bool]:
+    """A device tensor DMA'd into pinned host memory, with `flag` (a device boolean; None: True)
+    read alongside, after one wait on the device."""
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    host_flag = None
+    if flag is not None:
+        host_flag = torch.empty((), dtype=torch.bool, pin_memory=True)
+        host_flag.copy_(flag, non_blocking=True)
+    torch.cuda.current_stream(tensor.device).synchronize()
+    return host, host_flag is None or bool(host_flag)
