@@ -7,6 +7,8 @@ routed to), waits `settle_s` for simultaneous claims to land in the DHT, and rea
 
 - a claim made more than `settle_s` before ours is *settled*: its owner decided without seeing us,
   so its stage counts as taken, like a replica of its own;
+- a claim made more than `settle_s` after ours is ignored: its owner counts ours as settled
+  (CI saw two joiners both yield when a slow lookup showed the earlier one the later claim);
 - the rest (ours included) are contenders, who all see one another: each walks them in peer-id
   order, giving each the weakest stage left and counting it as a replica there. Everyone runs the
   same walk on the same view, so they agree without talking, and two contenders land on two
@@ -60,8 +62,10 @@ def assign_stage(
             continue
         if claim.claimed_at < claimed_at - settle_s:
             caps[claim.stage].append(typical)
-        else:
+        elif claim.claimed_at <= claimed_at + settle_s:
             contenders.add(claim.peer_id)
+        # A claim made more than settle_s after ours is one we saw only because our lookup was slow:
+        # its owner counts ours as settled and yields to it, so we must not yield to it too.
     for peer_id in sorted(contenders):
         stage = weakest_stage(caps)
         if peer_id == me:

@@ -50,3 +50,12 @@ def test_claim_stage_reclaims_when_the_agreement_moves_it():
     assert announced == [(0, None)]
     assert asyncio.run(run("peer-b")) == 1
     assert announced[1:] == [(0, None), (1, 0)]  # claimed 0, then moved to 1 and withdrew 0
+
+
+def test_a_claim_seen_late_is_not_yielded_to_by_the_earlier_claimant():
+    # "peer-a" claimed 3.5 s after "peer-b" (more than SETTLE); b's slow lookup still saw a's claim.
+    # a counts b's claim as settled; b must not treat a as a contender, or both yield stage 0.
+    capacities = [[0.0, 0.0], [0.0, 0.0]]
+    claims = [Claim("peer-b", 0, 100.0), Claim("peer-a", 0, 100.0 + SETTLE + 0.5)]
+    assert assign_stage(capacities, claims, "peer-a", 100.0 + SETTLE + 0.5, SETTLE) == 1
+    assert assign_stage(capacities, claims, "peer-b", 100.0, SETTLE) == 0
