@@ -24,10 +24,13 @@ pure function of that view, so every node computes the same one and only the nod
 Views of the DHT differ for a while, so two nodes can each find themselves named in the same
 period (seen under load: two stage-0 replicas moved at once). A named node therefore claims the
 move first (`move_claimed_at` in its record, which also unsettles everyone else's plan), waits at
-least a period for claims to land, reads again and moves only if its claim is the earliest and the
-plan, claims aside, still names it; otherwise it withdraws the claim. Of two claimants A before B,
-B reads after A's claim was stored (A stores before it waits, B reads a period after it claimed),
-sees the earlier claim and stays; A moves whether or not it saw B's.
+least a period for claims to land, reads again and moves only if its claim is the earliest and its
+own move, claims aside, still clears the margin; otherwise it withdraws the claim. Its own move,
+not the best one: capacities are measured, and replicas of one stage measure within a few percent
+of each other, so which of them is best flips from one read to the next; asking that the claimant
+still be the best made claims fail over and over (seen: a move planned in the third period only).
+Of two claimants A before B, B reads after A's claim was stored (A stores before it waits, B reads
+a period after it claimed), sees the earlier claim and stays; A moves whether or not it saw B's.
 
 Who is movable: a node that chose its stage with `--stage auto`, or any node with
 `pipeline.rebalance = true`; `false` pins it. The move itself (drain, withdraw, fetch the new
@@ -95,9 +98,17 @@ def _measured(r: Replica, stage_members: Sequence[Replica]) -> Replica:
 
 
 def plan_move(
-    replicas: Sequence[Replica], num_stages: int, *, margin: float, now: float, settle_s: float, cooldown_s: float
+    replicas: Sequence[Replica],
+    num_stages: int,
+    *,
+    margin: float,
+    now: float,
+    settle_s: float,
+    cooldown_s: float,
+    mover: str | None = None,
 ) -> Move | None:
-    """The one move the swarm should make now, or None (module docstring)."""
+    """The one move the swarm should make now, or None (module docstring). With `mover`, only
+    that node is a candidate: its move, if it clears the margin."""
     if num_stages < 2 or not replicas:
         return None
     if any(
@@ -118,6 +129,8 @@ def plan_move(
     mean = [totals[s] / len(by_stage[s]) for s in range(num_stages)]
     best: Move | None = None
     for r in sorted(replicas, key=lambda r: r.peer_id):
+        if mover is not None and r.peer_id != mover:
+            continue
         if not r.movable or r.stage == target or len(by_stage[r.stage]) < 2 or now - r.moved_at < cooldown_s:
             continue
         after = list(totals)
@@ -181,12 +194,14 @@ async def _claim_holds(
             [(claimed_at, me)]
             + [(r.move_claimed_at, r.peer_id) for r in replicas if r.move_claimed_at > 0 and r.peer_id != me]
         )
-        again = plan([dataclasses.replace(r, move_claimed_at=0.0) for r in replicas], now=clock())
-        if earliest[1] == me and again is not None and again.peer_id == me:
+        again = plan([dataclasses.replace(r, move_claimed_at=0.0) for r in replicas], now=clock(), mover=me)
+        if earliest[1] == me and again is not None:
             return True
-        log.info(
-            "rebalance: not moving after all (%s)",
-            "an earlier claim by peer " + earliest[1][-8:] if earliest[1] != me else "the plan changed",
+        reason = (
+            "an earlier claim by peer " + earliest[1][-8:]
+            if earliest[1] != me
+            else "our move no longer stands: the swarm is unsettled or the gain is below the margin"
         )
+        log.info("rebalance: not moving after all (%s)", reason)
     await claim(0.0)
     return False

@@ -1,7 +1,9 @@
 """Rebalancing with real processes: 3 replicas on stage 0 and 1 on stage 1, all allowed to move
 (pipeline.rebalance = true). The stage-1 replica is slowed (faults.compute_delay_s, a slower
 device: on a tiny CPU model the compute alone would not saturate it, and a stage with room to spare
-is not moved to), so stage 1 limits the swarm and exactly one stage-0 node moves:
+is not moved to), so stage 1 limits the swarm and exactly one stage-0 node moves. The delay is
+large enough that stage 1 sets the drivers' pace on any machine (at 0.01 s a faster hop path let
+the drivers run 120 steps before the plan, and a loaded CI machine left stage 1 unsaturated):
 it finishes its inner step, drains, withdraws, fetches stage 1's state from the stage-1 replica
 and serves there; the swarm ends 2 + 2, no microbatch is lost in the move, and nobody moves twice."""
 
@@ -42,7 +44,7 @@ def test_three_plus_one_rebalances_to_two_plus_two(tmp_path, make_swarm):
             stage, replica, "--events", str(events[(stage, replica)]), "--set", "pipeline.rebalance=true", *extra
         )
 
-    server = start(1, 0, "--set", "faults.compute_delay_s=0.01")
+    server = start(1, 0, "--set", "faults.compute_delay_s=0.05")
     swarm.wait_ready([server])
     drivers = [start(0, r, "--steps", str(STEPS)) for r in range(3)]
     swarm.wait_ready(drivers)

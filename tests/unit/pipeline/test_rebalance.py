@@ -193,3 +193,32 @@ def test_two_nodes_named_by_different_views_move_one_of_them():
         first_claim = min(records.claims, key=lambda c: c[1])
         assert first_claim[0] == mover
         assert all(r.move_claimed_at == 0 for k, r in records.replicas.items() if k != mover)  # withdrawn
+
+
+def test_a_claimant_moves_though_a_fellow_replica_now_measures_a_little_better():
+    """Capacities are measured: between the claim and its check, which replica of a stage is best
+    flips with noise of a few percent. The claimant moves if its own move still clears the margin;
+    a check that it is still the best made claims fail over and over in a real swarm."""
+    records = SharedRecords(swarm([[1.0, 1.0, 1.0], [1.0]]))
+    views = iter([{}, {"peer01": 1.05}])  # the first read names peer00; the check sees peer01 ahead
+
+    async def read():
+        return await records.reader(next(views, {"peer01": 1.05}))()
+
+    assert plan(asyncio.run(records.reader({"peer01": 1.05})())).peer_id == "peer01"
+    move = asyncio.run(asyncio.wait_for(watcher(records, "peer00", read), timeout=0.5))
+    assert (move.peer_id, move.source, move.target) == ("peer00", 0, 1)
+    assert records.replicas["peer00"].move_claimed_at > 0
+
+
+def test_a_claimant_whose_own_move_no_longer_pays_withdraws():
+    records = SharedRecords(swarm([[1.0, 1.0, 1.0], [1.0]]))
+    views = iter([{}, {"peer10": 3.0}])  # at the check, stage 1 measures as fast as stage 0
+
+    async def read():
+        return await records.reader(next(views, {"peer10": 3.0}))()
+
+    with pytest.raises(asyncio.TimeoutError):
+        asyncio.run(asyncio.wait_for(watcher(records, "peer00", read), timeout=0.3))
+    assert records.claims[0][0] == "peer00" and records.claims[-1] == ("peer00", 0.0)  # claimed, then withdrawn
+    assert records.replicas["peer00"].move_claimed_at == 0
