@@ -178,7 +178,7 @@ def measure(args, preset: str, stages: int, stage_index: int, schedule: str) -> 
         saved_ttl_s=1e9,
         auto_step=stage_index != 0,
         device=device,
-        bf16_autocast=cfg.pipeline.bf16_autocast,
+        bf16_autocast=device.type == "cuda" and cfg.pipeline.bf16_autocast,
         stash_weights=schedule == "overlap" and not stage.is_last,
     )  # as the node sets it
     worker = StageWorker(stage, optimizer, settings, slow_weights=(lambda: state.phi) if state is not None else None)

@@ -130,9 +130,9 @@ def column_losses(
                 for name, param in stage.named_parameters():
                     param.copy_(tensors[name])
             hidden = inputs
-            for stage in stages:
+            for stage in stages[:-1]:
                 hidden = stage(hidden, inputs)
-            losses.append(float(LlamaStage.loss(hidden, labels)))
+            losses.append(float(stages[-1](hidden, inputs, labels)))
     return losses
 
 

@@ -21,10 +21,14 @@ SDPA attention (flash / memory-efficient kernels: no T^2 scores are kept):
                         output (2h), o_proj its contiguous copy (2h); the MLP's four tensors 8I.
   eager attention adds the softmax of a * T scores: 4aT bytes (fp32), 6aT (autocast, + its cast).
 Activation checkpointing keeps each layer's fp32 input (4h) instead, and recomputes one layer at a
-time. The last stage adds the final norm (12h fp32, 10h autocast) and the logits: log-softmax's
-output is kept (4V), and its backward holds four [b T, V] fp32 tensors at once (16V, measured).
-Under autocast every graph also holds bf16 casts of the matmul weights (2 bytes per matmul
-parameter): one per kept graph (measured on an H200).
+time. The last stage adds the final norm (12h fp32, 10h autocast) and its loss, which never makes
+the whole logits (model/losses.py): it keeps the gradients it computed for the backward (4h per
+token; 4Vh, 2Vh as a bf16 cast) and, while it runs, one chunk's logits (at most 12 bytes per
+entry) and the weight gradient's fp32 sum (4Vh). (Whole logits took 4V and 16V at the peak.)
+Under autocast the graphs hold bf16 casts of the matmul weights (2 bytes per matmul parameter),
+one per weight version, shared by every graph built on it (pipeline/weight_casts.py): one, or two
+under the overlap schedule's stash (the draining batch's version and the next one's). The node cast
+once per graph before (M casts on stage 0, measured so on an H200).
 
 Who keeps what: stage 0 keeps the graph of every microbatch it has issued (the driver issues a
 whole batch at once: M = batch / microbatch graphs; 2M under overlap, whose next batch is issued
@@ -71,6 +75,7 @@ from dataclasses import dataclass, field
 from noloco_node.codec.names import parse_outer_codec
 from noloco_node.codec.sizes import bytes_per_element
 from noloco_node.config import ConfigError
+from noloco_node.model.loss_chunks import chunk_tokens
 from noloco_node.model.split import constrained_layers
 
 GIB = 1 << 30
@@ -210,8 +215,9 @@ def _graph_bytes(config, layers: int, tokens: int, w: Workload, *, last: bool) -
     # layer's activations); with checkpointing, the recomputed layer and then those gradients.
     working = 2 * per_layer
     if last:
-        kept += tokens * (10 if w.autocast else 12) * h + tokens * 4 * v  # final norm; log-softmax's output
-        working = max(working, tokens * 12 * v)  # its gradient, the logits' gradient and a copy: 16V at the peak
+        kept += tokens * (10 if w.autocast else 12) * h  # the final norm
+        kept += tokens * 4 * h + v * h * (2 if w.autocast else 4)  # the loss's gradients, kept for backward
+        working = max(working, 12 * min(tokens, chunk_tokens(v)) * v + 4 * v * h)  # a chunk; the weight's fp32 sum
     return kept, working
 
 
@@ -223,7 +229,8 @@ def estimate_stage(config, layer_range: range, *, first: bool, last: bool, work:
     tokens = work.microbatch * work.seq_len
     layers = len(layer_range)
     graph, working = _graph_bytes(config, layers, tokens, work, last=last)
-    casts_per_graph = 2 * _matmul_params(config, layers, last) if work.autocast else 0
+    cast_copy = 2 * _matmul_params(config, layers, last) if work.autocast else 0
+    versions = 2 if overlap else 1  # the stash: the draining batch's weights and the next batch's
     if first and not last:
         graphs = work.microbatches_per_batch * (2 if overlap else 1)
         saved = 0
@@ -243,7 +250,7 @@ def estimate_stage(config, layer_range: range, *, first: bool, last: bool, work:
         optimizer=8 * params,
         outer=(8 if outer else 4) * params,
         stash=(8 * params if overlap else 0),
-        weight_casts=graphs * casts_per_graph,
+        weight_casts=versions * cast_copy,
         saved_inputs=saved,
         activations=graphs * graph + working,
         exchange=exchange_device + (0 if work.autocast else exchange_host),
@@ -252,7 +259,7 @@ def estimate_stage(config, layer_range: range, *, first: bool, last: bool, work:
         step_temporaries=4 * params,
         retained=(8 * params if outer and work.host_heap else 0),
         runtime=CPU_RUNTIME_BYTES if work.host_heap else 0,
-        boundary_activations=(work.microbatches_per_batch * (graph + casts_per_graph) if overlap and first else 0),
+        boundary_activations=(work.microbatches_per_batch * graph + cast_copy if overlap and first else 0),
         subspace_tables=(4 * config.vocab_size * h + 8 * h * work.subspace if work.subspace else 0),
     )
 

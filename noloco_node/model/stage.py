@@ -23,6 +23,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from noloco_node.model.init import CheckpointReads, materialise_from_checkpoint, materialise_from_seed
+from noloco_node.model.losses import head_cross_entropy
 from noloco_node.model.split import stage_layer_ranges
 from noloco_node.model.subspace import ResidualSubspace, constrain
 
@@ -102,7 +103,9 @@ class LlamaStage(nn.Module):
         """Values per token of what crosses a stage boundary: the hidden size, or the subspace rank."""
         return self.config.hidden_size if self.subspace is None else self.subspace.rank
 
-    def forward(self, inputs: Tensor, token_ids: Tensor | None = None) -> Tensor:
+    def forward(self, inputs: Tensor, token_ids: Tensor | None = None, labels: Tensor | None = None) -> Tensor:
+        """With `labels` (the last stage only) the token-mean loss instead of the logits, computed
+        without them (model/losses.py: the head and the loss a chunk of tokens at a time)."""
         if self.is_first:
             token_ids = inputs
             hidden = self.model.embed_tokens(inputs)
@@ -132,6 +135,8 @@ class LlamaStage(nn.Module):
                     hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=position_embeddings
                 )
             hidden = hidden[0] if isinstance(hidden, tuple) else hidden
+        if self.is_last and labels is not None:
+            return head_cross_entropy(self.model.norm(hidden), self.lm_head.weight, labels)
         if self.is_last:
             return self.lm_head(self.model.norm(hidden))
         return hidden if self.subspace is None else self.subspace.to_coordinates(hidden, token_ids)

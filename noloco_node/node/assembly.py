@@ -142,7 +142,7 @@ def _worker_settings(config: NodeConfig, stage: LlamaStage, device: torch.device
         # Overlap: a step can fall between a microbatch's forward and its backward here.
         stash_weights=pipe.schedule == "overlap" and not stage.is_last,
         device=device,
-        bf16_autocast=pipe.bf16_autocast,
+        bf16_autocast=device.type == "cuda" and pipe.bf16_autocast,
         compute_delay_s=config.faults.compute_delay_s,
         host_dtypes=tuple(
             torch.bfloat16 if device.type == "cuda" and codec == "bf16" else torch.float32

@@ -22,7 +22,6 @@ from torch import Tensor
 from noloco_node.config import NodeConfig
 from noloco_node.data.loader import ShardSpec, training_batches
 from noloco_node.model.build import run_model
-from noloco_node.model.stage import LlamaStage
 from noloco_node.node.assembly import AssemblyPorts, ComputeParts, PipelineParts, assemble, build_compute, build_driver
 from noloco_node.node.boundary import InnerStepBoundary
 from noloco_node.node.manifest import load_run_inputs
@@ -185,9 +184,10 @@ class InProcessSwarm:
             column.sort(key=lambda n: n.stage)
             for inputs, labels in batches:
                 x = inputs.to(column[0].parts.device)
-                for node in column:
+                for node in column[:-1]:
                     x = node.parts.stage(x.to(node.parts.device), inputs.to(node.parts.device))
-                losses.append(float(LlamaStage.loss(x, labels.to(x.device))))
+                last = column[-1].parts
+                losses.append(float(last.stage(x.to(last.device), inputs.to(last.device), labels.to(last.device))))
         return sum(losses) / len(losses)
 
     def routes(self) -> dict[str, dict[str, int]]:

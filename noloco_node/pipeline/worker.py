@@ -27,6 +27,7 @@ from noloco_node.model.stage import LlamaStage
 from noloco_node.optim.inner import InnerOptimizer
 from noloco_node.optim.integrity import all_finite, repair_weights
 from noloco_node.pipeline.transfers import Transfers
+from noloco_node.pipeline.weight_casts import Stash, WeightCasts, matmul_weight_names, weights_version
 from noloco_node.runtime.faults import FaultInjector
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ class Saved:
     created: float
     token_ids: Tensor | None = None  # a residual-subspace stage after 0 rebuilds its input from them
     output: Tensor | None = None  # the autograd graph, when kept instead of recomputed
-    stash: dict[str, Tensor] | None = None  # the weight copy the graph was built on (stash_weights)
+    stash: Stash | None = None  # the weight copy the graph was built on (stash_weights)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,8 +70,10 @@ class WorkerSettings:
     stashing, as PipeDream), added into the parameters' gradients at the next step. One copy per
     weight version, shared by its microbatches."""
     device: torch.device | str = "cpu"
-    bf16_autocast: bool = True
-    """On a GPU: bf16 autocast for the stage's compute; weights, phi and m stay fp32 masters."""
+    bf16_autocast: bool = False
+    """bf16 autocast for the stage's compute (the assembly: a GPU with pipeline.bf16_autocast);
+    weights, phi and m stay fp32 masters, the matmul weights cast once per version
+    (pipeline/weight_casts.py)."""
     compute_delay_s: float = 0.0
     """faults.compute_delay_s: emulates a slower device."""
     host_dtypes: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.float32)
@@ -99,7 +102,7 @@ class StageWorker:
     ) -> None:
         self.stage, self.inner = stage, inner
         self.device = torch.device(settings.device)
-        self.autocast = self.device.type == "cuda" and settings.bf16_autocast
+        self.autocast = settings.bf16_autocast
         self.batch_size, self.saved_ttl_s, self.auto_step = (
             settings.batch_size,
             settings.saved_ttl_s,
@@ -117,6 +120,7 @@ class StageWorker:
         self.faults = faults or FaultInjector()
         self.emit = emit or (lambda event, **fields: None)  # the node's event stream (thread-safe)
         self.params = dict(stage.named_parameters())
+        self.casts = WeightCasts(matmul_weight_names(stage) if self.autocast else ())
         # Where bad weights are restored from: phi when the method keeps one, else (dp, none) a
         # copy of theta this worker refreshes every 10 good steps.
         self.slow_weights = slow_weights or (lambda: None)
@@ -124,8 +128,8 @@ class StageWorker:
         self.dropped_non_finite = 0
         self.repairs = 0
         self.step_due = False
-        self._stash: tuple[int, dict[str, Tensor]] | None = None
-        self._stashes_with_gradients: list[dict[str, Tensor]] = []
+        self._stash: tuple[int, Stash] | None = None
+        self._stashes_with_gradients: list[Stash] = []
 
     def forward(
         self, key: Hashable, inputs: Tensor, *, token_ids: Tensor | None = None, keep_graph: bool = False
@@ -157,7 +161,7 @@ class StageWorker:
         x = self.transfers.input_to_device(inputs).detach().requires_grad_()
         token_ids = None if token_ids is None else self.transfers.to_device(token_ids)
         with self._autocast():
-            loss = LlamaStage.loss(self.stage(x, token_ids), self.transfers.to_device(labels))
+            loss = self._run_stage(x, None, token_ids, labels=self.transfers.to_device(labels))
         self._finite(loss.detach(), "last stage", "loss")  # before backward: the accumulated gradients stay clean
         (loss * (inputs.shape[0] / self.batch_size)).backward()
         self._count(inputs.shape[0], labels.numel())
@@ -169,7 +173,7 @@ class StageWorker:
         self.step_if_due()
         self._slow_down(2)
         with self._autocast():
-            loss = LlamaStage.loss(self.stage(self.transfers.to_device(inputs)), self.transfers.to_device(labels))
+            loss = self._run_stage(self.transfers.to_device(inputs), None, labels=self.transfers.to_device(labels))
         self._finite(loss.detach(), "whole model", "loss")
         (loss * (inputs.shape[0] / self.batch_size)).backward()
         self._count(inputs.shape[0], labels.numel())
@@ -198,20 +202,20 @@ class StageWorker:
             return None
         return self._to_host(grad_input, 1, finite=(key, "input gradient"))
 
-    def _run_stage(self, inputs: Tensor, stash: dict[str, Tensor] | None, token_ids: Tensor | None = None) -> Tensor:
-        if stash is None:
-            return self.stage(inputs, token_ids)
-        return torch.func.functional_call(self.stage, stash, (inputs, token_ids))
+    def _run_stage(
+        self, inputs: Tensor, stash: Stash | None, token_ids: Tensor | None = None, *, labels: Tensor | None = None
+    ) -> Tensor:
+        """The stage's output, or with `labels` (last stage) its loss."""
+        weights = stash.run_on if stash is not None else self.casts.current(self.params)
+        if weights is None:
+            return self.stage(inputs, token_ids, labels)
+        return torch.func.functional_call(self.stage, weights, (inputs, token_ids, labels))
 
-    def _current_stash(self) -> dict[str, Tensor]:
-        # Parameter version counters move with every in-place change (inner and outer steps,
-        # repairs, loaded state), so a stale copy is never reused.
-        version = sum(p._version for p in self.params.values())
+    def _current_stash(self) -> Stash:
+        # A stale copy is never reused: version counters move with every in-place change.
+        version = weights_version(self.params.values())
         if self._stash is None or self._stash[0] != version:
-            self._stash = (
-                version,
-                {n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in self.params.items()},
-            )
+            self._stash = (version, self.casts.stash(self.params))
         return self._stash[1]
 
     def _take_stash_gradients(self) -> None:
@@ -219,7 +223,7 @@ class StageWorker:
         per copy and step rather than once per microbatch. They are all this step's: the overlap
         schedule holds a batch's backwards until the previous step is taken."""
         for stash in self._stashes_with_gradients:
-            for name, copy in stash.items():
+            for name, copy in stash.leaves.items():
                 if copy.grad is None:
                     continue
                 param = self.params[name]
@@ -245,7 +249,7 @@ class StageWorker:
             time.sleep(self.compute_delay_s * passes)
 
     def _autocast(self):
-        return torch.autocast("cuda", dtype=torch.bfloat16) if self.autocast else contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast else contextlib.nullcontext()
 
     def _to_host(
         self, tensor: Tensor, direction: int, *, finite: tuple[Hashable, str] | None = None
@@ -279,6 +283,7 @@ class StageWorker:
         return True
 
     def step(self) -> float:
+        self.casts.release()
         self._take_stash_gradients()
         self._inject_nan_gradients()
         self.last_lr, norm = self.inner.step()
@@ -335,6 +340,7 @@ class StageWorker:
     def step_with(self, grads: list[Tensor]) -> float:
         """Data-parallel: one Adam step on the given (averaged) gradients; gradients accumulated
         meanwhile for the next step are kept."""
+        self.casts.release()
         pending = [p.grad for p in self.inner.params]
         for p, g in zip(self.inner.params, grads):
             p.grad = g.to(p.device, p.dtype)

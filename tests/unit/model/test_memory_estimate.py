@@ -1,6 +1,8 @@
 """The memory estimate (model/memory.py) part by part, checked against torch itself where it can be
 (saved tensors counted by autograd's hooks) and against peaks measured on an H200."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -8,6 +10,7 @@ from noloco_node.config import ConfigError, load_config
 from noloco_node.model import memory
 from noloco_node.model.build import run_model
 from noloco_node.model.memory import (
+    StageMemory,
     Workload,
     check_fits,
     estimate_stage,
@@ -81,12 +84,15 @@ def test_stage0_keeps_a_batch_of_graphs_and_two_under_overlap_later_stages_one()
     o0 = estimate_stage(config, ranges[0], first=True, last=False, work=overlap)
     e1 = estimate_stage(config, ranges[1], first=False, last=True, work=exact)
     o1 = estimate_stage(config, ranges[1], first=False, last=True, work=overlap)
-    assert o0.weight_casts == 2 * e0.weight_casts  # one bf16 copy of the matmul weights per kept graph
+    matmul = 12 * (4 * 2048 * 2048 + 3 * 2048 * config.intermediate_size)
+    assert e0.weight_casts == 2 * matmul  # one bf16 copy of the matmul weights, shared by the batch's graphs
+    assert o0.weight_casts == 2 * e0.weight_casts  # one per weight version: the stash keeps two
     assert o0.stash == 8 * o0.params and e0.stash == 0  # the draining batch's copy and the next one's
     assert o1 == e1  # the last stage has no stash and recomputes nothing
     _, _, wide = _medium(microbatches_per_batch=8)
     w0 = estimate_stage(config, ranges[0], first=True, last=False, work=wide)
-    assert (w0.activations, w0.weight_casts) == (o0.activations, o0.weight_casts)  # 8 graphs either way
+    assert w0.activations == o0.activations  # 8 graphs either way
+    assert w0.weight_casts == e0.weight_casts  # however many graphs share it
     assert w0.activations > 1.8 * e0.activations
     assert estimate_stage(config, ranges[1], first=False, last=True, work=wide).activations == e1.activations
 
@@ -143,8 +149,23 @@ def test_cuda_estimate_is_within_25_percent_above_the_measured_h200_peak(case):
         ]
     )  # measured with the blocking exchange, then the default
     config, ranges = run_model(cfg, 4096)
-    need = memory.estimate_for_run(cfg, config, ranges, stage, "cuda")
+    need = as_measured(memory.estimate_for_run(cfg, config, ranges, stage, "cuda"), stage, schedule)
     assert 1.0 <= need.total / H200_PEAKS[case] <= 1.25, need.breakdown()
+
+
+def as_measured(need: StageMemory, stage: int, schedule: str, microbatches: int = 4) -> StageMemory:
+    """H200_PEAKS were measured when every graph held its own cast of the matmul weights (before
+    pipeline/weight_casts.py shared one per weight version): the same estimate with those casts."""
+    versions = 2 if schedule == "overlap" and need.stash else 1
+    cast_copy = need.weight_casts // versions
+    if stage != 0:
+        return dataclasses.replace(need, weight_casts=cast_copy)  # one graph at a time
+    graphs = microbatches * versions
+    return dataclasses.replace(
+        need,
+        weight_casts=graphs * cast_copy,
+        boundary_activations=need.boundary_activations + (microbatches - 1) * cast_copy * (versions - 1),
+    )
 
 
 def test_workload_follows_the_config():

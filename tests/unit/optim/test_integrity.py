@@ -109,7 +109,8 @@ def test_repair_restores_theta_from_phi_and_drops_bad_adam_state():
 
 
 class _Stage(torch.nn.Module):
-    """The worker's view of a stage: first/last flags, its boundary width, and forward(inputs, token_ids)."""
+    """The worker's view of a stage: first/last flags, its boundary width, and forward(inputs,
+    token_ids, labels): the loss when given labels (the last stage)."""
 
     is_first, is_last, boundary_width = False, True, 8
 
@@ -117,8 +118,9 @@ class _Stage(torch.nn.Module):
         super().__init__()
         self.proj = torch.nn.Linear(8, 5)
 
-    def forward(self, x, token_ids=None):
-        return self.proj(x)
+    def forward(self, x, token_ids=None, labels=None):
+        out = self.proj(x)
+        return out if labels is None else torch.nn.functional.cross_entropy(out.reshape(-1, 5), labels.reshape(-1))
 
 
 def _worker(faults=(), with_phi=True):

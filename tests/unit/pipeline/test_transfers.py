@@ -59,7 +59,11 @@ def test_on_a_gpu_a_bf16_hop_is_pinned_copied_and_widened_there():
     for inputs in (narrow, wide):
         stage = build_stage(config, seed=0, stage_index=1, num_stages=2, device="cuda")
         inner = InnerOptimizer(stage.parameters(), InnerSchedule(lr_max=1e-2, warmup_steps=1, total_steps=10))
-        worker = StageWorker(stage, inner, WorkerSettings(batch_size=2, saved_ttl_s=60, auto_step=False, device="cuda"))
+        worker = StageWorker(
+            stage,
+            inner,
+            WorkerSettings(batch_size=2, saved_ttl_s=60, auto_step=False, device="cuda", bf16_autocast=True),
+        )
         outputs.append(worker.forward_backward_last(inputs, torch.zeros(2, SEQ, dtype=torch.int64)))
     (grad_a, loss_a, _), (grad_b, loss_b, _) = outputs
     assert grad_a.device.type == "cpu" and torch.equal(grad_a, grad_b) and loss_a == loss_b
