@@ -2,7 +2,8 @@
 # One device call for the GPU stage's figures: the CUDA tests, the stage against the plain HF loop at
 # a preset (eager, REPEATS times, each run with its own plain loop), the overlap schedule's held-out
 # loss against exact over PRICE_STEPS steps, int8 hops encoded on the device, the decoder layers
-# compiled (pipeline.compile), a residual subspace of SUBSPACE, then the profile. Every step has its
+# compiled (pipeline.compile), a residual subspace of SUBSPACE, the profile, then stage 0's memory
+# peak against the estimate (whole logits vs the chunked loss right after the tests). Every step has its
 # own timeout inside a total BUDGET (s); a step that no longer fits is skipped and says so (at medium
 # on an H200 one call holds about the tests, three eager repeats and the price: REPEATS=1 reaches
 # the later steps). Results print as they come and land as JSON under $OUT.
@@ -54,6 +55,9 @@ echo "setup done at t=$(($(date +%s) - T0))s"
 TESTS=${TESTS:-tests/unit/model/test_stage_cuda.py tests/integration/test_compile.py tests/unit/pipeline tests/unit/optim \
 tests/unit/codec tests/unit/wire/test_codec_enum.py tests/unit/node/test_swarm_in_process.py}
 step "CUDA unit tests" 90 "$PY" -m pytest -q -p no:cacheprovider -n "${XDIST:-6}" --timeout 80 $TESTS
+if [ "$PRESET" = tiny ]; then HEAD="--tokens 256 --hidden 64 --vocab 4096"; else HEAD="--tokens 4096 --hidden 2048 --vocab 128256"; fi
+step "last stage's loss: whole logits vs chunked" 40 "$PY" benchmarks/head_loss.py --device "$DEVICE" $HEAD \
+  --json "$O/head_loss.json"
 STAGE="$PY benchmarks/gpu_stage.py --device $DEVICE --preset $PRESET $SIZE --steps 5 --warmup 2 --swarm-timeout 110"
 EAGER="--runs hf,exact,overlap,processes"
 # The issue's figures first (eager repeats, the overlap's price), then what may move them.
@@ -70,6 +74,11 @@ step "residual subspace k = d/16, exact and overlap" 100 $STAGE --runs hf,exact,
   --json "$O/stage_subspace.json"
 step "profile" 60 "$PY" benchmarks/gpu_profile.py --device "$DEVICE" --preset "$PRESET" $SIZE --warmup 2 --steps 4 \
   --profile-steps 2 --label now --json "$O/profile.json"
+if [ "$PRESET" = tiny ]; then MEM="--seq-len 64 --micro 2 --batch 8"; else MEM="--seq-len 1024 --micro 4 --batch 16"; fi
+for c in 3:0:exact 3:0:overlap; do  # stage 0 holds a batch of graphs: the shared weight casts' memory
+  step "memory peak vs estimate, $PRESET:$c" 45 "$PY" benchmarks/memory_estimate.py --device "$DEVICE" $MEM \
+    --case "$PRESET:$c" --json
+done
 "$PY" benchmarks/gpu_summary.py "$O"
 echo "== done at t=$(($(date +%s) - T0))s"
 ls -la "$O"

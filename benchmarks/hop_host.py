@@ -21,6 +21,10 @@ where the same parts in one process ran at 0.90). Phases, in the order a hop cro
                             float32 (by today's decoders), screened with abs().max() and a scaled
                             square mean (kept here to compare with)
 
+With --gil, the share of each host phase's time a compute thread of the same process loses to it
+through the GIL (benchmarks/gil_probe.py; work that holds the GIL throughout reads about half, as
+the two threads take turns), and their sum in milliseconds for the hop's two ends.
+
     .venv/bin/python benchmarks/hop_host.py [--preset medium] [--microbatch 4] [--seq 1024]
         [--codecs bf16,int8,int4] [--repeats 7] [--threads 1] [--json FILE]
 """
@@ -32,6 +36,7 @@ import json
 
 import torch
 from codec_throughput import median_seconds
+from gil_probe import share_lost_to_gil
 
 from noloco_node.codec.checked import decode_checked, decode_received
 from noloco_node.config.sections import MODEL_PRESETS
@@ -51,8 +56,9 @@ def previous_screen(tensor: torch.Tensor) -> float:
     return peak * float(scaled.pow(2).mean().sqrt())
 
 
-def hop_phases(activations: torch.Tensor, codec: str, repeats: int) -> dict[str, float]:
-    """Median seconds of each phase of one hop of `activations` (float32) sent with `codec`."""
+def hop_phases(activations: torch.Tensor, codec: str, repeats: int, gil: bool = False) -> dict:
+    """Median seconds of each phase of one hop of `activations` (float32) sent with `codec`; with
+    `gil`, also the share of each host phase another thread loses to it (under "gil")."""
     handed = activations.to(torch.bfloat16) if codec != "none" else activations  # what a GPU stage hands on
     header, payload = encode_tensor(handed, codec, dtype="float32", copy=False)
     spec = header_to_spec(header)
@@ -69,14 +75,19 @@ def hop_phases(activations: torch.Tensor, codec: str, repeats: int) -> dict[str,
     buffer = collect()
     received = decode_received(spec, buffer)
     bounds = RunningBounds(factor=1000.0, max_abs=1e6)
+    host = {
+        "encode": lambda: encode_tensor(handed, codec, dtype="float32", copy=False),
+        "chunk": lambda: list(chunk_messages(stage_pb2.ForwardMessage, payload)),
+        "serialize": lambda: [m.SerializeToString() for m in messages],
+        "parse": lambda: [stage_pb2.ForwardMessage.FromString(w) for w in wire],
+        "collect": collect,
+        "decode": lambda: decode_received(spec, buffer),
+        "check": lambda: bounds.check(received),
+    }
+    held = {name: share_lost_to_gil(fn, repeats) for name, fn in host.items()} if gil else {}
     return {
-        "encode": median_seconds(lambda: encode_tensor(handed, codec, dtype="float32", copy=False), repeats),
-        "chunk": median_seconds(lambda: list(chunk_messages(stage_pb2.ForwardMessage, payload)), repeats),
-        "serialize": median_seconds(lambda: [m.SerializeToString() for m in messages], repeats),
-        "parse": median_seconds(lambda: [stage_pb2.ForwardMessage.FromString(w) for w in wire], repeats),
-        "collect": median_seconds(collect, repeats),
-        "decode": median_seconds(lambda: decode_received(spec, buffer), repeats),
-        "check": median_seconds(lambda: bounds.check(received), repeats),
+        **{name: median_seconds(fn, repeats) for name, fn in host.items()},
+        "gil": held,
         "widen": median_seconds(lambda: received.to(torch.float32), repeats)
         if received.dtype != torch.float32
         else 0.0,
@@ -93,6 +104,7 @@ def main() -> None:
     p.add_argument("--codecs", default="bf16,int8,int4")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: steadier on a shared machine)")
+    p.add_argument("--gil", action="store_true", help="also measure what each host phase costs another thread")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -108,15 +120,21 @@ def main() -> None:
     )
     results = {"preset": args.preset, "shape": list(activations.shape), "copy_s": copy_s, "codecs": {}}
     for codec in args.codecs.split(","):
-        phases = hop_phases(activations, codec, args.repeats)
+        phases = hop_phases(activations, codec, args.repeats, args.gil)
         host = sum(phases[name] for name in HOST_PHASES)
         receive = sum(phases[name] for name in ("parse", "collect", "decode", "check"))
         previous = receive - phases["decode"] - phases["check"] + phases["previous decode+check"]
         results["codecs"][codec] = {**phases, "host_s": host, "receive_s": receive, "previous_receive_s": previous}
         print(f"\n{codec}: {phases['payload_bytes'] / 1e6:.1f} MB on the wire")
+        gil = phases["gil"]
         for name in (*HOST_PHASES, "widen", "previous decode+check"):
-            print(f"  {name:22s} {phases[name] * 1e3:8.2f} ms  {phases[name] / copy_s:6.2f} copies")
+            held = f"  another thread loses {gil[name]:4.0%}" if name in gil else ""
+            print(f"  {name:22s} {phases[name] * 1e3:8.2f} ms  {phases[name] / copy_s:6.2f} copies{held}")
         print(f"  {'host, both ends':22s} {host * 1e3:8.2f} ms  {host / copy_s:6.2f} copies")
+        if gil:
+            held_s = sum(phases[name] * gil[name] for name in HOST_PHASES)
+            results["codecs"][codec]["gil_held_s"] = held_s
+            print(f"  {'lost to the GIL':22s} {held_s * 1e3:8.2f} ms  (by another thread, both ends)")
         print(
             f"  {'receiver':22s} {receive * 1e3:8.2f} ms  {receive / copy_s:6.2f} copies "
             f"(previous path {previous * 1e3:.2f} ms, {previous / copy_s:.2f} copies: {previous / receive:.2f}x)"
