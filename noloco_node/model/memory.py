@@ -41,13 +41,13 @@ size of the weights (foreach sqrt of the second moment) when no graph is alive.
 
 Outer exchange (noloco, every H steps): the frozen fp32 theta (4), our own values as the partner
 decodes them (4 per tensor sent: theta, or phi and delta), the payload out and in (codec bytes
-each), the partner's decoded values (4 per tensor), and while freezing, the float64 error check of
-one tensor (32 bytes per element of the largest). On a GPU the first two and the check live on
-the device, the rest on the host. A stage > 0 runs the exchange in the background while it keeps
-computing, as does any stage with `outer.overlap`: it adds to the training peak. Stage 0's
-blocking exchange runs between batches: there the peak is the larger of the compute and the
-exchange (plus the next batch's graphs under overlap). dp and diloco hold a sent and a received
-copy (8 bytes).
+each), the partner's decoded values (4 per tensor), and while freezing, one tensor's temporaries
+(12 bytes per element of the largest, and its error check's float64 chunk). On a GPU the first two
+and the temporaries live on the device, the rest on the host. A stage > 0 runs the exchange in the
+background while it keeps computing, as does any stage with `outer.overlap`: it adds to the
+training peak. Stage 0's blocking exchange runs between batches: there the peak is the larger of
+the compute and the exchange (plus the next batch's graphs under overlap). dp and diloco hold a
+sent and a received copy (8 bytes).
 
 On the host (CPU nodes; RSS is the measure) three effects of glibc's heap, measured with the
 node's allocator settings (runtime/memory.tune_allocator) and its compute thread: the first outer
@@ -69,7 +69,6 @@ what is free.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 from noloco_node.codec.names import parse_outer_codec
@@ -77,6 +76,7 @@ from noloco_node.codec.sizes import bytes_per_element
 from noloco_node.config import ConfigError
 from noloco_node.model.loss_chunks import chunk_tokens
 from noloco_node.model.split import constrained_layers
+from noloco_node.runtime.memory import available_bytes
 
 GIB = 1 << 30
 # Measured on CPU (benchmarks/memory_estimate.py, `tiny` at 16 tokens, where nothing else is
@@ -264,6 +264,9 @@ def estimate_stage(config, layer_range: range, *, first: bool, last: bool, work:
     )
 
 
+NORM_CHUNK = 1 << 22  # optim/norms.CHUNK (that module imports torch; this one does not)
+
+
 def _exchange_bytes(params: int, largest: int, work: Workload) -> tuple[int, int]:
     """(device part, host part) of an outer exchange in flight."""
     if work.method in ("dp", "diloco"):
@@ -272,8 +275,9 @@ def _exchange_bytes(params: int, largest: int, work: Workload) -> tuple[int, int
         return 0, 0
     sent = len(work.outer_payload)
     wire = sum(bytes_per_element(c) for c in work.outer_payload)
-    # freeze measures the wire's error in float64, one tensor at a time: four float64 copies of it
-    per_tensor = 32 * largest
+    # freeze, one tensor at a time: Delta, the codec's float32 working copy and its payload, and
+    # the wire's error measured in float64 a chunk at a time (optim/norms.py, CHUNK elements)
+    per_tensor = 12 * largest + 8 * min(largest, NORM_CHUNK)
     return (4 + 4 * sent) * params + per_tensor, int((2 * wire + 4 * sent) * params)
 
 
@@ -336,27 +340,6 @@ def estimate_for_run(cfg, config, ranges: list[range], stage_index: int, device_
     return estimate_stage(
         config, ranges[stage_index], first=stage_index == 0, last=last, work=workload_for(cfg, device_type)
     )
-
-
-def available_bytes(device) -> int | None:
-    """Free memory on `device` (a torch.device): the GPU's free memory, or the host's available
-    memory (MemAvailable) for cpu; None when unknown."""
-    if device.type == "cuda":
-        import torch
-
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free)
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        return None
 
 
 def check_fits(cfg, config, ranges: list[range], stage_index: int, device, *, headroom: float = 0.9):

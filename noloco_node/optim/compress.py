@@ -25,6 +25,7 @@ from torch import Tensor
 
 from noloco_node.codec.names import parse_outer_codec
 from noloco_node.codec.tensors import TensorSpec, decode, encode
+from noloco_node.optim.norms import squared_distance
 
 
 @dataclass(frozen=True)
@@ -51,8 +52,8 @@ def encode_tensor(
     decoded = decode(spec, payload).to(device=target.device, dtype=target.dtype)
     # Quantized top-k values round too: that error joins the residual, and goes in a later round.
     new_residual = target - decoded if topk else None
-    norm = float(target.double().norm())
-    error = float((decoded.double() - target.double()).norm())
+    norm = math.sqrt(squared_distance(target))
+    error = math.sqrt(squared_distance(decoded, target))
     return Encoded(spec, payload, decoded, new_residual, error / norm if norm > 0 else 0.0)
 
 
@@ -70,4 +71,4 @@ class ErrorFeedback:
         self.residual.update(residuals)
 
     def norm(self) -> float:
-        return math.sqrt(sum(float(r.double().pow(2).sum()) for r in self.residual.values()))
+        return math.sqrt(sum(squared_distance(r) for r in self.residual.values()))

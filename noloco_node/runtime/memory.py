@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
 
 log = logging.getLogger(__name__)
 
@@ -75,3 +76,24 @@ def current_memory_bytes(device) -> int:
 
         return int(torch.cuda.memory_allocated(device))
     return (_status_kib("VmRSS") or 0) * 1024
+
+
+def available_bytes(device) -> int | None:
+    """Free memory on `device` (a torch.device): the GPU's free memory, or the host's available
+    memory (MemAvailable) for cpu; None when unknown."""
+    if device.type == "cuda":
+        import torch
+
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return None

@@ -32,6 +32,7 @@ from noloco_node.codec.sizes import per_chunk_count
 from noloco_node.codec.sparse import slice_indices
 from noloco_node.codec.tensors import topk_count
 from noloco_node.optim.compress import encode_tensor
+from noloco_node.optim.norms import squared_distance
 from noloco_node.optim.state import OuterState
 from noloco_node.sync.ports import EncodedSnapshot, ExpectedTensor
 
@@ -169,8 +170,8 @@ def _add_theta(parts: _Parts, name: str, theta: Tensor, phi: Tensor, codec: str,
     parts.own[name] = (None, mine.decoded)
     parts.sizes[THETA] += len(sent.payload)
     # The error the wire adds to our pull, relative to our drift ||Delta||.
-    parts.err2 += float((mine.decoded.double() - theta.double()).pow(2).sum())
-    parts.ref2 += float((theta.double() - phi.double()).pow(2).sum())
+    parts.err2 += squared_distance(mine.decoded, theta)
+    parts.ref2 += squared_distance(theta, phi)
 
 
 def _add_phi_delta(
@@ -224,10 +225,10 @@ def _add_phi_delta(
     parts.sizes["phi"] += len(enc_phi.payload)
     parts.sizes["delta"] += len(sent_delta.payload)
     target = delta if residual is None or enc_delta.residual is None else delta + residual
-    parts.err2 += float((enc_delta.decoded.double() - target.double()).pow(2).sum())
-    parts.ref2 += float(target.double().pow(2).sum())
-    parts.phi_err2 += float((parts.own[name][0].double() - phi.double()).pow(2).sum())
-    parts.phi2 += float(phi.double().pow(2).sum())
+    parts.err2 += squared_distance(enc_delta.decoded, target)
+    parts.ref2 += squared_distance(target)
+    parts.phi_err2 += squared_distance(parts.own[name][0], phi)
+    parts.phi2 += squared_distance(phi)
 
 
 def fill_slices(

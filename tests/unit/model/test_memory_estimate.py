@@ -8,6 +8,7 @@ import torch
 
 from noloco_node.config import ConfigError, load_config
 from noloco_node.model import memory
+from noloco_node.optim import norms
 from noloco_node.model.build import run_model
 from noloco_node.model.memory import (
     StageMemory,
@@ -149,13 +150,18 @@ def test_cuda_estimate_is_within_25_percent_above_the_measured_h200_peak(case):
         ]
     )  # measured with the blocking exchange, then the default
     config, ranges = run_model(cfg, 4096)
-    need = as_measured(memory.estimate_for_run(cfg, config, ranges, stage, "cuda"), stage, schedule)
+    need = as_measured(memory.estimate_for_run(cfg, config, ranges, stage, "cuda"), config, stage, stages, schedule)
     assert 1.0 <= need.total / H200_PEAKS[case] <= 1.25, need.breakdown()
 
 
-def as_measured(need: StageMemory, stage: int, schedule: str, microbatches: int = 4) -> StageMemory:
+def as_measured(need: StageMemory, config, stage: int, stages: int, schedule: str, microbatches: int = 4):
     """H200_PEAKS were measured when every graph held its own cast of the matmul weights (before
-    pipeline/weight_casts.py shared one per weight version): the same estimate with those casts."""
+    pipeline/weight_casts.py shared one per weight version) and the outer round's error check took
+    four whole float64 copies of a tensor (before optim/norms.py): the same estimate with those."""
+    h, v = config.hidden_size, config.vocab_size
+    largest = max(h * config.intermediate_size, v * h if stage in (0, stages - 1) else 0)
+    check_then = 32 * largest - 8 * min(largest, memory.NORM_CHUNK) - 12 * largest
+    need = dataclasses.replace(need, exchange=need.exchange + check_then)
     versions = 2 if schedule == "overlap" and need.stash else 1
     cast_copy = need.weight_casts // versions
     if stage != 0:
@@ -166,6 +172,10 @@ def as_measured(need: StageMemory, stage: int, schedule: str, microbatches: int 
         weight_casts=graphs * cast_copy,
         boundary_activations=need.boundary_activations + (microbatches - 1) * cast_copy * (versions - 1),
     )
+
+
+def test_the_estimate_and_the_error_check_agree_on_the_chunk():
+    assert memory.NORM_CHUNK == norms.CHUNK
 
 
 def test_workload_follows_the_config():
