@@ -42,25 +42,30 @@ class _HeadCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, chunk: int) -> Tensor:
         counted = (labels != IGNORE).sum().clamp(min=1)
+        # The dtype the head's matmul runs in: autocast's (bf16) where it is on, as the head's
+        # own would; the weight cast to it once here, not once per chunk.
+        device = hidden.device.type
+        dtype = (
+            torch.get_autocast_dtype(device)
+            if torch.is_autocast_enabled(device)
+            else torch.promote_types(hidden.dtype, weight.dtype)
+        )
+        head = weight.to(dtype)
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         total = hidden.new_zeros((), dtype=torch.float32)
         for start in range(0, hidden.shape[0], chunk):
-            rows, targets = hidden[start : start + chunk], labels[start : start + chunk]
-            logits = F.linear(rows, weight)  # bf16 under autocast, as the head's own
-            logits_dtype = logits.dtype
-            log_probs = torch.log_softmax(logits.float(), dim=-1)
-            del logits  # one chunk-sized tensor less at the peak
+            rows, targets = hidden[start : start + chunk].to(dtype), labels[start : start + chunk]
+            log_probs = torch.log_softmax((rows @ head.t()).float(), dim=-1)
             keep = targets != IGNORE
             picked = log_probs.gather(1, targets.clamp(min=0)[:, None]).squeeze(1)
             total = total - (picked * keep).sum()
             # d(loss sum)/d(logits) = softmax - one_hot, zero on ignored rows; then / counted.
             grad_logits = log_probs.exp_()
             grad_logits.scatter_add_(1, targets.clamp(min=0)[:, None], -keep[:, None].to(grad_logits.dtype))
-            grad_logits.mul_(keep[:, None] / counted)
-            grad_logits = grad_logits.to(logits_dtype)
-            grad_hidden[start : start + chunk] = F.linear(grad_logits, weight.t()).to(hidden.dtype)
-            grad_weight += (grad_logits.t() @ rows.to(grad_logits.dtype)).float()
+            grad_logits = grad_logits.mul_(keep[:, None] / counted).to(dtype)
+            grad_hidden[start : start + chunk] = (grad_logits @ head).to(hidden.dtype)
+            grad_weight += (grad_logits.t() @ rows).float()
         ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
         return total / counted
 
