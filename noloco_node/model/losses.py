@@ -57,12 +57,11 @@ class _HeadCrossEntropy(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk):
             rows, targets = hidden[start : start + chunk].to(dtype), labels[start : start + chunk]
             log_probs = torch.log_softmax((rows @ head.t()).float(), dim=-1)
-            keep = targets != IGNORE
-            picked = log_probs.gather(1, targets.clamp(min=0)[:, None]).squeeze(1)
-            total = total - (picked * keep).sum()
+            keep, columns = targets != IGNORE, targets.clamp(min=0)[:, None]
+            total = total - (log_probs.gather(1, columns).squeeze(1) * keep).sum()
             # d(loss sum)/d(logits) = softmax - one_hot, zero on ignored rows; then / counted.
             grad_logits = log_probs.exp_()
-            grad_logits.scatter_add_(1, targets.clamp(min=0)[:, None], -keep[:, None].to(grad_logits.dtype))
+            grad_logits.scatter_add_(1, columns, -keep[:, None].to(grad_logits.dtype))
             grad_logits = grad_logits.mul_(keep[:, None] / counted).to(dtype)
             grad_hidden[start : start + chunk] = (grad_logits @ head).to(hidden.dtype)
             grad_weight += (grad_logits.t() @ rows).float()

@@ -151,10 +151,8 @@ def _worker_settings(config: NodeConfig, stage: LlamaStage, device: torch.device
         # A GPU encodes its blockwise hops itself: activations round to nearest, gradients too
         # except int4's, whose stochastic rounding stays with the transport's seeded generator.
         device_codecs=(
-            pipe.activation_codec
-            if device.type == "cuda" and pipe.activation_codec in DEVICE_ACTIVATION_CODECS
-            else None,
-            pipe.gradient_codec if device.type == "cuda" and pipe.gradient_codec in DEVICE_GRADIENT_CODECS else None,
+            _device_codec(device, pipe.activation_codec, DEVICE_ACTIVATION_CODECS),
+            _device_codec(device, pipe.gradient_codec, DEVICE_GRADIENT_CODECS),
         ),
     )
 
