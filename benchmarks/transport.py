@@ -231,7 +231,7 @@ class _P2PContext:
 def _private_daemon_class(discovery: bool):
     """hivemind.P2P whose p2pd runs with relayDiscovery=0, as a node behind NAT starts it (or
     with p2pd's default, relay discovery on, if `discovery`)."""
-    from noloco_node.dht.directory import daemon_with_flags
+    from noloco_node.dht.daemon import daemon_with_flags
 
     return daemon_with_flags({} if discovery else {"relayDiscovery": False})
 
@@ -629,7 +629,7 @@ async def run(args) -> dict:
     import torch
     from hivemind.p2p import P2P
 
-    from noloco_node.dht.directory import daemon_with_flags
+    from noloco_node.dht.daemon import daemon_with_flags
     from noloco_node.runtime.memory import tune_allocator
     from noloco_node.transport.bridge import Libp2pBridge
     from noloco_node.transport.credentials import CallSigner

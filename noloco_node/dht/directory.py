@@ -17,11 +17,10 @@ from dataclasses import dataclass
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
 from hivemind.dht.validation import CompositeValidator
-from hivemind.p2p import P2P, P2PDaemonError
 from hivemind.utils.timed_storage import get_dht_time
 
+from noloco_node.dht.daemon import join_dht
 from noloco_node.dht.records import StageRecord, make_validators, stage_key
-from noloco_node.errors import BootstrapError
 from noloco_node.runtime.node_status import Status
 from noloco_node.transport.identity import NodeIdentity, peer_id_of_owner_marker
 
@@ -101,10 +100,15 @@ class PeerDirectory:
             max_skew_s=max_skew_s,
             key=key,
         )
-        node, p2p = await _join_dht(start_args, validator, p2p_options)
+        node, p2p = await join_dht(start_args, validator, p2p_options)
         directory = cls(node, identity, signer, key=key)
         directory._own_p2p, directory._start_args = p2p, start_args
         return directory
+
+    @property
+    def restarting(self) -> bool:
+        """Whether the DHT node (and its libp2p daemon) is being restarted right now."""
+        return self._restarting
 
     @property
     def initial_peers(self) -> list[str]:
@@ -148,19 +152,17 @@ class PeerDirectory:
             return cached[1]
         if self._restarting:
             return []
-        found = await self.node.get(stage_key(self.identity.run_id, stage), latest=True)
         records = []
-        if found is not None and isinstance(found.value, dict):
-            for subkey, entry in found.value.items():
-                record = self._accept(entry.value, stage, subkey)
-                if record is not None:
-                    known = self._by_peer.get(record.peer_id)
-                    # A node that moved between stages has a newer record under its new stage's key
-                    # than its leaving one under the old key: keep the newest (its address now).
-                    if known is None or known[1].updated_at <= record.updated_at:
-                        self._by_peer[record.peer_id] = (now, record)
-                    if record.status not in (Status.LEAVING, Status.JOINING):
-                        records.append(record)
+        for subkey, value in await self._entries(stage):
+            if (record := self._accept(value, stage, subkey)) is None:
+                continue
+            known = self._by_peer.get(record.peer_id)
+            # A node that moved between stages has a newer record under its new stage's key than
+            # its leaving one under the old key: keep the newest (its address now).
+            if known is None or known[1].updated_at <= record.updated_at:
+                self._by_peer[record.peer_id] = (now, record)
+            if record.status not in (Status.LEAVING, Status.JOINING):
+                records.append(record)
         records.sort(key=lambda r: r.peer_id)
         self._cache[stage] = (now, records)
         return records
@@ -180,27 +182,29 @@ class PeerDirectory:
         if self._restarting:
             return out
         for stage in range(self.identity.num_stages):
-            found = await self.node.get(stage_key(self.identity.run_id, stage), latest=True)
-            if found is not None and isinstance(found.value, dict):
-                for subkey, entry in found.value.items():
-                    record = self._accept(entry.value, stage, subkey)
-                    if record is not None:
-                        out.append(record)
+            for subkey, value in await self._entries(stage):
+                if (record := self._accept(value, stage, subkey)) is not None:
+                    out.append(record)
         return out
 
     async def all_records(self, stage: int) -> list[StageRecord]:
         """Every well-formed record under `stage`'s key, unfiltered (for `noloco-node status`)."""
-        found = await self.node.get(stage_key(self.identity.run_id, stage), latest=True)
         records = []
-        if found is not None and isinstance(found.value, dict):
-            for subkey, entry in found.value.items():
-                try:
-                    record = StageRecord.parse_obj(entry.value)
-                except Exception:  # noqa: BLE001 - malformed values are skipped
-                    continue
-                if self._proven(record, subkey):
-                    records.append(record)
+        for subkey, value in await self._entries(stage):
+            try:
+                record = StageRecord.parse_obj(value)
+            except Exception:  # noqa: BLE001 - malformed values are skipped
+                continue
+            if self._proven(record, subkey):
+                records.append(record)
         return sorted(records, key=lambda r: r.peer_id)
+
+    async def _entries(self, stage: int) -> list[tuple[object, object]]:
+        """(subkey, value) of each entry under `stage`'s key, unparsed."""
+        found = await self.node.get(stage_key(self.identity.run_id, stage), latest=True)
+        if found is None or not isinstance(found.value, dict):
+            return []
+        return [(subkey, entry.value) for subkey, entry in found.value.items()]
 
     def _proven(self, record: StageRecord, subkey: object) -> bool:
         """Whether the key that signed the record (hivemind checked the signature against the
@@ -332,49 +336,6 @@ class PeerDirectory:
                 child.kill()
 
 
-async def _join_dht(args: dict, validator: CompositeValidator, p2p_options: dict | None) -> tuple[DHTNode, P2P]:
-    """start()'s libp2p daemon and DHT node, from its `args`; BootstrapError with a fix if no initial peer answers."""
-    initial_peers, swarm_key, timeout_s = args["initial_peers"], args["swarm_key"], args["startup_timeout_s"]
-    authorizer = None
-    if swarm_key is not None:
-        from noloco_node.dht.auth import SwarmKeyAuthorizer
-
-        authorizer = SwarmKeyAuthorizer(swarm_key, max_skew_s=args["max_skew_s"])
-    options = dict(p2p_options or {})
-    daemon_flags = options.pop("daemon_flags", {})
-    p2p = None
-    try:
-        # Our own P2P (DHTNode would make one without the flags hivemind does not expose).
-        p2p = await daemon_with_flags(daemon_flags).create(
-            initial_peers=list(initial_peers),
-            host_maddrs=[f"/ip4/{args['host']}/tcp/{args['port']}"],
-            identity_path=args["key"].identity_path(),
-            check_if_identity_free=False,
-            startup_timeout=timeout_s,
-            dht_mode="client" if args["client_mode"] else "server",
-            **options,
-        )
-        node = await asyncio.wait_for(
-            DHTNode.create(
-                p2p=p2p,
-                initial_peers=list(initial_peers),
-                record_validator=validator,
-                client_mode=args["client_mode"],
-                authorizer=authorizer,
-            ),
-            timeout=timeout_s + 5,
-        )
-    except (P2PDaemonError, asyncio.TimeoutError, OSError, RuntimeError) as exc:
-        # hivemind raises RuntimeError when no initial peer answered a ping: they are down,
-        # unreachable, or (in a keyed swarm) ignoring us because our swarm key differs.
-        where = ", ".join(initial_peers) or "(none)"
-        hint = "" if swarm_key is not None else " (if the swarm uses a key, pass it with --swarm-key)"
-        if p2p is not None:
-            await p2p.shutdown()
-        raise BootstrapError(f"could not join the DHT through initial peers {where}: {exc}{hint}".strip()) from None
-    return node, p2p
-
-
 def _targets(maddrs: list[str], own_peer_id: str) -> dict[str, list[str]]:
     """Peer id -> its transport addresses, from full multiaddrs (`.../p2p/<peer id>`)."""
     out: dict[str, list[str]] = {}
@@ -383,18 +344,3 @@ def _targets(maddrs: list[str], own_peer_id: str) -> dict[str, list[str]]:
         if base and peer_id and peer_id != own_peer_id:
             out.setdefault(peer_id, []).append(base)
     return out
-
-
-def daemon_with_flags(flags: dict):
-    """hivemind.P2P whose p2pd gets extra command-line flags, e.g. relayDiscovery=False, which
-    makes the trusted relays static: the reservation is made at once (~0.2 s) instead of after
-    auto-relay's three-minute wait for more relay candidates."""
-    if not flags:
-        return P2P
-
-    class P2PWithFlags(P2P):
-        @staticmethod
-        def _make_process_args(*args, **kwargs):
-            return P2P._make_process_args(*args, **{**kwargs, **flags})
-
-    return P2PWithFlags

@@ -241,7 +241,7 @@ async def settle_reach(
     """Direct TLS if a peer proved it can dial `address` (and then relay for peers behind NAT);
     otherwise the relayed path (go_relayed). Returns the Reprobe that may move the node to direct
     later (None when it is direct, reach = libp2p, or its address is loopback to remote peers);
-    `announce` publishes our record once it switched."""
+    `announce` publishes our record (refreshed before the switch, then the one that says direct)."""
     net = cfg.network
     peers = [*net.initial_peers, *net.relays]
     probe = functools.partial(
@@ -306,6 +306,11 @@ async def go_direct(
     runs it), serve over it, relay for NATed peers, and announce the record that says `direct`.
     If the restart fails the node goes back to the relayed path."""
     log.info("a peer reached our address: switching to direct")
+    if announce is not None:
+        # The restart skips heartbeats: refresh our (relayed) record so it lives a whole
+        # record_ttl_s from here. Not longer: the DHT keeps the record that expires last, so a
+        # longer-lived one would hide every update after it until it expired.
+        await announce()
     try:
         await directory.restart({})
         await links.attach(directory.p2p, server.bridge_port, server.tls_target)

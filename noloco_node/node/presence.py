@@ -40,7 +40,8 @@ async def heartbeat(node: Node) -> None:
             await node.runtime.expire_saved()
             if node.reprobe is not None and node.reprobe.due():  # its own task: a probe takes seconds
                 node.spawn(node.reprobe.run())
-            if node.links.reach != "direct" and node.links.bridge is not None:  # behind NAT: see joining.py
+            # Behind NAT (see joining.py); not while the daemon restarts: the bridge's is gone.
+            if node.links.reach != "direct" and node.links.bridge is not None and not node.directory.restarting:
                 await node.links.bridge.dial_out(
                     await public_libp2p_addrs(node.directory, node.config.pipeline.num_stages)
                 )

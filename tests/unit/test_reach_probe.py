@@ -248,3 +248,39 @@ def test_an_initial_peer_without_a_record_is_dialled_over_libp2p():
     contact = asyncio.run(lookup(BOOT))
     assert contact.reach != "direct" and contact.p2p_addrs == tuple(REMOTE) and contact.address == ""
     assert asyncio.run(lookup("someone-else")) is None
+
+
+def test_switching_to_direct_keeps_the_record_listed_through_the_restart_then_announces_direct():
+    """The daemon's restart skips heartbeats; with a short record_ttl_s (4 s in the tests) a slow
+    restart let the record expire and the swarm lost the node (a CI failure): the record is
+    refreshed right before the restart, with the usual ttl (the DHT keeps the record that expires
+    last, so a longer one would hide the updates after it), and the direct one follows."""
+    events = []
+    links = SimpleNamespace(reach="relayed", p2p_addrs=[])
+
+    class Directory:
+        p2p = object()
+
+        async def restart(self, options):
+            events.append(("restart", options))
+
+        async def visible_maddrs(self):
+            return ["/ip4/127.0.0.1/tcp/1/p2p/x", "/ip4/198.18.0.11/tcp/31341/p2p/x"]
+
+    async def attach(p2p, port, target):
+        events.append(("attach", port))
+
+    async def serve_relay():
+        events.append(("serve_relay",))
+
+    async def announce():
+        events.append(("announce", links.reach))
+
+    links.attach, links.serve_relay = attach, serve_relay
+    cfg = SimpleNamespace()
+    server = SimpleNamespace(bridge_port=5, tls_target="t")
+    asyncio.run(joining.go_direct(Directory(), links, cfg, server, announce))
+    assert events[0] == ("announce", "relayed"), events
+    assert events[1] == ("restart", {}), events
+    assert events[-1] == ("announce", "direct"), events
+    assert links.reach == "direct" and links.p2p_addrs == ["/ip4/198.18.0.11/tcp/31341/p2p/x"]

@@ -1,0 +1,70 @@
+"""The libp2p daemon and the hivemind DHT node a PeerDirectory runs on (dht/directory.py)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from hivemind.dht.node import DHTNode
+from hivemind.dht.validation import CompositeValidator
+from hivemind.p2p import P2P, P2PDaemonError
+
+from noloco_node.errors import BootstrapError
+
+
+async def join_dht(args: dict, validator: CompositeValidator, p2p_options: dict | None) -> tuple[DHTNode, P2P]:
+    """PeerDirectory.start()'s libp2p daemon and DHT node, from its `args`; BootstrapError with a
+    fix if no initial peer answers."""
+    initial_peers, swarm_key, timeout_s = args["initial_peers"], args["swarm_key"], args["startup_timeout_s"]
+    authorizer = None
+    if swarm_key is not None:
+        from noloco_node.dht.auth import SwarmKeyAuthorizer
+
+        authorizer = SwarmKeyAuthorizer(swarm_key, max_skew_s=args["max_skew_s"])
+    options = dict(p2p_options or {})
+    daemon_flags = options.pop("daemon_flags", {})
+    p2p = None
+    try:
+        # Our own P2P (DHTNode would make one without the flags hivemind does not expose).
+        p2p = await daemon_with_flags(daemon_flags).create(
+            initial_peers=list(initial_peers),
+            host_maddrs=[f"/ip4/{args['host']}/tcp/{args['port']}"],
+            identity_path=args["key"].identity_path(),
+            check_if_identity_free=False,
+            startup_timeout=timeout_s,
+            dht_mode="client" if args["client_mode"] else "server",
+            **options,
+        )
+        node = await asyncio.wait_for(
+            DHTNode.create(
+                p2p=p2p,
+                initial_peers=list(initial_peers),
+                record_validator=validator,
+                client_mode=args["client_mode"],
+                authorizer=authorizer,
+            ),
+            timeout=timeout_s + 5,
+        )
+    except (P2PDaemonError, asyncio.TimeoutError, OSError, RuntimeError) as exc:
+        # hivemind raises RuntimeError when no initial peer answered a ping: they are down,
+        # unreachable, or (in a keyed swarm) ignoring us because our swarm key differs.
+        where = ", ".join(initial_peers) or "(none)"
+        hint = "" if swarm_key is not None else " (if the swarm uses a key, pass it with --swarm-key)"
+        if p2p is not None:
+            await p2p.shutdown()
+        raise BootstrapError(f"could not join the DHT through initial peers {where}: {exc}{hint}".strip()) from None
+    return node, p2p
+
+
+def daemon_with_flags(flags: dict):
+    """hivemind.P2P whose p2pd gets extra command-line flags, e.g. relayDiscovery=False, which
+    makes the trusted relays static: the reservation is made at once (~0.2 s) instead of after
+    auto-relay's three-minute wait for more relay candidates."""
+    if not flags:
+        return P2P
+
+    class P2PWithFlags(P2P):
+        @staticmethod
+        def _make_process_args(*args, **kwargs):
+            return P2P._make_process_args(*args, **{**kwargs, **flags})
+
+    return P2PWithFlags
