@@ -79,6 +79,17 @@ def main(folder: Path) -> int:
         lines += summarize(results, title) if results else [f"{title}: no result"]
     priced = [row for r in load("price*.json") for row in r.get("price_of_overlap", [])]
     lines += price(priced) if priced else ["overlap's price: no result"]
+    for hops in load("hop_host*.json"):
+        lines.append(f"a hop's copy to the device ({hops['preset']}, ms, collect + decode + copy):")
+        for codec, phases in hops["codecs"].items():
+            kinds = {k: phases.get(f"to device, {k}") for k in ("pageable", "pinned")}
+            if None in kinds.values():
+                lines.append(f"  {codec}: not measured (no GPU)")
+                continue
+            pageable, pinned = kinds["pageable"], kinds["pinned"]
+            lines.append(
+                f"  {codec}: pageable {pageable * 1e3:.2f}  pinned {pinned * 1e3:.2f}  ({pinned / pageable:.2f}x)"
+            )
     print("\n".join(lines))
     return 0
 

@@ -17,6 +17,9 @@ where the same parts in one process ran at 0.90). Phases, in the order a hop cro
             check           RunningBounds.check, the servicer's value screen (optim/integrity.py)
             widen           float32 of what arrived narrower: on a GPU this runs on the device
                             after the copy, so it is listed, not counted in the host total
+  device    to device       on a GPU only: collect, decode and the worker's copy to the device, from
+                            pageable memory (pinned by a host copy first) and from pinned memory
+                            (codec/host_memory.py), each until the device has it
   previous  decode+check    the receive path's decode and screen before: every codec decoded to
                             float32 (by today's decoders), screened with abs().max() and a scaled
                             square mean (kept here to compare with)
@@ -26,7 +29,7 @@ through the GIL (benchmarks/gil_probe.py; work that holds the GIL throughout rea
 the two threads take turns), and their sum in milliseconds for the hop's two ends.
 
     .venv/bin/python benchmarks/hop_host.py [--preset medium] [--microbatch 4] [--seq 1024]
-        [--codecs bf16,int8,int4] [--repeats 7] [--threads 1] [--json FILE]
+        [--codecs bf16,int8,int4] [--repeats 7] [--threads 1] [--gil] [--json FILE]
 """
 
 from __future__ import annotations
@@ -41,11 +44,13 @@ from gil_probe import share_lost_to_gil
 from noloco_node.codec.checked import decode_checked, decode_received
 from noloco_node.config.sections import MODEL_PRESETS
 from noloco_node.optim.integrity import RunningBounds
+from noloco_node.pipeline.transfers import Transfers
 from noloco_node.runtime.memory import tune_allocator
 from noloco_node.rpc.tensors import PayloadReceiver, chunk_messages, encode_tensor, header_to_spec
 from noloco_node.wire.v1 import stage_pb2
 
 HOST_PHASES = ("encode", "chunk", "serialize", "parse", "collect", "decode", "check")
+DEVICE_KINDS = ("pageable", "pinned")
 
 
 def previous_screen(tensor: torch.Tensor) -> float:
@@ -87,12 +92,32 @@ def hop_phases(activations: torch.Tensor, codec: str, repeats: int, gil: bool = 
     held = {name: share_lost_to_gil(fn, repeats) for name, fn in host.items()} if gil else {}
     return {
         **{name: median_seconds(fn, repeats) for name, fn in host.items()},
+        **(to_device_phases(spec, parsed, len(payload), repeats) if torch.cuda.is_available() else {}),
         "gil": held,
         "widen": median_seconds(lambda: received.to(torch.float32), repeats)
         if received.dtype != torch.float32
         else 0.0,
         "previous decode+check": median_seconds(lambda: previous_screen(decode_checked(spec, buffer)), repeats),
         "payload_bytes": len(payload),
+    }
+
+
+def to_device_phases(spec, parsed: list, payload_bytes: int, repeats: int) -> dict:
+    """On a GPU: the receiver's collect and decode into pageable memory then the worker's copy to
+    the device (which pins a copy of it first), against the same into pinned memory
+    (codec/host_memory.py), whose copy is a DMA from the buffer itself; each until the device has it."""
+    transfers = Transfers(torch.device("cuda"), (torch.float32, torch.float32), (None, None))
+
+    def received_on_device(pinned: bool) -> None:
+        receiver = PayloadReceiver(spec, max_bytes=payload_bytes, pinned=pinned)
+        for message in parsed:
+            receiver.add(message.chunk)
+        transfers.input_to_device(decode_received(spec, receiver.finish(), pinned=pinned))
+        torch.cuda.synchronize()
+
+    return {
+        f"to device, {kind}": median_seconds(lambda: received_on_device(kind == "pinned"), repeats)
+        for kind in DEVICE_KINDS
     }
 
 
@@ -127,7 +152,8 @@ def main() -> None:
         results["codecs"][codec] = {**phases, "host_s": host, "receive_s": receive, "previous_receive_s": previous}
         print(f"\n{codec}: {phases['payload_bytes'] / 1e6:.1f} MB on the wire")
         gil = phases["gil"]
-        for name in (*HOST_PHASES, "widen", "previous decode+check"):
+        on_device = [f"to device, {kind}" for kind in DEVICE_KINDS if f"to device, {kind}" in phases]
+        for name in (*HOST_PHASES, "widen", "previous decode+check", *on_device):
             held = f"  another thread loses {gil[name]:4.0%}" if name in gil else ""
             print(f"  {name:22s} {phases[name] * 1e3:8.2f} ms  {phases[name] / copy_s:6.2f} copies{held}")
         print(f"  {'host, both ends':22s} {host * 1e3:8.2f} ms  {host / copy_s:6.2f} copies")

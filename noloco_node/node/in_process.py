@@ -28,6 +28,7 @@ from noloco_node.node.manifest import load_run_inputs
 from noloco_node.pipeline.driver import Stage0Driver
 from noloco_node.pipeline.memory import MemoryNetwork
 from noloco_node.pipeline.ports import Hop
+from noloco_node.runtime.compute import compute_device
 from noloco_node.runtime.events import EventLog
 from noloco_node.runtime.faults import FaultInjector
 from noloco_node.sync.factory import SyncPorts
@@ -78,7 +79,9 @@ class InProcessSwarm:
         self.config, self.replicas = config, replicas
         self.config_for = config_for or (lambda stage, replica: config)
         self.network = MemoryNetwork(
-            codec=codec or config.pipeline.activation_codec, gradient_codec=codec or config.pipeline.gradient_codec
+            codec=codec or config.pipeline.activation_codec,
+            gradient_codec=codec or config.pipeline.gradient_codec,
+            pinned_receive=compute_device(config.pipeline.device).type == "cuda",
         )
         self.hub = MemoryPairingHub()
         self.all_reduce = {stage: MemoryAllReduceHub(replicas) for stage in range(config.pipeline.num_stages)}

@@ -20,7 +20,7 @@ from noloco_node.pipeline.ports import Hop
 from noloco_node.rpc.checks import ServedRun
 from noloco_node.rpc.outer_service import OuterClient, OuterServicer, Traffic
 from noloco_node.rpc.server import NodeServer
-from noloco_node.rpc.stage_service import StageClient, StageCodecs, StageServicer
+from noloco_node.rpc.stage_service import StageClient, StageCodecs, StageServicer, ValueScreen
 from noloco_node.rpc.stage_transport import GrpcStageTransport
 from noloco_node.runtime.events import EventLog
 from noloco_node.runtime.faults import FaultInjector
@@ -182,9 +182,9 @@ def _serve_stage(inputs: WiringInputs, pipeline: PipelineParts, deadlines: LinkD
         max_payload_bytes=max_bytes,
         receive_s=cfg.timeouts.receive_s,
         min_bytes_per_s=cfg.security.min_receive_bytes_per_s,
-        rms_factor=cfg.security.payload_rms_factor,
-        max_abs=cfg.security.payload_max_abs,
+        screen=ValueScreen(cfg.security.payload_rms_factor, cfg.security.payload_max_abs),
         deadlines=deadlines,
+        pinned_receive=inputs.parts.worker.device.type == "cuda",
     )
     inputs.server.add_stage(servicer)
     return servicer

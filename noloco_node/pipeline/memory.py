@@ -15,6 +15,7 @@ from torch import Tensor
 
 from noloco_node.codec.blockwise import EncodedTensor
 from noloco_node.codec.checked import decode_received
+from noloco_node.codec.host_memory import receive_buffer
 from noloco_node.codec.tensors import encode
 from noloco_node.errors import PeerUnavailable, PeerUnknown
 from noloco_node.pipeline.ports import BackwardCall, ForwardCall, Hop, MicrobatchKey, Peer, StageHandler
@@ -32,8 +33,10 @@ class MemoryRecord:
 
 
 class MemoryNetwork:
-    def __init__(self, *, codec: str = "none", gradient_codec: str | None = None) -> None:
+    def __init__(self, *, codec: str = "none", gradient_codec: str | None = None, pinned_receive: bool = False) -> None:
         self.codec, self.gradient_codec = codec, gradient_codec or codec
+        self.pinned_receive = pinned_receive
+        """Payloads land in pinned host memory, as a GPU node's Stage servicer receives them."""
         self.handlers: dict[str, StageHandler] = {}
         self.records: dict[str, MemoryRecord] = {}
         self.down: set[str] = set()
@@ -75,21 +78,31 @@ class MemoryNetwork:
         return handler
 
 
-def through_wire(tensor: Tensor | EncodedTensor, codec: str) -> tuple[object, Tensor, int]:
+def through_wire(tensor: Tensor | EncodedTensor, codec: str, *, pinned: bool = False) -> tuple[object, Tensor, int]:
     """(spec, the tensor a receiver decodes, payload bytes) for `tensor` sent with `codec`: float32
     values, handed in as float32 or as the bfloat16 copy a GPU stage makes for a lossy codec,
     which encodes to the same payload (as the gRPC client sends it, rpc/stage_service.py); decoded
-    as the Stage servicer decodes it (bf16 stays bf16, codec/checked.py's decode_received)."""
+    as the Stage servicer decodes it (bf16 stays bf16, codec/checked.py's decode_received), into
+    pinned memory where `pinned` (a GPU node's servicer collects payloads there)."""
     if isinstance(tensor, EncodedTensor):  # encoded by the stage on its device
         if tensor.spec.codec != codec:
             raise ValueError(f"the stage encoded {tensor.spec.codec}, this network sends {codec}")
         spec, payload = tensor.spec, tensor.payload_view()
-        return spec, decode_received(spec, payload), len(payload)
+        return spec, _received(spec, payload, pinned), len(payload)
     sent = tensor.detach().cpu()
     if codec in ("none", "topk"):  # these carry the values as they are: float32 on the wire
         sent = sent.to(torch.float32)
     spec, payload = encode(sent, codec, dtype="float32")
-    return spec, decode_received(spec, payload), len(payload)
+    return spec, _received(spec, payload, pinned), len(payload)
+
+
+def _received(spec, payload, pinned: bool) -> Tensor:
+    if pinned:
+        buffer, owner = receive_buffer(len(payload), pinned=True)
+        if owner is not None:
+            buffer[:] = payload
+            payload = owner
+    return decode_received(spec, payload, pinned=pinned)
 
 
 class MemoryStageTransport:
@@ -111,7 +124,7 @@ class MemoryStageTransport:
         token_ids: Tensor | None = None,
     ) -> None:
         handler = self.network.handler_of(peer.peer_id)
-        spec, tensor, size = through_wire(activations, self.network.codec)
+        spec, tensor, size = through_wire(activations, self.network.codec, pinned=self.network.pinned_receive)
         call = ForwardCall(
             key=key,
             target_stage=target_stage,
@@ -134,7 +147,7 @@ class MemoryStageTransport:
         num_tokens: int,
     ) -> None:
         handler = self.network.handler_of(peer_id)
-        spec, tensor, size = through_wire(grad, self.network.gradient_codec)
+        spec, tensor, size = through_wire(grad, self.network.gradient_codec, pinned=self.network.pinned_receive)
         call = BackwardCall(key=key, target_stage=target_stage, loss=loss, num_tokens=num_tokens)
         ticket = handler.admit_backward(call, spec, self.me)
         self.bytes_sent += size

@@ -32,8 +32,11 @@ class Transfers:
     def to_device(self, tensor: Tensor) -> Tensor:
         if self.device.type == "cpu":
             return tensor
-        # Received tensors are host buffers: pin them so the copy is a DMA that overlaps compute.
-        return tensor.pin_memory().to(self.device, non_blocking=True)
+        # A DMA that overlaps compute needs pinned memory: received payloads arrive pinned
+        # (codec/host_memory.py); anything else is pinned here, a host copy on this thread.
+        if not tensor.is_pinned():
+            tensor = tensor.pin_memory()
+        return tensor.to(self.device, non_blocking=True)
 
     def input_to_device(self, inputs: Tensor) -> Tensor:
         """Received activations on the device, float32 as the stage computes them: a bf16 hop

@@ -75,9 +75,12 @@ def backward_call(header: stage_pb2.BackwardHeader) -> BackwardCall:
     )
 
 
-async def _receive(messages: AsyncIterator, spec: TensorSpec, max_bytes: int, stall_s: float) -> tuple[Tensor, int]:
-    """The payload after the header; a stream that sends no message for `stall_s` raises TimeoutError."""
-    receiver = PayloadReceiver(spec, max_bytes=max_bytes)
+async def _receive(
+    messages: AsyncIterator, spec: TensorSpec, max_bytes: int, stall_s: float, pinned: bool
+) -> tuple[Tensor, int]:
+    """The payload after the header, into pinned memory where asked; a stream that sends no message
+    for `stall_s` raises TimeoutError."""
+    receiver = PayloadReceiver(spec, max_bytes=max_bytes, pinned=pinned)
     while True:
         try:
             message = await asyncio.wait_for(messages.__anext__(), stall_s)
@@ -89,7 +92,19 @@ async def _receive(messages: AsyncIterator, spec: TensorSpec, max_bytes: int, st
             raise InvalidPayload("a second header arrived inside a stream; expected payload chunks")
         receiver.add(message.chunk)
     payload = receiver.finish()
-    return decode_received(spec, payload), len(payload)
+    return decode_received(spec, payload, pinned=pinned), len(payload)
+
+
+@dataclass(frozen=True)
+class ValueScreen:
+    """What a received tensor's values must keep to (optim/integrity.py's RunningBounds): an RMS
+    within `rms_factor` of the recent ones' median, no element beyond `max_abs`."""
+
+    rms_factor: float = 1000.0
+    max_abs: float = 1e6
+
+    def bounds(self) -> RunningBounds:
+        return RunningBounds(factor=self.rms_factor, max_abs=self.max_abs)
 
 
 class StageServicer(stage_pb2_grpc.StageServicer):
@@ -98,7 +113,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
     arrive within `receive_s` plus its size at `min_bytes_per_s`, or at the caller's measured
     bandwidth (`deadlines`, runtime/link_estimates.py) times the slack where that is slower, and
     no chunk may take longer than the progress deadline: a stream that stalls is cut with
-    DEADLINE_EXCEEDED and its in-flight slot freed, whatever deadline (or none) the client set."""
+    DEADLINE_EXCEEDED and its in-flight slot freed, whatever deadline (or none) the client set.
+    Each direction's values are screened against its own recent traffic (`screen`).
+    `pinned_receive` (a stage on a GPU): payloads land in pinned host memory (codec/host_memory.py)."""
 
     def __init__(
         self,
@@ -108,11 +125,12 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         max_payload_bytes: int,
         receive_s: float = 10.0,
         min_bytes_per_s: float = 1e6,
-        rms_factor: float = 1000.0,
-        max_abs: float = 1e6,
+        screen: ValueScreen = ValueScreen(),
         deadlines: LinkDeadlines | None = None,
+        pinned_receive: bool = False,
     ) -> None:
         self.handler = handler
+        self.pinned_receive = pinned_receive
         self.run = run
         self.max_payload_bytes = max_payload_bytes
         self.receive_s, self.min_bytes_per_s = receive_s, min_bytes_per_s
@@ -120,8 +138,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         self.rejected: dict[str, int] = {}
         self.bytes_received = 0
         self.cut_at_deadline = 0
-        # Values are checked against this stage's own recent traffic, per direction (integrity.py).
-        self.bounds = {kind: RunningBounds(factor=rms_factor, max_abs=max_abs) for kind in ("forward", "backward")}
+        self.bounds = {kind: screen.bounds() for kind in ("forward", "backward")}
 
     def _check_values(self, kind: str, tensor: Tensor) -> None:
         why = self.bounds[kind].check(tensor)
@@ -161,7 +178,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         began = asyncio.get_running_loop().time()
         async with asyncio.timeout_at(self._payload_deadline(started, spec, caller)):
             tensor, size = await _receive(
-                messages, spec, self.max_payload_bytes, self.deadlines.stall_s(caller, RECEIVED)
+                messages, spec, self.max_payload_bytes, self.deadlines.stall_s(caller, RECEIVED), self.pinned_receive
             )
         if caller:
             self.deadlines.estimates.observe(caller, size, asyncio.get_running_loop().time() - began, RECEIVED)

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import numpy
 import torch
 from torch import Tensor
 
+from noloco_node.codec.host_memory import receive_buffer
 from noloco_node.codec.tensors import CodecError, TensorSpec, encode, expected_payload_bytes
 from noloco_node.errors import InvalidPayload
 from noloco_node.wire.v1 import tensor_pb2
@@ -119,16 +119,15 @@ def chunk_messages(message_type: type, payload: bytes | memoryview, chunk_bytes:
 class PayloadReceiver:
     """Collects the chunks of one tensor into a buffer preallocated from the validated spec."""
 
-    def __init__(self, spec: TensorSpec, *, max_bytes: int) -> None:
+    def __init__(self, spec: TensorSpec, *, max_bytes: int, pinned: bool = False) -> None:
         if spec.payload_bytes > max_bytes:
             raise InvalidPayload(
                 f"declared payload of {spec.payload_bytes} bytes exceeds this node's limit of {max_bytes}"
             )
         self.spec = spec
-        # Uninitialised, from malloc's heap: a bytearray zero-fills (a pass over every payload on the
-        # loop) and torch.empty maps fresh pages each time (a fault per page). finish() hands it on
+        # Uninitialised; pinned for a stage on a GPU (codec/host_memory.py). finish() hands it on
         # only once every byte has been written.
-        self.buffer = memoryview(numpy.empty(spec.payload_bytes, dtype=numpy.uint8))
+        self.buffer, self.owner = receive_buffer(spec.payload_bytes, pinned=pinned)
         self.received = 0
         self.next_index = 0
 
@@ -147,7 +146,9 @@ class PayloadReceiver:
     def complete(self) -> bool:
         return self.received == len(self.buffer)
 
-    def finish(self) -> memoryview:
+    def finish(self) -> memoryview | Tensor:
+        """The payload: the pinned uint8 tensor that holds it where it was pinned (keep it a tensor:
+        codec/host_memory.py says why), else a view of its bytes."""
         if not self.complete:
             raise InvalidPayload(f"stream ended after {self.received} of {len(self.buffer)} payload bytes (truncated)")
-        return self.buffer
+        return self.buffer if self.owner is None else self.owner
