@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# One device call for the GPU stage's figures: the CUDA tests, the last stage's loss, a hop's copy to
-# the device from pageable and pinned memory (benchmarks/hop_host.py), the stage against the plain HF loop at
-# a preset (eager, REPEATS times, each run with its own plain loop), the overlap schedule's held-out
-# loss against exact over PRICE_STEPS steps, int8 hops encoded on the device, the decoder layers
-# compiled (pipeline.compile), a residual subspace of SUBSPACE, the profile, then stage 0's memory
-# peak against the estimate (whole logits vs the chunked loss right after the tests). Every step has its
-# own timeout inside a total BUDGET (s); a step that no longer fits is skipped and says so (at medium
-# on an H200 one call holds about the tests, three eager repeats and the price: REPEATS=1 reaches
-# the later steps). Results print as they come and land as JSON under $OUT.
+# One device call for the GPU stage's figures: the CUDA tests, the last stage's loss, a hop's copy
+# to the device from pageable and pinned memory (hop_host.py), the stage against the plain HF loop
+# at a preset (eager, REPEATS times, each run with its own plain loop), the overlap schedule's
+# held-out loss against exact over PRICE_STEPS steps, what two processes sharing the GPU cost it
+# (gpu_shared.py), int8 hops encoded on the device, the decoder layers compiled (pipeline.compile),
+# a residual subspace of SUBSPACE, the profile, then stage 0's memory peak against the estimate.
+# Every step has its own timeout inside a total BUDGET (s); a step that no longer fits is skipped
+# and says so (at medium on an H200 one call holds about the tests, three eager repeats and the
+# price: REPEATS=1 reaches the later steps). Results print as they come and land as JSON under $OUT.
 #
 # What the call carries (the device machine reaches no package index): .gpu/whl, the wheels of the
 # packages its python lacks (docs/research.md, "A pipeline stage on a GPU", says which and how they
@@ -67,6 +67,8 @@ EAGER="--runs hf,exact,overlap,processes"
 step "stage vs plain loop, eager, repeat 1" 130 $STAGE $EAGER --json "$O/stage_eager_1.json"
 step "overlap's loss price, $PRICE_STEPS steps" 150 $STAGE --price-only --price-steps "$PRICE_STEPS" --seeds 0 \
   --json "$O/price.json"
+step "two processes sharing the GPU (the ceiling of processes P=2)" 90 "$PY" benchmarks/gpu_shared.py \
+  --device "$DEVICE" --preset "$PRESET" $SIZE --seconds 15 --json "$O/gpu_shared.json"
 for r in $(seq 2 "$REPEATS"); do
   step "stage vs plain loop, eager, repeat $r" 130 $STAGE $EAGER --json "$O/stage_eager_$r.json"
 done

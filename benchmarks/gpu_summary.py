@@ -79,6 +79,12 @@ def main(folder: Path) -> int:
         lines += summarize(results, title) if results else [f"{title}: no result"]
     priced = [row for r in load("price*.json") for row in r.get("price_of_overlap", [])]
     lines += price(priced) if priced else ["overlap's price: no result"]
+    for shared in load("gpu_shared*.json"):
+        alone, pair = shared["alone"]["tok_s"], [r["tok_s"] for r in shared["together"]]
+        lines.append(
+            f"two processes on the one GPU, half the layers each: alone {alone:.0f} tok/s, together "
+            f"{sum(pair):.0f} ({sum(pair) / alone:.3f} of alone: the ceiling of processes P=2 on one GPU)"
+        )
     for hops in load("hop_host*.json"):
         lines.append(f"a hop's copy to the device ({hops['preset']}, ms, collect + decode + copy):")
         for codec, phases in hops["codecs"].items():
