@@ -10,9 +10,8 @@
 # price: REPEATS=1 reaches the later steps). Results print as they come and land as JSON under $OUT.
 #
 # What the call carries (the device machine reaches no package index): .gpu/whl, the wheels of the
-# packages its python lacks (docs/research.md, "A pipeline stage on a GPU", says which and how they
-# are built), and .gpu/cache, this machine's ~/.cache/noloco-node (the corpus and the trained
-# tokenizer, so no process trains it again).
+# packages its python lacks, and .gpu/cache, this machine's ~/.cache/noloco-node (the corpus and the
+# trained tokenizer, so no process trains it again); `bash scripts/gpu_bundle.sh` builds both.
 #   device:          bash benchmarks/gpu_call.sh           (the run tool: carry [".gpu"])
 #   CPU dry run:     DEVICE=cpu PRESET=tiny PY=.venv/bin/python OUT=/tmp/gpuout bash benchmarks/gpu_call.sh
 set -u
