@@ -39,6 +39,7 @@ from noloco_node.sync.ports import Decision, MatchingDirectory, MethodTraits, Ou
 from noloco_node.sync.ports import PairingTransport, PairProposal, SyncParts
 from noloco_node.sync.pairing import (
     NoLoCoSettings,
+    alone_in_stage,
     PartnerDistances,
     announced_steps,
     apply_pair_step,
@@ -239,8 +240,12 @@ class NoLoCoSync(OuterSync):
 
     async def _find_partner(self, inner_step: int, round_index: int, deadline: float, tried: set[str]) -> None:
         """The drawn mate first, then random proposals until `deadline` (once, one window more for
-        a replica on its way), then the end of a session we accepted."""
+        a replica on its way), then the end of a session we accepted; nothing more when no other
+        replica of our stage is live."""
         await self._propose_to_drawn_mate(inner_step, round_index, deadline, tried)
+        if self.partner is None and not self.done.is_set():
+            if await alone_in_stage(self.directory, self.stage, self.peer_id, timeout_s=min(2.0, self.match_s)):
+                return  # no other live replica of our stage: the solo step now, not after match_s
         if self.rng.random() < 0.5:  # passive for a short random while, so proposals do not all cross
             await wait_at_most(self.done, min(self.rng.uniform(0, 0.1 * self.match_s), deadline - time.monotonic()))
         for window in range(2):

@@ -71,6 +71,13 @@ async def announced_steps(directory: MatchingDirectory, stage: int, *, timeout_s
         return {}
 
 
+async def alone_in_stage(directory: MatchingDirectory, stage: int, me: str, *, timeout_s: float) -> bool:
+    """Whether a fresh lookup lists no live replica of `stage` but `me`: a round then has nobody to
+    wait for. False where the lookup cannot tell (no answer, or not even our own record)."""
+    steps = await announced_steps(directory, stage, timeout_s=timeout_s)
+    return bool(steps) and set(steps) == {me}
+
+
 class PartnerDistances:
     """How far a partner's snapshot may be from ours (check_snapshot), by the distances of the
     last honest partners: their median, so one liar among them cannot move the bound, and an

@@ -33,7 +33,7 @@ async def _no_status(*_) -> None:
     return None
 
 
-def lone_sync(config: OuterConfig, transport=None) -> NoLoCoSync:
+def lone_sync(config: OuterConfig, transport=None, directory=None, match_s: float = 1.0) -> NoLoCoSync:
     """A replica with one 4-element weight, no peers to match and a slow compute thread."""
     model = nn.Module()
     model.w = nn.Parameter(torch.ones(4))
@@ -44,8 +44,8 @@ def lone_sync(config: OuterConfig, transport=None) -> NoLoCoSync:
         config,
         parts,
         transport=transport,
-        directory=NoPeers(),
-        settings=NoLoCoSettings(match_s=1.0),
+        directory=directory or NoPeers(),
+        settings=NoLoCoSettings(match_s=match_s),
         bans=Bans(),
         rng=random.Random(0),
     )
@@ -139,3 +139,32 @@ def test_settle_waits_for_a_round_that_starts_while_it_waits():
 
     settled, finished = asyncio.run(scenario())
     assert settled and finished == [5, 10]
+
+
+class Fellows(NoPeers):
+    """A directory whose fresh lookup lists these live replicas of the stage (none matching)."""
+
+    def __init__(self, *peers: str) -> None:
+        self.peers = peers
+
+    async def inner_steps(self, stage, *, timeout_s):
+        return {peer: 5 for peer in self.peers}
+
+
+def test_a_replica_alone_on_its_stage_takes_the_solo_step_without_waiting_out_the_window():
+    """Nobody to pair with: a round waited match_s for nobody (every round of a lone replica, e.g.
+    the last one left on its stage). A fellow replica that is live but not matching yet still gets
+    the window; a lookup that cannot tell (no records at all) too."""
+
+    async def round_of(directory, wait_s: float):
+        sync = lone_sync(OuterConfig(codec="none"), directory=directory, match_s=30.0)
+        task = asyncio.ensure_future(sync.outer_step(inner_step=5, round_index=1))
+        done, _ = await asyncio.wait({task}, timeout=wait_s)
+        if not done:
+            task.cancel()
+            return None
+        return task.result(), sync.counters.history[-1]["reason"]
+
+    assert asyncio.run(round_of(Fellows("me"), 20.0)) == ("solo", "no partner")
+    assert asyncio.run(round_of(Fellows("me", "fellow"), 3.0)) is None  # still matching after 3 s
+    assert asyncio.run(round_of(Fellows(), 3.0)) is None
