@@ -23,7 +23,7 @@ from noloco_node.optim.inner import InnerOptimizer
 from noloco_node.optim.state import OuterState
 from noloco_node.rpc.outer_service import OuterClient
 from noloco_node.runtime.compute import ComputeThread
-from noloco_node.sync.state_fetch import fetch_from_donors
+from noloco_node.sync.state_fetch import donor_order, fetch_from_donors
 from noloco_node.sync.transfer import expected_tensors, import_state
 
 log = logging.getLogger(__name__)
@@ -354,10 +354,10 @@ async def fetch_state(
     Returns {donor (the one furthest along), inner_step, outer_round, donors (parameters taken
     from each), reasked, failed}, or None (no other replica, or the state could not be had from
     them: the run's initial weights stay)."""
-    donors = [r.peer_id for r in await directory.replicas(stage, fresh=True) if r.peer_id != peer_id]
+    records = await directory.replicas(stage, fresh=True)
+    donors = donor_order([(r.peer_id, r.reach) for r in records if r.peer_id != peer_id], seed=peer_id)
     if not donors:
         return None
-    random.Random(peer_id).shuffle(donors)
     began = time.monotonic()
     try:
         fetched = await fetch_from_donors(

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -71,6 +72,15 @@ class FetchedState:
     def donor(self) -> str:
         """The donor furthest along (whose counters we took)."""
         return self.counters["donor"]
+
+
+def donor_order(candidates: Sequence[tuple[str, str]], seed: str) -> list[str]:
+    """The donors to ask, from (peer id, reach) pairs: in a random order drawn from `seed` (so that
+    joiners spread over the replicas), those reached without a relay first. The first `max_donors`
+    are asked at once; a relayed donor's part runs through a relay, on a home uplink."""
+    shuffled = list(candidates)
+    random.Random(seed).shuffle(shuffled)
+    return [peer for peer, reach in sorted(shuffled, key=lambda c: c[1] == "relayed")]
 
 
 def split_parameters(sizes: dict[str, int], parts: int) -> list[list[str]]:

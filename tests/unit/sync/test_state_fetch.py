@@ -18,7 +18,7 @@ from noloco_node.rpc.checks import ServedRun
 from noloco_node.rpc.outer_service import OuterClient, OuterServicer
 from noloco_node.runtime.link_estimates import LinkDeadlines
 from noloco_node.sync.memory import MemoryPairingHub
-from noloco_node.sync.state_fetch import StateUnavailable, fetch_from_donors, split_parameters
+from noloco_node.sync.state_fetch import StateUnavailable, donor_order, fetch_from_donors, split_parameters
 from noloco_node.codec.state_layout import parameter_bytes, tensors_by_parameter
 from noloco_node.sync.transfer import counters_json, expected_tensors, export_state, import_state
 from noloco_node.wire.v1 import outer_pb2, outer_pb2_grpc
@@ -287,3 +287,15 @@ def test_grouping_sends_each_parameter_together():
         "odd": ["odd"],
     }
     assert json.loads(counters_json({"b": 1, "a": 2})) == {"a": 2, "b": 1}
+
+
+def test_donors_reached_without_a_relay_are_asked_first_in_an_order_each_joiner_draws():
+    relayed = [(f"home{i}", "relayed") for i in range(4)]
+    reached = [("public0", "direct"), ("public1", "direct"), ("punched", "holepunched")]
+    candidates = relayed[:2] + reached + relayed[2:]
+    order = donor_order(candidates, seed="joiner")
+    assert set(order[:3]) == {p for p, _ in reached} and set(order[3:]) == {p for p, _ in relayed}
+    assert order == donor_order(candidates, seed="joiner")
+    firsts = {donor_order(candidates, seed=f"joiner{i}")[0] for i in range(30)}
+    assert firsts == {p for p, _ in reached}  # joiners spread over the direct donors
+    assert sorted(donor_order(relayed, seed="x")) == [p for p, _ in relayed]  # only relayed: all still asked
