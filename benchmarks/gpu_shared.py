@@ -25,11 +25,10 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_stage import autocast, flops_per_token, synchronize  # noqa: E402
+from gpu_stage import flops_per_token, plain_step, synchronize  # noqa: E402
 
 from noloco_node.config import load_config  # noqa: E402
 from noloco_node.model.stage import llama_config  # noqa: E402
@@ -59,23 +58,8 @@ def child(args) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=args.device == "cuda")
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq_len + 1), generator=torch.Generator().manual_seed(0))
     x, y = tokens[:, :-1].to(args.device), tokens[:, 1:].to(args.device)
-    n_micro = args.batch // args.micro
-
-    def step() -> float:
-        total = 0.0
-        for i in range(n_micro):
-            sl = slice(i * args.micro, (i + 1) * args.micro)
-            with autocast(args):
-                logits = model(input_ids=x[sl]).logits
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y[sl].reshape(-1)) / n_micro
-            loss.backward()
-            total += loss.detach()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return float(total)  # waits for the device: each step is timed whole
-
     for _ in range(args.warmup):
-        step()
+        plain_step(model, opt, x, y, args)
     synchronize(args)
     Path(args.ready).touch()
     deadline = time.monotonic() + 600
@@ -86,7 +70,7 @@ def child(args) -> None:
     start = last = time.perf_counter()
     steps = 0
     while last - start < args.seconds:
-        step()
+        plain_step(model, opt, x, y, args)
         last, steps = time.perf_counter(), steps + 1
     Path(args.result).write_text(json.dumps({"steps": steps, "seconds": last - start}))
 

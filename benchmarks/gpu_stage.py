@@ -93,6 +93,24 @@ def config_for(args, out: Path, **extra: str):
     return load_config(overrides=[f"{k}={v}" for k, v in sets.items()])
 
 
+def plain_step(model, opt, x: torch.Tensor, y: torch.Tensor, args) -> float:
+    """One step of the plain loop: microbatches of args.micro accumulated, clipped, AdamW; the
+    loss (reading it waits for the device, so a step is timed whole)."""
+    n_micro = args.batch // args.micro
+    total = 0.0
+    for i in range(n_micro):
+        sl = slice(i * args.micro, (i + 1) * args.micro)
+        with autocast(args):
+            logits = model(input_ids=x[sl]).logits
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y[sl].reshape(-1)) / n_micro
+        loss.backward()
+        total += loss.detach()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return float(total)
+
+
 def plain_hf(llama_cfg, batches, args) -> dict:
     from transformers import LlamaForCausalLM
 
@@ -103,22 +121,9 @@ def plain_hf(llama_cfg, batches, args) -> dict:
         for layer in model.model.layers:
             layer.compile()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=args.device == "cuda")
-    n_micro = args.batch // args.micro
 
     def step(batch) -> float:
-        x, y = (t.to(args.device, non_blocking=True) for t in batch)
-        total = 0.0
-        for i in range(n_micro):
-            sl = slice(i * args.micro, (i + 1) * args.micro)
-            with autocast(args):
-                logits = model(input_ids=x[sl]).logits
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y[sl].reshape(-1)) / n_micro
-            loss.backward()
-            total += loss.detach()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return float(total)
+        return plain_step(model, opt, *(t.to(args.device, non_blocking=True) for t in batch), args)
 
     for _ in range(args.warmup):
         step(next(batches))
