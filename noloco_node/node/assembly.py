@@ -144,6 +144,7 @@ def _worker_settings(config: NodeConfig, stage: LlamaStage, device: torch.device
         device=device,
         bf16_autocast=device.type == "cuda" and pipe.bf16_autocast,
         compute_delay_s=config.faults.compute_delay_s,
+        results_later=True,  # the runtime waits for results off the compute thread
         host_dtypes=tuple(
             torch.bfloat16 if device.type == "cuda" and codec == "bf16" else torch.float32
             for codec in (pipe.activation_codec, pipe.gradient_codec)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,13 +22,14 @@ from typing import Any, Hashable
 import torch
 from torch import Tensor
 
-from noloco_node.codec.blockwise import EncodedTensor
 from noloco_node.errors import NodeError
 from noloco_node.model.stage import LlamaStage
 from noloco_node.optim.inner import InnerOptimizer
 from noloco_node.optim.integrity import all_finite, repair_weights
+from noloco_node.pipeline.host_copies import HostCopy, HostValue
 from noloco_node.pipeline.transfers import Transfers
 from noloco_node.pipeline.weight_casts import Stash, WeightCasts, matmul_weight_names, weights_version
+from noloco_node.runtime.compute import Later, then
 from noloco_node.runtime.faults import FaultInjector
 
 log = logging.getLogger(__name__)
@@ -84,6 +86,10 @@ class WorkerSettings:
     """(activations, gradients): a blockwise codec (int8, fp8, int4 to nearest) the stage encodes its
     results with where it computed them, handing the transport an EncodedTensor: the host copies
     the payload and does no codec work. None: a tensor of host_dtypes, encoded by the transport."""
+    results_later: bool = False
+    """Results still on their way to the host are returned as `Later` (runtime/compute.py): the
+    compute thread launches the next job while the device finishes and copies this one's
+    (pipeline/host_copies.py). The node's assembly sets it; else the worker waits for them."""
 
 
 class StageWorker:
@@ -111,6 +117,7 @@ class StageWorker:
         self.defer_step, self.stash_weights = settings.defer_step, settings.stash_weights
         self.compute_delay_s = settings.compute_delay_s
         self.transfers = Transfers(self.device, settings.host_dtypes, settings.device_codecs)
+        self.results_later = settings.results_later
         self.clock = clock
         self.saved: dict[Hashable, Saved] = {}
         self.sequences_since_step = 0
@@ -126,6 +133,7 @@ class StageWorker:
         self.slow_weights = slow_weights or (lambda: None)
         self._own_copy = None if slow_weights is not None else self._copy_theta()
         self.dropped_non_finite = 0
+        self._drops_lock = threading.Lock()
         self.repairs = 0
         self.step_due = False
         self._stash: tuple[int, Stash] | None = None
@@ -133,7 +141,7 @@ class StageWorker:
 
     def forward(
         self, key: Hashable, inputs: Tensor, *, token_ids: Tensor | None = None, keep_graph: bool = False
-    ) -> Tensor:
+    ) -> HostValue | Later:
         """Forward without a graph, keeping `inputs` for the backward's recompute; or, with
         `keep_graph`, keep the autograd graph instead: safe when no inner step can happen before
         this microbatch's backward (stage 0 in exact mode, whose driver steps between batches), or
@@ -153,19 +161,21 @@ class StageWorker:
 
     def forward_backward_last(
         self, inputs: Tensor, labels: Tensor, token_ids: Tensor | None = None
-    ) -> tuple[Tensor, float, int]:
+    ) -> tuple[HostValue, float, int] | Later:
         """Last stage: loss (token mean, scaled by b/B for accumulation), backward; returns
-        (grad w.r.t. inputs, unscaled loss, tokens)."""
+        (grad w.r.t. inputs, unscaled loss, tokens). The loss is read once, to check it before the
+        backward (the one wait on the device here): the backward is launched and left running."""
         self.step_if_due()
         self._slow_down(2)
         x = self.transfers.input_to_device(inputs).detach().requires_grad_()
         token_ids = None if token_ids is None else self.transfers.to_device(token_ids)
         with self._autocast():
             loss = self._run_stage(x, None, token_ids, labels=self.transfers.to_device(labels))
-        self._finite(loss.detach(), "last stage", "loss")  # before backward: the accumulated gradients stay clean
+        loss_value = self._finite_loss(loss, "last stage")  # before backward: the accumulated gradients stay clean
         (loss * (inputs.shape[0] / self.batch_size)).backward()
         self._count(inputs.shape[0], labels.numel())
-        return self._to_host(x.grad, 1), float(loss.detach()), labels.numel()
+        tokens = labels.numel()
+        return then(self._to_host(x.grad, 1), lambda grad: (grad, loss_value, tokens))
 
     def forward_backward_whole(self, inputs: Tensor, labels: Tensor) -> tuple[float, int]:
         """A single-stage swarm (P = 1): the whole model here, from token ids to loss and back;
@@ -174,12 +184,12 @@ class StageWorker:
         self._slow_down(2)
         with self._autocast():
             loss = self._run_stage(self.transfers.to_device(inputs), None, labels=self.transfers.to_device(labels))
-        self._finite(loss.detach(), "whole model", "loss")
+        loss_value = self._finite_loss(loss, "whole model")
         (loss * (inputs.shape[0] / self.batch_size)).backward()
         self._count(inputs.shape[0], labels.numel())
-        return float(loss.detach()), labels.numel()
+        return loss_value, labels.numel()
 
-    def backward(self, key: Hashable, grad_output: Tensor) -> Tensor | None:
+    def backward(self, key: Hashable, grad_output: Tensor) -> HostValue | Later | None:
         """Recompute from the saved input and backpropagate `grad_output`; returns the input
         gradient, or None on stage 0 (whose input is token ids)."""
         self.step_if_due()
@@ -234,13 +244,15 @@ class StageWorker:
                 copy.grad = None
         self._stashes_with_gradients.clear()
 
-    def _finite(self, tensor: Tensor, key, what: str) -> Tensor:
-        if not bool(torch.isfinite(tensor).all()):
-            self._drop_non_finite(key, what)
-        return tensor
+    def _finite_loss(self, loss: Tensor, key: str) -> float:
+        value = float(loss.detach())
+        if not math.isfinite(value):
+            self._drop_non_finite(key, "loss")
+        return value
 
     def _drop_non_finite(self, key, what: str) -> None:
-        self.dropped_non_finite += 1
+        with self._drops_lock:  # also the waiter thread's, for results checked once on the host
+            self.dropped_non_finite += 1
         self.emit("non_finite", what=what, microbatch=str(key), inner_step=self.inner_steps)
         raise NonFiniteValues(f"{what} of {key} is not finite; the microbatch is dropped here")
 
@@ -253,11 +265,18 @@ class StageWorker:
 
     def _to_host(
         self, tensor: Tensor, direction: int, *, finite: tuple[Hashable, str] | None = None
-    ) -> Tensor | EncodedTensor:
+    ) -> HostValue | Later:
         """A result on its way to the wire (`direction` 0: activations, 1: gradients), as the
         transport takes it (pipeline/transfers.py); with `finite` = (microbatch, what), a result
-        that is not finite is dropped here (_drop_non_finite)."""
-        result, is_finite = self.transfers.to_host(tensor, direction, check_finite=finite is not None)
+        that is not finite is dropped once it is on the host (_drop_non_finite). With
+        `results_later`, that wait is left to the caller."""
+        copy = self.transfers.to_host(tensor, direction, check_finite=finite is not None)
+        if self.results_later:
+            return Later(lambda: self._arrived(copy, finite))
+        return self._arrived(copy, finite)
+
+    def _arrived(self, copy: HostCopy, finite: tuple[Hashable, str] | None) -> HostValue:
+        result, is_finite = copy.wait()
         if not is_finite:
             self._drop_non_finite(*finite)
         return result

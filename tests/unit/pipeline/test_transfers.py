@@ -90,7 +90,7 @@ def test_a_result_that_cannot_be_encoded_is_still_dropped_as_not_finite():
         worker.forward("mb", bad)
     assert worker.dropped_non_finite == 1
     transfers = Transfers(torch.device("cpu"), (torch.float32, torch.float32), ("int8", "int8"))
-    result, finite = transfers.to_host(torch.full((3,), 3e38), 0, check_finite=True)
+    result, finite = transfers.to_host(torch.full((3,), 3e38), 0, check_finite=True).wait()
     assert finite and not isinstance(result, EncodedTensor)  # finite, beyond int8's range: the transport refuses it
 
 
@@ -120,6 +120,6 @@ def test_a_gpu_stage_encodes_its_blockwise_hops_on_its_device(device, activation
 def test_on_a_gpu_the_device_encoding_is_the_hosts_byte_for_byte(codec):
     x = torch.randn(4, 1000, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     transfers = Transfers(torch.device("cuda"), (torch.float32, torch.float32), (codec, codec))
-    result, finite = transfers.to_host(x.cuda(), 0, check_finite=True)
+    result, finite = transfers.to_host(x.cuda(), 0, check_finite=True).wait()
     assert finite and isinstance(result, EncodedTensor) and result.payload.is_pinned()
     assert bytes(result.payload_view()) == encode(x, codec, dtype="float32")[1]
