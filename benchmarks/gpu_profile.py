@@ -84,10 +84,13 @@ def label_jobs(node) -> None:
 
 
 async def thread_ids(swarm) -> dict[int, str]:
-    """OS thread id -> "s<stage>" for each compute thread; "loop" for this one."""
+    """OS thread id -> "s<stage>" for each compute thread, "s<stage>.wait" for the thread that waits
+    for its results (runtime/compute.py); "loop" for this one."""
     ids = {threading.get_native_id(): "loop"}
     for node in swarm.nodes:
         ids[await node.parts.compute.run(threading.get_native_id)] = f"s{node.stage}"
+        waiter = node.parts.compute._waiter.submit(threading.get_native_id)
+        ids[await asyncio.wrap_future(waiter)] = f"s{node.stage}.wait"
     return ids
 
 
@@ -148,6 +151,8 @@ def analyse(trace: dict, threads: dict[int, str]) -> dict:
             return threads.get(tid, f"tid{tid}"), job
         if threads.get(tid) == "loop":
             return "loop", None
+        if threads.get(tid, "").endswith(".wait"):  # a stage's waiter: its syncs are that stage's
+            return threads[tid].removesuffix(".wait"), None
         # Another thread (the autograd engine's): the one stage inside a backward job then.
         inside = [
             (t, j)
