@@ -3,8 +3,9 @@
 # to the device from pageable and pinned memory (hop_host.py), the stage against the plain HF loop
 # at a preset (eager, REPEATS times, each run with its own plain loop), the overlap schedule's
 # held-out loss against exact over PRICE_STEPS steps, what two processes sharing the GPU cost it
-# (gpu_shared.py), int8 hops encoded on the device, the decoder layers compiled (pipeline.compile),
-# a residual subspace of SUBSPACE, the profile, then stage 0's memory peak against the estimate.
+# (gpu_shared.py), the profile with each result waited for and as it runs now, int8 hops encoded on
+# the device, the decoder layers compiled (pipeline.compile), a residual subspace of SUBSPACE, then
+# stage 0's memory peak against the estimate.
 # Every step has its own timeout inside a total BUDGET (s); a step that no longer fits is skipped
 # and says so (at medium on an H200 one call holds about the tests, three eager repeats and the
 # price: REPEATS=1 reaches the later steps). Results print as they come and land as JSON under $OUT.
@@ -62,10 +63,16 @@ step "a hop's host work, and its copy to the device from pageable and pinned mem
   --preset "$PRESET" --codecs bf16,int8 --repeats 5 --threads 4 --json "$O/hop_host.json"
 STAGE="$PY benchmarks/gpu_stage.py --device $DEVICE --preset $PRESET $SIZE --steps 5 --warmup 2 --swarm-timeout 110"
 EAGER="--runs hf,exact,overlap,processes"
-# The issue's figures first (eager repeats, the overlap's price), then what may move them.
-step "stage vs plain loop, eager, repeat 1" 130 $STAGE $EAGER --json "$O/stage_eager_1.json"
+PROFILE="$PY benchmarks/gpu_profile.py --device $DEVICE --preset $PRESET $SIZE --warmup 2 --steps 4 --profile-steps 2"
+# The issue's figures first (eager repeats, the overlap's price, the profile before and after the
+# results left to the waiter), then what may move them. Repeat 1 also runs exact with each result
+# waited for on the compute thread (pipeline.overlap_result_copies = false): the same-run baseline.
+step "stage vs plain loop, eager, repeat 1" 160 $STAGE --runs hf,exact,exact-waiting,overlap,processes \
+  --json "$O/stage_eager_1.json"
 step "overlap's loss price, $PRICE_STEPS steps" 150 $STAGE --price-only --price-steps "$PRICE_STEPS" --seeds 0 \
   --json "$O/price.json"
+step "profile, results waited for" 60 $PROFILE --wait-results --label waiting --json "$O/profile_waiting.json"
+step "profile" 60 $PROFILE --label now --json "$O/profile.json"
 step "two processes sharing the GPU (the ceiling of processes P=2)" 90 "$PY" benchmarks/gpu_shared.py \
   --device "$DEVICE" --preset "$PRESET" $SIZE --seconds 15 --json "$O/gpu_shared.json"
 for r in $(seq 2 "$REPEATS"); do
@@ -76,8 +83,6 @@ step "stage vs plain loop, compiled layers" 200 $STAGE --runs hf,exact,processes
   --json "$O/stage_compiled.json"
 step "residual subspace k = d/16, exact and overlap" 100 $STAGE --runs hf,exact,overlap --subspace "${SUBSPACE:-128}" \
   --json "$O/stage_subspace.json"
-step "profile" 60 "$PY" benchmarks/gpu_profile.py --device "$DEVICE" --preset "$PRESET" $SIZE --warmup 2 --steps 4 \
-  --profile-steps 2 --label now --json "$O/profile.json"
 if [ "$PRESET" = tiny ]; then MEM="--seq-len 64 --micro 2 --batch 8"; else MEM="--seq-len 1024 --micro 4 --batch 16"; fi
 for c in 3:0:exact 3:0:overlap; do  # stage 0 holds a batch of graphs: the shared weight casts' memory
   step "memory peak vs estimate, $PRESET:$c" 45 "$PY" benchmarks/memory_estimate.py --device "$DEVICE" $MEM \

@@ -306,7 +306,8 @@ def time_head_and_layer(node, args, repeats: int = 5) -> dict:
 
 
 async def profiled_run(args) -> dict:
-    config = config_for(args, Path(args.tmp), **{"pipeline.schedule": args.schedule})
+    sets = {"pipeline.schedule": args.schedule, "pipeline.overlap_result_copies": str(not args.wait_results).lower()}
+    config = config_for(args, Path(args.tmp), **sets)
     corpus, tokenizer, _ = load_run_inputs(config)
     llama, ranges = run_model(config, len(tokenizer))
     swarm = await InProcessSwarm(config, replicas=1).start()
@@ -387,6 +388,11 @@ def main() -> int:
     p.add_argument("--profile-steps", type=int, default=2)
     p.add_argument("--peak-tflops", type=float, default=989.0)
     p.add_argument("--label", default="run")
+    p.add_argument(
+        "--wait-results",
+        action="store_true",
+        help="pipeline.overlap_result_copies = false: the compute thread waits for each result (the before)",
+    )
     p.add_argument("--json", type=Path)
     p.add_argument("--compile", action="store_true", help="pipeline.compile: the decoder layers torch.compile'd")
     p.add_argument("--subspace", type=int, default=0, help="model.residual_subspace k")

@@ -68,6 +68,16 @@ def peak_bytes(args) -> int:
     return torch.cuda.max_memory_allocated() if args.device == "cuda" else 0
 
 
+# The in-process runs --runs may name, and what each sets. exact-waiting: the compute thread waits for
+# each result before its next job (pipeline.overlap_result_copies = false), the baseline of the copies
+# the worker now leaves to its waiter, in the same run.
+IN_PROCESS_RUNS = {
+    "exact": {"pipeline.schedule": "exact"},
+    "exact-waiting": {"pipeline.schedule": "exact", "pipeline.overlap_result_copies": "false"},
+    "overlap": {"pipeline.schedule": "overlap"},
+}
+
+
 def config_for(args, out: Path, **extra: str):
     sets = {
         "model.preset": args.preset,
@@ -238,7 +248,9 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the device (H100/H200: 989)")
     p.add_argument("--processes", action="store_true", help="also the P=2 swarm as processes over gRPC")
-    p.add_argument("--runs", default="hf,exact,overlap", help="of hf, exact, overlap (in-process), processes")
+    p.add_argument(
+        "--runs", default="hf,exact,overlap", help="of hf, exact, exact-waiting, overlap (in-process), processes"
+    )
     p.add_argument("--price-only", action="store_true", help="only the price of overlap (--price-steps, --seeds)")
     p.add_argument("--swarm-timeout", type=float, default=600)
     p.add_argument("--price-steps", type=int, default=0)
@@ -292,18 +304,19 @@ def main() -> int:
             flush=True,
         )
         save(args, result)
-        for schedule in [s for s in ("exact", "overlap") if s in runs]:
+        for name in [s for s in IN_PROCESS_RUNS if s in runs]:
+            key = f"in_process_{name.replace('-', '_')}"
             try:
-                run = result[f"in_process_{schedule}"] = asyncio.run(
-                    in_process(config_for(args, out, **{"pipeline.schedule": schedule}), args, llama, ranges)
+                run = result[key] = asyncio.run(
+                    in_process(config_for(args, out, **IN_PROCESS_RUNS[name]), args, llama, ranges)
                 )
             except ConfigError as exc:  # refused by the node's own memory check: say so, measure the rest
-                result[f"in_process_{schedule}"] = {"refused": str(exc)}
-                print(f"in-process P=2 {schedule:7s} refused: {exc}", flush=True)
+                result[key] = {"refused": str(exc)}
+                print(f"in-process P=2 {name:7s} refused: {exc}", flush=True)
                 continue
             busy = "  ".join(f"stage {s['stage']} busy MFU {s['busy_mfu']:.3f}" for s in run["stages"])
             print(
-                f"in-process P=2 {schedule:7s} {run['tok_s']:9.0f} tok/s  MFU {run['tok_s'] * fpt / peak:.3f}  "
+                f"in-process P=2 {name:7s} {run['tok_s']:9.0f} tok/s  MFU {run['tok_s'] * fpt / peak:.3f}  "
                 f"x HF {run['tok_s'] / hf['tok_s']:.3f}  {busy}  peak {run['peak_gib']:.1f} GiB",
                 flush=True,
             )

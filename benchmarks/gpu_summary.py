@@ -16,6 +16,7 @@ from pathlib import Path
 RUNS = (
     ("hf", "plain HF loop"),
     ("in_process_exact", "in-process P=2 exact"),
+    ("in_process_exact_waiting", "  the same, results waited"),
     ("in_process_overlap", "in-process P=2 overlap"),
     ("processes", "processes P=2 over gRPC"),
 )

@@ -51,6 +51,11 @@ class PipelineConfig:
     """Decoder layers per stage, e.g. [7, 5]; empty = split by per-token compute cost (model/split.py)."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward instead of keeping them (less memory)."""
+    overlap_result_copies: bool = True
+    """On a GPU, copy each output and input gradient to the host on a stream of its own while the
+    compute thread launches the next microbatch (pipeline/host_copies.py); false: the compute thread
+    waits for each result before the next job, as before 2026-11-28 (a fallback, and the baseline
+    benchmarks/gpu_stage.py's exact-waiting run measures against)."""
     compile: bool = False
     """Compile each decoder layer with torch.compile (inductor): norms, rotary embedding, SwiGLU and
     residual adds fused into fewer kernels, half a GPU stage's kernel time in eager mode. The first

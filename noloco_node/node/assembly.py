@@ -144,7 +144,8 @@ def _worker_settings(config: NodeConfig, stage: LlamaStage, device: torch.device
         device=device,
         bf16_autocast=device.type == "cuda" and pipe.bf16_autocast,
         compute_delay_s=config.faults.compute_delay_s,
-        results_later=True,  # the runtime waits for results off the compute thread
+        # The runtime waits for results off the compute thread; on a CPU it runs the same path.
+        results_later=device.type != "cuda" or pipe.overlap_result_copies,
         host_dtypes=tuple(
             torch.bfloat16 if device.type == "cuda" and codec == "bf16" else torch.float32
             for codec in (pipe.activation_codec, pipe.gradient_codec)

@@ -123,3 +123,16 @@ def test_on_a_gpu_the_device_encoding_is_the_hosts_byte_for_byte(codec):
     result, finite = transfers.to_host(x.cuda(), 0, check_finite=True).wait()
     assert finite and isinstance(result, EncodedTensor) and result.payload.is_pinned()
     assert bytes(result.payload_view()) == encode(x, codec, dtype="float32")[1]
+
+
+@pytest.mark.parametrize(
+    "device,overlap,later",
+    [("cuda", "true", True), ("cuda", "false", False), ("cpu", "false", True)],  # a CPU runs the same path
+)
+def test_a_gpu_stage_leaves_its_results_to_the_waiter_unless_the_config_says_wait(device, overlap, later):
+    from noloco_node.config import load_config
+    from noloco_node.node.assembly import _worker_settings
+
+    config = load_config(overrides=["pipeline.num_stages=2", f"pipeline.overlap_result_copies={overlap}"])
+    stage = tiny_worker(0, 2, batch_size=2, auto_step=False).stage
+    assert _worker_settings(config, stage, torch.device(device), auto_step=True).results_later is later
