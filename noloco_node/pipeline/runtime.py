@@ -20,7 +20,7 @@ from noloco_node.codec.tensors import TensorSpec
 from noloco_node.errors import InvalidPayload, NodeError, PeerBusy, PeerUnknown, ProtocolMismatch, UnknownMicrobatch
 from noloco_node.pipeline.ports import BackwardCall, ForwardCall, Hop, MicrobatchKey
 from noloco_node.pipeline.runtime_settings import RuntimeHooks, RuntimeSettings, StageNetwork, StageShape
-from noloco_node.pipeline.worker import StageWorker
+from noloco_node.pipeline.worker import NonFiniteValues, StageWorker
 from noloco_node.runtime.compute import ComputeThread
 from noloco_node.runtime.faults import FaultInjector
 
@@ -191,6 +191,14 @@ class StageRuntime:
             grad_input = await self.compute.run(self.worker.backward, key, grad)
         except KeyError:
             log.warning("saved input of %s expired before its backward", key)
+            self._release(key)
+            return
+        except NonFiniteValues as exc:  # counted and reported by the worker; upstream re-issues it
+            log.warning("%s", exc)
+            self._release(key)
+            return
+        except Exception:  # noqa: BLE001 - top of a task: log, free the slot, keep serving
+            log.exception("backward of %s failed", key)
             self._release(key)
             return
         self._release(key)
