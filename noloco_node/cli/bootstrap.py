@@ -46,7 +46,8 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    config = resolve_config(args, flags={"network": {"dashboard": args.dashboard}})
+    peers = tuple(args.initial_peers) or None  # checked as the config checks a node's
+    config = resolve_config(args, flags={"network": {"dashboard": args.dashboard, "initial_peers": peers}})
     check_listen(args.host, {"--port": args.port}, "--host")
     if config.network.dashboard is not None:
         host, port = parse_listen(config.network.dashboard)
@@ -64,7 +65,7 @@ async def _serve(config, args: argparse.Namespace) -> int:
     swarm_key = read_swarm_key(config.security)
     directory = await PeerDirectory.start(
         DirectoryIdentity(config.run.run_id, "", __version__, config.pipeline.num_stages),
-        initial_peers=args.initial_peers,
+        initial_peers=list(config.network.initial_peers),
         host=args.host,
         port=args.port,
         identity_path=args.identity,

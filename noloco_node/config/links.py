@@ -67,6 +67,15 @@ class NetworkConfig:
             f"must be > 0 seconds, got {self.dashboard_poll_s}",
             "use e.g. 5",
         )
+        for name in ("initial_peers", "relays"):
+            for addr in getattr(self, name):
+                # What hivemind would refuse only after its daemon started, as an unreachable peer.
+                _require(
+                    isinstance(addr, str) and addr.startswith("/") and "/p2p/" in addr,
+                    name,
+                    f"{addr!r} is not a multiaddr with a peer id",
+                    "use the whole multiaddr the bootstrap printed, e.g. /ip4/203.0.113.7/tcp/31330/p2p/12D3KooW...",
+                )
         for name in ("port", "dht_port", "allreduce_port"):
             _require(
                 0 <= getattr(self, name) <= 65535, name, f"{getattr(self, name)} is not a TCP port", "use 0..65535"

@@ -67,6 +67,8 @@ class LocalSwarm:
 
     def start_bootstrap(self, *extra: str) -> str:
         maddr_file = self.out_dir / "bootstrap.maddr"
+        # A file left by an earlier run in this folder names that run's port: wait for this one's.
+        maddr_file.unlink(missing_ok=True)
         with open(self.out_dir / "logs" / "bootstrap.log", "w") as log:
             self.bootstrap = self.group.spawn(
                 self._cmd(

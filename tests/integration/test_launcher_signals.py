@@ -176,3 +176,16 @@ def test_killing_demo_mid_run_leaves_no_process_of_its_swarm(tmp_path, sig):
         demo.kill()
         demo.wait(timeout=10)
         kill_all(pids + mentioning(str(out)))
+
+
+def test_a_swarm_started_again_in_the_same_folder_joins_its_own_bootstrap(tmp_path):
+    """The demo run twice in one folder: the bootstrap's address file of the first run named its
+    port, and the second run's nodes read it before the new bootstrap wrote its own."""
+    from noloco_node.experiments.launcher import LocalSwarm
+
+    stale = "/ip4/127.0.0.1/tcp/9/p2p/QmStaleBootstrapOfTheRunBeforeThisOne"
+    (tmp_path / "bootstrap.maddr").write_text(stale + "\n")
+    with LocalSwarm(tmp_path, overrides=tiny_overrides(tmp_path), startup_timeout_s=60) as swarm:
+        maddr = swarm.start_bootstrap()
+        assert maddr != stale and maddr.startswith("/ip4/127.0.0.1/tcp/")
+        assert (tmp_path / "bootstrap.maddr").read_text().split()[0] == maddr

@@ -42,6 +42,13 @@ def test_file_then_flags_precedence(tmp_path):
         (["netwrk.port=1"], "netwrk", "did you mean 'network'"),
         (["network.announce_addr=nowhere"], "network.announce_addr", "host:port"),
         (["alpha=0.5"], "alpha", "section.field=value"),
+        # host:port where a multiaddr goes was refused only once the DHT daemon tried it, as unreachable
+        (
+            ["network.initial_peers=127.0.0.1:31330"],
+            "network.initial_peers",
+            "the whole multiaddr the bootstrap printed",
+        ),
+        (["network.relays=/ip4/203.0.113.7/tcp/31330"], "network.relays", "/p2p/"),
     ],
 )
 def test_bad_values_name_field_and_fix(overrides, field, fix):

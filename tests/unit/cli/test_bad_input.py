@@ -42,6 +42,9 @@ def cases(tmp_path, taken_port):
         (["status"], "config field 'network.initial_peers'"),
         (["join", "--stage", "auto"], "config field 'network.initial_peers'"),
         (["doctor"], "config field 'network.initial_peers'"),
+        # host:port for a multiaddr: refused at once, not after a 16 s wait as an unreachable swarm
+        (["join", "--initial-peers", "127.0.0.1:31330"], "is not a multiaddr with a peer id"),
+        (["bootstrap", "--initial-peers", "127.0.0.1:31330"], "is not a multiaddr with a peer id"),
     ]
 
 
