@@ -10,7 +10,9 @@ Checks, in order, with the exit code a failure returns (the first failure's code
               which is no failure unless network.reach = "direct"
   15 clock    our clock is within --max-skew seconds of the peers' clocks
   16 compat   live peers run a compatible version and the same manifest (config + tokenizer)
-Checks that need peers are skipped (not failed) when the swarm has no live node yet.
+reach and clock ask the live directly reachable nodes, then the initial peers (a bootstrap answers
+probes, so the first volunteer of a swarm is checked too); compat is skipped (not failed) while
+the swarm has no live node yet.
 """
 
 from __future__ import annotations
@@ -134,6 +136,7 @@ async def _run_checks(config, args) -> list[Check]:
 
     from noloco_node import __version__
     from noloco_node.dht.directory import DirectoryIdentity, PeerDirectory, compatible_version
+    from noloco_node.node.joining import peer_ids_of
     from noloco_node.rpc.security import read_swarm_key
     from noloco_node.errors import BootstrapError
 
@@ -157,31 +160,33 @@ async def _run_checks(config, args) -> list[Check]:
             for r in await directory.all_records(s)
             if r.status != Status.LEAVING
         ]
+        checks.append(
+            Check(
+                "dht",
+                "ok",
+                f"joined through {len(net.initial_peers)} initial peer(s); "
+                f"{len(records)} live node(s) in run {config.run.run_id!r}",
+            )
+        )
+        # As join asks: live directly reachable nodes first, then the initial peers (a bootstrap
+        # answers probes too, so the first volunteer of a swarm is checked as well).
+        probers = [r.peer_id for r in records if r.reach == "direct"]
+        probers += [p for p in peer_ids_of(net.initial_peers) if p not in probers]
+        checks += await _reach_and_clock(config, args, directory, records, probers, port_check.outcome == "ok")
     finally:
         await directory.shutdown()
-    checks.append(
-        Check(
-            "dht",
-            "ok",
-            f"joined through {len(net.initial_peers)} initial peer(s); "
-            f"{len(records)} live node(s) in run {config.run.run_id!r}",
-        )
-    )
     if not records:
-        return checks + [Check(n, "skip", "no live node to ask yet") for n in ("reach", "clock", "compat")]
-    checks += await _reach_and_clock(
-        config, args, [r for r in records if r.reach == "direct"], port_check.outcome == "ok"
-    )
+        return checks + [Check("compat", "skip", "no live node to compare with yet")]
     checks.append(_compat_check(config, records, __version__, compatible_version))
     return checks
 
 
-async def _reach_and_clock(config, args, probers: list, port_free: bool) -> list[Check]:
+async def _reach_and_clock(config, args, directory, records, probers: list[str], port_free: bool) -> list[Check]:
     if not port_free:
         return [Check("reach", "skip", "the port is not free"), Check("clock", "skip", "needs a probe")]
     if not probers:
         return [Check("reach", "skip", "no directly reachable node to ask"), Check("clock", "skip", "needs a probe")]
-    address, results, errors = await _probe_from_peers(config, probers)
+    address, results, errors = await _probe_from_peers(config, directory, records, probers)
     if not results:
         return [
             Check("reach", "skip", f"no live node answered a probe request ({'; '.join(errors)[:200]})"),
@@ -190,16 +195,16 @@ async def _reach_and_clock(config, args, probers: list, port_free: bool) -> list
     return [_reach_check(config.network, address, results), _clock_check(args.max_skew, results)]
 
 
-async def _probe_from_peers(config, probers: list) -> tuple[str, list, list[str]]:
-    """Serve a throwaway TLS health endpoint, as join will, and ask up to 4 peers to dial it: the
-    announced address, the peers' answers, and why the others gave none."""
-    from noloco_node.node.joining import announced_address
+async def _probe_from_peers(config, directory, records, probers: list[str]) -> tuple[str, list, list[str]]:
+    """Serve a throwaway TLS health endpoint, as join will, and ask up to 4 peers to dial it (over
+    libp2p where they are not directly reachable, as a bootstrap is): the announced address, the
+    peers' answers, and why the others gave none."""
+    from noloco_node.node.joining import announced_address, contact_lookup
     from noloco_node.rpc.diagnostics import probe_from_peers
-    from noloco_node.rpc.server import NodeServer
     from noloco_node.rpc.security import read_swarm_key
-    from noloco_node.transport.credentials import CallSigner
-    from noloco_node.transport.dialer import Contact, Dialer
-    from noloco_node.transport.identity import NodeIdentity
+    from noloco_node.rpc.server import NodeServer
+    from noloco_node.transport.dialer import Contact
+    from noloco_node.transport.links import Links
     from noloco_node.transport.tls import NodeCertificate
 
     net = config.network
@@ -207,23 +212,32 @@ async def _probe_from_peers(config, probers: list) -> tuple[str, list, list[str]
     server = NodeServer(net.host, net.port, credentials=certificate.server_credentials())
     port = await server.start()
     address = announced_address(net.host, port, net.announce_addr, [])
-    contacts = {r.peer_id: Contact(r.peer_id, r.address, r.reach, r.tls_cert) for r in probers}
+    # The records read above (this check has no manifest, so the directory's own lookup, which
+    # ignores other manifests, would find none of them), else an initial peer over libp2p.
+    known = {r.peer_id: Contact(r.peer_id, r.address, r.reach, r.tls_cert, tuple(r.p2p_addrs)) for r in records}
+    initial = contact_lookup(directory)
 
     async def lookup(peer_id: str):
-        return contacts.get(peer_id)
+        return known.get(peer_id) or await initial(peer_id)
 
-    dialer = Dialer(CallSigner(NodeIdentity.generate(), read_swarm_key(config.security)), lookup=lookup)
+    links = Links(
+        directory.key,  # libp2p proves this key: calls over the bridge must be signed with it
+        swarm_key=read_swarm_key(config.security),
+        max_skew_s=config.security.max_clock_skew_s,
+        lookup=lookup,
+    )
     try:
+        await links.dial_over(directory.p2p)
         results, errors = await probe_from_peers(
             address,
-            list(contacts)[:4],
+            probers[:4],
             run_id=config.run.run_id,
             timeout_s=config.timeouts.connect_s,
-            dialer=dialer,
+            dialer=links.dialer,
             tls_cert=certificate.cert_der,
         )
     finally:
-        await dialer.close()
+        await links.close()
         await server.stop(0.5)
     return address, results, errors
 

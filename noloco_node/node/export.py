@@ -197,7 +197,6 @@ async def _join_as_client(config: NodeConfig, manifest_hash: str) -> tuple[PeerD
     from noloco_node.node.joining import contact_lookup
     from noloco_node.rpc.security import read_swarm_key
     from noloco_node.rpc.stage_service import GRPC_OPTIONS
-    from noloco_node.transport.identity import NodeIdentity
     from noloco_node.transport.links import Links
 
     swarm_key = read_swarm_key(config.security)
@@ -211,7 +210,7 @@ async def _join_as_client(config: NodeConfig, manifest_hash: str) -> tuple[PeerD
         max_skew_s=config.security.max_clock_skew_s,
     )
     links = Links(
-        NodeIdentity.generate(),
+        directory.key,  # libp2p proves this key: calls over the bridge must be signed with it
         swarm_key=swarm_key,
         max_skew_s=config.security.max_clock_skew_s,
         lookup=contact_lookup(directory),

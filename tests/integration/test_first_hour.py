@@ -224,6 +224,8 @@ def test_the_documented_join_trains_a_first_stage_0_waits_and_group_signals_stop
         as_run(documented("doctor"), [maddr], "--config", str(config)), capture_output=True, text=True, timeout=120
     )
     assert doctor.returncode == 0, doctor.stdout + doctor.stderr[-2000:]
+    # With no node up yet, the bootstrap itself dials our address (it answers probes over libp2p).
+    assert "[ok  ] reach" in doctor.stdout and "[ok  ] clock" in doctor.stdout, doctor.stdout
     doc = documented("join")
     first, first_ready = start_join(procs, tmp_path, "first", as_run(doc, [maddr], "--config", str(config)))
     # Alone in the swarm, `auto` gives it stage 0; it waits for a stage-1 replica, saying so, well
