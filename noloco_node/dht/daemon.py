@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+from contextvars import ContextVar
 
 from hivemind.dht.node import DHTNode
 from hivemind.dht.validation import CompositeValidator
@@ -58,13 +61,52 @@ async def join_dht(args: dict, validator: CompositeValidator, p2p_options: dict 
 def daemon_with_flags(flags: dict):
     """hivemind.P2P whose p2pd gets extra command-line flags, e.g. relayDiscovery=False, which
     makes the trusted relays static: the reservation is made at once (~0.2 s) instead of after
-    auto-relay's three-minute wait for more relay candidates."""
+    auto-relay's three-minute wait for more relay candidates; and which cleans up after a daemon
+    that failed to start (ReapedP2P)."""
     if not flags:
-        return P2P
+        return ReapedP2P
 
-    class P2PWithFlags(P2P):
+    class P2PWithFlags(ReapedP2P):
         @staticmethod
         def _make_process_args(*args, **kwargs):
             return P2P._make_process_args(*args, **{**kwargs, **flags})
 
     return P2PWithFlags
+
+
+# The P2P objects P2P.create() makes in the current task: it makes one and loses it when it raises.
+_CREATING: ContextVar[list | None] = ContextVar("noloco_p2p_creating", default=None)
+
+
+class ReapedP2P(P2P):
+    """P2P that, when create() fails after it started the daemon (no initial peer answered, most
+    often: a wrong address), waits for that daemon and removes its socket files. hivemind leaves
+    both: the daemon's socket stays in /tmp once the daemon exited by itself, and a child nobody
+    waited for makes asyncio warn "Loop ... that handles pid ... is closed" at exit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        creating = _CREATING.get()
+        if creating is not None:
+            creating.append(self)
+
+    @classmethod
+    async def create(cls, *args, **kwargs) -> P2P:
+        creating: list = []
+        token = _CREATING.set(creating)
+        try:
+            return await super().create(*args, **kwargs)
+        except BaseException:
+            for p2p in creating:
+                await _reap(p2p)
+            raise
+        finally:
+            _CREATING.reset(token)
+
+
+async def _reap(p2p: P2P) -> None:
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(p2p.shutdown(), timeout=5)  # terminates a daemon still up, waits for it
+    for maddr in (getattr(p2p, "_daemon_listen_maddr", None), getattr(p2p, "_client_listen_maddr", None)):
+        with contextlib.suppress(Exception):
+            os.remove(maddr["unix"])

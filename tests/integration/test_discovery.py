@@ -3,11 +3,15 @@ records of another run, manifest or version are ignored and logged; the bootstra
 identity across restarts."""
 
 import logging
+import os
 import subprocess
 import sys
 import time
 
+from pathlib import Path
+
 import pytest
+from hivemind.p2p import p2p_daemon
 from hivemind.utils.timed_storage import get_dht_time
 
 from noloco_node.dht.directory import DirectoryIdentity, PeerDirectory
@@ -96,7 +100,10 @@ async def test_records_are_signed_and_schema_checked(directories):
     assert [r.peer_id for r in await b.replicas(1, fresh=True)] == [a.peer_id]
 
 
-async def test_unreachable_bootstrap_fails_fast_with_a_fix():
+async def test_unreachable_bootstrap_fails_fast_with_a_fix(monkeypatch):
+    # The daemon's socket files are named from this draw: known here, so the test can look for them.
+    uid = f"noloco-test-{os.getpid()}"
+    monkeypatch.setattr(p2p_daemon.secrets, "token_urlsafe", lambda n: uid)
     start = time.monotonic()
     with pytest.raises(BootstrapError) as info:
         await PeerDirectory.start(
@@ -106,6 +113,9 @@ async def test_unreachable_bootstrap_fails_fast_with_a_fix():
         )
     assert time.monotonic() - start < 15
     assert "initial peers" in str(info.value) and "multiaddr" in info.value.hint
+    # The daemon that failed is gone and waited for, and its sockets with it (hivemind left both).
+    assert not any(Path(f"/tmp/hivemind-{kind}-{uid}.sock").exists() for kind in ("p2pd", "p2pclient"))
+    assert subprocess.run(["pgrep", "-f", uid], capture_output=True).returncode == 1
 
 
 def test_bootstrap_identity_is_persistent(tmp_path):
