@@ -1,7 +1,8 @@
 """The figures of one benchmarks/gpu_call.sh run, from the JSON it left in a folder: each run's
 tokens/s as the median over the repeats (and their range), its ratio to the plain loop of the same
 repeat (the figure: a repeat's runs share the device and the minute), MFU and each stage's busy-time
-MFU; the compiled run beside it; the overlap schedule's held-out loss against exact.
+MFU; the compiled run beside it; the overlap schedule's held-out loss against exact; the profile
+with each result waited for on the compute thread beside the profile as the stage runs now.
 
     python benchmarks/gpu_summary.py OUT_DIR
 """
@@ -97,8 +98,37 @@ def main(folder: Path) -> int:
             lines.append(
                 f"  {codec}: pageable {pageable * 1e3:.2f}  pinned {pinned * 1e3:.2f}  ({pinned / pageable:.2f}x)"
             )
+    profiles = {"waiting": load("profile_waiting*.json"), "now": load("profile.json")}
+    if any(profiles.values()):
+        lines += profile_rows({k: v[0] for k, v in profiles.items() if v})
     print("\n".join(lines))
     return 0
+
+
+def profile_rows(profiles: dict[str, dict]) -> list[str]:
+    """gpu_profile.py's figures side by side: each result waited for on the compute thread, and as
+    the stage runs now (pipeline.overlap_result_copies)."""
+    lines = ["profile (in-process P=2 exact): results waited for on the compute thread | as it runs now"]
+
+    def row(label: str, value) -> None:
+        lines.append(f"  {label:38s} " + " | ".join(value(p) for p in profiles.values()))
+
+    row("run", lambda p: p.get("args", {}).get("label", "?"))
+    row("tokens/s (MFU), unprofiled", lambda p: f"{p['tok_s']:.0f} ({p['mfu']:.3f})")
+    row("wall of the profiled steps, ms", lambda p: f"{p['wall_ms']:.0f}")
+    row("GPU busy, ms (of the wall)", lambda p: f"{p['gpu']['busy_ms']:.0f} ({p['gpu']['busy_fraction']:.2f})")
+    row("gaps over 0.1 ms: count, ms", lambda p: f"{p['gpu']['gaps_over_0.1ms']}, {p['gpu']['gap_ms_over_0.1ms']:.0f}")
+    for stage in sorted({s for p in profiles.values() for s in p.get("stages", {}) if s[1:].isdigit()}):
+        row(
+            f"{stage}: host syncs (ms blocked), kernel ms",
+            lambda p, s=stage: (
+                f"{sum(p['stages'][s]['syncs'].values())} ({p['stages'][s]['sync_ms']:.0f}), "
+                f"{p['stages'][s]['kernel_ms']:.0f}"
+                if s in p.get("stages", {})
+                else "-"
+            ),
+        )
+    return lines
 
 
 if __name__ == "__main__":
