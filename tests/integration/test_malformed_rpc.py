@@ -59,12 +59,26 @@ def forward_messages(
     return [stage_pb2.ForwardMessage(header=fwd)] + [stage_pb2.ForwardMessage(chunk=c) for c in chunks]
 
 
-async def call_forward(stub, messages, metadata):
-    try:
-        await stub.Forward(iter(messages), timeout=10, metadata=metadata)
-        return grpc.StatusCode.OK
-    except grpc.aio.AioRpcError as exc:
-        return exc.code()
+async def call_forward(info: dict, messages, metadata):
+    """A Forward through the sync client, in a thread: grpc.aio's may report INTERNAL when the
+    server ends a client-streaming call before the client finished writing (grpc/grpc#36066), which
+    the node does when it refuses a header while the payload is still coming (seen in CI on the
+    20-chunk "too many sequences" case)."""
+
+    def call():
+        with secure_channel(info) as channel:
+            forward = channel.stream_unary(
+                FORWARD,
+                request_serializer=stage_pb2.ForwardMessage.SerializeToString,
+                response_deserializer=stage_pb2.StageAck.FromString,
+            )
+            try:
+                forward(iter(messages), timeout=10, metadata=metadata)
+                return grpc.StatusCode.OK
+            except grpc.RpcError as exc:
+                return exc.code()
+
+    return await asyncio.to_thread(call)
 
 
 def test_malformed_forwards_are_rejected_and_node_keeps_serving(tmp_path, make_swarm):
@@ -90,22 +104,22 @@ def test_malformed_forwards_are_rejected_and_node_keeps_serving(tmp_path, make_s
             fwd = lambda *a, **k: forward_messages(*a, me.peer_id, **k)  # noqa: E731
             results = {
                 "other run": await call_forward(
-                    stub, fwd(tensor_pb2.RunIdentity(run_id="x", manifest_hash="y")), sig()
+                    info, fwd(tensor_pb2.RunIdentity(run_id="x", manifest_hash="y")), sig()
                 ),
-                "wrong hidden size": await call_forward(stub, fwd(run, shape=(1, SEQ, HIDDEN - 1)), sig()),
-                "too many sequences": await call_forward(stub, fwd(run, shape=(5, SEQ, HIDDEN)), sig()),
-                "truncated stream": await call_forward(stub, fwd(run, truncate=100), sig()),
-                "chunks reordered": await call_forward(stub, fwd(run, reorder=True), sig()),
-                "declared size wrong": await call_forward(stub, fwd(run, payload_bytes=10), sig()),
-                "nan payload": await call_forward(stub, fwd(run, values=torch.full((1, SEQ, HIDDEN), math.nan)), sig()),
-                "labels outside vocab": await call_forward(stub, fwd(run, labels=[10**6] * SEQ), sig()),
-                "wrong label count": await call_forward(stub, fwd(run, labels=[1] * 3), sig()),
-                "token ids to a dense model": await call_forward(stub, fwd(run, token_ids=[1] * SEQ), sig()),
-                "oversize header": await call_forward(stub, fwd(run, labels=[1] * (9 << 20)), sig()),
-                "header missing": await call_forward(stub, fwd(run)[1:], sig()),
+                "wrong hidden size": await call_forward(info, fwd(run, shape=(1, SEQ, HIDDEN - 1)), sig()),
+                "too many sequences": await call_forward(info, fwd(run, shape=(5, SEQ, HIDDEN)), sig()),
+                "truncated stream": await call_forward(info, fwd(run, truncate=100), sig()),
+                "chunks reordered": await call_forward(info, fwd(run, reorder=True), sig()),
+                "declared size wrong": await call_forward(info, fwd(run, payload_bytes=10), sig()),
+                "nan payload": await call_forward(info, fwd(run, values=torch.full((1, SEQ, HIDDEN), math.nan)), sig()),
+                "labels outside vocab": await call_forward(info, fwd(run, labels=[10**6] * SEQ), sig()),
+                "wrong label count": await call_forward(info, fwd(run, labels=[1] * 3), sig()),
+                "token ids to a dense model": await call_forward(info, fwd(run, token_ids=[1] * SEQ), sig()),
+                "oversize header": await call_forward(info, fwd(run, labels=[1] * (9 << 20)), sig()),
+                "header missing": await call_forward(info, fwd(run)[1:], sig()),
                 # A route whose last hop is not the peer that signed the call (an impersonation).
                 "route names another peer": await call_forward(
-                    stub, fwd(run, last_hop=info["peer_id"], sequence=3), sig()
+                    info, fwd(run, last_hop=info["peer_id"], sequence=3), sig()
                 ),
             }
             garbage = channel.stream_unary(
@@ -129,8 +143,8 @@ def test_malformed_forwards_are_rejected_and_node_keeps_serving(tmp_path, make_s
                 results["backward unknown microbatch"] = grpc.StatusCode.OK
             except grpc.aio.AioRpcError as exc:
                 results["backward unknown microbatch"] = exc.code()
-            results["valid"] = await call_forward(stub, fwd(run, codec="bf16", sequence=1), sig())
-            results["valid again"] = await call_forward(stub, fwd(run, sequence=2), sig())
+            results["valid"] = await call_forward(info, fwd(run, codec="bf16", sequence=1), sig())
+            results["valid again"] = await call_forward(info, fwd(run, sequence=2), sig())
             health = await health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=""), timeout=5
             )
@@ -231,30 +245,26 @@ def test_hostile_coordinate_payloads_are_refused_by_a_subspace_stage(tmp_path, m
     ids = [3] * SEQ
 
     async def scenario():
-        async with aio_secure_channel(info) as channel:
-            stub = stage_pb2_grpc.StageStub(channel)
-            fwd = lambda *a, **k: forward_messages(*a, me.peer_id, **k)  # noqa: E731
-            sig = lambda: signed(me, FORWARD, info)  # noqa: E731
-            return {
-                "hidden-wide activations": await call_forward(stub, fwd(run, token_ids=ids), sig()),
-                "wrong k": await call_forward(stub, fwd(run, shape=(1, SEQ, rank + 1), token_ids=ids), sig()),
-                "no token ids": await call_forward(stub, fwd(run, shape=(1, SEQ, rank)), sig()),
-                "token ids outside vocab": await call_forward(
-                    stub, fwd(run, shape=(1, SEQ, rank), token_ids=[10**6] * SEQ), sig()
-                ),
-                "wrong token id count": await call_forward(
-                    stub, fwd(run, shape=(1, SEQ, rank), token_ids=[1] * 3), sig()
-                ),
-                "nan coordinates": await call_forward(
-                    stub,
-                    fwd(run, shape=(1, SEQ, rank), token_ids=ids, values=torch.full((1, SEQ, rank), math.nan)),
-                    sig(),
-                ),
-                "oversized": await call_forward(stub, fwd(run, shape=(3, SEQ, rank), token_ids=ids * 3), sig()),
-                "valid": await call_forward(
-                    stub, fwd(run, shape=(1, SEQ, rank), token_ids=ids, codec="int8", sequence=1), sig()
-                ),
-            }
+        fwd = lambda *a, **k: forward_messages(*a, me.peer_id, **k)  # noqa: E731
+        sig = lambda: signed(me, FORWARD, info)  # noqa: E731
+        return {
+            "hidden-wide activations": await call_forward(info, fwd(run, token_ids=ids), sig()),
+            "wrong k": await call_forward(info, fwd(run, shape=(1, SEQ, rank + 1), token_ids=ids), sig()),
+            "no token ids": await call_forward(info, fwd(run, shape=(1, SEQ, rank)), sig()),
+            "token ids outside vocab": await call_forward(
+                info, fwd(run, shape=(1, SEQ, rank), token_ids=[10**6] * SEQ), sig()
+            ),
+            "wrong token id count": await call_forward(info, fwd(run, shape=(1, SEQ, rank), token_ids=[1] * 3), sig()),
+            "nan coordinates": await call_forward(
+                info,
+                fwd(run, shape=(1, SEQ, rank), token_ids=ids, values=torch.full((1, SEQ, rank), math.nan)),
+                sig(),
+            ),
+            "oversized": await call_forward(info, fwd(run, shape=(3, SEQ, rank), token_ids=ids * 3), sig()),
+            "valid": await call_forward(
+                info, fwd(run, shape=(1, SEQ, rank), token_ids=ids, codec="int8", sequence=1), sig()
+            ),
+        }
 
     results = asyncio.run(scenario())
     invalid = grpc.StatusCode.INVALID_ARGUMENT
