@@ -139,7 +139,8 @@ def test_poisoned_snapshots_every_round_never_move_an_honest_replica(tmp_path, m
     history = mine["outer_history"]
     assert len(history) == steps // 2
     assert all(h["outcome"] != "paired" for h in history), history
-    assert mine["outer"]["rejected"] >= 1 and mine["outer"]["paired"] == 0
+    # The rounds' outcomes in the message: CI once saw no round rejected here (none paired either).
+    assert mine["outer"]["rejected"] >= 1 and mine["outer"]["paired"] == 0, (mine["outer"], history)
     assert theirs["faults_fired"] and all(f == "send_snapshot:poison" for f in theirs["faults_fired"])
     weights = load_file(
         str(next((swarm.out_dir / "nodes").glob(f"stage0-{honest.info['peer_id'][-8:]}.outer.safetensors")))
