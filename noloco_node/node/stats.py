@@ -108,7 +108,7 @@ def training_snapshot(stats: NodeStats) -> Snapshot:
     lrs = driver.lrs if driver is not None else []
     return Snapshot(
         stage=stats.stage,
-        step=work.inner_steps,
+        step=driver.logged_step if driver is not None and driver.logged_step is not None else work.inner_steps,
         tokens=work.tokens,
         lr=lrs[-1] if lrs else (work.last_lr or None),
         loss=losses[-1] if losses else None,

@@ -48,6 +48,9 @@ class DriverLog:
     step_times: list[float] = field(default_factory=list)
     lrs: list[float] = field(default_factory=list)
     step_losses: list[float] = field(default_factory=list)  # mean over each inner step's completed microbatches
+    # The worker's inner step that step_losses[-1] belongs to: the worker counts a step before
+    # the driver logs its loss, so a reader between the two must not pair step k with k-1's loss.
+    logged_step: int | None = None
     reissued_sequences: list[int] = field(default_factory=list)
     stale_microbatches: int = 0  # completed with an inner step between their forward and backward
     max_staleness: int = 0  # the most inner steps between one microbatch's forward and backward
@@ -121,6 +124,7 @@ class Stage0Driver:
             lrs=list(log_.lrs),
             step_times=list(log_.step_times),
             step_losses=list(log_.step_losses),
+            logged_step=log_.logged_step,
             reissued_sequences=list(log_.reissued_sequences),
             overlap=self.overlap,
             stale_microbatches=log_.stale_microbatches,
@@ -182,6 +186,7 @@ class Stage0Driver:
         done = self.log.losses[first:]
         self.log.step_losses.append(sum(done) / len(done) if done else float("nan"))
         self.log.step_times.append(time.monotonic())
+        self.log.logged_step = self.runtime.worker.inner_steps
         self.completions.open_gate(batch + 1)
         if on_inner_step is not None:
             # Hook for the outer step (the sync layer): called after every inner step.

@@ -253,6 +253,9 @@ class DriverStats:
     step_times: list[float]
     step_losses: list[float]
     """Mean loss over each inner step's completed microbatches."""
+    logged_step: int | None
+    """The inner step `step_losses[-1]` belongs to (None before the first); a step line reports
+    this step, not the worker's count, which moves on before the driver logs the step's loss."""
     reissued_sequences: list[int]
     overlap: bool
     """Whether batch k+1's forwards start before step k (pipeline.schedule = overlap)."""

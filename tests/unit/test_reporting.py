@@ -2,6 +2,7 @@
 what they read from a node."""
 
 import logging
+from dataclasses import replace
 
 import pytest
 
@@ -122,6 +123,18 @@ def test_snapshot_of_stage0_takes_loss_and_lr_from_the_driver():
     assert (snap.bytes_sent, snap.bytes_received, snap.dropped, snap.issued) == (1500, 700, 1, 16)
     assert snap.outer["rounds"] == 2 and snap.outer["paired"] == 1 and snap.last_round["outcome"] == "solo"
     assert snap.round_bytes.mean == 400.0
+
+
+def test_snapshot_between_the_workers_step_and_the_drivers_loss_reports_the_logged_step():
+    # The worker counts step 9 on the compute thread; the driver logs step 9's loss when the loop
+    # resumes it. A step line polled in between used to read "step 9" beside step 8's loss, and
+    # the summary then ended on a loss no step line showed.
+    stats = sample_stats(stage=0, driver=True, outer=True)
+    ahead = replace(stats, work=replace(stats.work, inner_steps=9))
+    snap = training_snapshot(ahead)
+    assert (snap.step, snap.loss) == (8, 6.25)
+    report = TrainingLog(9, total=None)
+    assert report.due(ahead.work.inner_steps) and report.step(snap) is None and report.due(9)
 
 
 def test_snapshot_of_a_later_stage_without_outer_method():

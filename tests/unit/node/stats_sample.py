@@ -66,6 +66,7 @@ DRIVER = DriverStats(
     lrs=[1e-3, 2e-3],
     step_times=[0.5, 0.25],
     step_losses=[7.5, 6.25],
+    logged_step=8,
     reissued_sequences=[],
     overlap=False,
     stale_microbatches=0,
