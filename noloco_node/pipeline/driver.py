@@ -55,6 +55,12 @@ class DriverLog:
     stale_microbatches: int = 0  # completed with an inner step between their forward and backward
     max_staleness: int = 0  # the most inner steps between one microbatch's forward and backward
 
+    def record_step(self, lr: float, loss: float, inner_step: int) -> None:
+        self.lrs.append(lr)
+        self.step_losses.append(loss)
+        self.step_times.append(time.monotonic())
+        self.logged_step = inner_step
+
     def record_staleness(self, staleness: int) -> None:
         self.stale_microbatches += staleness > 0
         self.max_staleness = max(self.max_staleness, staleness)
@@ -182,11 +188,8 @@ class Stage0Driver:
             lr = await self.inner_step()
         else:
             lr = await self.runtime.compute.run(self.runtime.worker.step)
-        self.log.lrs.append(lr)
         done = self.log.losses[first:]
-        self.log.step_losses.append(sum(done) / len(done) if done else float("nan"))
-        self.log.step_times.append(time.monotonic())
-        self.log.logged_step = self.runtime.worker.inner_steps
+        self.log.record_step(lr, sum(done) / len(done) if done else float("nan"), self.runtime.worker.inner_steps)
         self.completions.open_gate(batch + 1)
         if on_inner_step is not None:
             # Hook for the outer step (the sync layer): called after every inner step.
