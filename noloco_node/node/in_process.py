@@ -143,7 +143,10 @@ class InProcessSwarm:
         for node in self.stage(0):
             node.driver = build_driver(node.config, node.pipeline, node.sync, self.batches(node))
             drivers.append(node.driver.run(steps, _boundary_of(node, on_inner_step)))
-        await asyncio.wait_for(asyncio.gather(*drivers), timeout_s)
+        # asyncio.timeout, not wait_for: a cancelled wait_for leaves the gather's CancelledError
+        # unretrieved (Python 3.11), which asyncio then logs as an error.
+        async with asyncio.timeout(timeout_s):
+            await asyncio.gather(*drivers)
 
     async def settle(self, timeout_s: float = 30.0) -> None:
         """Let outer rounds under way finish and the microbatches in flight drain."""

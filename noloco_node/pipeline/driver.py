@@ -108,6 +108,7 @@ class Stage0Driver:
         self.counters = counters or DriverCounters()
         self.log = DriverLog()
         self._sequence = 0
+        self._dropped_at_stop = 0
         self.stop_requested = False  # set by request_stop: run returns at the next step boundary
         self.overlap = overlapped(settings, runtime.shape.is_last)
         assert completions.gated == self.overlap, "the completions must gate exactly when the driver overlaps"
@@ -138,6 +139,20 @@ class Stage0Driver:
         )
 
     async def run(self, steps: int, on_inner_step: Callable[[int], Awaitable[None]] | None = None) -> None:
+        """Train `steps` inner steps (fewer if asked to stop); cancelled (a stop), the microbatches in
+        flight are dropped and counted as dropped, with one line for all of them."""
+        try:
+            await self._run(steps, on_inner_step)
+        except asyncio.CancelledError:
+            if self._dropped_at_stop:
+                log.info(
+                    "training stopped with %d microbatch%s in flight: dropped (the summary counts them)",
+                    self._dropped_at_stop,
+                    "" if self._dropped_at_stop == 1 else "es",
+                )
+            raise
+
+    async def _run(self, steps: int, on_inner_step: Callable[[int], Awaitable[None]] | None) -> None:
         previous: tuple[list[asyncio.Task], int, int] | None = None  # overlap: the batch still draining
         for batch in range(steps):
             if self.stop_requested:
@@ -249,10 +264,12 @@ class Stage0Driver:
                     self.timeout_s,
                 )
             except asyncio.CancelledError:
-                # Training was stopped (shutdown) with this microbatch in flight: it is dropped,
-                # and said so, so issued == completed + dropped holds for a stopped run too.
+                # Training was stopped (shutdown) with this microbatch in flight: it is dropped, so
+                # issued == completed + dropped holds for a stopped run too. A stop is what the
+                # user asked for: run() says so once, not a warning per microbatch.
                 self.counters.dropped += 1
-                log.warning("microbatch %d dropped: training stopped while it was in flight", sequence)
+                self._dropped_at_stop += 1
+                log.debug("microbatch %d dropped: training stopped while it was in flight", sequence)
                 raise
             finally:
                 self.completions.forget(key)

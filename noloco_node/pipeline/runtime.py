@@ -190,7 +190,10 @@ class StageRuntime:
         try:
             grad_input = await self.compute.run(self.worker.backward, key, grad)
         except KeyError:
-            log.warning("saved input of %s expired before its backward", key)
+            if self.shape.is_first:  # its driver gave the attempt up (a stop, a re-issue): expected
+                log.info("gradient of %s came after its attempt was given up", key)
+            else:
+                log.warning("saved input of %s expired before its backward", key)
             self._release(key)
             return
         except NonFiniteValues as exc:  # counted and reported by the worker; upstream re-issues it
