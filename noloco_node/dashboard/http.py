@@ -10,14 +10,12 @@ put in its record is text on the page, never markup or script.
 from __future__ import annotations
 
 import json
-import logging
 import math
 from collections.abc import Awaitable, Callable, Mapping
 from importlib import resources
 
 from aiohttp import web
 
-log = logging.getLogger(__name__)
 
 STATIC_TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css"}
 SECURITY_HEADERS = {
@@ -58,9 +56,7 @@ class DashboardServer:
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port, reuse_address=True)
         await site.start()
-        bound = self._runner.addresses[0][1]
-        log.info("dashboard at http://%s:%d/", host if host not in ("0.0.0.0", "::") else "127.0.0.1", bound)
-        return bound
+        return self._runner.addresses[0][1]  # the caller says where to look, once
 
     async def stop(self) -> None:
         if self._runner is not None:

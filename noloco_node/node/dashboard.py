@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from typing import TYPE_CHECKING
 
 from noloco_node.config.listen import parse_listen
@@ -16,6 +17,8 @@ from noloco_node.dashboard.swarm import SwarmView
 
 if TYPE_CHECKING:
     from noloco_node.node.lifecycle import Node
+
+log = logging.getLogger(__name__)
 
 
 class NodeDashboard:
@@ -49,6 +52,7 @@ class NodeDashboard:
         except BaseException:
             problems.__exit__(None, None, None)
             raise
+        log.info("dashboard at http://%s:%d/", "127.0.0.1" if host in ("0.0.0.0", "::") else host, bound)
         return cls(server, bound, problems, asyncio.create_task(view.run()))
 
     async def close(self) -> None:

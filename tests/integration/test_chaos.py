@@ -109,7 +109,10 @@ def test_poisoned_snapshots_every_round_never_move_an_honest_replica(tmp_path, m
             "outer.method": "noloco",
             "outer.inner_steps_per_outer": 2,
             "inner.total_steps": steps,
-            "timeouts.match_s": 3.0,
+            # Long enough to cover the two stage-0 replicas' start skew under CI load: once their
+            # first round pairs they stay in step; a first round missed by more than this would
+            # leave every round solo (CI saw 0 paired, 0 rejected once with 3 s).
+            "timeouts.match_s": 8.0,
         },
     )
     prepare_tokenizer(overrides)

@@ -61,6 +61,7 @@ def test_swarm_and_node_dashboards_of_a_2x2_swarm(tmp_path, make_swarm):
     prepare_tokenizer(overrides)
     swarm = make_swarm(overrides, bootstrap_args=("--dashboard", "0"))
     base = swarm.dashboard_url()
+    assert (swarm.out_dir / "logs" / "bootstrap.log").read_text().count("dashboard at") == 1  # said once
     empty = get(base + "api/swarm")
     assert empty["schema"] == "noloco-node/swarm/1" and empty["replicas"] == [] and empty["run"]["run_id"] == "dash"
     assert {n.split(" has ")[0] for n in empty["attention"]} == {"stage 0", "stage 1"}  # no replica anywhere yet
@@ -71,6 +72,7 @@ def test_swarm_and_node_dashboards_of_a_2x2_swarm(tmp_path, make_swarm):
     assert any(n.startswith("stage 0 has no replica") for n in lone), lone
     drivers = [swarm.start_node(0, 0, "--steps", "5000", "--dashboard", "0"), swarm.start_node(0, 1, "--steps", "5000")]
     swarm.wait_ready(drivers)
+    assert drivers[0].log_file.read_text().count("dashboard at http://127.0.0.1:") == 1
 
     def training() -> dict | None:
         s = get(base + "api/swarm")
