@@ -24,6 +24,7 @@ from noloco_node.data.loader import ShardSpec, training_batches
 from noloco_node.model.build import run_model
 from noloco_node.node.assembly import AssemblyPorts, ComputeParts, PipelineParts, assemble, build_compute, build_driver
 from noloco_node.node.boundary import InnerStepBoundary
+from noloco_node.node.joining import wait_for_replicas
 from noloco_node.node.manifest import load_run_inputs
 from noloco_node.pipeline.driver import Stage0Driver
 from noloco_node.pipeline.memory import MemoryNetwork
@@ -140,8 +141,16 @@ class InProcessSwarm:
         """Every stage-0 replica drives `steps` inner steps; all run at once on this event loop.
         `on_inner_step(node, step)` is called after each stage-0 node's boundary."""
         drivers = []
+        directory, later = self.network.directory(), range(1, self.config.pipeline.num_stages)
         for node in self.stage(0):
-            node.driver = build_driver(node.config, node.pipeline, node.sync, self.batches(node))
+            node.driver = build_driver(
+                node.config,
+                node.pipeline,
+                node.sync,
+                self.batches(node),
+                # As a process node's (node/lifecycle.py): a batch waits while a later stage has nobody.
+                before_batch=lambda: wait_for_replicas(directory, later, 1, lambda _: None, poll_s=0.02),
+            )
             drivers.append(node.driver.run(steps, _boundary_of(node, on_inner_step)))
         # asyncio.timeout, not wait_for: a cancelled wait_for leaves the gather's CancelledError
         # unretrieved (Python 3.11), which asyncio then logs as an error.

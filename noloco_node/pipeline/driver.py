@@ -219,18 +219,20 @@ class Stage0Driver:
         finally:
             self.completions.unassign(sequence)
 
+    async def _whole(self, sequence: int, inputs: Tensor, labels: Tensor) -> None:
+        try:
+            loss, _ = await self.runtime.compute.run(self.runtime.worker.forward_backward_whole, inputs, labels)
+        except NonFiniteValues as exc:
+            self.counters.dropped += 1
+            log.warning("microbatch %d dropped: %s", sequence, exc)
+            return
+        self.counters.completed += 1
+        self.log.losses.append(loss)
+
     async def _attempts(self, sequence: int, inputs: Tensor, labels: Tensor) -> None:
         self.counters.issued += 1
         if self.runtime.shape.is_last:  # P = 1: nothing to route, the whole model is here
-            try:
-                loss, _ = await self.runtime.compute.run(self.runtime.worker.forward_backward_whole, inputs, labels)
-            except NonFiniteValues as exc:
-                self.counters.dropped += 1
-                log.warning("microbatch %d dropped: %s", sequence, exc)
-                return
-            self.counters.completed += 1
-            self.log.losses.append(loss)
-            return
+            return await self._whole(sequence, inputs, labels)
         me = self.runtime.me
         lost_on: set[str] = set()  # first hops that lost an attempt: re-issues prefer others
         for attempt in range(self.max_attempts):
@@ -255,7 +257,12 @@ class Stage0Driver:
                     self.counters.completed += 1
                     self.log.losses.append(loss)
                     return
-                log.info("microbatch %d attempt %d found no stage-1 replica; re-issuing", sequence, attempt)
+                # The runtime said so once for the whole outage (pipeline/outage.py). While a later
+                # stage has no replica at all, the re-issue waits for one instead of using up its
+                # attempts on nobody: a stage whose last replica left drops nothing.
+                log.debug("microbatch %d attempt %d found no stage-1 replica; re-issuing", sequence, attempt)
+                if self.before_batch is not None:
+                    await self.before_batch()
             except asyncio.TimeoutError:
                 log.info(
                     "microbatch %d attempt %d got no gradient within %.0f s; re-issuing",

@@ -168,8 +168,8 @@ class MemoryDirectory:
             if r.stage == stage and r.status != Status.LEAVING and r.peer.peer_id not in self.network.hidden
         ]
 
-    async def replicas(self, stage: int) -> list[Peer]:
-        return [r.peer for r in self._live(stage)]
+    async def replicas(self, stage: int, *, fresh: bool = False) -> list[Peer]:
+        return [r.peer for r in self._live(stage)]  # always fresh: no lookup cache here
 
     async def matching(self, stage: int, round_index: int) -> list[Peer]:
         return [r.peer for r in self._live(stage) if r.status == Status.MATCHING and r.outer_round == round_index]

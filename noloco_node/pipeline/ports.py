@@ -29,6 +29,9 @@ class MicrobatchKey:
     sequence: int
     attempt: int
 
+    def __str__(self) -> str:  # in log lines: origin's short id (as peers are shown), sequence, attempt
+        return f"{self.origin[-8:]}#{self.sequence}.{self.attempt}"
+
 
 @dataclass(frozen=True, slots=True)
 class Hop:

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from noloco_node.codec.tensors import TensorSpec
 from noloco_node.errors import InvalidPayload, NodeError, PeerBusy, PeerUnknown, ProtocolMismatch, UnknownMicrobatch
+from noloco_node.pipeline.outage import ReceiverOutage
 from noloco_node.pipeline.ports import BackwardCall, ForwardCall, Hop, MicrobatchKey
 from noloco_node.pipeline.runtime_settings import RuntimeHooks, RuntimeSettings, StageNetwork, StageShape
 from noloco_node.pipeline.worker import NonFiniteValues, StageWorker
@@ -80,6 +81,7 @@ class StageRuntime:
         self._method_step_lock = asyncio.Lock()
         self.in_flight: dict[MicrobatchKey, Ticket] = {}
         self.stats = RuntimeStats()
+        self.outage = ReceiverOutage(shape.stage + 1)
         self.accepting = True
         self._tasks: set[asyncio.Task] = set()
 
@@ -295,9 +297,7 @@ class StageRuntime:
                 tried.add(peer.peer_id)
                 if self._forward_failed(key, peer.peer_id, exc):
                     delay = await _back_off(delay, deadline)
-        log.warning(
-            "no replica of stage %d took microbatch %s within %.0f s", self.shape.stage + 1, key, self.send_deadline_s
-        )
+        self.outage.miss(key, self.send_deadline_s)
         return None
 
     def _forwarded(self, key: MicrobatchKey, peer_id: str, *, routed_balanced: bool) -> None:
@@ -305,6 +305,7 @@ class StageRuntime:
         if ticket is not None:
             ticket.downstream = peer_id
         self.router.bans.clear(peer_id)
+        self.outage.took()
         self.stats.forwards_sent += 1
         self.stats.routed_to[peer_id] += 1
         if routed_balanced:

@@ -1,0 +1,48 @@
+"""Says once that the next stage stopped taking microbatches, and once that it takes them again.
+
+When the only replica of the next stage leaves, every microbatch in flight finds no receiver: a
+warning each, every send deadline, buried the one fact a volunteer needs (stage S has nobody) in
+a screen of microbatch keys. The first miss warns, later ones are debug, the first send that lands
+afterwards says the stage is back and how many microbatches had missed it."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+log = logging.getLogger(__name__)
+
+
+class ReceiverOutage:
+    def __init__(self, stage: int) -> None:
+        self.stage = stage  # the stage microbatches are sent to
+        self.missed = 0  # sends that found no receiver in this outage
+        self.since: float | None = None
+
+    def miss(self, key: object, deadline_s: float) -> None:
+        """A microbatch no replica of the stage took within `deadline_s`."""
+        self.missed += 1
+        if self.since is not None:
+            log.debug("no replica of stage %d took microbatch %s within %.0f s", self.stage, key, deadline_s)
+            return
+        self.since = time.monotonic()
+        log.warning(
+            "no replica of stage %d took microbatch %s within %.0f s: microbatches wait for one "
+            "(a node serving stage %d fixes it; said again when one takes them)",
+            self.stage,
+            key,
+            deadline_s,
+            self.stage,
+        )
+
+    def took(self) -> None:
+        """A send landed: ends an outage, saying so."""
+        if self.since is None:
+            return
+        log.info(
+            "stage %d takes microbatches again after %.0f s (%d sends had found no replica)",
+            self.stage,
+            time.monotonic() - self.since,
+            self.missed,
+        )
+        self.since, self.missed = None, 0
