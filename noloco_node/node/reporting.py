@@ -67,12 +67,12 @@ def _bytes(snap: Snapshot) -> str:
 
 def step_line(snap: Snapshot, *, total: int | None, tokens_per_s: float) -> str:
     """E.g. `step 40/200 | loss 5.123 | lr 3.0e-04 | 812 tok/s | in flight 3 | outer paired (round 4) |
-    sent 1.2 MB recv 1.1 MB`; stages > 0 show `served N mb` (microbatches received) where stage 0 shows
+    sent 1.2 MB recv 1.1 MB`; stages > 0 show `served N microbatches` (received) where stage 0 shows
     its loss."""
     if snap.stage == 0:
         own = f"loss {snap.loss:.3f}" if snap.loss is not None else "loss -"
     else:
-        own = f"served {snap.served} mb"
+        own = f"served {snap.served} microbatches"
     return " | ".join(
         [
             f"step {_steps(snap, total)}",

@@ -20,7 +20,9 @@ SUMMARY0 = re.compile(
     r"noloco_node\.training: summary: stage 0 \| 12/12 steps \| \d+\.\d s \| (\d+) tok/s mean \| "
     r"loss (\d+\.\d{3}) -> (\d+\.\d{3}) \| outer off \| .* \| dropped (\d+) of (\d+) microbatches$"
 )
-STEP1 = re.compile(r"noloco_node\.training: step (\d+) \| served (\d+) mb \| lr \d\.\de[-+]\d\d \| \d+ tok/s \| ")
+STEP1 = re.compile(
+    r"noloco_node\.training: step (\d+) \| served (\d+) microbatches \| lr \d\.\de[-+]\d\d \| \d+ tok/s \| "
+)
 SUMMARY1 = re.compile(
     r"noloco_node\.training: summary: stage 1 \| 12 steps \| .* \| served 24 microbatches \| "
     r"outer off \| .* \| dropped 0 microbatches$"

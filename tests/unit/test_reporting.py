@@ -56,7 +56,7 @@ def test_stage0_step_line_has_every_field_in_order():
 def test_later_stage_shows_microbatches_served_instead_of_a_loss():
     snap = Snapshot(stage=2, step=7, tokens=10, lr=1e-3, served=28, outer=PAIRED, last_round=None)
     line = step_line(snap, total=None, tokens_per_s=3.0)
-    assert line.startswith("step 7 | served 28 mb | lr 1.0e-03 | 3 tok/s")
+    assert line.startswith("step 7 | served 28 microbatches | lr 1.0e-03 | 3 tok/s")
     assert "loss" not in line and "outer no round yet" in line
 
 
