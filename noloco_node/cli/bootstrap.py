@@ -149,7 +149,7 @@ class _SwarmDashboard:
 async def _serve_dashboard(config, directory) -> _SwarmDashboard:
     """The swarm page (docs/dashboard.md), sampled in the background: its history covers the time
     nobody watched. Prints the address to open."""
-    from noloco_node.dashboard.http import DashboardServer
+    from noloco_node.dashboard.http import DashboardServer, page_url
     from noloco_node.dashboard.swarm import SwarmView
 
     host, port = parse_listen(config.network.dashboard)
@@ -159,6 +159,5 @@ async def _serve_dashboard(config, directory) -> _SwarmDashboard:
         api={"/api/swarm": view.swarm, "/api/history": view.history_json},
     )
     bound = await server.start(host, port)
-    shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-    print(f"dashboard at http://{shown}:{bound}/", flush=True)
+    print(f"dashboard at {page_url(host, bound)}", flush=True)
     return _SwarmDashboard(server, asyncio.create_task(view.run()))

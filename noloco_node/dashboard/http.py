@@ -17,6 +17,11 @@ from importlib import resources
 from aiohttp import web
 
 
+def page_url(host: str, port: int) -> str:
+    """The address to open for a page served on `host`: a wildcard bind is opened on this machine."""
+    return f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/"
+
+
 STATIC_TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css"}
 SECURITY_HEADERS = {
     "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; style-src 'self' 'unsafe-inline'; "

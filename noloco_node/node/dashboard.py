@@ -11,7 +11,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from noloco_node.config.listen import parse_listen
-from noloco_node.dashboard.http import DashboardServer
+from noloco_node.dashboard.http import DashboardServer, page_url
 from noloco_node.dashboard.node_view import LastProblem, NodeView, training_flops_per_token
 from noloco_node.dashboard.swarm import SwarmView
 
@@ -52,7 +52,7 @@ class NodeDashboard:
         except BaseException:
             problems.__exit__(None, None, None)
             raise
-        log.info("dashboard at http://%s:%d/", "127.0.0.1" if host in ("0.0.0.0", "::") else host, bound)
+        log.info("dashboard at %s", page_url(host, bound))
         return cls(server, bound, problems, asyncio.create_task(view.run()))
 
     async def close(self) -> None:

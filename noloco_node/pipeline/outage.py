@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import time
 
+from noloco_node.pipeline.ports import MicrobatchKey
+
 log = logging.getLogger(__name__)
 
 
@@ -19,7 +21,7 @@ class ReceiverOutage:
         self.missed = 0  # sends that found no receiver in this outage
         self.since: float | None = None
 
-    def miss(self, key: object, deadline_s: float) -> None:
+    def miss(self, key: MicrobatchKey, deadline_s: float) -> None:
         """A microbatch no replica of the stage took within `deadline_s`."""
         self.missed += 1
         if self.since is not None:
