@@ -53,6 +53,7 @@ class PeerDirectory:
         self.node, self.identity, self.signer, self.key = node, identity, signer, key
         self.cache_s = cache_s
         self._cache: dict[int, tuple[float, list[StageRecord]]] = {}
+        self._seen: dict[int, dict[object, tuple[float, object]]] = {}  # stage -> subkey -> (expires, value)
         self._ignored: set[str] = set()  # peers whose incompatible records were logged once
         self._impostors: set[str] = set()  # claimed peer ids whose impostor records were logged once
         self.impostor_records = 0  # records refused because they claim another node's peer id
@@ -200,11 +201,28 @@ class PeerDirectory:
         return sorted(records, key=lambda r: r.peer_id)
 
     async def _entries(self, stage: int) -> list[tuple[object, object]]:
-        """(subkey, value) of each entry under `stage`'s key, unparsed."""
+        """(subkey, value) of each unexpired entry under `stage`'s key, unparsed: what this lookup
+        found, and what earlier lookups found that it did not. A lookup under load can miss a
+        subkey (an RPC to the peer holding it timed out); a record is live until its expiration
+        time, so one partial answer must not make a replica vanish (a round then thought itself
+        alone in its stage and its partner fell a round behind)."""
         found = await self.node.get(stage_key(self.identity.run_id, stage), latest=True)
-        if found is None or not isinstance(found.value, dict):
-            return []
-        return [(subkey, entry.value) for subkey, entry in found.value.items()]
+        fresh = {}
+        if found is not None and isinstance(found.value, dict):
+            for subkey, entry in found.value.items():
+                if isinstance(subkey, (bytes, str)):  # any other subkey is malformed: refused on parsing
+                    fresh[subkey] = (entry.expiration_time, entry.value)
+        known = self._seen.setdefault(stage, {})
+        now = get_dht_time()
+        for subkey in [k for k, (expires, _) in known.items() if expires < now]:
+            del known[subkey]
+        for subkey, (expires, value) in fresh.items():
+            if subkey not in known or known[subkey][0] <= expires:
+                known[subkey] = (expires, value)
+        if len(known) > 4096:  # a flood of records: remember none beyond what this lookup found
+            known.clear()
+            known.update(fresh)
+        return [(subkey, value) for subkey, (_, value) in known.items()]
 
     def _proven(self, record: StageRecord, subkey: object) -> bool:
         """Whether the key that signed the record (hivemind checked the signature against the

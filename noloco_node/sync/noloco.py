@@ -41,11 +41,11 @@ from noloco_node.sync.pairing import (
     NoLoCoSettings,
     alone_in_stage,
     PartnerDistances,
-    announced_steps,
     apply_pair_step,
     drawn_mate,
     partner_snapshot,
     replica_count,
+    replica_on_its_way,
     wait_at_most,
 )
 from noloco_node.sync.snapshot import PHI_DELTA, THETA, Frozen, SliceRound, choose_payload, freeze
@@ -254,7 +254,16 @@ class NoLoCoSync(OuterSync):
                 window
                 or self.done.is_set()
                 or self.partner is not None
-                or not await self._replica_on_its_way(inner_step)
+                or not await replica_on_its_way(
+                    self.directory,
+                    self.stage,
+                    self.peer_id,
+                    inner_step=inner_step,
+                    every=self.every,
+                    round_index=round_index,
+                    banned=self.bans.is_banned,
+                    timeout_s=min(2.0, self.match_s),
+                )
             ):
                 break
             # Once per round, one more window: with no barrier, a replica that fell a window behind
@@ -283,16 +292,6 @@ class NoLoCoSync(OuterSync):
             # Prefer a partner we reach without a relay; a relayed one only when nobody else matches.
             unrelayed = [p for p in candidates if p.reach != "relayed"]
             await self._propose(self.rng.choice(unrelayed or candidates), inner_step, deadline, tried)
-
-    async def _replica_on_its_way(self, inner_step: int) -> bool:
-        """Whether another replica of our stage is less than a round short of this boundary (so it
-        will be matching this round soon), by the inner steps the replicas announce."""
-        progress = await announced_steps(self.directory, self.stage, timeout_s=min(2.0, self.match_s))
-        return any(
-            inner_step - self.every <= step < inner_step
-            for peer, step in progress.items()
-            if peer != self.peer_id and not self.bans.is_banned(peer)
-        )
 
     async def _propose_to_drawn_mate(self, inner_step: int, round_index: int, deadline: float, tried: set[str]) -> None:
         """The round's random pairing, drawn the same way on every replica: after a short gather
