@@ -14,6 +14,9 @@ from noloco_node.pipeline.ports import MicrobatchKey
 
 log = logging.getLogger(__name__)
 
+NOTICE_S = 5.0
+"""How long a send waits on a stage that lists no replica before the outage is told."""
+
 
 class ReceiverOutage:
     def __init__(self, stage: int) -> None:
@@ -37,14 +40,26 @@ class ReceiverOutage:
             self.stage,
         )
 
+    def looked(self, key: MicrobatchKey, *, listed: bool, started: float) -> None:
+        """A send (begun at monotonic time `started`) looked the stage up: `listed` whether the
+        lookup named any replica."""
+        waited_s = time.monotonic() - started
+        if listed or waited_s < NOTICE_S or self.since is not None:
+            return
+        self.since = started
+        log.warning(
+            "stage %d lists no replica: microbatch %s has waited %.0f s for one, and microbatches wait "
+            "until a node serves stage %d (said again when one takes them)",
+            self.stage,
+            key,
+            waited_s,
+            self.stage,
+        )
+
     def took(self) -> None:
         """A send landed: ends an outage, saying so."""
         if self.since is None:
             return
-        log.info(
-            "stage %d takes microbatches again after %.0f s (%d sends had found no replica)",
-            self.stage,
-            time.monotonic() - self.since,
-            self.missed,
-        )
+        missed = f" ({self.missed} sends had found no replica)" if self.missed else ""
+        log.info("stage %d takes microbatches again after %.0f s%s", self.stage, time.monotonic() - self.since, missed)
         self.since, self.missed = None, 0

@@ -271,9 +271,9 @@ class StageRuntime:
             candidates = await self.directory.replicas(self.shape.stage + 1)
             balanced = await self._balanced_receiver(candidates, key) if self._routes_balanced(tried) else None
             peer = balanced or (None if self.lockstep else self.router.pick(candidates, exclude=tried))
+            self.outage.looked(key, listed=bool(candidates), started=deadline - self.send_deadline_s)
             if peer is None:
-                # Everyone was tried once (or is banned), or (lockstep) the stages' views of who is
-                # in them differ for now: wait a little, then look again.
+                # All tried once (or banned), or (lockstep) the stages' views differ for now: look again soon.
                 tried.clear()
                 delay = await _back_off(delay, deadline)
                 continue

@@ -6,6 +6,7 @@ import asyncio
 import logging
 
 from noloco_node.node.in_process import InProcessSwarm
+from noloco_node.pipeline.outage import NOTICE_S
 
 from .conftest import tiny_config
 
@@ -67,3 +68,29 @@ def test_a_stage_that_loses_its_only_next_replica_waits_says_so_once_and_drops_n
     back = [m for level, m in messages if level == logging.INFO and "takes microbatches again" in m]
     assert len(back) == 1 and f"({c.reissued} sends had found no replica)" in back[0], back
     assert all(s.worker.inner_steps == steps for s in swarm.nodes)
+
+
+def test_a_send_that_finds_the_stage_empty_says_so_before_its_deadline_and_its_microbatch_lands(tmp_path, caplog):
+    """With the default send deadline (30 s) the first word of an empty stage came after half a
+    minute of silence: a send that finds nobody listed says so after outage.NOTICE_S, and its
+    microbatch still lands when the stage is back within the deadline (nothing missed, nothing
+    re-issued)."""
+    steps = 4
+    config = tiny_config(
+        tmp_path,
+        **{
+            "pipeline.num_stages": 2,
+            "pipeline.batch_size": 8,
+            "timeouts.rpc_s": 4 * NOTICE_S,
+            "timeouts.microbatch_s": 8 * NOTICE_S,
+        },
+    )
+    with caplog.at_level(logging.INFO, logger="noloco_node"):
+        swarm = asyncio.run(train_through_an_outage(config, steps, outage_s=NOTICE_S + 1.5))
+    c = swarm.stage(0)[0].driver.counters
+    assert (c.dropped, c.reissued) == (0, 0), c
+    messages = [(r.levelno, r.getMessage()) for r in caplog.records]
+    warnings = [m for level, m in messages if level >= logging.WARNING]
+    assert len(warnings) == 1 and warnings[0].startswith("stage 1 lists no replica: microbatch s0r0#"), warnings
+    back = [m for level, m in messages if level == logging.INFO and "takes microbatches again" in m]
+    assert len(back) == 1 and back[0].startswith("stage 1 takes microbatches again after") and "sends" not in back[0]
