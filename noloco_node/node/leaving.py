@@ -39,9 +39,54 @@ async def leave(node: Node, grace_s: float | None = None, *, final: bool = True)
         log.info("could not withdraw our record (%r); it expires by its TTL", exc)
     await node.runtime.drain(grace_s)
     if final:
+        await _say_if_last_replica(node)  # after the drain: the step it names is the one kept
         await _final_outputs(node)
     node.cancel_background()
     await _shut_down(node)
+
+
+def last_replica_words(
+    stage: int, others: int, inner_step: int, *, checkpoint_dir: str | None, weights_dir: str | None, run_done: bool
+) -> tuple[int, str] | None:
+    """What a leaving node says when no other replica of its stage is live (`others` == 0): the
+    stage's trained weights then exist only here. None when another replica keeps them. A warning
+    only when nothing on disk keeps them and the node's run is not over (stage 0 trained all of
+    its steps: the end of a run, not a loss)."""
+    if others:
+        return None
+    lead = f"stage {stage} has no other replica: its weights (inner step {inner_step})"
+    if checkpoint_dir is not None:
+        return logging.INFO, (
+            f"{lead} stay in the checkpoint in {checkpoint_dir}; `join` again with the same "
+            "checkpoint.dir brings the stage back"
+        )
+    if weights_dir is not None:
+        return logging.INFO, f"{lead} are written to {weights_dir}"
+    return logging.INFO if run_done else logging.WARNING, (
+        f"{lead} leave with this node and nothing on disk keeps them, so the next node on stage {stage} "
+        "starts it from its initial weights. To keep them: --set checkpoint.dir=DIR, and join again "
+        "with the same DIR (`noloco-node export` takes the model out of a live swarm)"
+    )
+
+
+async def _say_if_last_replica(node: Node) -> None:
+    try:  # a fresh look (the heartbeat's count can be 10 s old), short: launchers bound a stop
+        replicas = await asyncio.wait_for(node.directory.replicas(node.stage_index, fresh=True), 2.0)
+        others = sum(r.peer_id != node.peer_id for r in replicas)
+    except Exception as exc:  # noqa: BLE001 - leaving anyway: the heartbeat's count will do
+        log.debug("could not look up our stage's replicas at leave: %r", exc)
+        others = (node.stage_replicas or 2) - 1
+    outputs = node.outputs
+    words = last_replica_words(
+        node.stage_index,
+        others,
+        node.worker.inner_steps,
+        checkpoint_dir=node.config.checkpoint.dir,
+        weights_dir=str(outputs.out_dir) if outputs.out_dir is not None and outputs.save_weights else None,
+        run_done=node.done_at_step is not None,
+    )
+    if words is not None:
+        log.log(*words)
 
 
 async def _final_outputs(node: Node) -> None:

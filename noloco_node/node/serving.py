@@ -95,6 +95,8 @@ async def _serve_stage(node: Node, plan: ServePlan, stop: asyncio.Event, report)
         # Until inner step N: a resumed node or one that fetched a replica's state starts past 0.
         if await _train_unless_moved(node, last - node.worker.inner_steps, stop, report):
             return True
+        if not stop.is_set():
+            node.done_at_step = node.worker.inner_steps  # all its steps trained, whether it serves on or exits
         if not plan.serves_after or stop.is_set():
             return False
         _done(node)

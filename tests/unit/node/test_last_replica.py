@@ -1,0 +1,31 @@
+"""What a node says as it leaves when it is the last replica of its stage: the stage's trained
+weights then exist only on it (seen on the first-hour walk: the only stage-1 node's Ctrl-C, and the
+next stage-1 node started from its initial weights with nothing said)."""
+
+import logging
+
+from noloco_node.node.leaving import last_replica_words
+
+
+def words(others: int, *, checkpoint_dir=None, weights_dir=None, run_done=False):
+    return last_replica_words(1, others, 147, checkpoint_dir=checkpoint_dir, weights_dir=weights_dir, run_done=run_done)
+
+
+def test_another_live_replica_keeps_the_stage_and_nothing_is_said():
+    assert words(1) is None and words(3, checkpoint_dir="ckpt") is None
+
+
+def test_the_last_replica_without_anything_on_disk_warns_and_says_the_fix():
+    level, text = words(0)
+    assert level == logging.WARNING
+    assert text.startswith("stage 1 has no other replica: its weights (inner step 147) leave with this node")
+    assert "--set checkpoint.dir=DIR" in text and "starts it from its initial weights" in text
+
+
+def test_a_checkpoint_or_saved_weights_keep_them_and_the_end_of_a_run_is_no_loss():
+    level, text = words(0, checkpoint_dir="ckpt-1")
+    assert level == logging.INFO and "stay in the checkpoint in ckpt-1" in text and "join` again" in text
+    level, text = words(0, weights_dir="runs/out")
+    assert level == logging.INFO and text.endswith("are written to runs/out")
+    level, _ = words(0, run_done=True)
+    assert level == logging.INFO
