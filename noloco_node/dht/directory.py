@@ -210,8 +210,10 @@ class PeerDirectory:
         fresh = {}
         if found is not None and isinstance(found.value, dict):
             for subkey, entry in found.value.items():
-                if isinstance(subkey, (bytes, str)):  # any other subkey is malformed: refused on parsing
+                try:
                     fresh[subkey] = (entry.expiration_time, entry.value)
+                except TypeError:  # an unhashable subkey: no owner marker, so no record of anyone's
+                    continue
         known = self._seen.setdefault(stage, {})
         now = get_dht_time()
         for subkey in [k for k, (expires, _) in known.items() if expires < now]:
