@@ -14,6 +14,13 @@ os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="noloco-hf-da
 
 
 @pytest.fixture(autouse=True)
+def _state_home_per_test(tmp_path_factory, monkeypatch):
+    """`join` keeps checkpoints under $XDG_STATE_HOME by default: every test gets its own, so no
+    node of a test resumes from another test's (or the user's) checkpoint of the same run id."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path_factory.mktemp("state")))
+
+
+@pytest.fixture(autouse=True)
 def _root_logger_restored():
     """A test that runs a command in-process (cli.main) points the root logger at the stderr pytest
     captures for that test; left so, later tests' logs go to a closed file ("Logging error")."""

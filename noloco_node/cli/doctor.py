@@ -10,6 +10,8 @@ Checks, in order, with the exit code a failure returns (the first failure's code
               which is no failure unless network.reach = "direct"
   15 clock    our clock is within --max-skew seconds of the peers' clocks
   16 compat   live peers run a compatible version and the same manifest (config + tokenizer)
+  17 disk     the checkpoint folder (checkpoint.dir, or join's own under the state home) can be
+              written; it says its free space
 reach and clock ask the live directly reachable nodes, then the initial peers (a bootstrap answers
 probes, so the first volunteer of a swarm is checked too); compat is skipped (not failed) while
 the swarm has no live node yet.
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 from noloco_node.cli.common import add_config_flags, require_initial_peers, resolve_config
 from noloco_node.runtime.node_status import Status
 
-CODES = {"python": 10, "cuda": 11, "port": 12, "dht": 13, "reach": 14, "clock": 15, "compat": 16}
+CODES = {"python": 10, "cuda": 11, "port": 12, "dht": 13, "reach": 14, "clock": 15, "compat": 16, "disk": 17}
 
 
 @dataclass
@@ -128,11 +130,38 @@ def _port_check(host: str, port: int) -> Check:
     return Check("port", "ok", f"{host}:{bound} is free")
 
 
+def _disk_check(config) -> Check:
+    """Where `join` will write its checkpoints, that it can, and the free space there."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from noloco_node.node.checkpoint_home import run_directory
+
+    if config.checkpoint.dir is None and not config.checkpoint.auto:
+        return Check("disk", "info", "no checkpoints (checkpoint.auto = false and no checkpoint.dir)")
+    folder = Path(config.checkpoint.dir).expanduser() if config.checkpoint.dir else run_directory(config.run.run_id)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".doctor-"):
+            pass
+        free = shutil.disk_usage(folder).free
+    except OSError as e:
+        return Check(
+            "disk",
+            "fail",
+            f"cannot write checkpoints in {folder}: {e.strerror or e}",
+            "set checkpoint.dir to a writable folder (or checkpoint.auto = false for no checkpoints)",
+        )
+    return Check("disk", "ok", f"checkpoints go to {folder} ({free / 1e9:.1f} GB free)")
+
+
 async def _run_checks(config, args) -> list[Check]:
     checks = _python_checks(args.require_gpu)
     net = config.network
     port_check = _port_check(net.host, net.port)
     checks.append(port_check)
+    checks.append(_disk_check(config))
 
     from noloco_node import __version__
     from noloco_node.dht.directory import DirectoryIdentity, PeerDirectory, compatible_version

@@ -167,7 +167,32 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    return asyncio.run(_serve(config, args))
+    config, slot = _with_checkpoint_home(config)
+    try:
+        return asyncio.run(_serve(config, args))
+    finally:
+        if slot is not None:
+            slot.release()
+
+
+def _with_checkpoint_home(config):
+    """(config, held slot): a node with no checkpoint.dir keeps its checkpoints in a slot of its
+    own under the state home (node/checkpoint_home.py), unless checkpoint.auto is false."""
+    if config.checkpoint.dir is not None or not config.checkpoint.auto:
+        return config, None
+    import dataclasses
+
+    from noloco_node.node.checkpoint_home import CheckpointSlot
+
+    slot = CheckpointSlot.claim(config.run.run_id)
+    log.info(
+        "checkpoints every %d inner steps and on stop in %s (--set checkpoint.dir=DIR for another "
+        "folder, checkpoint.auto=false for none)",
+        config.checkpoint.every_steps,
+        slot.directory,
+    )
+    checkpoint = dataclasses.replace(config.checkpoint, dir=str(slot.directory))
+    return dataclasses.replace(config, checkpoint=checkpoint), slot
 
 
 async def _serve(config, args: argparse.Namespace) -> int:

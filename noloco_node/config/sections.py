@@ -164,10 +164,16 @@ class DataConfig:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CheckpointConfig:
     dir: str | None = None
-    """Where this node keeps its checkpoint; None = no checkpoints. A node started with a
-    checkpoint of the same run and stage here resumes from it."""
+    """Where this node keeps its checkpoint. A node started with a checkpoint of the same run and
+    stage here resumes from it (unless its stage's live replicas are further on: then it copies
+    their state). Unset: see `auto`."""
     every_steps: int = 50
     """Checkpoint every this many inner steps (and on graceful shutdown)."""
+    auto: bool = True
+    """With no `dir`, `join` keeps the checkpoints in a folder of its own,
+    `$XDG_STATE_HOME/noloco-node/<run_id>/node-<n>` (`~/.local/state/...`), n the first one no
+    running node holds, so a node started again resumes; false = no checkpoints without `dir`.
+    Launchers of local swarms (demo, experiment) set it false."""
 
     def __post_init__(self) -> None:
         _require(self.every_steps >= 1, "every_steps", f"must be >= 1, got {self.every_steps}", "use e.g. 50")

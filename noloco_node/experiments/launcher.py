@@ -125,6 +125,10 @@ class LocalSwarm:
                     str(self.out_dir / "nodes"),
                     "--ready-file",
                     str(ready),
+                    # A launched swarm is one run's: no node resumes from an earlier run's checkpoint
+                    # in the user's state folder (a test or cell passes checkpoint.dir when it wants one).
+                    "--set",
+                    "checkpoint.auto=false",
                     *extra,
                 ),
                 stdout=log,

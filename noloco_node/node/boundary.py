@@ -72,8 +72,18 @@ class InnerStepBoundary:
 
     async def checkpoint(self, driver: Stage0Driver | None) -> None:
         microbatches = driver.counters.as_dict() if driver is not None else None
-        path = await self.checkpoints.save(self.stage_index, microbatches)
-        log.info("checkpoint at inner step %d: %s", self.worker.inner_steps, path)
+        try:
+            path = await self.checkpoints.save(self.stage_index, microbatches)
+        except OSError as e:  # a full disk must not end the training: the last checkpoint stays
+            log.warning(
+                "could not write the checkpoint of inner step %d in %s (%s); training goes on, the "
+                "previous checkpoint stays",
+                self.worker.inner_steps,
+                self.checkpoints.directory,
+                e.strerror or e,
+            )
+            return
+        log.info("checkpoint at inner step %d: %s (%.1f MB)", self.worker.inner_steps, path, path.stat().st_size / 1e6)
         self.events.emit("checkpoint", inner_step=self.worker.inner_steps, file=str(path))
 
     def _emit(self, inner_step: int, driver: Stage0Driver | None) -> None:

@@ -58,6 +58,14 @@ def stages_in(directory: Path, run_id: str) -> list[int]:
     return sorted(set(stages))
 
 
+def saved_meta(directory: Path, stage_index: int) -> dict | None:
+    """The JSON beside this stage's checkpoint (no tensors read), or None when there is none."""
+    try:
+        return json.loads((directory / f"stage{stage_index}.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def load(directory: Path, stage_index: int) -> tuple[dict[str, Tensor], dict] | None:
     meta_path = directory / f"stage{stage_index}.json"
     if not meta_path.is_file():
@@ -114,6 +122,15 @@ class Checkpointer:
         if microbatches is not None:
             counters["microbatches"] = microbatches
         return await asyncio.to_thread(save, self.directory, stage_index, tensors, counters, self.identity)
+
+    async def saved_step(self, stage_index: int) -> int | None:
+        """The inner step of this run's checkpoint of `stage_index` here, or None."""
+        import asyncio
+
+        meta = await asyncio.to_thread(saved_meta, self.directory, stage_index)
+        if meta is None or meta.get("manifest_hash") != self.identity["manifest_hash"]:
+            return None
+        return int(meta.get("inner_step", 0))
 
     async def resume(self, stage_index: int) -> dict | None:
         """Restore this stage's checkpoint if it is this run's; {inner_step, outer_round, file,

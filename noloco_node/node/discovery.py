@@ -37,14 +37,26 @@ async def choose_stage(
     """`--stage auto`: (the directory, if it had to be started, and) the stage of our own checkpoint
     if there is exactly one, else the stage that sustains the least (runtime/throughput.py:
     weakest_stage), claimed in the DHT first (pipeline/stage_choice.py)."""
-    if cfg.checkpoint.dir is not None:
-        from noloco_node.node.checkpoint import stages_in
-
-        stages = stages_in(Path(cfg.checkpoint.dir).expanduser(), cfg.run.run_id)
-        if len(stages) == 1:
-            log.info("stage auto: resuming stage %d from the checkpoint in %s", stages[0], cfg.checkpoint.dir)
-            return None, stages[0]
     directory = await start_directory(cfg, manifest_hash, identity, swarm_key)
+    if cfg.checkpoint.dir is not None:
+        from noloco_node.node.checkpoint import saved_meta, stages_in
+
+        folder = Path(cfg.checkpoint.dir).expanduser()
+        stages = stages_in(folder, cfg.run.run_id)
+        if len(stages) == 1:
+            saved = int((saved_meta(folder, stages[0]) or {}).get("inner_step", 0))
+            ahead = await live_step_ahead(directory, stages[0], saved, me=directory.peer_id)
+            if ahead is None:
+                log.info("stage auto: resuming stage %d from the checkpoint in %s", stages[0], cfg.checkpoint.dir)
+                return directory, stages[0]
+            log.info(
+                "stage auto: the checkpoint of stage %d in %s (inner step %d) is behind its live replicas "
+                "(inner step %d): choosing the stage the swarm needs most",
+                stages[0],
+                cfg.checkpoint.dir,
+                saved,
+                ahead,
+            )
 
     def claim_record(stage: int, status: str, claimed_at: float) -> StageRecord:
         """A joiner's claim on a stage: no address yet, never routed to."""
@@ -67,3 +79,11 @@ async def choose_stage(
         "stage auto: replicas' capacities per stage %s -> serving stage %d", await directory.replica_capacities(), stage
     )
     return directory, stage
+
+
+async def live_step_ahead(directory: PeerDirectory, stage: int, inner_step: int, *, me: str) -> int | None:
+    """The furthest inner step a live replica of `stage` other than us announces, when it is past
+    `inner_step` (a checkpoint's): its state is newer than the checkpoint's. None otherwise."""
+    steps = [r.inner_step for r in await directory.replicas(stage, fresh=True) if r.peer_id != me]
+    furthest = max(steps, default=None)
+    return furthest if furthest is not None and furthest > inner_step else None

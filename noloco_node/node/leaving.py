@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from noloco_node.runtime.node_status import Status
@@ -56,16 +57,20 @@ def last_replica_words(
         return None
     lead = f"stage {stage} has no other replica: its weights (inner step {inner_step})"
     if checkpoint_dir is not None:
-        return logging.INFO, (
-            f"{lead} stay in the checkpoint in {checkpoint_dir}; `join` again with the same "
-            "checkpoint.dir brings the stage back"
+        from noloco_node.node.checkpoint_home import state_home
+
+        again = (
+            "`join` again on this machine (same run) takes the stage back from it"
+            if Path(checkpoint_dir).is_relative_to(state_home())
+            else "`join` again with the same checkpoint.dir takes the stage back from it"
         )
+        return logging.INFO, f"{lead} stay in the checkpoint in {checkpoint_dir}; {again}"
     if weights_dir is not None:
         return logging.INFO, f"{lead} are written to {weights_dir}"
     return logging.INFO if run_done else logging.WARNING, (
         f"{lead} leave with this node and nothing on disk keeps them, so the next node on stage {stage} "
-        "starts it from its initial weights. To keep them: --set checkpoint.dir=DIR, and join again "
-        "with the same DIR (`noloco-node export` takes the model out of a live swarm)"
+        "starts it from its initial weights. To keep them: leave checkpoint.auto on (the default) or "
+        "set checkpoint.dir, and join again (`noloco-node export` takes the model out of a live swarm)"
     )
 
 

@@ -183,13 +183,11 @@ class Node:
             self.dashboard = await NodeDashboard.open(self)
 
     async def _join_state(self) -> None:
-        """Resume from our own checkpoint, else (a method whose replicas donate state: NoLoCo) copy
-        a live replica's state."""
-        if self.checkpoints is not None:
-            self.resumed_from = await self.checkpoints.resume(self.stage_index)
-            if self.resumed_from is not None:
-                log.info("resumed from checkpoint at inner step %d", self.resumed_from["inner_step"])
-                self.sync.start_at(self.resumed_from["outer_round"])
+        """Take up the newest state there is: our own checkpoint, unless (a method whose replicas
+        donate state: NoLoCo) a live replica of the stage is further on, then a copy of its state;
+        the checkpoint again if no replica could give one."""
+        if await self._checkpoint_is_newest():
+            await self._resume()
         if self.resumed_from is None and self.traits.donates_state:
             self.fetched_state = await fetch_state(
                 self.directory,
@@ -203,6 +201,32 @@ class Node:
             )
             if self.fetched_state is not None:
                 self.sync.start_at(self.fetched_state["outer_round"])
+            elif self.checkpoints is not None:
+                await self._resume()
+
+    async def _checkpoint_is_newest(self) -> bool:
+        if self.checkpoints is None or (saved := await self.checkpoints.saved_step(self.stage_index)) is None:
+            return False
+        if not self.traits.donates_state:
+            return True
+        from noloco_node.node.discovery import live_step_ahead
+
+        ahead = await live_step_ahead(self.directory, self.stage_index, saved, me=self.peer_id)
+        if ahead is not None:
+            log.info(
+                "the checkpoint in %s is at inner step %d, stage %d's live replicas at %d: copying their state",
+                self.checkpoints.directory,
+                saved,
+                self.stage_index,
+                ahead,
+            )
+        return ahead is None
+
+    async def _resume(self) -> None:
+        self.resumed_from = await self.checkpoints.resume(self.stage_index)
+        if self.resumed_from is not None:
+            log.info("resumed from checkpoint at inner step %d", self.resumed_from["inner_step"])
+            self.sync.start_at(self.resumed_from["outer_round"])
 
     # ---- parts other modules read -----------------------------------------------------------
     @property

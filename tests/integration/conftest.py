@@ -79,3 +79,12 @@ def make_swarm(tmp_path):
     yield factory
     for swarm in swarms:
         swarm.stop()
+
+
+@pytest.fixture
+def procs():
+    """Commands started as volunteer_procs.Proc (a process group each): drained at teardown."""
+    started: list = []
+    yield started
+    for p in started:
+        p.group.drain(grace_s=5.0)

@@ -19,13 +19,23 @@ def test_the_last_replica_without_anything_on_disk_warns_and_says_the_fix():
     level, text = words(0)
     assert level == logging.WARNING
     assert text.startswith("stage 1 has no other replica: its weights (inner step 147) leave with this node")
-    assert "--set checkpoint.dir=DIR" in text and "starts it from its initial weights" in text
+    assert "leave checkpoint.auto on" in text and "set checkpoint.dir" in text
+    assert "starts it from its initial weights" in text
 
 
 def test_a_checkpoint_or_saved_weights_keep_them_and_the_end_of_a_run_is_no_loss():
     level, text = words(0, checkpoint_dir="ckpt-1")
-    assert level == logging.INFO and "stay in the checkpoint in ckpt-1" in text and "join` again" in text
+    assert level == logging.INFO and "stay in the checkpoint in ckpt-1" in text
+    assert text.endswith("`join` again with the same checkpoint.dir takes the stage back from it")
     level, text = words(0, weights_dir="runs/out")
     assert level == logging.INFO and text.endswith("are written to runs/out")
     level, _ = words(0, run_done=True)
     assert level == logging.INFO
+
+
+def test_the_default_folder_is_named_as_what_join_on_this_machine_finds_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    folder = tmp_path / "noloco-node" / "run-a" / "node-0"
+    level, text = words(0, checkpoint_dir=str(folder))
+    assert level == logging.INFO and f"stay in the checkpoint in {folder};" in text
+    assert text.endswith("`join` again on this machine (same run) takes the stage back from it")

@@ -1,0 +1,78 @@
+"""Where `join` keeps a node's checkpoints when the config names no directory: a slot of its own
+under the user's state directory, `$XDG_STATE_HOME/noloco-node/<run_id>/node-<n>`
+(`~/.local/state/...` by default), n the lowest slot no running node holds.
+
+A slot is held by an exclusive `flock` on its lock file for the life of the process, so two nodes
+started on one machine never share a directory, and a node started again after the last one
+stopped (or was killed: the kernel drops the lock with the process) gets the same slot back and
+resumes from its checkpoint."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+from pathlib import Path
+
+from noloco_node.config import ConfigError
+
+LOCK_NAME = ".held-by-a-running-node"
+MAX_SLOTS = 64
+
+
+def state_home() -> Path:
+    """The XDG state directory of noloco-node (created on first use by the slot)."""
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base).expanduser() / "noloco-node"
+
+
+def run_directory(run_id: str, home: Path | None = None) -> Path:
+    """The run's folder under the state home; characters outside [A-Za-z0-9_.-] become `_`."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", run_id).lstrip(".") or "_"
+    return (home or state_home()) / safe
+
+
+class CheckpointSlot:
+    """One node's checkpoint directory, held until `release()` (or the process ends)."""
+
+    def __init__(self, directory: Path, lock_fd: int) -> None:
+        self.directory, self._lock_fd = directory, lock_fd
+
+    @classmethod
+    def claim(cls, run_id: str, *, home: Path | None = None, slots: int = MAX_SLOTS) -> CheckpointSlot:
+        """The lowest free slot of `run_id`; ConfigError naming checkpoint.dir when none can be had."""
+        run_dir = run_directory(run_id, home)
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(
+                "checkpoint.dir",
+                f"cannot create the default checkpoint folder {run_dir}: {e.strerror}",
+                "set checkpoint.dir to a writable folder, or checkpoint.auto = false for no checkpoints",
+            ) from None
+        for n in range(slots):
+            directory = run_dir / f"node-{n}"
+            directory.mkdir(exist_ok=True)
+            fd = os.open(directory / LOCK_NAME, os.O_CREAT | os.O_RDWR, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            return cls(directory, fd)
+        raise ConfigError(
+            "checkpoint.dir",
+            f"all {slots} default checkpoint folders under {run_dir} are held by running nodes",
+            "set checkpoint.dir for this node",
+        )
+
+    def release(self) -> None:
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # closing the only descriptor drops the flock
+            self._lock_fd = -1
+
+    def __enter__(self) -> CheckpointSlot:
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        self.release()

@@ -1,0 +1,104 @@
+"""`join`'s default checkpoint folder: one slot per running node under the user's state home, the
+same slot again for the next node once the last one stopped (or died), and the config it yields."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from noloco_node.cli.join import _with_checkpoint_home
+from noloco_node.config import ConfigError, build_config
+from noloco_node.node.checkpoint_home import CheckpointSlot, run_directory, state_home
+
+
+def test_the_state_home_follows_xdg_and_a_run_id_becomes_a_safe_folder_name(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    assert state_home() == tmp_path / "noloco-node"
+    assert run_directory("my run/../x") == tmp_path / "noloco-node" / "my_run_.._x"
+    assert run_directory("..").name == "_"
+
+
+def test_nodes_running_at_once_get_folders_of_their_own_and_a_freed_one_is_taken_again(tmp_path):
+    first = CheckpointSlot.claim("run", home=tmp_path)
+    second = CheckpointSlot.claim("run", home=tmp_path)
+    assert (first.directory.name, second.directory.name) == ("node-0", "node-1")
+    first.release()
+    with CheckpointSlot.claim("run", home=tmp_path) as again:
+        assert again.directory == first.directory
+    second.release()
+    with CheckpointSlot.claim("other-run", home=tmp_path) as other:
+        assert other.directory == tmp_path / "other-run" / "node-0"
+
+
+def test_a_slot_held_by_another_process_is_skipped_until_that_process_dies(tmp_path):
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from pathlib import Path; from noloco_node.node.checkpoint_home import CheckpointSlot;"
+            f"s = CheckpointSlot.claim('run', home=Path({str(tmp_path)!r})); print(s.directory, flush=True);"
+            "time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip().endswith("node-0")
+        with CheckpointSlot.claim("run", home=tmp_path) as mine:
+            assert mine.directory.name == "node-1"
+    finally:
+        holder.kill()  # no release: the kernel drops the lock with the process
+        holder.wait(timeout=10)
+    deadline = time.monotonic() + 5
+    while True:
+        with CheckpointSlot.claim("run", home=tmp_path) as slot:
+            if slot.directory.name == "node-0":
+                break
+        assert time.monotonic() < deadline, slot.directory
+
+
+def test_no_slot_to_be_had_names_the_field_and_the_fix(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.raises(ConfigError) as bad:
+        CheckpointSlot.claim("run", home=blocker)
+    assert "checkpoint.dir" in str(bad.value) and "checkpoint.auto = false" in str(bad.value)
+    held = [CheckpointSlot.claim("run", home=tmp_path, slots=2) for _ in range(2)]
+    with pytest.raises(ConfigError, match="all 2 default checkpoint folders .* are held by running nodes"):
+        CheckpointSlot.claim("run", home=tmp_path, slots=2)
+    for slot in held:
+        slot.release()
+
+
+def test_join_keeps_checkpoints_by_default_and_leaves_a_named_folder_or_auto_false_alone(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    config, slot = _with_checkpoint_home(build_config({"run": {"run_id": "r1"}}))
+    try:
+        assert config.checkpoint.dir == str(tmp_path / "noloco-node" / "r1" / "node-0")
+    finally:
+        slot.release()
+    named = build_config({"checkpoint": {"dir": "mine"}})
+    assert _with_checkpoint_home(named) == (named, None)
+    off = build_config({"checkpoint": {"auto": False}})
+    assert _with_checkpoint_home(off) == (off, None) and off.checkpoint.dir is None
+
+
+class _Stage:
+    def __init__(self, steps: dict[str, int]) -> None:
+        self.steps = steps
+
+    async def replicas(self, stage: int, *, fresh: bool = False):
+        from types import SimpleNamespace
+
+        assert fresh, "a checkpoint is weighed against a fresh lookup"
+        return [SimpleNamespace(peer_id=p, inner_step=s) for p, s in self.steps.items()]
+
+
+async def test_a_checkpoint_is_behind_only_when_another_live_replica_is_further_on():
+    from noloco_node.node.discovery import live_step_ahead
+
+    assert await live_step_ahead(_Stage({"me": 90, "b": 40}), 1, 50, me="me") is None
+    assert await live_step_ahead(_Stage({"b": 50}), 1, 50, me="me") is None
+    assert await live_step_ahead(_Stage({}), 1, 50, me="me") is None
+    assert await live_step_ahead(_Stage({"b": 51, "c": 70, "me": 99}), 1, 50, me="me") == 70
