@@ -136,11 +136,15 @@ def _disk_check(config) -> Check:
     import tempfile
     from pathlib import Path
 
-    from noloco_node.node.checkpoint_home import run_directory
+    from noloco_node.node.checkpoint_home import config_fingerprint, run_directory
 
     if config.checkpoint.dir is None and not config.checkpoint.auto:
         return Check("disk", "info", "no checkpoints (checkpoint.auto = false and no checkpoint.dir)")
-    folder = Path(config.checkpoint.dir).expanduser() if config.checkpoint.dir else run_directory(config.run.run_id)
+    folder = (
+        Path(config.checkpoint.dir).expanduser()
+        if config.checkpoint.dir
+        else run_directory(config.run.run_id, config_fingerprint(config))
+    )
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".doctor-"):

@@ -182,9 +182,9 @@ def _with_checkpoint_home(config):
         return config, None
     import dataclasses
 
-    from noloco_node.node.checkpoint_home import CheckpointSlot
+    from noloco_node.node.checkpoint_home import CheckpointSlot, config_fingerprint
 
-    slot = CheckpointSlot.claim(config.run.run_id)
+    slot = CheckpointSlot.claim(config.run.run_id, config_fingerprint(config))
     log.info(
         "checkpoints every %d inner steps and on stop in %s (--set checkpoint.dir=DIR for another "
         "folder, checkpoint.auto=false for none)",

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from noloco_node.config.checks import _require
 from noloco_node.config.listen import parse_listen
+from noloco_node.config.peer_ids import is_peer_id
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -75,6 +76,13 @@ class NetworkConfig:
                     name,
                     f"{addr!r} is not a multiaddr with a peer id",
                     "use the whole multiaddr the bootstrap printed, e.g. /ip4/203.0.113.7/tcp/31330/p2p/12D3KooW...",
+                )
+                peer = addr.rsplit("/p2p/", 1)[1].split("/", 1)[0]
+                _require(
+                    is_peer_id(peer),
+                    name,
+                    f"{peer!r} in {addr!r} is not a peer id (a character mistyped or missing?)",
+                    "copy the multiaddr the bootstrap printed again, whole",
                 )
         for name in ("port", "dht_port", "allreduce_port"):
             _require(

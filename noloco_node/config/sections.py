@@ -171,8 +171,9 @@ class CheckpointConfig:
     """Checkpoint every this many inner steps (and on graceful shutdown)."""
     auto: bool = True
     """With no `dir`, `join` keeps the checkpoints in a folder of its own,
-    `$XDG_STATE_HOME/noloco-node/<run_id>/node-<n>` (`~/.local/state/...`), n the first one no
-    running node holds, so a node started again resumes; false = no checkpoints without `dir`.
+    `$XDG_STATE_HOME/noloco-node/<run_id>/<config fingerprint>/node-<n>` (`~/.local/state/...`),
+    n the first one no running node holds, so a node started again resumes; false = no checkpoints
+    without `dir`.
     Launchers of local swarms (demo, experiment) set it false."""
 
     def __post_init__(self) -> None:

@@ -5,6 +5,7 @@ JSON last), so a crash mid-write leaves the previous checkpoint intact."""
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
 
@@ -34,6 +35,7 @@ def collect(stage: nn.Module, inner: InnerOptimizer, outer: OuterState | None) -
 
 def save(directory: Path, stage_index: int, tensors: dict[str, Tensor], counters: dict, identity: dict) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
+    _set_aside_another_runs(directory, stage_index, identity)
     step = counters["inner_step"]
     weights = directory / f"stage{stage_index}-step{step}.safetensors"
     atomic_write(weights, lambda tmp: save_file(tensors, str(tmp)))
@@ -45,15 +47,44 @@ def save(directory: Path, stage_index: int, tensors: dict[str, Tensor], counters
     return weights
 
 
-def stages_in(directory: Path, run_id: str) -> list[int]:
-    """Stages that `directory` holds a checkpoint of for `run_id` (what `--stage auto` resumes)."""
+def _set_aside_another_runs(directory: Path, stage_index: int, identity: dict) -> None:
+    """A checkpoint of this stage from another run or manifest is never written over: it moves to
+    `other-<its manifest>/` beside ours (a node started with another config in the same folder
+    once replaced a run's 961 trained steps with its own step 0)."""
+    meta = saved_meta(directory, stage_index)
+    if meta is None or (meta.get("run_id"), meta.get("manifest_hash")) == (
+        identity["run_id"],
+        identity["manifest_hash"],
+    ):
+        return
+    aside = directory / f"other-{str(meta.get('manifest_hash', 'unknown'))[:16]}"
+    aside.mkdir(exist_ok=True)
+    weights = directory / str(meta.get("file", ""))
+    if weights.name and weights.is_file():
+        weights.replace(aside / weights.name)
+    (directory / f"stage{stage_index}.json").replace(aside / f"stage{stage_index}.json")
+    logging.getLogger(__name__).warning(
+        "the checkpoint of stage %d in %s belongs to run %s / manifest %s: moved to %s, not written over",
+        stage_index,
+        directory,
+        meta.get("run_id"),
+        meta.get("manifest_hash"),
+        aside,
+    )
+
+
+def stages_in(directory: Path, run_id: str, manifest_hash: str) -> list[int]:
+    """Stages that `directory` holds a checkpoint of for this run and manifest (what `--stage auto`
+    resumes; a checkpoint of another config it would only ignore)."""
     stages = []
     for meta_path in sorted(directory.glob("stage*.json")):
         try:
             meta = json.loads(meta_path.read_text())
         except (OSError, ValueError):
             continue
-        if meta.get("run_id") == run_id and isinstance(meta.get("stage"), int):
+        if (meta.get("run_id"), meta.get("manifest_hash")) == (run_id, manifest_hash) and isinstance(
+            meta.get("stage"), int
+        ):
             stages.append(meta["stage"])
     return sorted(set(stages))
 

@@ -1,6 +1,7 @@
 """Where `join` keeps a node's checkpoints when the config names no directory: a slot of its own
-under the user's state directory, `$XDG_STATE_HOME/noloco-node/<run_id>/node-<n>`
-(`~/.local/state/...` by default), n the lowest slot no running node holds.
+under the user's state directory, `$XDG_STATE_HOME/noloco-node/<run_id>/<config>/node-<n>`
+(`~/.local/state/...` by default; <config> a fingerprint of the config, so that another model under
+the same run id never meets this one's checkpoints), n the lowest slot no running node holds.
 
 A slot is held by an exclusive `flock` on its lock file for the life of the process, so two nodes
 started on one machine never share a directory, and a node started again after the last one
@@ -26,10 +27,20 @@ def state_home() -> Path:
     return Path(base).expanduser() / "noloco-node"
 
 
-def run_directory(run_id: str, home: Path | None = None) -> Path:
-    """The run's folder under the state home; characters outside [A-Za-z0-9_.-] become `_`."""
+def config_fingerprint(config) -> str:
+    """Tells apart configs that share a run id (a `--set model.seq_len=64` is another model): the
+    manifest's config part, and the paths of its data, tokenizer and model files, whose contents the
+    manifest hash itself checks when a checkpoint is resumed."""
+    data, model = config.data, config.model
+    return config.manifest_hash(
+        f"data:{data.path}", f"tokenizer:{data.tokenizer}", f"model-files:{model.config}|{model.init_from}"
+    )[:12]
+
+
+def run_directory(run_id: str, fingerprint: str, home: Path | None = None) -> Path:
+    """The config's folder under the state home; characters outside [A-Za-z0-9_.-] become `_`."""
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", run_id).lstrip(".") or "_"
-    return (home or state_home()) / safe
+    return (home or state_home()) / safe / fingerprint
 
 
 class CheckpointSlot:
@@ -39,9 +50,12 @@ class CheckpointSlot:
         self.directory, self._lock_fd = directory, lock_fd
 
     @classmethod
-    def claim(cls, run_id: str, *, home: Path | None = None, slots: int = MAX_SLOTS) -> CheckpointSlot:
-        """The lowest free slot of `run_id`; ConfigError naming checkpoint.dir when none can be had."""
-        run_dir = run_directory(run_id, home)
+    def claim(
+        cls, run_id: str, fingerprint: str, *, home: Path | None = None, slots: int = MAX_SLOTS
+    ) -> CheckpointSlot:
+        """The lowest free slot of this run and config; ConfigError naming checkpoint.dir when none
+        can be had."""
+        run_dir = run_directory(run_id, fingerprint, home)
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:

@@ -34,29 +34,12 @@ async def start_directory(
 async def choose_stage(
     cfg: NodeConfig, manifest_hash: str, identity: NodeIdentity, swarm_key: bytes | None
 ) -> tuple[PeerDirectory | None, int]:
-    """`--stage auto`: (the directory, if it had to be started, and) the stage of our own checkpoint
-    if there is exactly one, else the stage that sustains the least (runtime/throughput.py:
+    """`--stage auto`: the directory, and the stage of our own checkpoint where that is where we are
+    needed (`_checkpoint_stage`), else the stage that sustains the least (runtime/throughput.py:
     weakest_stage), claimed in the DHT first (pipeline/stage_choice.py)."""
     directory = await start_directory(cfg, manifest_hash, identity, swarm_key)
-    if cfg.checkpoint.dir is not None:
-        from noloco_node.node.checkpoint import saved_meta, stages_in
-
-        folder = Path(cfg.checkpoint.dir).expanduser()
-        stages = stages_in(folder, cfg.run.run_id)
-        if len(stages) == 1:
-            saved = int((saved_meta(folder, stages[0]) or {}).get("inner_step", 0))
-            ahead = await live_step_ahead(directory, stages[0], saved, me=directory.peer_id)
-            if ahead is None:
-                log.info("stage auto: resuming stage %d from the checkpoint in %s", stages[0], cfg.checkpoint.dir)
-                return directory, stages[0]
-            log.info(
-                "stage auto: the checkpoint of stage %d in %s (inner step %d) is behind its live replicas "
-                "(inner step %d): choosing the stage the swarm needs most",
-                stages[0],
-                cfg.checkpoint.dir,
-                saved,
-                ahead,
-            )
+    if cfg.checkpoint.dir is not None and (back := await _checkpoint_stage(cfg, manifest_hash, directory)) is not None:
+        return directory, back
 
     def claim_record(stage: int, status: str, claimed_at: float) -> StageRecord:
         """A joiner's claim on a stage: no address yet, never routed to."""
@@ -87,3 +70,39 @@ async def live_step_ahead(directory: PeerDirectory, stage: int, inner_step: int,
     steps = [r.inner_step for r in await directory.replicas(stage, fresh=True) if r.peer_id != me]
     furthest = max(steps, default=None)
     return furthest if furthest is not None and furthest > inner_step else None
+
+
+async def _checkpoint_stage(cfg: NodeConfig, manifest_hash: str, directory: PeerDirectory) -> int | None:
+    """The stage of this run's one checkpoint in checkpoint.dir, if the swarm needs it there: nobody
+    serves that stage (its weights are ours alone), or its replicas are not past our checkpoint and
+    no other stage is empty (an empty stage stops the whole pipeline; the served one keeps its state)."""
+    from noloco_node.node.checkpoint import saved_meta, stages_in
+
+    folder = Path(cfg.checkpoint.dir).expanduser()
+    stages = stages_in(folder, cfg.run.run_id, manifest_hash)
+    if len(stages) != 1:
+        return None
+    stage, me = stages[0], directory.peer_id
+    saved = int((saved_meta(folder, stage) or {}).get("inner_step", 0))
+    ahead = await live_step_ahead(directory, stage, saved, me=me)
+    empty = [
+        s
+        for s in range(cfg.pipeline.num_stages)
+        if s != stage and not any(r.peer_id != me for r in await directory.replicas(s, fresh=True))
+    ]
+    served = any(r.peer_id != me for r in await directory.replicas(stage))
+    if ahead is not None:
+        why = f"is behind its live replicas (inner step {ahead})"
+    elif served and empty:
+        why = f"is served by others while stage {empty[0]} has no replica"
+    else:
+        log.info("stage auto: resuming stage %d from the checkpoint in %s", stage, cfg.checkpoint.dir)
+        return stage
+    log.info(
+        "stage auto: the checkpoint of stage %d in %s (inner step %d) %s: choosing the stage the swarm needs most",
+        stage,
+        cfg.checkpoint.dir,
+        saved,
+        why,
+    )
+    return None

@@ -11,8 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
-from dataclasses import dataclass, field
 
 from torch import Tensor
 
@@ -21,6 +19,7 @@ from noloco_node.errors import InvalidPayload, NodeError, PeerBusy, PeerUnknown,
 from noloco_node.pipeline.outage import ReceiverOutage
 from noloco_node.pipeline.ports import BackwardCall, ForwardCall, Hop, MicrobatchKey
 from noloco_node.pipeline.runtime_settings import RuntimeHooks, RuntimeSettings, StageNetwork, StageShape
+from noloco_node.pipeline.tickets import RuntimeStats, Ticket
 from noloco_node.pipeline.worker import NonFiniteValues, StageWorker
 from noloco_node.runtime.compute import ComputeThread
 from noloco_node.runtime.faults import FaultInjector
@@ -29,31 +28,6 @@ log = logging.getLogger(__name__)
 
 # Waits before looking an unknown upstream peer up again (each lookup is a fresh DHT get).
 BACKWARD_LOOKUP_RETRIES_S = (0.5, 1.0, 2.0)
-
-
-@dataclass
-class Ticket:
-    key: MicrobatchKey
-    route: list[Hop]
-    labels: Tensor | None = None
-    token_ids: Tensor | None = None
-    loss: float = 0.0
-    num_tokens: int = 0
-    downstream: str = ""  # the replica that accepted our forward: the only one whose gradient we take
-
-
-@dataclass
-class RuntimeStats:
-    forwards_received: Counter = field(default_factory=Counter)  # upstream peer id -> count
-    forwards_sent: int = 0
-    backwards_sent: int = 0
-    send_failures: int = 0
-    dropped_here: int = 0
-    expired: int = 0
-    busy_answers: int = 0
-    routed_balanced: int = 0  # forwards sent to the balanced (permutation) or fixed choice
-    routed_random: int = 0  # forwards sent to a random choice (random routing, fallback or retry)
-    routed_to: Counter = field(default_factory=Counter)  # next-stage peer id -> forwards it accepted
 
 
 class StageRuntime:
@@ -106,7 +80,11 @@ class StageRuntime:
         if not call.route or call.route[-1].stage != s.stage - 1 or not call.route[-1].address:
             raise InvalidPayload("route must end with a hop of the previous stage and its address")
         key = call.key
-        if key in self.in_flight:
+        if (held := self.in_flight.get(key)) is not None:
+            if held.route[-1].peer_id != call.route[-1].peer_id:
+                # Not a strike: a key another caller sent first (a stranger may squat on an honest
+                # sender's next key) must not get the honest sender banned.
+                raise ProtocolMismatch(f"microbatch {key} is already in flight here, from another sender")
             raise InvalidPayload(f"microbatch {key} is already in flight here")
         if not self.accepting or len(self.in_flight) >= self.max_in_flight:
             self.stats.busy_answers += 1
@@ -141,7 +119,7 @@ class StageRuntime:
             raise InvalidPayload(
                 f"gradient {spec.dtype}{list(spec.shape)} does not match the output float32{list(expected)}"
             )
-        if caller and ticket.downstream and caller != ticket.downstream:
+        if caller and not ticket.gradient_may_come_from(caller):
             # FAILED_PRECONDITION, not a strike: an honest replica whose accept we never saw (our
             # call timed out, we retried elsewhere) lands here too.
             raise UnknownMicrobatch(f"gradient for {key} from {caller[-8:]}, which the microbatch was not forwarded to")
@@ -277,6 +255,8 @@ class StageRuntime:
                 tried.clear()
                 delay = await _back_off(delay, deadline)
                 continue
+            if (ticket := self.in_flight.get(key)) is not None:
+                ticket.sent_to.add(peer.peer_id)
             try:
                 await self.transport.forward(
                     peer,

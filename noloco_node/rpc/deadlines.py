@@ -22,10 +22,12 @@ class TransferTimedOut(PeerUnavailable):
 
 
 async def within(awaitable: Awaitable[T], seconds: float, what: str) -> T:
-    """`awaitable`'s result, or TransferTimedOut after `seconds`."""
+    """`awaitable`'s result, or TransferTimedOut after `seconds`. Not asyncio.wait_for: on Python
+    3.11 it returns a result that arrived as an enclosing deadline cancelled it, losing that one."""
     try:
-        return await asyncio.wait_for(awaitable, max(0.0, seconds))
-    except asyncio.TimeoutError:
+        async with asyncio.timeout(max(0.0, seconds)):
+            return await awaitable
+    except TimeoutError:
         raise TransferTimedOut(f"no progress for {seconds:.1f} s {what}") from None
 
 

@@ -127,6 +127,10 @@ class _ExchangeStream:
         """The partner's tensors, once its receipt matches what we sent."""
         manifest = await self.next_message("manifest")
         check_tensor_count(manifest.num_tensors, expected)
+        if manifest.payload_bytes > max_bytes:  # it would stretch the total deadline to the ceiling
+            raise InvalidPayload(
+                f"snapshot manifest announces {manifest.payload_bytes} bytes; the limit is {max_bytes}"
+            )
         self.progress.set_total(limits.total_s(mine.payload_bytes + manifest.payload_bytes))
         began = self.progress.read
         out, digest = await _receive_tensors(self.next_message, expected, codec, max_bytes, self.progress)

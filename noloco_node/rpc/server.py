@@ -110,9 +110,20 @@ class NodeServer:
         await self.server.stop(grace_s)
 
 
+MAX_HEALTH_WATCHES = 4
+"""Watch streams open at once. They are unsigned and last as long as the caller wants, so without a
+cap (found by a hostile-peer audit) 64 of them took every slot of the server's concurrent-call
+limit and every peer's calls were refused until they closed."""
+
+
 class _StrictHealth(health.aio.HealthServicer):
     """grpc_health's servicer, answering undecodable requests INVALID_ARGUMENT as every other
-    service does (registered through `_add`, whose deserializer hands it None)."""
+    service does (registered through `_add`, whose deserializer hands it None), and more than
+    MAX_HEALTH_WATCHES watches at once RESOURCE_EXHAUSTED."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.watching = 0
 
     async def Check(self, request, context):
         if request is None:
@@ -122,7 +133,16 @@ class _StrictHealth(health.aio.HealthServicer):
     async def Watch(self, request, context):
         if request is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "undecodable HealthCheckRequest")
-        return await super().Watch(request, context)
+        if self.watching >= MAX_HEALTH_WATCHES:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{MAX_HEALTH_WATCHES} health watches are open on this node already; ask Check instead",
+            )
+        self.watching += 1
+        try:
+            return await super().Watch(request, context)
+        finally:
+            self.watching -= 1
 
 
 def _lenient(parse: Callable[[bytes], object]) -> Callable[[bytes], object | None]:

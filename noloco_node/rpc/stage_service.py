@@ -83,7 +83,10 @@ async def _receive(
     receiver = PayloadReceiver(spec, max_bytes=max_bytes, pinned=pinned)
     while True:
         try:
-            message = await asyncio.wait_for(messages.__anext__(), stall_s)
+            # Not asyncio.wait_for: on Python 3.11 it returns a message that arrived as the caller's
+            # total deadline cancelled it, and that deadline is lost while chunks keep coming.
+            async with asyncio.timeout(stall_s):
+                message = await messages.__anext__()
         except StopAsyncIteration:
             break
         if message is None:

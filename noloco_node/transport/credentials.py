@@ -16,6 +16,7 @@ The links themselves are encrypted (TLS or libp2p), so tokens are not visible on
 from __future__ import annotations
 
 import base64
+import re
 import hashlib
 import hmac
 import secrets
@@ -30,6 +31,8 @@ AUTH_HEADER = "x-noloco-auth"
 KEY_HEADER = "x-noloco-key"
 MAC_HEADER = "x-noloco-mac"
 _MAX_KEY_B64 = 1024
+# <unix ms>.<nonce: 32 lower-case hex>.<signature: base64url, padded>, as proto/README.md writes them.
+_TOKEN_PARTS = re.compile(r"[0-9]{1,16}\.[0-9a-f]{32}\.[A-Za-z0-9_-]+={0,2}")
 
 
 class CallAuthError(ValueError):
@@ -119,7 +122,7 @@ class CallVerifier:
         if not token:
             raise CallAuthError("unsigned call: this method needs x-noloco-auth (see proto/README.md: Signed calls)")
         parts = token.split(".")
-        if len(parts) != 4 or not parts[1].isdigit() or len(parts[2]) != 32 or not parts[0] or len(parts[0]) > 128:
+        if len(parts) != 4 or not _TOKEN_PARTS.fullmatch(".".join(parts[1:])) or not 0 < len(parts[0]) <= 128:
             raise CallAuthError("malformed x-noloco-auth token")
         peer_id, stamp, nonce, signature_b64 = parts
         now = time.time() if now is None else now
@@ -136,7 +139,7 @@ class CallVerifier:
                     "(security.swarm_key_file), or a token made for another node, method or time"
                 )
         key = self._public_key(peer_id, metadata.get(KEY_HEADER))
-        try:
+        try:  # the alphabet was checked above: no standard-base64 "+" or "/", no stray characters
             signature = base64.urlsafe_b64decode(signature_b64)
         except ValueError:
             raise CallAuthError("token signature is not base64url") from None

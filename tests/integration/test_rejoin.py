@@ -36,7 +36,7 @@ def test_the_documented_join_comes_back_with_the_newest_state(tmp_path, procs):
     kept = re.search(r"stay in the checkpoint in (\S+);", s1.text())
     assert kept, s1.text()[-3000:]
     folder = Path(kept.group(1))
-    assert folder.parent.parent == home and (folder / "stage1.json").is_file(), folder
+    assert folder.parent.parent.parent == home and (folder / "stage1.json").is_file(), folder
     saved_step = int(re.findall(r"checkpoint at inner step (\d+)", s1.text())[-1])
 
     # The same command again: it takes the stage back from that folder, at the step it left.

@@ -20,12 +20,15 @@ def test_method_defaults_follow_the_reference():
     )
 
 
+PEER = "/ip4/127.0.0.1/tcp/1/p2p/QmaCpDMGvV2BGHeYERUEnRQAwe3N8SzbUtfsmvsqQLuvuJ"
+
+
 def test_file_then_flags_precedence(tmp_path):
     path = tmp_path / "node.toml"
-    path.write_text('[outer]\nalpha = 0.4\ncodec = "int8"\n[network]\ninitial_peers = ["/ip4/127.0.0.1/tcp/1/p2p/X"]\n')
+    path.write_text(f'[outer]\nalpha = 0.4\ncodec = "int8"\n[network]\ninitial_peers = ["{PEER}"]\n')
     config = load_config(path, ["outer.alpha=0.45"], base={"outer": {"alpha": 0.1, "beta": 0.6}})
     assert config.outer.alpha == 0.45 and config.outer.codec == "int8" and config.outer.beta == 0.6
-    assert config.network.initial_peers == ("/ip4/127.0.0.1/tcp/1/p2p/X",)
+    assert config.network.initial_peers == (PEER,)
 
 
 @pytest.mark.parametrize(
@@ -102,3 +105,16 @@ def test_an_outer_codec_in_the_wrong_place_names_the_field_and_the_fix(field, va
     assert says in str(info.value) and "e.g." in str(info.value)
     config = load_config(overrides=["outer.codec_phi=slice:0.01", "outer.codec_delta=topk:0.02+int2"])
     assert (config.outer.codec_phi, config.outer.codec_delta) == ("slice:0.01", "topk:0.02+int2")
+
+
+def test_a_mistyped_peer_id_in_initial_peers_is_a_config_error_at_once():
+    """A newcomer's typo in the bootstrap's peer id failed only after 23 s, as an unreachable
+    bootstrap (exit 3): an id that cannot be one is refused before anything starts."""
+    from noloco_node.config import ConfigError, build_config
+
+    good = "/ip4/127.0.0.1/tcp/31330/p2p/QmQsqaCr7huWkxQvXBbzXkEz9ChW9S9vGuvMxDSSYgbyCY"
+    assert build_config({"network": {"initial_peers": [good]}}).network.initial_peers == (good,)
+    for bad in (good[:-1], good + "Y", good.replace("Qsqa", "Q0qa")):
+        with pytest.raises(ConfigError, match="is not a peer id") as error:
+            build_config({"network": {"initial_peers": [bad]}})
+        assert "network.initial_peers" in str(error.value) and "copy the multiaddr" in str(error.value)

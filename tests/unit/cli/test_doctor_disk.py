@@ -3,14 +3,16 @@ free space; a folder that cannot be written fails with the field and the fix (ex
 
 from noloco_node.cli.doctor import CODES, _disk_check
 from noloco_node.config import build_config
+from noloco_node.node.checkpoint_home import config_fingerprint
 
 
 def test_the_default_folder_is_under_the_state_home_and_its_free_space_is_said(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
     check = _disk_check(build_config({"run": {"run_id": "r1"}}))
     assert check.outcome == "ok", check
-    assert check.detail.startswith(f"checkpoints go to {tmp_path / 'noloco-node' / 'r1'} (")
-    assert check.detail.endswith(" GB free)") and not list((tmp_path / "noloco-node" / "r1").iterdir())
+    folder = tmp_path / "noloco-node" / "r1" / config_fingerprint(build_config({"run": {"run_id": "r1"}}))
+    assert check.detail.startswith(f"checkpoints go to {folder} (")
+    assert check.detail.endswith(" GB free)") and not list(folder.iterdir())
 
 
 def test_a_folder_that_cannot_be_written_fails_with_the_fix(tmp_path):

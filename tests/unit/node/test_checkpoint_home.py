@@ -9,26 +9,26 @@ import pytest
 
 from noloco_node.cli.join import _with_checkpoint_home
 from noloco_node.config import ConfigError, build_config
-from noloco_node.node.checkpoint_home import CheckpointSlot, run_directory, state_home
+from noloco_node.node.checkpoint_home import CheckpointSlot, config_fingerprint, run_directory, state_home
 
 
 def test_the_state_home_follows_xdg_and_a_run_id_becomes_a_safe_folder_name(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
     assert state_home() == tmp_path / "noloco-node"
-    assert run_directory("my run/../x") == tmp_path / "noloco-node" / "my_run_.._x"
-    assert run_directory("..").name == "_"
+    assert run_directory("my run/../x", "f1") == tmp_path / "noloco-node" / "my_run_.._x" / "f1"
+    assert run_directory("..", "f1").parent.name == "_"
 
 
 def test_nodes_running_at_once_get_folders_of_their_own_and_a_freed_one_is_taken_again(tmp_path):
-    first = CheckpointSlot.claim("run", home=tmp_path)
-    second = CheckpointSlot.claim("run", home=tmp_path)
+    first = CheckpointSlot.claim("run", "fp", home=tmp_path)
+    second = CheckpointSlot.claim("run", "fp", home=tmp_path)
     assert (first.directory.name, second.directory.name) == ("node-0", "node-1")
     first.release()
-    with CheckpointSlot.claim("run", home=tmp_path) as again:
+    with CheckpointSlot.claim("run", "fp", home=tmp_path) as again:
         assert again.directory == first.directory
     second.release()
-    with CheckpointSlot.claim("other-run", home=tmp_path) as other:
-        assert other.directory == tmp_path / "other-run" / "node-0"
+    with CheckpointSlot.claim("other-run", "fp", home=tmp_path) as other:
+        assert other.directory == tmp_path / "other-run" / "fp" / "node-0"
 
 
 def test_a_slot_held_by_another_process_is_skipped_until_that_process_dies(tmp_path):
@@ -37,7 +37,7 @@ def test_a_slot_held_by_another_process_is_skipped_until_that_process_dies(tmp_p
             sys.executable,
             "-c",
             "import sys, time; from pathlib import Path; from noloco_node.node.checkpoint_home import CheckpointSlot;"
-            f"s = CheckpointSlot.claim('run', home=Path({str(tmp_path)!r})); print(s.directory, flush=True);"
+            f"s = CheckpointSlot.claim('run', 'fp', home=Path({str(tmp_path)!r})); print(s.directory, flush=True);"
             "time.sleep(60)",
         ],
         stdout=subprocess.PIPE,
@@ -45,14 +45,14 @@ def test_a_slot_held_by_another_process_is_skipped_until_that_process_dies(tmp_p
     )
     try:
         assert holder.stdout.readline().strip().endswith("node-0")
-        with CheckpointSlot.claim("run", home=tmp_path) as mine:
+        with CheckpointSlot.claim("run", "fp", home=tmp_path) as mine:
             assert mine.directory.name == "node-1"
     finally:
         holder.kill()  # no release: the kernel drops the lock with the process
         holder.wait(timeout=10)
     deadline = time.monotonic() + 5
     while True:
-        with CheckpointSlot.claim("run", home=tmp_path) as slot:
+        with CheckpointSlot.claim("run", "fp", home=tmp_path) as slot:
             if slot.directory.name == "node-0":
                 break
         assert time.monotonic() < deadline, slot.directory
@@ -62,11 +62,11 @@ def test_no_slot_to_be_had_names_the_field_and_the_fix(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
     with pytest.raises(ConfigError) as bad:
-        CheckpointSlot.claim("run", home=blocker)
+        CheckpointSlot.claim("run", "fp", home=blocker)
     assert "checkpoint.dir" in str(bad.value) and "checkpoint.auto = false" in str(bad.value)
-    held = [CheckpointSlot.claim("run", home=tmp_path, slots=2) for _ in range(2)]
+    held = [CheckpointSlot.claim("run", "fp", home=tmp_path, slots=2) for _ in range(2)]
     with pytest.raises(ConfigError, match="all 2 default checkpoint folders .* are held by running nodes"):
-        CheckpointSlot.claim("run", home=tmp_path, slots=2)
+        CheckpointSlot.claim("run", "fp", home=tmp_path, slots=2)
     for slot in held:
         slot.release()
 
@@ -75,7 +75,8 @@ def test_join_keeps_checkpoints_by_default_and_leaves_a_named_folder_or_auto_fal
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
     config, slot = _with_checkpoint_home(build_config({"run": {"run_id": "r1"}}))
     try:
-        assert config.checkpoint.dir == str(tmp_path / "noloco-node" / "r1" / "node-0")
+        fingerprint = config_fingerprint(build_config({"run": {"run_id": "r1"}}))
+        assert config.checkpoint.dir == str(tmp_path / "noloco-node" / "r1" / fingerprint / "node-0")
     finally:
         slot.release()
     named = build_config({"checkpoint": {"dir": "mine"}})
@@ -102,3 +103,13 @@ async def test_a_checkpoint_is_behind_only_when_another_live_replica_is_further_
     assert await live_step_ahead(_Stage({"b": 50}), 1, 50, me="me") is None
     assert await live_step_ahead(_Stage({}), 1, 50, me="me") is None
     assert await live_step_ahead(_Stage({"b": 51, "c": 70, "me": 99}), 1, 50, me="me") == 70
+
+
+def test_another_model_under_the_same_run_id_gets_another_folder():
+    """A newcomer's `--set model.seq_len=64` under the default run id once took the folder of a run
+    with 961 trained steps and wrote its own step 0 over them."""
+    base = build_config({})
+    assert config_fingerprint(base) == config_fingerprint(build_config({}))
+    for other in ({"model": {"seq_len": 64}}, {"data": {"path": "other.txt"}}, {"outer": {"alpha": 0.6}}):
+        assert config_fingerprint(build_config(other)) != config_fingerprint(base), other
+    assert config_fingerprint(build_config({"checkpoint": {"every_steps": 7}})) == config_fingerprint(base)

@@ -61,6 +61,29 @@ def test_forged_or_borrowed_tokens_are_refused(tamper, message):
         _verifier().verify(metadata, METHOD)
 
 
+def _with_part(metadata: dict, index: int, make) -> dict:
+    parts = metadata[AUTH_HEADER].split(".")
+    parts[index] = make(parts[index])
+    return {**metadata, AUTH_HEADER: ".".join(parts)}
+
+
+@pytest.mark.parametrize(
+    "index, make",
+    [
+        (2, lambda nonce: "z" * 32),  # the nonce is 32 lower-case hex characters
+        (2, lambda nonce: nonce.upper()),
+        (3, lambda sig: sig.replace("-", "+").replace("_", "/") if ("-" in sig or "_" in sig) else "+" + sig[1:]),
+        (3, lambda sig: sig[:10] + "!" + sig[11:]),
+        (1, lambda stamp: "-" + stamp),
+    ],
+)
+def test_a_token_outside_the_documented_format_is_malformed(index, make):
+    """A hostile-peer audit found a nonce of 'z' * 32 and standard base64 with '+/' accepted."""
+    metadata = _with_part(dict(CallSigner(ALICE).metadata(METHOD, SERVER.peer_id)), index, make)
+    with pytest.raises(CallAuthError, match="malformed x-noloco-auth token"):
+        _verifier().verify(metadata, METHOD)
+
+
 def test_token_is_bound_to_server_method_and_time_and_cannot_be_replayed():
     verifier = _verifier()
     for_other_server = dict(CallSigner(ALICE).metadata(METHOD, BOB.peer_id))
