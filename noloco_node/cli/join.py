@@ -169,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     config, slot = _with_checkpoint_home(config)
     try:
-        return asyncio.run(_serve(config, args))
+        return asyncio.run(_serve(config, args, slot))
     finally:
         if slot is not None:
             slot.release()
@@ -185,17 +185,11 @@ def _with_checkpoint_home(config):
     from noloco_node.node.checkpoint_home import CheckpointSlot, config_fingerprint
 
     slot = CheckpointSlot.claim(config.run.run_id, config_fingerprint(config))
-    log.info(
-        "checkpoints every %d inner steps and on stop in %s (--set checkpoint.dir=DIR for another "
-        "folder, checkpoint.auto=false for none)",
-        config.checkpoint.every_steps,
-        slot.directory,
-    )
     checkpoint = dataclasses.replace(config.checkpoint, dir=str(slot.directory))
     return dataclasses.replace(config, checkpoint=checkpoint), slot
 
 
-async def _serve(config, args: argparse.Namespace) -> int:
+async def _serve(config, args: argparse.Namespace, slot=None) -> int:
     from noloco_node.node.lifecycle import Node, NodeOutputs
     from noloco_node.node.serving import ServePlan, serve
 
@@ -207,6 +201,13 @@ async def _serve(config, args: argparse.Namespace) -> int:
         snapshot_dir=Path(args.snapshot_dir or "snapshots"),
     )
     node = await Node.create(config, outputs=outputs)  # a start that fails closes what it opened
+    if slot is not None:  # said once the node is up: a start that fails says only why
+        log.info(
+            "checkpoints every %d inner steps and on stop in %s (--set checkpoint.dir=DIR for another "
+            "folder, checkpoint.auto=false for none)",
+            config.checkpoint.every_steps,
+            slot.directory,
+        )
     plan = ServePlan(steps=args.steps, serve_after=args.serve_after, wait_replicas=args.wait_replicas)
     return await serve(node, plan, stop, _JoinReporter(config, args))
 
@@ -219,6 +220,7 @@ class _JoinReporter:
         self.progress = _progress(config.log.progress)
         self.node = None
         self.ticks = 0
+        self.waiting_said: str | None = None
 
     async def attach(self, node) -> None:
         from noloco_node.node.reporting import TrainingLog
@@ -246,10 +248,23 @@ class _JoinReporter:
         if self.args.ready_file:
             atomic_write_text(self.args.ready_file, json.dumps({**ready_fields(node), "maddrs": self.maddrs}))
         self.ticks += 1
+        self._say_waiting(node.progress.waiting_for)
         if self.ticks % 10 == 0:
             self._warn(node.attention())
         if self.progress is not None and self.ticks % 5 == 0:
             self.progress.update(_progress_text(node))
+
+    def _say_waiting(self, what: str | None) -> None:
+        """One line when the node starts waiting for a stage's replica and one when it stops: off a
+        terminal (systemd, Docker, a log file) a first node otherwise said nothing for minutes."""
+        said = self.waiting_said
+        if what == said:
+            return
+        if what is not None:
+            log.info("waiting for %s: nothing trains until one joins the swarm", what)
+        elif said is not None:
+            log.info("no longer waiting for %s", said)
+        self.waiting_said = what
 
     def _warn(self, notes: list[str]) -> None:
         """Each new warning once in the log (the progress line shows it while it lasts)."""

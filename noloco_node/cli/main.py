@@ -62,8 +62,21 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         parser_of = getattr(args, "parser_of", None) or parser
-        parser_of.error(f"unrecognized arguments: {' '.join(unknown)}")
+        parser_of.error(f"unrecognized arguments: {' '.join(unknown)}{_fix_for(parser_of, unknown)}")
     return args
+
+
+def _fix_for(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
+    """'; did you mean --stage?' for the first misspelt flag, else where the flags are listed."""
+    import difflib
+
+    flags = [o for action in parser._actions for o in action.option_strings if o.startswith("--")]
+    for arg in unknown:
+        if arg.startswith("-"):
+            close = difflib.get_close_matches(arg.split("=", 1)[0], flags, n=1, cutoff=0.6)
+            if close:
+                return f"; did you mean {close[0]}?"
+    return f"; `{parser.prog} --help` lists its flags"
 
 
 def main(argv: list[str] | None = None) -> int:

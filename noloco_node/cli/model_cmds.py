@@ -70,7 +70,7 @@ def _model_dir(path: Path) -> Path:
 
     if not (path / "config.json").is_file():
         raise ConfigError(
-            "model_dir", f"{path} holds no config.json", "point at a directory `noloco-node export` wrote"
+            "MODEL_DIR", f"{path} holds no config.json", "point at a directory `noloco-node export` wrote"
         )
     return path
 

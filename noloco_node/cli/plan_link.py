@@ -45,6 +45,9 @@ def link_prediction(args: argparse.Namespace, cfg, llama, plan: dict) -> dict:
         "rtt_ms": args.rtt,
         "device_tflops": tflops,
         "mfu": mfu,
+        # The outer exchange as the run is configured (outer.overlap): with the plan's pipeline
+        # schedule, it names the one row of the four that the plan's settings run.
+        "outer": "outer_overlap" if run_cfg.outer.overlap else "outer_blocking",
     }
     out["subspace"] = subspace_options(
         llama, plan, common, link, tflops=tflops, mfu=mfu, schedule=plan["settings"].schedule
@@ -170,7 +173,7 @@ def print_link(link: dict, schedule: str) -> None:
     for key, p in link.items():
         if not isinstance(p, dict) or key in ("subspace", "outer_round"):
             continue
-        mark = "  <- the plan's schedule" if key.startswith(schedule + "/") else ""
+        mark = "  <- the plan's settings" if key == f"{schedule}/{link['outer']}" else ""
         print(
             f"  {key:<24} {p['ratio']:>6.1%} of an unlimited link's tokens/s; step {p['step_s']:.3g} s (unlimited "
             f"{p['step_unlimited_s']:.3g} s), outer exchange {p['outer_exchange_s']:.3g} s; "

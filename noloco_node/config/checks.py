@@ -8,7 +8,9 @@ class ConfigError(ValueError):
 
     def __init__(self, field_name: str, problem: str, fix: str) -> None:
         self.field, self.problem, self.fix = field_name, problem, fix
-        super().__init__(f"config field '{field_name}': {problem}. Fix: {fix}")
+        # A flag (--port) or a positional argument (MODEL_DIR, as --help names it) is no config field.
+        what = "flag" if field_name.startswith("-") else "argument" if field_name.isupper() else "config field"
+        super().__init__(f"{what} '{field_name}': {problem}. Fix: {fix}")
 
     def within(self, section: str) -> ConfigError:
         return ConfigError(f"{section}.{self.field}", self.problem, self.fix)

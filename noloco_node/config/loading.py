@@ -57,7 +57,8 @@ def _coerce(value: Any, annotation: Any, name: str) -> Any:
             return str(value)
     except (TypeError, ValueError):
         kind = getattr(annotation, "__name__", str(annotation))
-        raise ConfigError(name, f"expected {kind}, got {value!r}", f"give a {kind} value") from None
+        article = "an" if kind[:1] in "aeiou" else "a"
+        raise ConfigError(name, f"expected {kind}, got {value!r}", f"give {article} {kind} value") from None
     return value
 
 

@@ -61,6 +61,8 @@ def swarm_json(rows: list[dict], config: NodeConfig, *, now: float | None = None
     notes.extend(manifest_notes(rows, manifest))
     notes.extend(silent_notes(rows, config.timeouts.heartbeat_s, config.timeouts.record_ttl_s))
     m = config.model
+    # A preset's shape (with the fields set over it); a model from a file is that file's, unread here.
+    shape = m.shape() if not (m.config or m.init_from) else {}
     return {
         "schema": SCHEMA,
         "generated_at": time.time() if now is None else now,
@@ -73,10 +75,10 @@ def swarm_json(rows: list[dict], config: NodeConfig, *, now: float | None = None
             "method": config.outer.method,
             "inner_steps_per_outer": config.outer.inner_steps_per_outer,
             "model": {
-                "hidden_size": m.hidden_size,
-                "intermediate_size": m.intermediate_size,
-                "num_layers": m.num_layers,
-                "num_heads": m.num_heads,
+                "hidden_size": shape.get("hidden_size"),
+                "intermediate_size": shape.get("intermediate_size"),
+                "num_layers": shape.get("num_layers"),
+                "num_heads": shape.get("num_heads"),
                 "seq_len": m.seq_len,
             },
         },

@@ -35,10 +35,11 @@ def load_tokenizer(spec: str | None, corpus: Corpus, *, vocab_size: int, cache_d
         return PreTrainedTokenizerFast(tokenizer_file=spec, eos_token=EOS, pad_token=PAD)
     try:
         tokenizer = AutoTokenizer.from_pretrained(spec, local_files_only=True)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError) as exc:  # Hugging Face's own text talks of repo ids and the internet: not ours
         raise DataError(
             f"data.tokenizer: {spec!r} is neither a tokenizer.json, a local tokenizer directory, nor a model "
-            f"in the local Hugging Face cache (nothing is downloaded): {exc}"
+            "in the local Hugging Face cache (nothing is downloaded); point it at a tokenizer.json or a folder "
+            "saved with save_pretrained, or leave it unset for the run's own tokenizer"
         ) from exc
     if tokenizer.eos_token_id is None:
         raise DataError(f"data.tokenizer: {spec!r} has no eos token, which separates packed documents")

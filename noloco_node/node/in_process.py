@@ -24,7 +24,7 @@ from noloco_node.data.loader import ShardSpec, training_batches
 from noloco_node.model.build import run_model
 from noloco_node.node.assembly import AssemblyPorts, ComputeParts, PipelineParts, assemble, build_compute, build_driver
 from noloco_node.node.boundary import InnerStepBoundary
-from noloco_node.node.joining import wait_for_replicas
+from noloco_node.node.waiting import wait_for_replicas
 from noloco_node.node.manifest import load_run_inputs
 from noloco_node.pipeline.driver import Stage0Driver
 from noloco_node.pipeline.memory import MemoryNetwork

@@ -187,38 +187,6 @@ class Reprobe:
         return False
 
 
-async def wait_for_replicas(
-    directory: PeerDirectory, stages: range, count: int, waiting: Callable[[str | None], None], poll_s: float = 0.5
-) -> None:
-    """Block until each of `stages` shows at least `count` live replicas, however long that takes (in
-    a volunteer swarm someone is always first); meanwhile `waiting(what)` says which stage is short,
-    and `waiting(None)` once none is."""
-    import asyncio
-
-    fresh = False  # first from the lookup cache: stage 0 asks before every batch
-    while True:
-        sizes = {s: len(await directory.replicas(s, fresh=fresh)) for s in stages}
-        short = [s for s, n in sizes.items() if n < count]
-        if not short:
-            waiting(None)
-            return
-        fresh = True
-        s = short[0]
-        have = f" (has {sizes[s]})" if sizes[s] else ""
-        waiting(f"a stage-{s} replica{have}" if count == 1 else f"{count} replicas of stage {s}{have}")
-        await asyncio.sleep(poll_s)
-
-
-async def look_around(directory: PeerDirectory, stage: int, num_stages: int) -> tuple[int, str | None]:
-    """(live replicas of `stage`, ours included; 'a stage-S replica' for a neighbouring stage with
-    none, the next one first, else None)."""
-    ours = len(await directory.replicas(stage, fresh=True))
-    for neighbour in (stage + 1, stage - 1):
-        if 0 <= neighbour < num_stages and not await directory.replicas(neighbour, fresh=True):
-            return ours, f"a stage-{neighbour} replica"
-    return ours, None
-
-
 def contact_lookup(directory: PeerDirectory):
     """The dialer's lookup: a peer's current record as a transport Contact; an initial peer with no
     record (a bootstrap) is reached over libp2p at the multiaddr it was given as."""

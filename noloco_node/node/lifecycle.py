@@ -17,7 +17,8 @@ from noloco_node.node.assembly import PipelineParts, build_driver
 from noloco_node.node.attention import Progress
 from noloco_node.node.boundary import InnerStepBoundary
 from noloco_node.node.building import BuiltNode, NodeBasics, build_node
-from noloco_node.node.joining import Reprobe, fetch_state, settle_reach, wait_for_replicas
+from noloco_node.node.joining import Reprobe, fetch_state, settle_reach
+from noloco_node.node.waiting import wait_for_replicas
 from noloco_node.node.leaving import abandon, leave
 from noloco_node.node.presence import heartbeat, watch_balance
 from noloco_node.node.wiring import SnapshotOutputs
@@ -294,7 +295,11 @@ class Node:
         `progress` says which is short."""
         first = self.stage_index + 1 if later_stages_only else 0
         await wait_for_replicas(
-            self.directory, range(first, self.config.pipeline.num_stages), count, self.progress.wait
+            self.directory,
+            range(first, self.config.pipeline.num_stages),
+            count,
+            self.progress.wait,
+            me=(self.stage_index, self.peer_id),
         )
 
     async def train(self, steps: int, on_inner_step=None) -> None:

@@ -8,7 +8,8 @@ import logging
 from typing import TYPE_CHECKING
 
 from noloco_node.node.adapters import swarm_replicas
-from noloco_node.node.joining import look_around, public_libp2p_addrs
+from noloco_node.node.joining import public_libp2p_addrs
+from noloco_node.node.waiting import look_around
 from noloco_node.pipeline.rebalance import watch
 from noloco_node.runtime.every import LOOK_BUSY_S, LOOK_IDLE_S, TOUCH_PERIOD_S, Every
 

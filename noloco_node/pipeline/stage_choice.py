@@ -92,7 +92,13 @@ async def claim_stage(
     seen = await claims()
     stage = assign_stage(await capacities(), seen, me, claimed_at, settle_s)
     others = sorted((c.peer_id[-8:], c.stage) for c in seen if c.peer_id != me)
-    log.info("stage auto: claimed stage %d, other joiners' claims %s -> stage %d", first, others or "none", stage)
+    log.info(
+        "stage auto: claimed stage %d, other joiners' claims %s%s -> stage %d",
+        first,
+        others or "none",
+        "" if stage == first else ", the replicas' capacities changed while it settled",
+        stage,
+    )
     if stage != first:
         await announce_claim(stage, first, claimed_at)
     return stage

@@ -10,7 +10,7 @@ import sys
 def setup_logging(level: str = "INFO", prefix: str = "") -> None:
     """Route all logs to stderr as `time level [prefix] logger: message`."""
     tag = f"[{prefix}] " if prefix else ""
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _AroundTheProgressLine(sys.stderr)
     handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s {tag}%(name)s: %(message)s", "%H:%M:%S"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
@@ -20,21 +20,41 @@ def setup_logging(level: str = "INFO", prefix: str = "") -> None:
 
 
 class ProgressLine:
-    """A single rewritten status line on a TTY; silent otherwise (logs stay clean)."""
+    """A single rewritten status line on a TTY; silent otherwise (logs stay clean). While it shows,
+    a log line clears it, prints on a line of its own, and draws it again below (without that, a
+    log line was glued to its end: `... | loss 4.37810:01:41 INFO ...`)."""
+
+    shown: ProgressLine | None = None  # the line on screen now, for the log handler
 
     def __init__(self, stream=sys.stderr) -> None:
         self.stream = stream
         self.enabled = stream.isatty()
+        self.text = ""
 
     def update(self, text: str) -> None:
         if self.enabled:
+            self.text = text
+            ProgressLine.shown = self
             self.stream.write("\r\033[K" + text)
             self.stream.flush()
 
     def close(self) -> None:
-        if self.enabled:
+        if self.enabled and ProgressLine.shown is self:
+            ProgressLine.shown = None
             self.stream.write("\n")
             self.stream.flush()
+
+
+class _AroundTheProgressLine(logging.StreamHandler):
+    def emit(self, record: logging.LogRecord) -> None:
+        line = ProgressLine.shown
+        if line is None or line.stream is not self.stream:
+            super().emit(record)
+            return
+        self.stream.write("\r\033[K")
+        super().emit(record)
+        self.stream.write(line.text)
+        self.stream.flush()
 
 
 def quiet_native_logs(level: str) -> None:

@@ -69,6 +69,9 @@ def test_the_documented_join_trains_a_first_stage_0_waits_and_group_signals_stop
         second,
     )
     assert ready(first_ready)["waiting_for"] is None
+    # Said in its log too, not only on a terminal's progress line (systemd, Docker, a log file).
+    assert "waiting for a stage-1 replica: nothing trains until one joins the swarm" in first.text(), first.text()
+    assert "no longer waiting for a stage-1 replica" in first.text(), first.text()[-3000:]
     # The container healthcheck's command asks the node's own gRPC health service.
     health = subprocess.run(
         cli("health", "--address", ready(first_ready)["address"]), capture_output=True, text=True, timeout=60

@@ -18,6 +18,9 @@ def taken_port():
         yield sock.getsockname()[1]
 
 
+PEER = "/ip4/127.0.0.1/tcp/9/p2p/QmaCpDMGvV2BGHeYERUEnRQAwe3N8SzbUtfsmvsqQLuvuJ"
+
+
 def cases(tmp_path, taken_port):
     binary = tmp_path / "binary.toml"
     binary.write_bytes(b"\xff\xfe[run]\nrun_id = 1\n")
@@ -27,8 +30,24 @@ def cases(tmp_path, taken_port):
         (["join", "--stage", "0", "--steps", "-5"], "argument --steps: '-5' is not a whole number >= 0"),
         (["join", "--wait-replicas", "0"], "argument --wait-replicas"),
         (["demo", "--steps", "-5"], "--steps, --replicas and --stages must be whole numbers >= 1"),
-        (["join", "--stagee", "1"], "noloco-node join: error: unrecognized arguments: --stagee 1"),
-        (["demo", "--replica", "3"], "noloco-node demo: error: unrecognized arguments: --replica 3"),
+        (
+            ["join", "--stagee", "1"],
+            "noloco-node join: error: unrecognized arguments: --stagee 1; did you mean --stage?",
+        ),
+        (["join", "--initial-peer", "M"], "unrecognized arguments: --initial-peer M; did you mean --initial-peers?"),
+        (
+            ["demo", "--replica", "3"],
+            "noloco-node demo: error: unrecognized arguments: --replica 3; did you mean --replicas?",
+        ),
+        (["status", "--qqq"], "unrecognized arguments: --qqq; `noloco-node status --help` lists its flags"),
+        (
+            ["join", "--stage", "0", "--initial-peers", PEER, "--set", "data.tokenizer=/nonexistent/tok"],
+            "or leave it unset for the run's own tokenizer",
+        ),
+        (
+            ["join", "--stage", "0", "--initial-peers", PEER[:-2]],
+            "is not a peer id (a character mistyped or missing?)",
+        ),
         # 198.18.0.0/15 is for tests; nothing here owns this address, so it cannot be bound.
         (
             ["join", "--host", "198.18.0.77", "--stage", "0"],
@@ -38,7 +57,7 @@ def cases(tmp_path, taken_port):
             ["join", "--port", str(taken_port), "--stage", "0"],
             f"config field 'network.port': port {taken_port} on 127.0.0.1 is in use",
         ),
-        (["bootstrap", "--port", str(taken_port), "--identity", str(tmp_path / "b.key")], "field '--port'"),
+        (["bootstrap", "--port", str(taken_port), "--identity", str(tmp_path / "b.key")], "flag '--port'"),
         (["status"], "config field 'network.initial_peers'"),
         (["join", "--stage", "auto"], "config field 'network.initial_peers'"),
         (["doctor"], "config field 'network.initial_peers'"),

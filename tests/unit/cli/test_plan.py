@@ -80,6 +80,17 @@ def test_plan_with_a_link_predicts_the_ratio_per_schedule(capsys):
     assert link["exact/outer_overlap"]["ratio"] >= link["exact/outer_blocking"]["ratio"]
 
 
+def test_the_printed_plan_marks_the_one_row_its_settings_run(capsys):
+    """A newcomer saw two rows marked as the plan's (both outer modes of its pipeline schedule)."""
+    from noloco_node.cli.main import main
+
+    argv = ["plan", "--preset", "medium", "--memory-gib", "80", "--link", "100", "--rtt", "30", "--gpu", "h100"]
+    for overlap, row in (("true", "outer_overlap"), ("false", "outer_blocking")):
+        assert main([*argv, "--set", f"outer.overlap={overlap}"]) == 0
+        marked = [line for line in capsys.readouterr().out.splitlines() if "<- the plan's settings" in line]
+        assert len(marked) == 1 and marked[0].split()[0].endswith("/" + row), marked
+
+
 # ---- the link model -------------------------------------------------------------------------------
 def _costs(**settings):
     cfg = load_config(overrides=["model.preset=medium", "pipeline.num_stages=2", "model.seq_len=1024"])

@@ -150,3 +150,15 @@ async def test_the_view_reads_the_dht_at_most_every_poll_and_keeps_its_last_read
     view_without = SwarmView(read, CONFIG, poll_s=5.0, clock=lambda: now[0])
     with pytest.raises(TimeoutError):
         await view_without.swarm()  # nothing to show yet: the request fails (500), the page retries
+
+
+def test_the_models_shape_is_the_presets_with_set_fields_over_it_and_unknown_for_a_file(tmp_path):
+    """A newcomer saw hidden/intermediate/layers/heads null for the default tiny preset."""
+    model = swarm_json([], CONFIG, now=0.0)["run"]["model"]
+    assert model == {"hidden_size": 128, "intermediate_size": 352, "num_layers": 4, "num_heads": 4, "seq_len": 128}
+    wider = load_config(overrides=["model.preset=small", "model.num_layers=6"])
+    assert swarm_json([], wider, now=0.0)["run"]["model"]["num_layers"] == 6
+    assert swarm_json([], wider, now=0.0)["run"]["model"]["hidden_size"] == 768
+    (tmp_path / "config.json").write_text("{}")
+    from_file = load_config(overrides=[f"model.config={tmp_path / 'config.json'}"])
+    assert swarm_json([], from_file, now=0.0)["run"]["model"]["hidden_size"] is None

@@ -1,0 +1,43 @@
+"""`join`'s progress line on a terminal and the log lines around it: a log line clears the progress
+line, takes a line of its own, and the progress line is drawn again under it (a newcomer saw
+`... | loss 4.37810:01:41 INFO ...` glued together)."""
+
+import io
+import logging
+
+from noloco_node.runtime.logging import ProgressLine, setup_logging
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_log_line_goes_above_the_progress_line_not_onto_it(monkeypatch):
+    screen = Terminal()
+    monkeypatch.setattr("sys.stderr", screen)
+    setup_logging("INFO")
+    line = ProgressLine(screen)
+    try:
+        line.update("step 12/100 | loss 4.378")
+        logging.getLogger("noloco_node.test").info("round 26: solo step")
+        line.update("step 13/100 | loss 4.301")
+        line.close()
+    finally:
+        ProgressLine.shown = None
+    shown = screen.getvalue()
+    assert "loss 4.378\r\x1b[K" in shown  # cleared before the log line ...
+    assert "round 26: solo step\nstep 12/100 | loss 4.378" in shown  # ... which ends its own line
+    assert shown.endswith("step 13/100 | loss 4.301\n")
+    logging.getLogger("noloco_node.test").info("after close")
+    assert screen.getvalue().endswith("after close\n")
+
+
+def test_off_a_terminal_there_is_no_progress_line_and_logs_are_plain(monkeypatch):
+    out = io.StringIO()
+    monkeypatch.setattr("sys.stderr", out)
+    setup_logging("INFO")
+    line = ProgressLine(out)
+    line.update("step 1")
+    logging.getLogger("noloco_node.test").info("plain")
+    assert "step 1" not in out.getvalue() and out.getvalue().endswith("plain\n") and "\x1b" not in out.getvalue()
