@@ -169,6 +169,11 @@ class CheckpointConfig:
     their state). Unset: see `auto`."""
     every_steps: int = 50
     """Checkpoint every this many inner steps (and on graceful shutdown)."""
+    behind_rounds: int = 2
+    """A node resumes its checkpoint unless its stage's live replicas are more than this many outer
+    rounds (x outer.inner_steps_per_outer inner steps) past it; then it copies their state. A node
+    down briefly keeps its own state without a state transfer (minutes over a home link); one
+    away for long comes back at the swarm's."""
     auto: bool = True
     """With no `dir`, `join` keeps the checkpoints in a folder of its own,
     `$XDG_STATE_HOME/noloco-node/<run_id>/<config fingerprint>/node-<n>` (`~/.local/state/...`),
@@ -178,6 +183,7 @@ class CheckpointConfig:
 
     def __post_init__(self) -> None:
         _require(self.every_steps >= 1, "every_steps", f"must be >= 1, got {self.every_steps}", "use e.g. 50")
+        _require(self.behind_rounds >= 0, "behind_rounds", f"must be >= 0, got {self.behind_rounds}", "use e.g. 2")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -64,12 +64,20 @@ async def choose_stage(
     return directory, stage
 
 
-async def live_step_ahead(directory: PeerDirectory, stage: int, inner_step: int, *, me: str) -> int | None:
-    """The furthest inner step a live replica of `stage` other than us announces, when it is past
-    `inner_step` (a checkpoint's): its state is newer than the checkpoint's. None otherwise."""
+async def live_step_ahead(
+    directory: PeerDirectory, stage: int, inner_step: int, *, me: str, margin: int = 0
+) -> int | None:
+    """The furthest inner step a live replica of `stage` other than us announces, when it is more
+    than `margin` steps past `inner_step` (a checkpoint's): its state is the one to take. None
+    otherwise."""
     steps = [r.inner_step for r in await directory.replicas(stage, fresh=True) if r.peer_id != me]
     furthest = max(steps, default=None)
-    return furthest if furthest is not None and furthest > inner_step else None
+    return furthest if furthest is not None and furthest > inner_step + margin else None
+
+
+def checkpoint_margin(cfg: NodeConfig) -> int:
+    """How many inner steps a checkpoint may lag its stage's live replicas and still be resumed."""
+    return cfg.checkpoint.behind_rounds * (cfg.outer.inner_steps_per_outer or 1)
 
 
 async def _checkpoint_stage(cfg: NodeConfig, manifest_hash: str, directory: PeerDirectory) -> int | None:
@@ -84,7 +92,7 @@ async def _checkpoint_stage(cfg: NodeConfig, manifest_hash: str, directory: Peer
         return None
     stage, me = stages[0], directory.peer_id
     saved = int((saved_meta(folder, stage) or {}).get("inner_step", 0))
-    ahead = await live_step_ahead(directory, stage, saved, me=me)
+    ahead = await live_step_ahead(directory, stage, saved, me=me, margin=checkpoint_margin(cfg))
     empty = [
         s
         for s in range(cfg.pipeline.num_stages)
@@ -92,7 +100,7 @@ async def _checkpoint_stage(cfg: NodeConfig, manifest_hash: str, directory: Peer
     ]
     served = any(r.peer_id != me for r in await directory.replicas(stage))
     if ahead is not None:
-        why = f"is behind its live replicas (inner step {ahead})"
+        why = f"is more than {checkpoint_margin(cfg)} inner steps behind its live replicas (inner step {ahead})"
     elif served and empty:
         why = f"is served by others while stage {empty[0]} has no replica"
     else:

@@ -210,16 +210,19 @@ class Node:
             return False
         if not self.traits.donates_state:
             return True
-        from noloco_node.node.discovery import live_step_ahead
+        from noloco_node.node.discovery import checkpoint_margin, live_step_ahead
 
-        ahead = await live_step_ahead(self.directory, self.stage_index, saved, me=self.peer_id)
+        margin = checkpoint_margin(self.config)
+        ahead = await live_step_ahead(self.directory, self.stage_index, saved, me=self.peer_id, margin=margin)
         if ahead is not None:
             log.info(
-                "the checkpoint in %s is at inner step %d, stage %d's live replicas at %d: copying their state",
+                "the checkpoint in %s is at inner step %d, stage %d's live replicas at %d (more than %d steps "
+                "on): copying their state",
                 self.checkpoints.directory,
                 saved,
                 self.stage_index,
                 ahead,
+                margin,
             )
         return ahead is None
 

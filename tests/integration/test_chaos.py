@@ -26,6 +26,8 @@ def test_chaos_kill_and_restart_keeps_training_accounted(tmp_path, make_swarm):
             "outer.inner_steps_per_outer": 4,
             "inner.total_steps": steps,
             "checkpoint.every_steps": 1,
+            # Every restart resumes its own checkpoint, however far its fellows got meanwhile.
+            "checkpoint.behind_rounds": 1000,
             "timeouts.match_s": 2.0,
             "timeouts.microbatch_s": 4.0,
             "timeouts.rpc_s": 4.0,

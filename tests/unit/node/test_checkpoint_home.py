@@ -103,6 +103,15 @@ async def test_a_checkpoint_is_behind_only_when_another_live_replica_is_further_
     assert await live_step_ahead(_Stage({"b": 50}), 1, 50, me="me") is None
     assert await live_step_ahead(_Stage({}), 1, 50, me="me") is None
     assert await live_step_ahead(_Stage({"b": 51, "c": 70, "me": 99}), 1, 50, me="me") == 70
+    assert await live_step_ahead(_Stage({"c": 70}), 1, 50, me="me", margin=20) is None  # lags by 20: kept
+    assert await live_step_ahead(_Stage({"c": 71}), 1, 50, me="me", margin=20) == 71
+
+
+def test_a_checkpoint_may_lag_two_outer_rounds_by_default():
+    from noloco_node.node.discovery import checkpoint_margin
+
+    assert checkpoint_margin(build_config({"outer": {"inner_steps_per_outer": 50}})) == 100
+    assert checkpoint_margin(build_config({"checkpoint": {"behind_rounds": 0}})) == 0
 
 
 def test_another_model_under_the_same_run_id_gets_another_folder():
