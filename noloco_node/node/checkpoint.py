@@ -47,15 +47,17 @@ def save(directory: Path, stage_index: int, tensors: dict[str, Tensor], counters
     return weights
 
 
+def of_run(meta: dict, run_id: str, manifest_hash: str) -> bool:
+    """Whether a checkpoint's JSON says it belongs to this run and manifest."""
+    return (meta.get("run_id"), meta.get("manifest_hash")) == (run_id, manifest_hash)
+
+
 def _set_aside_another_runs(directory: Path, stage_index: int, identity: dict) -> None:
     """A checkpoint of this stage from another run or manifest is never written over: it moves to
     `other-<its manifest>/` beside ours (a node started with another config in the same folder
     once replaced a run's 961 trained steps with its own step 0)."""
     meta = saved_meta(directory, stage_index)
-    if meta is None or (meta.get("run_id"), meta.get("manifest_hash")) == (
-        identity["run_id"],
-        identity["manifest_hash"],
-    ):
+    if meta is None or of_run(meta, identity["run_id"], identity["manifest_hash"]):
         return
     aside = directory / f"other-{str(meta.get('manifest_hash', 'unknown'))[:16]}"
     aside.mkdir(exist_ok=True)
@@ -82,9 +84,7 @@ def stages_in(directory: Path, run_id: str, manifest_hash: str) -> list[int]:
             meta = json.loads(meta_path.read_text())
         except (OSError, ValueError):
             continue
-        if (meta.get("run_id"), meta.get("manifest_hash")) == (run_id, manifest_hash) and isinstance(
-            meta.get("stage"), int
-        ):
+        if of_run(meta, run_id, manifest_hash) and isinstance(meta.get("stage"), int):
             stages.append(meta["stage"])
     return sorted(set(stages))
 
@@ -159,7 +159,7 @@ class Checkpointer:
         import asyncio
 
         meta = await asyncio.to_thread(saved_meta, self.directory, stage_index)
-        if meta is None or meta.get("manifest_hash") != self.identity["manifest_hash"]:
+        if meta is None or not of_run(meta, self.identity["run_id"], self.identity["manifest_hash"]):
             return None
         return int(meta.get("inner_step", 0))
 
@@ -167,13 +167,12 @@ class Checkpointer:
         """Restore this stage's checkpoint if it is this run's; {inner_step, outer_round, file,
         microbatches} or None."""
         import asyncio
-        import logging
 
         found = await asyncio.to_thread(load, self.directory, stage_index)
         if found is None:
             return None
         tensors, meta = found
-        if meta.get("run_id") != self.identity["run_id"] or meta.get("manifest_hash") != self.identity["manifest_hash"]:
+        if not of_run(meta, self.identity["run_id"], self.identity["manifest_hash"]):
             logging.getLogger(__name__).warning(
                 "ignoring the checkpoint in %s: it belongs to run %s / manifest %s",
                 self.directory,

@@ -70,8 +70,12 @@ async def live_step_ahead(
     """The furthest inner step a live replica of `stage` other than us announces, when it is more
     than `margin` steps past `inner_step` (a checkpoint's): its state is the one to take. None
     otherwise."""
-    steps = [r.inner_step for r in await directory.replicas(stage, fresh=True) if r.peer_id != me]
-    furthest = max(steps, default=None)
+    fellows = [r for r in await directory.replicas(stage, fresh=True) if r.peer_id != me]
+    return _past(fellows, inner_step, margin)
+
+
+def _past(fellows: list[StageRecord], inner_step: int, margin: int) -> int | None:
+    furthest = max((r.inner_step for r in fellows), default=None)
     return furthest if furthest is not None and furthest > inner_step + margin else None
 
 
@@ -92,17 +96,18 @@ async def _checkpoint_stage(cfg: NodeConfig, manifest_hash: str, directory: Peer
         return None
     stage, me = stages[0], directory.peer_id
     saved = int((saved_meta(folder, stage) or {}).get("inner_step", 0))
-    ahead = await live_step_ahead(directory, stage, saved, me=me, margin=checkpoint_margin(cfg))
-    empty = [
-        s
-        for s in range(cfg.pipeline.num_stages)
-        if s != stage and not any(r.peer_id != me for r in await directory.replicas(s, fresh=True))
-    ]
-    served = any(r.peer_id != me for r in await directory.replicas(stage))
+    fellows = [r for r in await directory.replicas(stage, fresh=True) if r.peer_id != me]
+    ahead = _past(fellows, saved, checkpoint_margin(cfg))
+    empty = None
+    if fellows and ahead is None:  # served, and not past us: return unless another stage is empty
+        for other in range(cfg.pipeline.num_stages):
+            if other != stage and not any(r.peer_id != me for r in await directory.replicas(other, fresh=True)):
+                empty = other
+                break
     if ahead is not None:
         why = f"is more than {checkpoint_margin(cfg)} inner steps behind its live replicas (inner step {ahead})"
-    elif served and empty:
-        why = f"is served by others while stage {empty[0]} has no replica"
+    elif empty is not None:
+        why = f"is served by others while stage {empty} has no replica"
     else:
         log.info("stage auto: resuming stage %d from the checkpoint in %s", stage, cfg.checkpoint.dir)
         return stage

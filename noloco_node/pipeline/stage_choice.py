@@ -96,7 +96,7 @@ async def claim_stage(
         "stage auto: claimed stage %d, other joiners' claims %s%s -> stage %d",
         first,
         others or "none",
-        "" if stage == first else ", the replicas' capacities changed while it settled",
+        "" if stage == first else " (the choice changed while it settled)",
         stage,
     )
     if stage != first:
