@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One device call for the GPU stage's figures: the CUDA tests, the last stage's loss, a hop's copy
+# One device call for the GPU stage's figures: the CUDA tests, the last stage's loss, an inner step's
+# host reads (inner_step.py), a hop's copy
 # to the device from pageable and pinned memory (hop_host.py), the stage against the plain HF loop
 # at a preset (eager, REPEATS times, each run with its own plain loop), the overlap schedule's
 # held-out loss against exact over PRICE_STEPS steps, what two processes sharing the GPU cost it
@@ -59,6 +60,8 @@ step "CUDA unit tests" 90 "$PY" -m pytest -q -p no:cacheprovider -n "${XDIST:-6}
 if [ "$PRESET" = tiny ]; then HEAD="--tokens 256 --hidden 64 --vocab 4096"; else HEAD="--tokens 4096 --hidden 2048 --vocab 128256"; fi
 step "last stage's loss: whole logits vs chunked" 40 "$PY" benchmarks/head_loss.py --device "$DEVICE" $HEAD \
   --json "$O/head_loss.json"
+step "an inner step's host reads and launches, against a bare Adam step" 30 "$PY" benchmarks/inner_step.py \
+  --device "$DEVICE" --preset "$PRESET" --json "$O/inner_step.json"
 step "a hop's host work, and its copy to the device from pageable and pinned memory" 40 "$PY" benchmarks/hop_host.py \
   --preset "$PRESET" --codecs bf16,int8 --repeats 5 --threads 4 --json "$O/hop_host.json"
 STAGE="$PY benchmarks/gpu_stage.py --device $DEVICE --preset $PRESET $SIZE --steps 5 --warmup 2 --swarm-timeout 110"

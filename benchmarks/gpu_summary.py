@@ -98,6 +98,11 @@ def main(folder: Path) -> int:
             lines.append(
                 f"  {codec}: pageable {pageable * 1e3:.2f}  pinned {pinned * 1e3:.2f}  ({pinned / pageable:.2f}x)"
             )
+    for step in load("inner_step*.json"):
+        lines.append(f"an inner step ({step['device']}, {step['tensors']} tensors), ms and x a bare Adam step:")
+        for way in ("adam", "inner", "previous"):
+            counts = ", ".join(f"{k} {v}" for k, v in step[way].items() if k not in ("ms", "x_adam"))
+            lines.append(f"  {way:9s} {step[way]['ms']:.2f} ms  {step[way]['x_adam']:.2f}x  ({counts})")
     profiles = {"waiting": load("profile_waiting*.json"), "now": load("profile.json")}
     if any(profiles.values()):
         lines += profile_rows({k: v[0] for k, v in profiles.items() if v})

@@ -49,17 +49,20 @@ class InnerOptimizer:
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         clip_norm: float = 1.0,
+        fused: bool | None = None,
     ) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.schedule = schedule
         self.clip_norm = clip_norm
-        # On a GPU, the fused kernel: one launch for the whole stage instead of several per tensor.
-        self.fused = bool(self.params) and all(p.is_cuda for p in self.params)
-        self.adam = torch.optim.Adam(
+        # On a GPU (fused = None), the fused kernel: one launch for the whole stage instead of
+        # several per tensor, and a step it skips by itself. The CPU keeps the reference's kernel.
+        self.fused = bool(self.params) and all(p.is_cuda for p in self.params) if fused is None else fused
+        self.adam = _SkippingAdam(
             self.params, lr=schedule.lr_at(1), betas=betas, eps=eps, weight_decay=weight_decay, fused=self.fused or None
         )
         self.step_count = 0
         self.skipped_steps = 0  # steps whose gradients were not finite: Adam did not step
+        self.weights_finite = True  # after the last step: whether every weight it stepped is finite
 
     def export_moments(self, names: dict[int, str]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         """Adam moments as 'adam_exp_avg/<name>' / 'adam_exp_avg_sq/<name>' copies, and each
@@ -89,8 +92,7 @@ class InnerOptimizer:
 
     def clip_gradients(self) -> float:
         """Clip this stage's gradients to clip_norm; returns the norm before clipping."""
-        grads = [p for p in self.params if p.grad is not None]
-        return float(torch.nn.utils.clip_grad_norm_(grads, self.clip_norm)) if grads else 0.0
+        return float(self._gradient_norm(clip=True))
 
     def step(self, *, clip: bool = True) -> tuple[float, float]:
         """Take one inner step; returns (lr used, gradient norm before clipping).
@@ -98,19 +100,57 @@ class InnerOptimizer:
         A step whose gradients are not finite is skipped: the gradients are dropped, Adam and the
         weights are untouched, `skipped_steps` counts it, and the step counter still advances so
         the schedule and the outer rounds stay in step with the other replicas. The norm is
-        then NaN or inf."""
+        then NaN or inf. `weights_finite` says whether the weights are finite after the step.
+
+        The host reads the device once per step, after Adam's kernels are queued: the fused kernel
+        skips a non-finite step on the device by itself (`found_inf`), so the host does not wait
+        for the backward to finish before it launches the step, and the weights' check is one norm
+        over all of them (a flag per tensor was two hundred small kernels and a read a step)."""
         lr = self.schedule.lr_at(self.step_count + 1)
         for group in self.adam.param_groups:
             group["lr"] = lr
-        norm = self.clip_gradients() if clip else self.gradient_norm()
-        if math.isfinite(norm):
+        norm = self._gradient_norm(clip=clip)
+        if self.fused:
+            self.adam.step_unless((~torch.isfinite(norm)).to(torch.float32))
+        elif torch.isfinite(norm):  # the unfused step cannot skip by itself; off a GPU the read is free
             self.adam.step()
-        else:
-            self.skipped_steps += 1
         self.adam.zero_grad(set_to_none=True)
+        weights = _total_norm(self.params, device=norm.device)
+        norm_value, weights_value = torch.stack([norm.float(), weights.float()]).tolist()
+        if not math.isfinite(norm_value):
+            self.skipped_steps += 1
+        # A norm past float32's range (weights near 1e19) counts as not finite: broken all the same.
+        self.weights_finite = math.isfinite(weights_value)
         self.step_count += 1
-        return lr, norm
+        return lr, norm_value
 
     def gradient_norm(self) -> float:
-        grads = [p.grad for p in self.params if p.grad is not None]
-        return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+        return float(self._gradient_norm(clip=False))
+
+    def _gradient_norm(self, *, clip: bool) -> torch.Tensor:
+        """The gradients' total norm, a tensor on their device that the host has not read
+        (clipped to clip_norm with `clip`)."""
+        with_grads = [p for p in self.params if p.grad is not None]
+        if not with_grads:
+            return torch.zeros((), device=self.params[0].device if self.params else "cpu")
+        if clip:
+            return torch.nn.utils.clip_grad_norm_(with_grads, self.clip_norm)
+        return torch.nn.utils.get_total_norm([p.grad for p in with_grads])
+
+
+class _SkippingAdam(torch.optim.Adam):
+    """torch's Adam; its fused kernel can be told, on the device, to skip a step (as GradScaler
+    tells it: `found_inf`, 1.0 to skip), which leaves the weights, the moments and the step count
+    as they were."""
+
+    def step_unless(self, found_inf: torch.Tensor) -> None:
+        self.found_inf = found_inf
+        self.step()
+
+
+def _total_norm(tensors: list[torch.Tensor], *, device: torch.device) -> torch.Tensor:
+    """One norm over all `tensors` (multi-tensor kernels: a launch per group of tensors, not per
+    tensor); NaN or inf where any value is."""
+    if not tensors:
+        return torch.zeros((), device=device)
+    return torch.nn.utils.get_total_norm([t.detach() for t in tensors]).to(device)

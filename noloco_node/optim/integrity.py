@@ -93,7 +93,7 @@ class RunningBounds:
 def all_finite(tensors: Iterable[Tensor]) -> bool:
     """Whether every floating-point tensor holds only finite values. One flag per tensor, kept on
     its device, and one read of them all: on a GPU, a read per tensor would stall the host on the
-    device once for every parameter of the stage, after every inner step."""
+    device once per tensor. (The inner step checks its weights with one norm: optim/inner.py.)"""
     flags: dict[torch.device, list[Tensor]] = {}
     for t in tensors:
         if t.is_floating_point():

@@ -25,7 +25,7 @@ from torch import Tensor
 from noloco_node.errors import NodeError
 from noloco_node.model.stage import LlamaStage
 from noloco_node.optim.inner import InnerOptimizer
-from noloco_node.optim.integrity import all_finite, repair_weights
+from noloco_node.optim.integrity import repair_weights
 from noloco_node.pipeline.host_copies import HostCopy, HostValue
 from noloco_node.pipeline.transfers import Transfers
 from noloco_node.pipeline.weight_casts import Stash, WeightCasts, matmul_weight_names, weights_version
@@ -304,16 +304,21 @@ class StageWorker:
     def step(self) -> float:
         self.casts.release()
         self._take_stash_gradients()
-        self._inject_nan_gradients()
+        self._inject_faults()
         self.last_lr, norm = self.inner.step()
         self.sequences_since_step = max(0, self.sequences_since_step - self.batch_size)
         self._after_step(norm)
         return self.last_lr
 
-    def _inject_nan_gradients(self) -> None:
+    def _inject_faults(self) -> None:
         if self.faults.poison("inner_step") is not None:  # tests: a step whose gradients went NaN
             for p in self.inner.params:
                 p.grad = torch.full_like(p, float("nan"))
+        scale = self.faults.poison("weights")  # tests: weights that went bad anyway (the step's check finds them)
+        if scale is not None:
+            with torch.no_grad():
+                for p in self.params.values():
+                    p.mul_(scale)
 
     def _after_step(self, norm: float) -> None:
         step = self.inner_steps
@@ -322,12 +327,7 @@ class StageWorker:
                 "inner step %d skipped: gradient norm %s (%d skipped so far)", step, norm, self.inner.skipped_steps
             )
             self.emit("inner_step_skipped", inner_step=step, grad_norm=str(norm), skipped=self.inner.skipped_steps)
-        scale = self.faults.poison("weights")  # tests: weights that went bad anyway
-        if scale is not None:
-            with torch.no_grad():
-                for p in self.params.values():
-                    p.mul_(scale)
-        if not all_finite(self.params.values()):
+        if not self.inner.weights_finite:
             source = self.slow_weights() if self._own_copy is None else self._own_copy
             done = repair_weights(self.params, source, self.inner.adam.state)
             self.repairs += 1
@@ -363,7 +363,7 @@ class StageWorker:
         pending = [p.grad for p in self.inner.params]
         for p, g in zip(self.inner.params, grads):
             p.grad = g.to(p.device, p.dtype)
-        self._inject_nan_gradients()
+        self._inject_faults()
         self.last_lr, norm = self.inner.step(clip=False)
         for p, g in zip(self.inner.params, pending):
             p.grad = g
