@@ -1,11 +1,14 @@
 """`noloco-node experiment`: a grid of local swarms behind emulated WAN links (method x replicas x
 stages x network profile x seed), with validation loss, outer-sync time vs N, bytes, replica
 spread vs learning rate and idle time, written as CSV, PNG plots and report.md.
-The reproduction scenarios are in examples/ (convergence, routing, scaling, gamma_codec)."""
+The reproduction scenarios are in examples/ (convergence, routing, scaling, gamma_codec, loss_price).
+A seed fixes the initial weights and the data; the outer rounds' pairings depend on timing, so two
+runs of one seed differ too."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shlex
 import sys
 from pathlib import Path
@@ -16,7 +19,10 @@ def register(subparsers) -> None:
         "experiment", help="run a WAN latency experiment grid and write a report", description=__doc__
     )
     p.add_argument("scenario", nargs="?", help="scenario TOML (default: built-in defaults)")
-    p.add_argument("--out", default="runs/experiment", help="output folder (default runs/experiment)")
+    p.add_argument(
+        "--out", default="runs/experiment", help="output folder (default runs/experiment); refused if it holds a run"
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace the run --out holds (its files only)")
     p.add_argument("--methods", nargs="+", choices=["noloco", "diloco", "dp", "none"], help="override scenario.methods")
     p.add_argument("--steps", type=int, help="override scenario.steps")
     p.add_argument("--seeds", type=int, nargs="+", help="override scenario.seeds")
@@ -27,9 +33,18 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from noloco_node.experiments.scenario import load_scenario
 
-    scenario = load_scenario(
-        args.scenario, methods=args.methods, steps=args.steps, seeds=args.seeds, outer_sync_sizes=args.outer_sync_sizes
-    )
+    flags = {
+        "methods": args.methods,
+        "steps": args.steps,
+        "seeds": args.seeds,
+        "outer_sync_sizes": args.outer_sync_sizes,
+    }
+    scenario = load_scenario(args.scenario, **flags)
+    given = [
+        f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in flags.items() if v
+    ]
+    if given and args.scenario:  # the report's title names the grid that ran, not only the file's
+        scenario = dataclasses.replace(scenario, name=f"{scenario.name} (run with {' '.join(given)})")
     from noloco_node.experiments.runner import run_experiment
 
     command = (
@@ -42,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     # A stop signal unwinds through the running cell's `finally`: its swarm and relay are stopped.
     try:
         with raise_on_signals():
-            result = run_experiment(scenario, Path(args.out), command)
+            result = run_experiment(scenario, Path(args.out), command, overwrite=args.overwrite)
     except Interrupted as stop:
         print(f"noloco-node experiment: stopped by {stop}; the running cell's swarm was stopped", file=sys.stderr)
         return stop.exit_code

@@ -36,7 +36,8 @@ def stat(values) -> Stat:
     kept = [float(v) for v in values if isinstance(v, (int, float)) and not math.isnan(v)]
     if not kept:
         return Stat(math.nan, math.nan, 0)
-    return Stat(statistics.fmean(kept), statistics.stdev(kept) if len(kept) > 1 else 0.0, len(kept))
+    # One seed has no spread to estimate: NaN (an empty cell in groups.csv), not a standard deviation of 0.
+    return Stat(statistics.fmean(kept), statistics.stdev(kept) if len(kept) > 1 else math.nan, len(kept))
 
 
 def loss_at_time(evals: list[dict], t: float) -> float:

@@ -220,14 +220,7 @@ def summarize(
     driver_stats = [stats[by_slot[(0, d)]] for d in range(cell.replicas)]
     mb = {k: sum(s["microbatches"][k] for s in driver_stats) for k in ("issued", "completed", "reissued", "dropped")}
     row = {
-        "cell": cell.name,
-        "group": cell.group,
-        "variant": cell.variant.name if cell.variant else "",
-        "method": cell.method,
-        "replicas": cell.replicas,
-        "stages": cell.stages,
-        "profile": cell.profile.name,
-        "seed": cell.seed,
+        **cell.columns(),
         "status": "ok",
         "steps": scenario.steps,
         **_training_columns(evals, train, config.inner.warmup_steps, wall_s=wall_s, idle=idle, node_bytes=node_bytes),

@@ -72,7 +72,7 @@ def total_minutes(report: Path) -> float:
 
 def merge_rerun(scenario: Scenario, folder: Path, rerun: Path, notes: tuple[str, ...]) -> list[dict]:
     """Rewrite `folder` with `rerun`'s cells in place of its own; returns the merged groups."""
-    from noloco_node.experiments.runner import write_outputs
+    from noloco_node.experiments.outputs import write_outputs
 
     replaced = read_cells(rerun)
     cells = merge_cells(scenario, read_cells(folder), replaced)

@@ -25,11 +25,24 @@ def _save(fig, path: Path) -> None:
     plt.close(fig)
 
 
-def _band(ax, xs, stats, color, label=None, **kw) -> None:
+def _band(ax, xs, stats, color, label=None, *, floor: float | None = None, **kw) -> None:
+    """Mean over seeds, and a band of ± one standard deviation where there are two seeds or more
+    (cut at `floor` for a quantity that cannot go below it)."""
     means = [s.mean for s in stats]
     ax.plot(xs, means, marker="o", markersize=3, color=color, label=label, **kw)
     if any(s.n > 1 for s in stats):
-        ax.fill_between(xs, [s.mean - s.std for s in stats], [s.mean + s.std for s in stats], color=color, alpha=0.15)
+        low = [s.mean - s.std for s in stats]
+        ax.fill_between(
+            xs,
+            low if floor is None else [max(floor, v) for v in low],
+            [s.mean + s.std for s in stats],
+            color=color,
+            alpha=0.15,
+        )
+
+
+def _seeds(n: int) -> str:
+    return f"{n} seed{'s' if n != 1 else ''}"
 
 
 def validation_loss(groups: list[dict], cells: list[dict], path: Path) -> None:
@@ -42,8 +55,9 @@ def validation_loss(groups: list[dict], cells: list[dict], path: Path) -> None:
                 list(g["curve"]),
                 list(g["curve"].values()),
                 _color(g, i),
-                label=f"{g['group']} ({g['seeds']} seeds)",
+                label=f"{g['group']} ({_seeds(g['seeds'])})",
             )
+        labelled = False
         for c in cells:
             if c["row"].get("group") == g["group"] and c["row"]["status"] == "ok" and c["evals"]:
                 by_time.plot(
@@ -52,16 +66,21 @@ def validation_loss(groups: list[dict], cells: list[dict], path: Path) -> None:
                     color=_color(g, i),
                     alpha=0.7,
                     linewidth=1,
+                    label=None if labelled else g["group"],
                 )
+                labelled = True
     t = groups[0]["equal_time_s"] if groups else math.nan
     if not math.isnan(t):
         by_time.axvline(t, color="gray", linestyle=":", label="equal wall time")
-        by_time.legend(fontsize=7)
     by_step.set(
-        xlabel="inner step", ylabel="validation loss (ensemble mean, nats)", title="validation loss vs inner step"
+        xlabel="inner step",
+        ylabel="validation loss of the replicas' mean weights (nats)",
+        title="validation loss vs inner step (band: ± 1 std over seeds)",
     )
-    by_time.set(xlabel="wall time since training start (s)", title="validation loss vs wall time (each seed)")
-    by_step.legend(fontsize=6)
+    by_time.set(xlabel="wall time since training start (s)", title="validation loss vs wall time (a line per seed)")
+    for ax, size in ((by_step, 6), (by_time, 6)):
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=size)
     _save(fig, path)
 
 
@@ -74,8 +93,8 @@ def spread_vs_lr(groups: list[dict], path: Path) -> None:
         ax.set_visible(False)
     for i, (ax, g) in enumerate(zip(axes.flat, shown)):
         steps = [k for k in g["spread_curve"] if k > 0]
-        _band(ax, steps, [g["spread_curve"][k] for k in steps], _color(g, i))
-        ax.set(xlabel="inner step", ylabel="replica weight spread")
+        _band(ax, steps, [g["spread_curve"][k] for k in steps], _color(g, i), floor=0.0)
+        ax.set(xlabel="inner step", ylabel="replica weight spread (band: ± 1 std over seeds)")
         twin = ax.twinx()
         twin.plot(list(g["lr"]), list(g["lr"].values()), color="gray", linestyle="--")
         twin.set_ylabel("inner lr (dashed)")
@@ -92,6 +111,8 @@ def outer_sync(rows: list[dict], path: Path) -> None:
         pts = [r for r in rows if r["profile"] == profile]
         ns = [r["n"] for r in pts]
         for method in ("noloco", "diloco"):
+            if all(math.isnan(r[method]) for r in pts):
+                continue  # not measured in this run (or every round failed): no empty legend entry
             ax.plot(
                 ns,
                 [r[method] for r in pts],
@@ -116,7 +137,8 @@ def outer_sync(rows: list[dict], path: Path) -> None:
     )
     ax.set_xticks(ns, labels=[str(n) for n in ns])
     ax.minorticks_off()  # the log axis' minor labels (3 x 10^0 ...) say nothing here
-    ax.legend(fontsize=6)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=6)
     _save(fig, path)
 
 
@@ -126,10 +148,16 @@ def group_bars(groups: list[dict], key: str, ylabel: str, title: str, path: Path
     ax.bar(
         range(len(shown)),
         [g[key].mean * scale for g in shown],
-        yerr=[g[key].std * scale for g in shown],
+        yerr=[g[key].std * scale if g[key].n > 1 else 0.0 for g in shown],
         color=[_color(g, i) for i, g in enumerate(shown)],
         capsize=3,
     )
-    ax.set_xticks(range(len(shown)), labels=[g["group"] for g in shown], rotation=30, ha="right", fontsize=7)
-    ax.set(ylabel=ylabel, title=title)
+    ax.set_xticks(
+        range(len(shown)),
+        labels=[f"{g['group']} ({_seeds(g[key].n)})" for g in shown],
+        rotation=30,
+        ha="right",
+        fontsize=7,
+    )
+    ax.set(ylabel=ylabel, title=f"{title} (mean over seeds, bar: ± 1 std)")
     _save(fig, path)

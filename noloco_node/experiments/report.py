@@ -5,13 +5,11 @@ difference stands out of the seed noise, every cell, the outer-sync table and th
 from __future__ import annotations
 
 import math
-import statistics
 from pathlib import Path
 
-from noloco_node.experiments.aggregate import Stat, paired, paired_verdict, verdict
+from noloco_node.experiments.aggregate import Stat
 from noloco_node.experiments.scenario import Scenario
-
-PAPER_PEARSON = (0.91, 0.97)
+from noloco_node.experiments.verdicts import sync_summary, verdicts
 
 
 def _fmt(value, digits: int = 3) -> str:
@@ -28,144 +26,6 @@ def _count(row: dict, key: str) -> str:
     """A counter of a results row; '?' for rows written before the counter existed."""
     value = row.get(key)
     return str(int(value)) if isinstance(value, (int, float)) and not math.isnan(value) else "?"
-
-
-def sync_summary(sync_rows: list[dict]) -> list[dict]:
-    """One row per (profile, N): each method's median round time over the repeats, and its bytes."""
-    out = []
-    for profile in sorted({r["profile"] for r in sync_rows}, key=lambda p: [r["profile"] for r in sync_rows].index(p)):
-        for n in sorted({r["n"] for r in sync_rows if r["profile"] == profile}):
-            entry = {"profile": profile, "n": n}
-            for method in ("noloco", "diloco"):
-                runs = [
-                    r
-                    for r in sync_rows
-                    if (r["profile"], r["n"], r["method"]) == (profile, n, method) and not math.isnan(r["median_s"])
-                ]
-                entry[method] = statistics.median(r["median_s"] for r in runs) if runs else math.nan
-                entry[f"{method}_mb"] = statistics.fmean(r["mb_per_node"] for r in runs) if runs else math.nan
-                entry[f"{method}_runs"] = len(runs)
-            entry["ratio"] = entry["diloco"] / entry["noloco"] if entry["noloco"] > 0 else math.nan
-            out.append(entry)
-    return out
-
-
-def verdicts(groups: list[dict], sync_rows: list[dict], scenario: Scenario) -> list[str]:
-    """Every comparison the grid supports, each with its uncertainty."""
-    by_method: dict[tuple, dict[str, dict]] = {}
-    by_variant: dict[tuple, list[dict]] = {}
-    for g in groups:
-        by_method.setdefault((g["variant"], g["replicas"], g["stages"], g["profile"]), {})[g["method"]] = g
-        by_variant.setdefault((g["method"], g["replicas"], g["stages"], g["profile"]), []).append(g)
-    equal_time_s = next((g["equal_time_s"] for g in groups), math.nan)
-    return [
-        *_cautions(groups),
-        *_method_verdicts(by_method, equal_time_s),
-        *_variant_verdicts(by_variant),
-        *_pearson_verdicts(groups),
-        *_sync_verdicts(sync_rows),
-    ]
-
-
-def _cautions(groups: list[dict]) -> list[str]:
-    """What makes the comparisons below less like for like than they read."""
-    out = []
-    steps = sorted({int(g["eval_step"]) for g in groups if g["seeds"] and not math.isnan(g["eval_step"])})
-    if len(steps) > 1:
-        out.append(
-            f"Caution: the groups' final evaluations come from different inner steps ({steps}); "
-            "the loss comparisons at equal steps are not like for like."
-        )
-    failed = [g["group"] for g in groups if g["seeds"] < g["cells"]]
-    if failed:
-        out.append(f"Caution: some seeds failed in {', '.join(failed)}; their groups average fewer seeds.")
-    return out
-
-
-def _method_verdicts(by_method: dict[tuple, dict[str, dict]], equal_time_s: float) -> list[str]:
-    """Each pair of methods in the same setting, at the last step and at equal wall time."""
-    out = []
-    for methods in by_method.values():
-        names = [m for m in ("noloco", "diloco", "dp", "none") if m in methods]
-        for i, a in enumerate(names):
-            for b in names[i + 1 :]:
-                ga, gb = methods[a], methods[b]
-                out.append(
-                    verdict(a, ga["val_loss"], b, gb["val_loss"], f"Validation loss at step {int(ga['eval_step'])}")
-                )
-                out.append(
-                    verdict(
-                        a,
-                        ga["val_loss_equal_time"],
-                        b,
-                        gb["val_loss_equal_time"],
-                        f"Validation loss at equal wall time ({equal_time_s:.0f} s)",
-                    )
-                )
-    return out
-
-
-def _variant_verdicts(by_variant: dict[tuple, list[dict]]) -> list[str]:
-    """Each variant of a method against its first (the baseline), also paired by seed; the spread
-    is only compared where replicas drift apart (not under dp)."""
-    out = []
-    for variants in by_variant.values():
-        if len(variants) < 2:
-            continue
-        base = variants[0]
-        for other in variants[1:]:
-            a, b = other["group"], base["group"]
-            out.append(
-                verdict(a, other["val_loss"], b, base["val_loss"], f"Validation loss at step {int(base['eval_step'])}")
-            )
-            out.append(
-                paired_verdict(
-                    a,
-                    b,
-                    paired(other["val_loss_by_seed"], base["val_loss_by_seed"]),
-                    f"Validation loss at step {int(base['eval_step'])}",
-                )
-            )
-            if base["method"] != "dp":
-                out.append(verdict(a, other["spread"], b, base["spread"], "Final replica spread"))
-                out.append(verdict(a, other["peak_spread"], b, base["peak_spread"], "Peak replica spread"))
-    return out
-
-
-def _pearson_verdicts(groups: list[dict]) -> list[str]:
-    """Whether each outer-sync group's spread/lr correlation agrees with the paper's range."""
-    out = []
-    for g in groups:
-        p = g["pearson"]
-        if g["method"] in ("noloco", "diloco") and p.n:
-            lo, hi = PAPER_PEARSON
-            inside = p.mean - (2 * p.std if p.n > 1 else 0) <= hi and p.mean + (2 * p.std if p.n > 1 else 0) >= lo
-            out.append(
-                f"Pearson(spread, lr) after warm-up, {g['group']}: {p} over {p.n} seed(s); paper {lo}-{hi} -> "
-                + (
-                    "agrees (the paper's range lies within 2 std)"
-                    if inside
-                    else "disagrees (outside 2 std of the paper's range)"
-                )
-                + "."
-            )
-    return out
-
-
-def _sync_verdicts(sync_rows: list[dict]) -> list[str]:
-    """Whether all-reduce's round time over pairwise's grows like log2 N, as the paper argues."""
-    out = []
-    for row in sync_summary(sync_rows):
-        if math.isnan(row["ratio"]):
-            continue
-        log2n = math.log2(row["n"])
-        out.append(
-            f"Outer sync {row['profile']}, N={row['n']}: all-reduce / pairwise = {row['ratio']:.2f}x, log2 N = "
-            f"{log2n:.2f} -> "
-            + ("agrees (within 20% or above)" if row["ratio"] >= 0.8 * log2n else "disagrees")
-            + f"; median of {row['noloco_runs']} and {row['diloco_runs']} round(s)."
-        )
-    return out
 
 
 def _matrix(groups: list[dict], scenario: Scenario) -> list[str]:
@@ -219,13 +79,16 @@ def write_report(
     elapsed_s: float,
     figures: list[str],
     notes: tuple[str, ...] = (),
+    stopped: str = "",
 ) -> None:
     rows = [c["row"] for c in cells]
     lines = _header(scenario, command=command, machine=machine, elapsed_s=elapsed_s, notes=notes)
+    if stopped:
+        lines[1:1] = ["", f"**Not a whole run**: {stopped}."]
     lines += _links_table(links)
     if groups:
         lines += _groups_table(groups, scenario)
-    lines += _verdicts_section(groups, sync_rows, scenario)
+    lines += _verdicts_section(groups, sync_rows, scenario, cells)
     if rows:
         lines += _cells_table(rows)
     lines += _sync_table(sync_rows, scenario)
@@ -257,14 +120,15 @@ def _links_table(links: list[dict]) -> list[str]:
     lines = [
         "## Links as measured before the run",
         "",
-        "| profile | RTT measured (ms) | RTT profile (ms) | Mbit/s measured | Mbit/s profile |",
-        "|---|---|---|---|---|",
+        "| profile | RTT measured (ms) | RTT profile (ms) | jitter profile (ms, one way) | Mbit/s measured "
+        "| Mbit/s profile |",
+        "|---|---|---|---|---|---|",
     ]
     for link in links:
         p = link["profile"]
         lines.append(
-            f"| {p['name']} | {link['rtt_ms']:.1f} | {2 * p['one_way_ms']:.0f} | {link['mbit']:.1f} | "
-            f"{p['mbit'] or 'unlimited'} |"
+            f"| {p['name']} | {link['rtt_ms']:.1f} | {2 * p['one_way_ms']:.0f} | ± {p.get('jitter_ms', 0):g} | "
+            f"{link['mbit']:.1f} | {p['mbit'] or 'unlimited'} |"
         )
     return lines
 
@@ -294,19 +158,25 @@ def _groups_table(groups: list[dict], scenario: Scenario) -> list[str]:
     return lines + _matrix(groups, scenario)
 
 
-def _verdicts_section(groups: list[dict], sync_rows: list[dict], scenario: Scenario) -> list[str]:
+def _verdicts_section(groups: list[dict], sync_rows: list[dict], scenario: Scenario, cells: list[dict]) -> list[str]:
     """How a difference is called one, then every verdict."""
     seeds = len(scenario.seeds)
+    noise = (
+        "With one seed per group there is no error estimate, so no difference is called one."
+        if seeds == 1
+        else f"With {seeds} seeds per group the error estimate itself is rough."
+    )
     lines = [
         "",
         "## Verdicts",
         "",
         "Each difference is given with its standard error over seeds; it is called a difference only when it "
-        f"exceeds twice that error. With {seeds} seed{'s' if seeds > 1 else ''} per group the error estimate "
-        "itself is rough.",
+        f"exceeds twice that error. {noise} A seed fixes the initial weights and the data; the outer rounds' "
+        "pairings depend on timing, so two runs of one seed differ too (by about the spread between seeds on a "
+        "loaded machine).",
         "",
     ]
-    return lines + [f"- {v}" for v in verdicts(groups, sync_rows, scenario)]
+    return lines + [f"- {v}" for v in verdicts(groups, sync_rows, scenario, cells)]
 
 
 def _cells_table(rows: list[dict]) -> list[str]:
@@ -319,6 +189,13 @@ def _cells_table(rows: list[dict]) -> list[str]:
         "| Pearson | outer paired/solo/partial/skipped/resynced | microbatches issued/completed/dropped |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    legend = (
+        "Outer rounds, summed over the cell's nodes (rounds = paired + solo + skipped): paired (met a partner: "
+        "NoLoCo's exchange, or an all-reduce group of two or more), solo (no partner in time: the node stepped "
+        "alone), skipped (dp: a round without an update, taken by all replicas together), partial (all-reduce "
+        "rounds that delivered part of the mean only; already counted among the paired or solo), resynced (dp: "
+        "of the skipped, rounds that found the replicas apart and averaged them back)."
+    )
     for r in rows:
         if r["status"] != "ok":
             lines.append(f"| {r['cell']} | **failed**: {r.get('error', '')} | | | | | | | | | |")
@@ -331,7 +208,7 @@ def _cells_table(rows: list[dict]) -> list[str]:
             f"{_count(r, 'outer_skipped')}/{_count(r, 'outer_resynced')} | "
             f"{r['mb_issued']}/{r['mb_completed']}/{r['mb_dropped']} |"
         )
-    return lines
+    return lines + ["", legend]
 
 
 def _sync_table(sync_rows: list[dict], scenario: Scenario) -> list[str]:

@@ -6,214 +6,117 @@ groups.csv, outer_sync.csv, PNG plots and report.md into one output folder."""
 from __future__ import annotations
 
 import asyncio
-import csv
 import json
 import math
-import os
-import platform
 import statistics
-import sys
 import time
 import traceback
 from pathlib import Path
 
-from noloco_node.experiments import plots
-from noloco_node.experiments.aggregate import summarize_groups
-from noloco_node.experiments.cell import run_cell
+from noloco_node.config import ConfigError, load_config
+from noloco_node.experiments.cell import cell_overrides, run_cell
 from noloco_node.experiments.outer_rounds import run_round
-from noloco_node.experiments.report import sync_summary, write_report
+from noloco_node.experiments.outputs import prepare_out, write_outputs, write_tables
+from noloco_node.experiments.process_group import Interrupted
 from noloco_node.experiments.scenario import Scenario
 from noloco_node.netem.selfcheck import measure_link
-
-FIGURES = {
-    "validation_loss": "validation_loss.png",
-    "outer_sync": "outer_sync_vs_n.png",
-    "bytes": "bytes_per_node.png",
-    "spread": "spread_vs_lr.png",
-    "idle": "idle_time.png",
-}
-STAT_FIELDS = [
-    "val_loss",
-    "val_loss_equal_time",
-    "train_wall_s",
-    "spread",
-    "peak_spread",
-    "pearson",
-    "bytes_per_node",
-    "pipeline_bytes_per_node",
-    "outer_bytes_per_round",
-    "outer_lag_steps",
-    "delta_rel_error",
-    "idle",
-]
-GROUP_FIELDS = ["group", "method", "variant", "replicas", "stages", "profile", "seeds", "eval_step", "equal_time_s"] + [
-    f"{k}_{s}" for k in STAT_FIELDS for s in ("mean", "std")
-]
-SYNC_FIELDS = ["method", "profile", "n", "repeat", "median_s", "max_s", "mb_per_node", "paired", "solo"]
-ROW_FIELDS = [
-    "cell",
-    "group",
-    "variant",
-    "method",
-    "replicas",
-    "stages",
-    "profile",
-    "seed",
-    "status",
-    "steps",
-    "final_val_loss",
-    "final_eval_step",
-    "final_train_loss",
-    "wall_s",
-    "train_wall_s",
-    "bytes_per_node",
-    "idle_fraction",
-    "final_spread",
-    "spread_lr_pearson",
-    "outer_rounds",
-    "outer_paired",
-    "outer_solo",
-    "outer_partial",
-    "outer_skipped",
-    "outer_resynced",
-    "outer_lag_steps",
-    "pipeline_bytes_per_node",
-    "outer_bytes_per_round",
-    "delta_rel_error",
-    "mb_issued",
-    "mb_completed",
-    "mb_reissued",
-    "mb_dropped",
-    "error",
-]
 
 
 def say(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-def run_experiment(scenario: Scenario, out: Path, command: str) -> dict:
-    out.mkdir(parents=True, exist_ok=True)
+def run_experiment(scenario: Scenario, out: Path, command: str, *, overwrite: bool = False) -> dict:
+    """Run the grid into `out`. After every cell results.csv and curves.json hold the cells so far;
+    a stop signal (Interrupted) writes the tables, plots and report of the finished cells, then
+    goes on up."""
+    check_cell_configs(scenario)
+    prepare_out(out, overwrite=overwrite)
     (out / "scenario.json").write_text(json.dumps(scenario.to_dict(), indent=1))
     started = time.time()
-    links = []
-    for profile in scenario.profiles:
-        link = asyncio.run(measure_link(profile))
-        links.append(link)
-        say(
-            f"link {profile.name}: RTT {link['rtt_ms']:.1f} ms (profile {2 * profile.one_way_ms:.0f}), "
-            f"{link['mbit']:.1f} Mbit/s (profile {profile.mbit or 'unlimited'})"
-        )
-    (out / "link_check.json").write_text(json.dumps(links, indent=1))
-
-    cells, grid = [], scenario.cells()
-    for i, cell in enumerate(grid, 1):
-        say(f"cell {i}/{len(grid)} {cell.name}: running")
-        t = time.monotonic()
-        try:
-            result = run_cell(scenario, cell, out / "cells" / cell.name)
-        except Exception as exc:  # noqa: BLE001 - a failed cell is reported in the results, not raised
-            (out / "cells" / cell.name).mkdir(parents=True, exist_ok=True)
-            (out / "cells" / cell.name / "error.txt").write_text(traceback.format_exc())
-            result = {
-                "row": {
-                    "cell": cell.name,
-                    "group": cell.group,
-                    "variant": cell.variant.name if cell.variant else "",
-                    "method": cell.method,
-                    "replicas": cell.replicas,
-                    "stages": cell.stages,
-                    "profile": cell.profile.name,
-                    "seed": cell.seed,
-                    "status": "failed",
-                    "error": f"{type(exc).__name__}: {exc}"[:300],
-                },
-                "evals": [],
-                "train": [],
-            }
-        cells.append(result)
-        row = result["row"]
-        say(
-            f"cell {i}/{len(grid)} {cell.name}: {row['status']} in {time.monotonic() - t:.0f} s"
-            + (f", val loss {row['final_val_loss']:.3f}" if row["status"] == "ok" else f" ({row['error']})")
-        )
-    sync_rows = outer_sync_rows(scenario, out / "outer_sync")
+    links, cells, sync_rows, grid = [], [], [], scenario.cells()
+    try:
+        for profile in scenario.profiles:
+            links.append(_checked_link(profile))
+        (out / "link_check.json").write_text(json.dumps(links, indent=1))
+        for i, cell in enumerate(grid, 1):
+            cells.append(_run_one(scenario, cell, out, f"{i}/{len(grid)}"))
+            write_tables(out, cells)
+        outer_sync_rows(scenario, out / "outer_sync", sync_rows)
+    except Interrupted as stop:
+        if cells:
+            stopped = (
+                f"stopped by {stop} after {len(cells)} of {len(grid)} cells"
+                + ("" if len(cells) < len(grid) else ", in the outer-sync measurement")
+                + ": the tables, plots and verdicts cover what finished"
+            )
+            write_outputs(
+                out,
+                scenario,
+                cells,
+                sync_rows,
+                links,
+                command=command,
+                elapsed_s=time.time() - started,
+                stopped=stopped,
+            )
+            say(f"{stopped}: {out / 'report.md'}")
+        raise
     groups = write_outputs(out, scenario, cells, sync_rows, links, command=command, elapsed_s=time.time() - started)
     say(f"done in {time.time() - started:.0f} s: {out / 'report.md'}")
     return {"cells": [c["row"] for c in cells], "groups": groups, "outer_sync": sync_rows, "links": links}
 
 
-def write_outputs(
-    out: Path,
-    scenario: Scenario,
-    cells: list[dict],
-    sync_rows: list[dict],
-    links: list[dict],
-    *,
-    command: str,
-    elapsed_s: float,
-    notes: tuple[str, ...] = (),
-) -> list[dict]:
-    """results.csv, curves.json, groups.csv, outer_sync.csv, the plots and report.md from measured
-    cells (`notes`: what was re-run and why, for the report); returns the groups."""
-    _write_csv(out / "results.csv", [c["row"] for c in cells], ROW_FIELDS)
-    (out / "curves.json").write_text(
-        json.dumps([{"cell": c["row"]["cell"], "evals": c["evals"], "train": c["train"]} for c in cells])
-    )
-    groups = summarize_groups(cells)
-    _write_csv(out / "groups.csv", [_group_csv_row(g) for g in groups], GROUP_FIELDS)
-    _write_csv(out / "outer_sync.csv", sync_rows, SYNC_FIELDS)
-    figures = []
-    if groups:
-        plots.validation_loss(groups, cells, out / FIGURES["validation_loss"])
-        plots.spread_vs_lr(groups, out / FIGURES["spread"])
-        plots.group_bars(
-            groups,
-            "bytes_per_node",
-            "MB sent per node (data plane + outer)",
-            "bytes sent per node",
-            out / FIGURES["bytes"],
-            1e-6,
-        )
-        plots.group_bars(
-            groups,
-            "idle",
-            "share of wall time the compute thread waited",
-            "idle time (waiting on the network)",
-            out / FIGURES["idle"],
-        )
-        figures += [FIGURES[k] for k in ("validation_loss", "spread", "bytes", "idle")]
-    if sync_rows:
-        plots.outer_sync(sync_summary(sync_rows), out / FIGURES["outer_sync"])
-        figures.append(FIGURES["outer_sync"])
-    write_report(
-        out,
-        scenario,
-        cells,
-        groups,
-        sync_rows,
-        links,
-        command=command,
-        machine=machine_description(),
-        elapsed_s=elapsed_s,
-        figures=figures,
-        notes=notes,
-    )
-    return groups
+def check_cell_configs(scenario: Scenario) -> None:
+    """Every cell's node config, before any link is measured or node started: a typo in
+    [overrides] or a variant fails here once, named, instead of in every cell."""
+    for cell in scenario.cells():
+        try:
+            load_config(overrides=cell_overrides(scenario, cell))
+        except ConfigError as exc:
+            variant = cell.variant and any(exc.field.startswith(k) for k, _ in cell.variant.overrides)
+            where = f"[[variants]] {cell.variant.name!r}" if variant else "[overrides]"
+            raise ConfigError(exc.field, f"{exc.problem} (the scenario's {where}, cell {cell.name})", exc.fix) from None
 
 
-def _group_csv_row(group: dict) -> dict:
-    row = {
-        k: group[k]
-        for k in ("group", "method", "variant", "replicas", "stages", "profile", "seeds", "eval_step", "equal_time_s")
+def _checked_link(profile) -> dict:
+    link = asyncio.run(measure_link(profile))
+    say(
+        f"link {profile.name}: RTT {link['rtt_ms']:.1f} ms (profile {2 * profile.one_way_ms:.0f}"
+        + (f" ± {2 * profile.jitter_ms:.0f} jitter" if profile.jitter_ms else "")
+        + f"), {link['mbit']:.1f} Mbit/s (profile {profile.mbit or 'unlimited'})"
+    )
+    return link
+
+
+def _run_one(scenario: Scenario, cell, out: Path, position: str) -> dict:
+    say(f"cell {position} {cell.name}: running")
+    t = time.monotonic()
+    try:
+        result = run_cell(scenario, cell, out / "cells" / cell.name)
+    except Exception as exc:  # noqa: BLE001 - a failed cell is reported in the results, not raised
+        (out / "cells" / cell.name).mkdir(parents=True, exist_ok=True)
+        (out / "cells" / cell.name / "error.txt").write_text(traceback.format_exc())
+        result = {"row": _failed_row(cell, exc), "evals": [], "train": []}
+    row = result["row"]
+    say(
+        f"cell {position} {cell.name}: {row['status']} in {time.monotonic() - t:.0f} s"
+        + (f", val loss {row['final_val_loss']:.3f}" if row["status"] == "ok" else f" ({row['error']})")
+    )
+    return result
+
+
+def _failed_row(cell, exc: Exception) -> dict:
+    return {
+        **cell.columns(),
+        "status": "failed",
+        "error": f"{type(exc).__name__}: {exc}"[:300],
     }
-    for key in STAT_FIELDS:
-        row[f"{key}_mean"], row[f"{key}_std"] = group[key].mean, group[key].std
-    return row
 
 
-def outer_sync_rows(scenario: Scenario, work: Path) -> list[dict]:
-    rows = []
+def outer_sync_rows(scenario: Scenario, work: Path, rows: list[dict] | None = None) -> list[dict]:
+    """One outer round per (profile, N, repeat, method), appended to `rows` as each is measured."""
+    rows = [] if rows is None else rows
     for profile in scenario.profiles:
         for n in scenario.outer_sync_sizes:
             for repeat in range(scenario.outer_sync_repeats):
@@ -252,33 +155,3 @@ def outer_sync_rows(scenario: Scenario, work: Path) -> list[dict]:
                         }
                     )
     return rows
-
-
-def machine_description() -> str:
-    try:
-        model = next(
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        )
-    except (OSError, StopIteration):
-        model = platform.processor() or "unknown CPU"
-    try:
-        import torch
-
-        gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-        torch_version = torch.__version__
-    except ImportError:
-        gpu, torch_version = "no GPU", "?"
-    return (
-        f"{os.cpu_count()} cores ({model}), {gpu}, {platform.system()} {platform.release()}, "
-        f"Python {sys.version.split()[0]}, torch {torch_version}"
-    )
-
-
-def _write_csv(path: Path, rows: list[dict], fields: list[str]) -> None:
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in row.items()})

@@ -19,11 +19,11 @@ x seed, plus what every cell shares (steps, node config overrides, evaluation). 
     cell_timeout_s = 600
     [overrides]                      # node config for every cell (section.field = value)
     "model.hidden_size" = 64
-    [[profiles]]
+    [[profiles]]                     # every profile gives name, one_way_ms and mbit
     name = "wan"
-    one_way_ms = 25
-    jitter_ms = 0
-    mbit = 50
+    one_way_ms = 25                  # one-way delay added to each direction
+    jitter_ms = 0                    # optional: uniform in [-jitter, +jitter], never reordering
+    mbit = 50                        # each direction's rate in Mbit/s; 0 = unlimited
     [[variants]]                     # optional: named override sets crossed with the grid
     name = "gamma0.35"
     "outer.gamma" = 0.35
@@ -71,6 +71,19 @@ class Cell:
     @property
     def name(self) -> str:
         return f"{self.group}-s{self.seed}"
+
+    def columns(self) -> dict:
+        """What names the cell in a results row."""
+        return {
+            "cell": self.name,
+            "group": self.group,
+            "variant": self.variant.name if self.variant else "",
+            "method": self.method,
+            "replicas": self.replicas,
+            "stages": self.stages,
+            "profile": self.profile.name,
+            "seed": self.seed,
+        }
 
 
 @dataclass(frozen=True)
@@ -177,10 +190,9 @@ def load_scenario(path: str | Path | None, **replace: Any) -> Scenario:
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ConfigError(f"scenario.{unknown[0]}", "unknown field", f"valid fields: {', '.join(sorted(known))}")
-    try:
-        profiles = tuple(LinkProfile(**p) for p in raw.pop("profiles", [{"name": "lan"}]))
-    except (TypeError, ValueError) as exc:
-        raise ConfigError("scenario.profiles", str(exc), "each profile has name, one_way_ms, jitter_ms, mbit") from None
+    profiles = tuple(
+        _profile(i, p) for i, p in enumerate(raw.pop("profiles", None) or [{"name": "lan", "one_way_ms": 0, "mbit": 0}])
+    )
     variants = []
     for i, v in enumerate(raw.pop("variants", [])):
         if not isinstance(v, dict) or not isinstance(v.get("name"), str) or not v["name"]:
@@ -189,4 +201,65 @@ def load_scenario(path: str | Path | None, **replace: Any) -> Scenario:
     for key in ("methods", "replicas", "stages", "seeds", "outer_sync_sizes", "outer_sync_methods", "paper"):
         if key in raw:
             raw[key] = tuple(raw[key]) if isinstance(raw[key], list) else (raw[key],)
+    for key, value in raw.items():
+        _check_type(key, value)
     return Scenario(profiles=profiles, variants=tuple(variants), **raw)
+
+
+def _profile(index: int, entry: Any) -> LinkProfile:
+    """One [[profiles]] entry: a link's delay and rate are given, never assumed (a profile named like
+    a slow link but left without them would run unlimited under that name)."""
+    field_name = f"scenario.profiles[{index}]"
+    if not isinstance(entry, dict):
+        raise ConfigError(
+            field_name, "is not a table", 'write [[profiles]] then name = "...", one_way_ms = 25, mbit = 50'
+        )
+    missing = [k for k in ("name", "one_way_ms", "mbit") if k not in entry]
+    if missing:
+        raise ConfigError(
+            field_name,
+            f"profile {entry.get('name', '?')!r} lacks {', '.join(missing)}",
+            "give each profile name, one_way_ms (one-way delay) and mbit (each direction's rate; 0 = unlimited)",
+        )
+    try:
+        for key in ("one_way_ms", "jitter_ms", "mbit"):
+            if key in entry and (isinstance(entry[key], bool) or not isinstance(entry[key], (int, float))):
+                raise ValueError(f"{key} must be a number, got {entry[key]!r}")
+        return LinkProfile(**entry)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(
+            field_name, str(exc), "each profile has name, one_way_ms, jitter_ms (optional), mbit"
+        ) from None
+
+
+_INTS = ("steps", "eval_every", "eval_sequences", "outer_sync_numel", "outer_sync_repeats", "threads")
+_INT_LISTS = ("replicas", "stages", "seeds", "outer_sync_sizes")
+_NUMBERS = ("cell_timeout_s", "chaos_every_s", "chaos_stall_s", "chaos_delay_s")
+_STRINGS = ("name", "outer_sync_codec", "chaos_action")
+_STRING_LISTS = ("methods", "outer_sync_methods", "paper")
+
+
+def _check_type(key: str, value: Any) -> None:
+    """A scenario field of the wrong type, named with its fix before any cell runs (a string where
+    a number belongs, `steps = 2.5`, `seeds = "0,1"`)."""
+    field_name = f"scenario.{key}"
+    if key in _INTS and not _is_int(value):
+        raise ConfigError(field_name, f"expected a whole number, got {value!r}", f"write e.g. {key} = 10")
+    if key in _INT_LISTS and not all(_is_int(v) for v in value):
+        raise ConfigError(
+            field_name, f"expected a list of whole numbers, got {list(value)!r}", f"write e.g. {key} = [0, 1]"
+        )
+    if key in _NUMBERS and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise ConfigError(field_name, f"expected a number of seconds, got {value!r}", f"write e.g. {key} = 20")
+    if key in _STRINGS and not isinstance(value, str):
+        raise ConfigError(field_name, f"expected a string, got {value!r}", f'write e.g. {key} = "..." in quotes')
+    if key in _STRING_LISTS and not all(isinstance(v, str) for v in value):
+        raise ConfigError(field_name, f"expected a list of strings, got {list(value)!r}", f'write e.g. {key} = ["..."]')
+    if key == "overrides" and not isinstance(value, dict):
+        raise ConfigError(
+            field_name, "expected a table of node config fields", 'write [overrides] and "section.field" = value lines'
+        )
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -5,7 +5,7 @@ import math
 
 from noloco_node.experiments.cell import outer_lag_steps
 from noloco_node.experiments.merge import merge_rerun, read_cells
-from noloco_node.experiments.runner import write_outputs
+from noloco_node.experiments.outputs import write_outputs
 from noloco_node.experiments.scenario import load_scenario
 
 LINKS = [{"profile": {"name": "lan", "one_way_ms": 0, "jitter_ms": 0, "mbit": 0}, "rtt_ms": 0.1, "mbit": 900.0}]

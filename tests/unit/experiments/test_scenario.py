@@ -17,7 +17,7 @@ def test_grid_is_the_product_of_its_axes(tmp_path):
     path = tmp_path / "s.toml"
     path.write_text(
         'methods = ["noloco", "dp"]\nreplicas = [2, 3]\nseeds = [0, 1]\n'
-        '[[profiles]]\nname = "a"\none_way_ms = 5\n[[profiles]]\nname = "b"\nmbit = 10\n'
+        '[[profiles]]\nname = "a"\none_way_ms = 5\nmbit = 0\n[[profiles]]\nname = "b"\none_way_ms = 0\nmbit = 10\n'
     )
     cells = load_scenario(path).cells()
     assert len(cells) == 2 * 2 * 2 * 2
@@ -31,7 +31,19 @@ def test_grid_is_the_product_of_its_axes(tmp_path):
         ('methods = ["gossip"]', "scenario.methods"),
         ("outer_sync_sizes = [1]", "scenario.outer_sync_sizes"),
         ("stepz = 3", "scenario.stepz"),
-        ('[[profiles]]\nname = "x"\none_way_ms = 1\njitter_ms = 5', "scenario.profiles"),
+        ('[[profiles]]\nname = "x"\none_way_ms = 1\njitter_ms = 5\nmbit = 0', "scenario.profiles[0]"),
+        ('[[profiles]]\nname = "home20"', "scenario.profiles[0]"),
+        ('[[profiles]]\nname = "x"\none_way_ms = "10"\nmbit = 0', "scenario.profiles[0]"),
+        ('steps = "ten"', "scenario.steps"),
+        ("steps = 2.5", "scenario.steps"),
+        ("steps = true", "scenario.steps"),
+        ('replicas = "2"', "scenario.replicas"),
+        ('seeds = "0,1"', "scenario.seeds"),
+        ("seeds = [0, 1.5]", "scenario.seeds"),
+        ('cell_timeout_s = "long"', "scenario.cell_timeout_s"),
+        ("name = 3", "scenario.name"),
+        ("methods = [1]", "scenario.methods"),
+        ("overrides = 3", "scenario.overrides"),
         ('[[variants]]\n"outer.gamma" = 0.1', "scenario.variants[0]"),
         ('[[variants]]\nname = "a"\n[[variants]]\nname = "a"', "scenario.variants"),
         ('outer_sync_methods = ["dp"]', "scenario.outer_sync_methods"),
