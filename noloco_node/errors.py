@@ -83,3 +83,8 @@ class DataError(ValueError):
     """The run's data or tokenizer cannot be used: the message begins with the config field to fix
     (`data.path`, `data.tokenizer`, `data.holdout_fraction`, or `data` for the corpus as a whole).
     A bad input, like a bad config value: the command line reports it in one line and exits 2."""
+
+
+class IdentityError(ValueError):
+    """An identity file that cannot be used; the message says which and what to do (the command
+    line prints it as one line, as a bad config value)."""

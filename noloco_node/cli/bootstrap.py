@@ -34,7 +34,7 @@ def register(subparsers) -> None:
         "--identity", default="bootstrap.key", help="private key file; created once, keeps the peer id stable"
     )
     p.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR", help="other bootstrap peers to link to")
-    p.add_argument("--maddr-file", help="also write the multiaddrs here, one per line")
+    p.add_argument("--maddr-file", help="also write the multiaddrs here, one per line (removed at exit)")
     p.add_argument(
         "--dashboard",
         metavar="[HOST:]PORT",
@@ -52,6 +52,8 @@ def run(args: argparse.Namespace) -> int:
     if config.network.dashboard is not None:
         host, port = parse_listen(config.network.dashboard)
         check_listen(host, {"--dashboard": port}, "--dashboard")
+    if config.network.metrics_port is not None:
+        check_listen(config.network.host, {"network.metrics_port": config.network.metrics_port}, "network.host")
     return asyncio.run(_serve(config, args))
 
 
@@ -60,18 +62,21 @@ async def _serve(config, args: argparse.Namespace) -> int:
     from noloco_node.dht.directory import DirectoryIdentity, PeerDirectory
     from noloco_node.rpc.security import read_swarm_key
 
+    key = _identity(args.identity)
+    if args.maddr_file:  # one left by a run that was killed would say "up" before we are (compose waits on it)
+        Path(args.maddr_file).unlink(missing_ok=True)
     stop = stop_on_signals()
-    Path(args.identity).parent.mkdir(parents=True, exist_ok=True)
     swarm_key = read_swarm_key(config.security)
     directory = await PeerDirectory.start(
         DirectoryIdentity(config.run.run_id, "", __version__, config.pipeline.num_stages),
         initial_peers=list(config.network.initial_peers),
         host=args.host,
         port=args.port,
-        identity_path=args.identity,
+        key=key,
         startup_timeout_s=config.timeouts.startup_s,
         swarm_key=swarm_key,
         max_skew_s=config.security.max_clock_skew_s,
+        alone_if_unanswered=True,  # the other bootstraps may be down too (a cold start of them all)
     )
     links, server = await _serve_probes(config, directory, swarm_key)
     maddrs = await directory.visible_maddrs()
@@ -81,18 +86,41 @@ async def _serve(config, args: argparse.Namespace) -> int:
     for maddr in maddrs:
         print(f"  noloco-node join --initial-peers {maddr}", flush=True)
     sys.stdout.flush()
-    dashboard = await _serve_dashboard(config, directory) if config.network.dashboard is not None else None
-    touch = asyncio.create_task(_keep_in_touch(directory, max(config.timeouts.heartbeat_s, TOUCH_PERIOD_S)))
+    dashboard = metrics = touch = None
     try:
+        dashboard = await _serve_dashboard(config, directory) if config.network.dashboard is not None else None
+        metrics = _serve_metrics(config, links, directory.peer_id) if config.network.metrics_port is not None else None
+        touch = asyncio.create_task(_keep_in_touch(directory, max(config.timeouts.heartbeat_s, TOUCH_PERIOD_S)))
         await stop.wait()
     finally:
-        touch.cancel()
+        if touch is not None:
+            touch.cancel()
         if dashboard is not None:
             await dashboard.close()
+        if metrics is not None:
+            metrics.stop()
+        if args.maddr_file:
+            Path(args.maddr_file).unlink(missing_ok=True)
         await links.close()
         await server.stop(1.0)
         await directory.shutdown()
     return 0
+
+
+def _identity(path: str):
+    """The bootstrap's key, and a line that says whether it was loaded or made: a new one is a new
+    peer id, so every multiaddr joiners were given stops working (a mistyped --identity path)."""
+    from noloco_node.transport.identity import NodeIdentity
+
+    existed = Path(path).expanduser().exists()
+    key = NodeIdentity.load_or_create(path)
+    if existed:
+        print(f"identity {path}: peer id {key.peer_id}", flush=True)
+    else:
+        print(
+            f"identity {path}: created, peer id {key.peer_id} (a new multiaddr; keep this file to keep it)", flush=True
+        )
+    return key
 
 
 async def _keep_in_touch(directory, period_s: float) -> None:
@@ -135,6 +163,16 @@ async def _serve_probes(config, directory, swarm_key: bytes | None):
     await links.attach(directory.p2p, server.bridge_port)
     await links.serve_relay()
     return links, server
+
+
+def _serve_metrics(config, links, peer_id: str):
+    """/metrics with the relay's counters (network.metrics_port, on network.host)."""
+    from noloco_node.node.metrics import BootstrapMetrics
+
+    metrics = BootstrapMetrics(lambda: links.relay.stats() if links.relay is not None else None, peer_id=peer_id)
+    port = metrics.serve(config.network.host, config.network.metrics_port)  # checked free in run()
+    print(f"metrics at http://{config.network.host}:{port}/metrics", flush=True)
+    return metrics
 
 
 class _SwarmDashboard:

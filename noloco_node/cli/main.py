@@ -26,7 +26,7 @@ from noloco_node.cli import (
     status,
 )
 from noloco_node.config import ConfigError
-from noloco_node.errors import BootstrapError, DataError, NodeError, UnreachableAddress
+from noloco_node.errors import BootstrapError, DataError, IdentityError, NodeError, UnreachableAddress
 
 COMMANDS = (join, bootstrap, status, doctor, health, keygen, demo, experiment, config_cmd, model_cmds, plan)
 
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         # the interpreter's final flush does not raise again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except (ConfigError, DataError) as exc:  # a bad config value, or data or a tokenizer that cannot be used
+    except (ConfigError, DataError, IdentityError) as exc:  # a bad value, data, tokenizer or identity file
         print(f"noloco-node: {exc}", file=sys.stderr)
         return 2
     except NodeError as exc:

@@ -70,20 +70,7 @@ class NetworkConfig:
         )
         for name in ("initial_peers", "relays"):
             for addr in getattr(self, name):
-                # What hivemind would refuse only after its daemon started, as an unreachable peer.
-                _require(
-                    isinstance(addr, str) and addr.startswith("/") and "/p2p/" in addr,
-                    name,
-                    f"{addr!r} is not a multiaddr with a peer id",
-                    "use the whole multiaddr the bootstrap printed, e.g. /ip4/203.0.113.7/tcp/31330/p2p/12D3KooW...",
-                )
-                peer = addr.rsplit("/p2p/", 1)[1].split("/", 1)[0]
-                _require(
-                    is_peer_id(peer),
-                    name,
-                    f"{peer!r} in {addr!r} is not a peer id (a character mistyped or missing?)",
-                    "copy the multiaddr the bootstrap printed again, whole",
-                )
+                _check_multiaddr(name, addr)
         for name in ("port", "dht_port", "allreduce_port"):
             _require(
                 0 <= getattr(self, name) <= 65535, name, f"{getattr(self, name)} is not a TCP port", "use 0..65535"
@@ -269,3 +256,33 @@ class TimeoutsConfig:
         reduce, twice the match window plus 10 s. DiLoCo's and dp's all-reduce get it, and a node
         that stops waits this long for a running outer step."""
         return 2 * self.match_s + 10
+
+
+def _check_multiaddr(name: str, addr: object) -> None:
+    """What hivemind would refuse only after its daemon started, as an unreachable peer, or accept
+    and then fail on in a task nobody reads."""
+    _require(
+        isinstance(addr, str) and addr.startswith("/") and "/p2p/" in addr,
+        name,
+        f"{addr!r} is not a multiaddr with a peer id",
+        "use the whole multiaddr the bootstrap printed, e.g. /ip4/203.0.113.7/tcp/31330/p2p/12D3KooW...",
+    )
+    _require(
+        "," not in addr and not any(c.isspace() for c in addr),
+        name,
+        f"{addr!r} holds more than one multiaddr",
+        "give each multiaddr on its own: --initial-peers A B (spaces), or a list in the config",
+    )
+    peer = addr.rsplit("/p2p/", 1)[1]
+    _require(
+        not peer.endswith("/"),
+        name,
+        f"{addr!r} ends in '/'",
+        "drop the trailing '/': a multiaddr ends with its peer id",
+    )
+    _require(
+        is_peer_id(peer),
+        name,
+        f"{peer!r} in {addr!r} is not a peer id (a character mistyped or missing?)",
+        "copy the multiaddr the bootstrap printed again, whole",
+    )

@@ -20,6 +20,7 @@ from hivemind.dht.validation import CompositeValidator
 from hivemind.utils.timed_storage import get_dht_time
 
 from noloco_node.dht.daemon import join_dht
+from noloco_node.errors import BootstrapError
 from noloco_node.dht.records import StageRecord, make_validators, stage_key
 from noloco_node.runtime.node_status import Status
 from noloco_node.transport.identity import NodeIdentity, peer_id_of_owner_marker
@@ -83,14 +84,19 @@ class PeerDirectory:
         max_skew_s: float = 60.0,
         key: NodeIdentity | None = None,
         p2p_options: dict | None = None,
+        alone_if_unanswered: bool = False,
     ) -> PeerDirectory:
         """Start the DHT node under `key` (the node's identity: its libp2p key and record-signing key
-        at once); raises BootstrapError with a fix when the initial peers cannot be reached.
+        at once); raises BootstrapError with a fix when the initial peers cannot be reached, or,
+        with `alone_if_unanswered` (a bootstrap, whose initial peers are the other bootstraps),
+        starts alone and links to them when they answer (keep_in_touch). Our own multiaddr among
+        the initial peers is left out (one config file shared by every peer of a host lists it).
         `p2p_options` go to hivemind.P2P.create (relay and reachability settings)."""
         if key is None:
             key = NodeIdentity.load_or_create(identity_path) if identity_path else NodeIdentity.generate()
         signer = RSASignatureValidator(key.hivemind_key())
         validator = CompositeValidator(make_validators(identity.run_id, identity.num_stages, signer))
+        initial_peers = [m for m in initial_peers if m.rpartition("/p2p/")[2] != key.peer_id]
         start_args = dict(
             initial_peers=initial_peers,
             host=host,
@@ -101,7 +107,13 @@ class PeerDirectory:
             max_skew_s=max_skew_s,
             key=key,
         )
-        node, p2p = await join_dht(start_args, validator, p2p_options)
+        try:
+            node, p2p = await join_dht(start_args, validator, p2p_options)
+        except BootstrapError as exc:
+            if not (alone_if_unanswered and initial_peers):
+                raise
+            log.warning("%s; starting alone, and linking to them when they answer", exc)
+            node, p2p = await join_dht(start_args | {"initial_peers": []}, validator, p2p_options)
         directory = cls(node, identity, signer, key=key)
         directory._own_p2p, directory._start_args = p2p, start_args
         return directory
@@ -262,15 +274,19 @@ class PeerDirectory:
         return record
 
     async def record_of(self, peer_id: str, max_age_s: float = 5.0) -> StageRecord | None:
-        """The latest record of `peer_id` (a leaving one too: it still drains its microbatches),
-        from the lookups of the last `max_age_s`, else from a fresh lookup of every stage."""
+        """The latest record of `peer_id` that can be dialled (a leaving one too: it still drains
+        its microbatches), from the lookups of the last `max_age_s`, else from a fresh lookup of
+        every stage. A joiner's claim is no such record (no address, no certificate): a claim seen
+        a moment ago means a fresh lookup, which finds the record the joiner announced once it
+        served (seen: a stage-1 node dialled a new stage-0 replica by its claim, failed every
+        backward of its first microbatches, and that replica waited out the microbatch timeout)."""
         known = self._by_peer.get(peer_id)
-        if known is not None and time.monotonic() - known[0] < max_age_s:
+        if known is not None and known[1].status != Status.JOINING and time.monotonic() - known[0] < max_age_s:
             return known[1]
         for stage in range(self.identity.num_stages):
             await self.replicas(stage, fresh=True)
         known = self._by_peer.get(peer_id)
-        if known is None:
+        if known is None or known[1].status == Status.JOINING:
             return None
         if len(self._by_peer) > 4096:  # forget peers not seen for a long while
             cutoff = time.monotonic() - 600

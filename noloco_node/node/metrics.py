@@ -170,3 +170,43 @@ class NodeMetrics:
         if self.server is not None:
             self.server.shutdown()
             self.server.server_close()
+
+
+class _RelayCollector:
+    """A bootstrap's relay counters, read from the relay at scrape time."""
+
+    def __init__(self, relay_stats: Callable[[], dict | None], labels: dict[str, str]) -> None:
+        self.relay_stats, self.labels = relay_stats, labels
+
+    def collect(self) -> Iterator[Metric]:
+        served = self.relay_stats()
+        if served is None:
+            return
+        relayed = CounterMetricFamily(
+            "noloco_relay_bytes", "Bytes this node relayed between peers behind NAT", labels=list(self.labels)
+        )
+        relayed.add_metric(list(self.labels.values()), served["bytes_relayed"])
+        yield relayed
+        circuits = GaugeMetricFamily(
+            "noloco_relay_circuits_open", "Relay circuits open through this node", labels=list(self.labels)
+        )
+        circuits.add_metric(list(self.labels.values()), served["circuits_open"])
+        yield circuits
+
+
+class BootstrapMetrics:
+    """A bootstrap's /metrics: what its relay carried (the same names a node's relay counters have)."""
+
+    def __init__(self, relay_stats: Callable[[], dict | None], *, peer_id: str) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_RelayCollector(relay_stats, {"peer": peer_id[-8:], "role": "bootstrap"}))
+        self.server = None
+
+    def serve(self, host: str, port: int) -> int:
+        self.server, _ = start_http_server(port, addr=host, registry=self.registry)
+        return self.server.server_port
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()

@@ -17,6 +17,15 @@ def setup_logging(level: str = "INFO", prefix: str = "") -> None:
     root.setLevel(level.upper())
     for noisy in ("hivemind", "datasets", "filelock", "httpx", "urllib3"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
+    handler.addFilter(_not_our_reaped_daemon)
+
+
+def _not_our_reaped_daemon(record: logging.LogRecord) -> bool:
+    """asyncio's child watcher warns of a child it could not wait for ("Unknown child process pid
+    ..."): a libp2p daemon that failed to start is waited for by us (dht/daemon.py ReapedP2P), so
+    the watcher finds it gone. Shown before the real error ("could not join the DHT"), it read as
+    a second fault."""
+    return not (record.name == "asyncio" and record.getMessage().startswith("Unknown child process pid"))
 
 
 class ProgressLine:

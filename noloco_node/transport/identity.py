@@ -23,13 +23,11 @@ from hivemind.p2p.p2p_daemon_bindings.datastructures import PeerID
 from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey
 
+from noloco_node.errors import IdentityError
+
 _PADDING = padding.PKCS1v15()
 _HASH = hashes.SHA256()
 _OWNER_RE = re.compile(rb"^\[owner:(.+?)\]$")
-
-
-class IdentityError(ValueError):
-    pass
 
 
 def peer_id_of(public_key: rsa.RSAPublicKey) -> str:
@@ -98,6 +96,9 @@ class NodeIdentity:
     def load_or_create(cls, path: str | Path) -> NodeIdentity:
         """A persistent identity (hivemind's identity file format): same peer id across restarts."""
         path = Path(path).expanduser()
+        if path.is_dir():
+            example = path / "node.key"
+            raise IdentityError(f"{path} is a folder, not an identity file; pass a file's path, e.g. {example}")
         if not path.exists():
             identity = cls.generate()
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -106,13 +107,19 @@ class NodeIdentity:
                 f.write(identity.libp2p_key_bytes())
             identity._identity_path = str(path)
             return identity
+        new_one = "pass the right file, or remove this one to create a new identity (a new peer id: a new multiaddr)"
         try:
-            der = crypto_pb2.PrivateKey.FromString(path.read_bytes()).data
+            raw = path.read_bytes()
+        except OSError as exc:
+            raise IdentityError(f"cannot read the identity file {path} ({exc.strerror}); {new_one}") from None
+        try:
+            der = crypto_pb2.PrivateKey.FromString(raw).data
             key = serialization.load_der_private_key(der, password=None)
-        except Exception as exc:  # noqa: BLE001 - any unreadable file gets the same clear error
-            raise IdentityError(f"{path} is not an identity file ({exc}); remove it to create a new one") from None
+        except Exception:  # noqa: BLE001 - any file that is not a key gets the same clear error
+            what = f"{len(raw)} bytes that hold no key"
+            raise IdentityError(f"{path} is not an identity file ({what}); {new_one}") from None
         if not isinstance(key, rsa.RSAPrivateKey):
-            raise IdentityError(f"{path} does not hold an RSA key; remove it to create a new one")
+            raise IdentityError(f"{path} does not hold an RSA key; {new_one}")
         identity = cls(key)
         identity._identity_path = str(path)
         return identity

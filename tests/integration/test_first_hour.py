@@ -16,6 +16,8 @@ import time
 
 import pytest
 
+from noloco_node.transport.identity import NodeIdentity
+
 from .volunteer_procs import (
     STARTUP_S,
     DRAIN_S,
@@ -128,12 +130,26 @@ def test_a_restarted_bootstrap_rejoins_the_swarm_it_lost(tmp_path, procs):
 
 
 def test_a_swarm_with_two_bootstraps_outlives_one(tmp_path, procs):
+    """A cold start of two bootstraps given one shared list of both (operator.md): the first up
+    finds the other down and starts alone, and neither refuses its own address in the list."""
     config = tiny_config(tmp_path)
-    a = start_bootstrap(procs, tmp_path, "bootstrap-a", free_port())
-    b = start_bootstrap(procs, tmp_path, "bootstrap-b", free_port(), "--initial-peers", a)
+    ports = {name: free_port() for name in ("bootstrap-a", "bootstrap-b")}
+    listed = [
+        f"/ip4/127.0.0.1/tcp/{port}/p2p/{NodeIdentity.load_or_create(str(tmp_path / f'{name}.key')).peer_id}"
+        for name, port in ports.items()
+    ]
+    a = start_bootstrap(procs, tmp_path, "bootstrap-a", ports["bootstrap-a"], "--initial-peers", *listed)
+    assert "starting alone" in (tmp_path / "bootstrap-a.log").read_text()
+    b = start_bootstrap(procs, tmp_path, "bootstrap-b", ports["bootstrap-b"], "--initial-peers", *listed)
+    assert [a, b] == listed
     both = ["--initial-peers", a, b]
-    s1, s1_ready = start_join(procs, tmp_path, "s1", cli("join", "--config", str(config), *both, "--stage", "1"))
-    s0, s0_ready = start_join(procs, tmp_path, "s0", cli("join", "--config", str(config), *both, "--stage", "0"))
+    # Each node knows one bootstrap only: they meet because the bootstraps linked.
+    s1, s1_ready = start_join(
+        procs, tmp_path, "s1", cli("join", "--config", str(config), "--initial-peers", a, "--stage", "1")
+    )
+    s0, s0_ready = start_join(
+        procs, tmp_path, "s0", cli("join", "--config", str(config), "--initial-peers", b, "--stage", "0")
+    )
     wait_for(lambda: ready(s0_ready).get("inner_step", 0) >= 2, 90, "the swarm did not train", s0, s1)
 
     procs[0].stop_like_a_terminal(signal.SIGTERM, 10)  # bootstrap a, for good

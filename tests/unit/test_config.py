@@ -118,3 +118,17 @@ def test_a_mistyped_peer_id_in_initial_peers_is_a_config_error_at_once():
         with pytest.raises(ConfigError, match="is not a peer id") as error:
             build_config({"network": {"initial_peers": [bad]}})
         assert "network.initial_peers" in str(error.value) and "copy the multiaddr" in str(error.value)
+
+
+def test_a_trailing_slash_or_comma_separated_multiaddrs_are_refused_with_the_fix():
+    """Seen: "MADDR/" joined, then every heartbeat's re-dial of the bootstrap raised in a task nobody
+    read (so a restarted bootstrap never re-learned that node); "A,B" failed after 27 s in hivemind."""
+    from noloco_node.config import ConfigError, build_config
+
+    good = "/ip4/127.0.0.1/tcp/31330/p2p/QmQsqaCr7huWkxQvXBbzXkEz9ChW9S9vGuvMxDSSYgbyCY"
+    circuit = f"{good}/p2p-circuit/p2p/{PEER[-46:]}"
+    assert build_config({"network": {"initial_peers": [circuit]}}).network.initial_peers == (circuit,)
+    for bad, says in ((good + "/", "drop the trailing '/'"), (f"{good},{PEER}", "--initial-peers A B")):
+        with pytest.raises(ConfigError, match="network.initial_peers") as error:
+            build_config({"network": {"initial_peers": [bad]}})
+        assert says in str(error.value)

@@ -41,3 +41,20 @@ def test_off_a_terminal_there_is_no_progress_line_and_logs_are_plain(monkeypatch
     line.update("step 1")
     logging.getLogger("noloco_node.test").info("plain")
     assert "step 1" not in out.getvalue() and out.getvalue().endswith("plain\n") and "\x1b" not in out.getvalue()
+
+
+def test_asyncios_warning_of_a_daemon_we_reaped_ourselves_is_not_shown(capsys):
+    import logging
+
+    from noloco_node.runtime.logging import setup_logging
+
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    setup_logging("INFO")
+    try:
+        logging.getLogger("asyncio").warning("Unknown child process pid %d, will report returncode 255", 3730)
+        logging.getLogger("asyncio").warning("something else")
+    finally:
+        root.handlers[:], root.level = handlers, level
+    err = capsys.readouterr().err
+    assert "Unknown child process" not in err and "something else" in err

@@ -88,3 +88,19 @@ def test_a_reader_that_closes_the_pipe_early_is_not_an_error(tmp_path):
     finally:
         os.close(write_end)
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("content", [None, b"", b"not a key at all"])
+def test_an_identity_file_that_cannot_be_used_is_one_line_with_the_fix(tmp_path, capsys, content):
+    """Seen: a folder, an empty file or a swarm key given as --identity gave a 20-line traceback."""
+    from noloco_node.cli.main import main
+
+    path = tmp_path / "boot.key"
+    if content is None:
+        path.mkdir()
+    else:
+        path.write_bytes(content)
+    assert main(["bootstrap", "--identity", str(path), "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err and str(path) in err
+    assert ("is a folder" in err) if content is None else ("remove this one to create a new identity" in err)

@@ -92,3 +92,18 @@ def test_a_replica_that_announced_it_leaves_stays_gone_when_a_later_lookup_misse
     assert asyncio.run(directory.replicas(0, fresh=True)) == []
     dht.entries = {}  # a lookup that finds nothing at all keeps what it knew: the leaving record
     assert asyncio.run(directory.replicas(0, fresh=True)) == []
+
+
+def test_a_joiners_claim_is_never_the_record_it_is_dialled_by():
+    me, joiner = NodeIdentity.generate(), NodeIdentity.generate()
+    dht = ScriptedDHT(me)
+    directory = PeerDirectory(dht, IDENTITY, RSASignatureValidator(me.hivemind_key()), key=me)
+    claim = record(joiner, status="joining", address="", tls_cert="", inner_step=0, updated_at=1000.0)
+    now = get_dht_time()
+    dht.entries = {claim[0]: (claim[1], now + 30)}
+    asyncio.run(directory.replicas(0, fresh=True))  # a routine lookup sees the claim: not a replica
+    assert asyncio.run(directory.record_of(joiner.peer_id)) is None  # nothing to dial yet
+    serving = record(joiner, status="serving", updated_at=1002.0)
+    dht.entries = {serving[0]: (serving[1], now + 40)}  # it announced itself once it served
+    found = asyncio.run(directory.record_of(joiner.peer_id))  # the cached claim is looked past at once
+    assert found is not None and found.status == "serving" and found.tls_cert == "AAAA"

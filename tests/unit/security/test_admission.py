@@ -28,7 +28,7 @@ def test_identity_peer_id_is_libp2ps_and_survives_a_restart(tmp_path):
     assert PeerID.from_identity(path.read_bytes()).to_base58() == first.peer_id
     assert NodeIdentity.load_or_create(path).peer_id == first.peer_id
     (tmp_path / "junk").write_bytes(b"junk")
-    with pytest.raises(ValueError, match="remove it"):
+    with pytest.raises(ValueError, match="remove this one to create a new identity"):
         NodeIdentity.load_or_create(tmp_path / "junk")
 
 
