@@ -164,3 +164,31 @@ def test_a_swarm_with_two_bootstraps_outlives_one(tmp_path, procs):
         new,
     )
     status_lists_every_replica(config, b, [s0_ready, s1_ready, new_ready])
+
+
+def test_a_joiner_that_auto_takes_stage_0_of_a_running_swarm_trains_at_once(tmp_path, procs):
+    """Seen by an operator: the stage-1 replica dialled a new stage-0 replica by its joining claim
+    (no address, no certificate), every backward of its first microbatches failed, and it waited
+    out the 60 s microbatch timeout before its first step (then lagged its stage for good)."""
+    config = tiny_config(tmp_path)
+    maddr = start_bootstrap(procs, tmp_path, "bootstrap", free_port())
+    join = ["join", "--config", str(config), "--initial-peers", maddr]
+    s1a, s1a_ready = start_join(procs, tmp_path, "s1a", cli(*join, "--stage", "1"))
+    s1b, s1b_ready = start_join(procs, tmp_path, "s1b", cli(*join, "--stage", "1"))
+    s0, s0_ready = start_join(procs, tmp_path, "s0", cli(*join, "--stage", "0"))
+    wait_for(lambda: ready(s0_ready).get("inner_step", 0) >= 3, 90, "the swarm did not train", s0, s1a, s1b)
+    new, new_ready = start_join(procs, tmp_path, "s0-new", cli(*join, "--stage", "auto"))  # stage 0 is the weakest
+    wait_for(lambda: ready(new_ready).get("status") in ("serving", "matching"), 90, "the joiner never served", new)
+    assert ready(new_ready)["stage"] == 0
+    started = ready(new_ready)["inner_step"]
+    # Well inside the 60 s a microbatch whose gradient never came back waits before its re-issue.
+    wait_for(
+        lambda: ready(new_ready)["inner_step"] >= started + 2,
+        40,
+        "the new stage-0 replica's first microbatches got no gradients back",
+        new,
+        s1a,
+        s1b,
+    )
+    for log in ("s1a.log", "s1b.log"):
+        assert "publishes no usable certificate" not in (tmp_path / log).read_text()
