@@ -48,11 +48,16 @@ def read_cells(folder: Path) -> list[dict]:
     return [
         {
             "row": row,
-            "evals": curves.get(row["cell"], {}).get("evals", []),
-            "train": curves.get(row["cell"], {}).get("train", []),
+            "evals": _measured(curves.get(row["cell"], {}).get("evals", [])),
+            "train": _measured(curves.get(row["cell"], {}).get("train", [])),
         }
         for row in read_csv(folder / "results.csv")
     ]
+
+
+def _measured(points: list[dict]) -> list[dict]:
+    """A curve's points as the runner held them: null in curves.json (a value not measured) is NaN."""
+    return [{k: math.nan if v is None else v for k, v in point.items()} for point in points]
 
 
 def merge_cells(scenario: Scenario, kept: list[dict], rerun: list[dict]) -> list[dict]:

@@ -82,6 +82,7 @@ def test_a_rerun_replaces_its_cells_and_keeps_the_rest(tmp_path):
     (folder / "cells" / "dp-D2-P2-lan-s1").mkdir(parents=True)
     (folder / "cells" / "dp-D2-P2-lan-s1" / "error.txt").write_text("old failure")
     new = [_cell("dp", 0, 4.8), _cell("dp", 1, 4.7)]
+    new[0]["evals"][0]["wall_s"] = math.nan  # written as null, read back as not measured
     write_outputs(rerun, scenario, new, [], LINKS, command="rerun", elapsed_s=120)
     (rerun / "cells" / "dp-D2-P2-lan-s1" / "events").mkdir(parents=True)
     (rerun / "cells" / "dp-D2-P2-lan-s1" / "events" / "stage0-r0.jsonl").write_text("{}\n")
