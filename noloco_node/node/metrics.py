@@ -14,9 +14,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from noloco_node.runtime.node_stats import AdmissionStats, IntegrityStats, NodeStats, OuterCounts, TransportStats
 
 
-class _StatsCollector:
-    def __init__(self, stats: Callable[[], NodeStats], labels: dict[str, str]) -> None:
-        self.stats, self.labels = stats, labels
+class _Labelled:
+    """Metric families with this collector's labels."""
+
+    labels: dict[str, str]
 
     def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
         g = GaugeMetricFamily(name, doc, labels=list(self.labels))
@@ -27,6 +28,20 @@ class _StatsCollector:
         c = CounterMetricFamily(name, doc, labels=list(self.labels))
         c.add_metric(list(self.labels.values()), value)
         return c
+
+    def _relay(self, served: dict) -> Iterator[Metric]:
+        """What a relay carried (a node's, or a bootstrap's)."""
+        yield self._counter(
+            "noloco_relay_bytes", "Bytes this node relayed between peers behind NAT", served["bytes_relayed"]
+        )
+        yield self._gauge(
+            "noloco_relay_circuits_open", "Relay circuits open through this node", served["circuits_open"]
+        )
+
+
+class _StatsCollector(_Labelled):
+    def __init__(self, stats: Callable[[], NodeStats], labels: dict[str, str]) -> None:
+        self.stats, self.labels = stats, labels
 
     def collect(self) -> Iterator[Metric]:
         s = self.stats()
@@ -97,14 +112,8 @@ class _StatsCollector:
         yield self._counter(
             "noloco_streams_cut", "Streams cut at this node's receive deadline", transport.cut_at_receive_deadline
         )
-        served = links.relay_served
-        if served is not None:
-            yield self._counter(
-                "noloco_relay_bytes", "Bytes this node relayed between peers behind NAT", served["bytes_relayed"]
-            )
-            yield self._gauge(
-                "noloco_relay_circuits_open", "Relay circuits open through this node", served["circuits_open"]
-            )
+        if links.relay_served is not None:
+            yield from self._relay(links.relay_served)
 
     def _admission(self, admission: AdmissionStats) -> Iterator[Metric]:
         """Calls refused before any servicer ran, and the peers banned."""
@@ -144,22 +153,11 @@ class _StatsCollector:
         yield outcomes
 
 
-class NodeMetrics:
-    def __init__(self, stats: Callable[[], NodeStats], *, peer_id: str, stage: int) -> None:
-        self.registry = CollectorRegistry()
-        labels = {"peer": peer_id[-8:], "stage": str(stage)}
-        self.registry.register(_StatsCollector(stats, labels))
-        self.rpc_latency = Histogram(
-            "noloco_rpc_latency_seconds",
-            "Client-side latency of Stage calls",
-            ["method"],
-            registry=self.registry,
-            buckets=(0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30),
-        )
-        self.server = None
+class _MetricsServer:
+    """/metrics over one registry on its own HTTP port."""
 
-    def observe_rpc(self, method: str, seconds: float) -> None:
-        self.rpc_latency.labels(method).observe(seconds)
+    registry: CollectorRegistry
+    server = None
 
     def serve(self, host: str, port: int) -> int:
         """Start the /metrics HTTP server; returns the bound port."""
@@ -172,7 +170,24 @@ class NodeMetrics:
             self.server.server_close()
 
 
-class _RelayCollector:
+class NodeMetrics(_MetricsServer):
+    def __init__(self, stats: Callable[[], NodeStats], *, peer_id: str, stage: int) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"peer": peer_id[-8:], "stage": str(stage)}
+        self.registry.register(_StatsCollector(stats, labels))
+        self.rpc_latency = Histogram(
+            "noloco_rpc_latency_seconds",
+            "Client-side latency of Stage calls",
+            ["method"],
+            registry=self.registry,
+            buckets=(0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30),
+        )
+
+    def observe_rpc(self, method: str, seconds: float) -> None:
+        self.rpc_latency.labels(method).observe(seconds)
+
+
+class _RelayCollector(_Labelled):
     """A bootstrap's relay counters, read from the relay at scrape time."""
 
     def __init__(self, relay_stats: Callable[[], dict | None], labels: dict[str, str]) -> None:
@@ -180,33 +195,13 @@ class _RelayCollector:
 
     def collect(self) -> Iterator[Metric]:
         served = self.relay_stats()
-        if served is None:
-            return
-        relayed = CounterMetricFamily(
-            "noloco_relay_bytes", "Bytes this node relayed between peers behind NAT", labels=list(self.labels)
-        )
-        relayed.add_metric(list(self.labels.values()), served["bytes_relayed"])
-        yield relayed
-        circuits = GaugeMetricFamily(
-            "noloco_relay_circuits_open", "Relay circuits open through this node", labels=list(self.labels)
-        )
-        circuits.add_metric(list(self.labels.values()), served["circuits_open"])
-        yield circuits
+        if served is not None:
+            yield from self._relay(served)
 
 
-class BootstrapMetrics:
+class BootstrapMetrics(_MetricsServer):
     """A bootstrap's /metrics: what its relay carried (the same names a node's relay counters have)."""
 
     def __init__(self, relay_stats: Callable[[], dict | None], *, peer_id: str) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_RelayCollector(relay_stats, {"peer": peer_id[-8:], "role": "bootstrap"}))
-        self.server = None
-
-    def serve(self, host: str, port: int) -> int:
-        self.server, _ = start_http_server(port, addr=host, registry=self.registry)
-        return self.server.server_port
-
-    def stop(self) -> None:
-        if self.server is not None:
-            self.server.shutdown()
-            self.server.server_close()

@@ -115,7 +115,10 @@ class InnerOptimizer:
         elif torch.isfinite(norm):  # the unfused step cannot skip by itself; off a GPU the read is free
             self.adam.step()
         self.adam.zero_grad(set_to_none=True)
-        weights = _total_norm(self.params, device=norm.device)
+        # One norm over every weight (multi-tensor kernels); NaN or inf where any value is.
+        weights = (
+            torch.nn.utils.get_total_norm([p.detach() for p in self.params]) if self.params else norm.new_zeros(())
+        )
         norm_value, weights_value = torch.stack([norm.float(), weights.float()]).tolist()
         if not math.isfinite(norm_value):
             self.skipped_steps += 1
@@ -146,11 +149,3 @@ class _SkippingAdam(torch.optim.Adam):
     def step_unless(self, found_inf: torch.Tensor) -> None:
         self.found_inf = found_inf
         self.step()
-
-
-def _total_norm(tensors: list[torch.Tensor], *, device: torch.device) -> torch.Tensor:
-    """One norm over all `tensors` (multi-tensor kernels: a launch per group of tensors, not per
-    tensor); NaN or inf where any value is."""
-    if not tensors:
-        return torch.zeros((), device=device)
-    return torch.nn.utils.get_total_norm([t.detach() for t in tensors]).to(device)
