@@ -11,7 +11,11 @@ import pytest
 from .conftest import prepare_tokenizer, tiny_overrides
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
-STEPS = 160
+STEPS = 100
+# The slow replica's extra seconds per sequence. A tiny sequence computes in ~10 ms on an idle core
+# and several times that on a loaded CI box (15 per compute-second measured beside the NAT test),
+# so the capacity ratio a fixed delay makes drifts towards 1 with the load.
+DELAY_S = 0.02
 
 
 def run_swarm(tmp_path, make_swarm, routing: str) -> dict:
@@ -29,7 +33,7 @@ def run_swarm(tmp_path, make_swarm, routing: str) -> dict:
     )
     prepare_tokenizer(overrides)
     swarm = make_swarm(overrides, name=f"swarm-{routing}")
-    slow = swarm.start_node(1, 0, "--set", "faults.compute_delay_s=0.01")
+    slow = swarm.start_node(1, 0, "--set", f"faults.compute_delay_s={DELAY_S}")
     fast = swarm.start_node(1, 1)
     swarm.wait_ready([slow, fast])
     driver = swarm.start_node(0, 0, "--steps", str(STEPS))
@@ -59,11 +63,14 @@ def test_capacity_routing_follows_measured_capacity(tmp_path, make_swarm):
     weighted = run_swarm(tmp_path, make_swarm, "capacity")
     slow_cap, fast_cap = weighted["capacity"]
     print(f"\ncapacity: {weighted}")
-    # The slowdown is measured. The 10 ms delay is fixed while the real compute stretches with the
-    # machine's load, so the ratio drifts towards 1 on a busy machine: 0.50-0.55 measured here alone.
+    # The slowdown is measured. The delay is fixed while the real compute stretches with the
+    # machine's load, so the ratio drifts towards 1 on a busy machine.
     assert 0 < slow_cap < 0.75 * fast_cap
     # The share the slow replica got, against the share its measured capacity gave it at each
     # pick (capacities move with the machine's load during the run), and against the end's ratio.
     assert weighted["slow_share"] == pytest.approx(weighted["expected_share"], rel=0.2)
     assert weighted["slow_share"] == pytest.approx(slow_cap / (slow_cap + fast_cap), rel=0.5)
-    assert weighted["slow_share"] < 0.4  # uniform routing would give it half
+    # Uniform routing would give it half: routing moved its share at least halfway from there to its
+    # capacity's share (a fixed bound of 0.4 failed once on a loaded CI box, at a capacity share of ~0.42).
+    capacity_share = slow_cap / (slow_cap + fast_cap)
+    assert weighted["slow_share"] < 0.5 - (0.5 - capacity_share) / 2

@@ -104,7 +104,9 @@ def test_chaos_kill_and_restart_keeps_training_accounted(tmp_path, make_swarm):
 
 
 def test_poisoned_snapshots_every_round_never_move_an_honest_replica(tmp_path, make_swarm):
-    steps = 12
+    # Three rounds: the first already meets the liar; a later round can wait out the whole window
+    # (the liar banned, or gone once it finished), so each extra round cost up to match_s.
+    steps = 6
     overrides = tiny_overrides(
         tmp_path,
         **{
