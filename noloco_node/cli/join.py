@@ -184,9 +184,37 @@ def _with_checkpoint_home(config):
 
     from noloco_node.node.checkpoint_home import CheckpointSlot, config_fingerprint
 
-    slot = CheckpointSlot.claim(config.run.run_id, config_fingerprint(config))
+    fingerprint = config_fingerprint(config)
+    prefer = _unserved_checkpoints(config, fingerprint) if config.pipeline.stage is None else []
+    slot = CheckpointSlot.claim(config.run.run_id, fingerprint, prefer=prefer)
     checkpoint = dataclasses.replace(config.checkpoint, dir=str(slot.directory))
     return dataclasses.replace(config, checkpoint=checkpoint), slot
+
+
+def _unserved_checkpoints(config, fingerprint: str) -> list[Path]:
+    """`--stage auto` where this machine's stopped nodes left checkpoints of more than one stage: the
+    free folders whose stage the swarm has no live replica of, asked of the swarm first. Without it
+    the lowest free folder was taken: a node stopped second and started first took the other's
+    stage-0 folder while its own stage-1 weights, the stage's only copy, sat unused beside it."""
+    from noloco_node.node.checkpoint import stages_in
+    from noloco_node.node.checkpoint_home import CheckpointSlot, unserved_first
+    from noloco_node.node.discovery import stages_served
+    from noloco_node.node.manifest import load_run_inputs
+    from noloco_node.rpc.security import read_swarm_key
+
+    free = CheckpointSlot.free_slots(config.run.run_id, fingerprint)
+    if not free:
+        return []
+    _, _, manifest_hash = load_run_inputs(config)
+    stages_by_slot = {slot: stages_in(slot, config.run.run_id, manifest_hash) for slot in free}
+    if len({stage for stages in stages_by_slot.values() for stage in stages}) < 2:
+        return []  # one stage or none on disk: the lowest free folder is the one
+    try:
+        served = asyncio.run(stages_served(config, manifest_hash, read_swarm_key(config.security)))
+    except Exception as exc:  # noqa: BLE001 - the node's own start says what is wrong with the swarm
+        log.debug("could not ask the swarm which stages are served: %r", exc)
+        return []
+    return unserved_first(stages_by_slot, served)
 
 
 async def _serve(config, args: argparse.Namespace, slot=None) -> int:

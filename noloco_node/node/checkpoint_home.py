@@ -1,7 +1,9 @@
 """Where `join` keeps a node's checkpoints when the config names no directory: a slot of its own
 under the user's state directory, `$XDG_STATE_HOME/noloco-node/<run_id>/<config>/node-<n>`
 (`~/.local/state/...` by default; <config> a fingerprint of the config, so that another model under
-the same run id never meets this one's checkpoints), n the lowest slot no running node holds.
+the same run id never meets this one's checkpoints), n the lowest slot no running node holds, or,
+for `--stage auto` on a machine whose stopped nodes left checkpoints of several stages, the free
+slot holding a stage the swarm has no replica of (`join` asks the swarm first: cli/join.py).
 
 A slot is held by an exclusive `flock` on its lock file for the life of the process, so two nodes
 started on one machine never share a directory, and a node started again after the last one
@@ -14,6 +16,7 @@ import fcntl
 import os
 import re
 from pathlib import Path
+from typing import Sequence
 
 from noloco_node.config import ConfigError
 
@@ -51,10 +54,16 @@ class CheckpointSlot:
 
     @classmethod
     def claim(
-        cls, run_id: str, fingerprint: str, *, home: Path | None = None, slots: int = MAX_SLOTS
+        cls,
+        run_id: str,
+        fingerprint: str,
+        *,
+        home: Path | None = None,
+        slots: int = MAX_SLOTS,
+        prefer: Sequence[Path] = (),
     ) -> CheckpointSlot:
-        """The lowest free slot of this run and config; ConfigError naming checkpoint.dir when none
-        can be had."""
+        """The first free slot of `prefer` (slots of this run and config), else the lowest free
+        slot; ConfigError naming checkpoint.dir when none can be had."""
         run_dir = run_directory(run_id, fingerprint, home)
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -64,21 +73,28 @@ class CheckpointSlot:
                 f"cannot create the default checkpoint folder {run_dir}: {e.strerror}",
                 "set checkpoint.dir to a writable folder, or checkpoint.auto = false for no checkpoints",
             ) from None
-        for n in range(slots):
-            directory = run_dir / f"node-{n}"
+        preferred = [Path(p) for p in prefer if Path(p).parent == run_dir]
+        for directory in [*preferred, *(run_dir / f"node-{n}" for n in range(slots))]:
             directory.mkdir(exist_ok=True)
-            fd = os.open(directory / LOCK_NAME, os.O_CREAT | os.O_RDWR, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                continue
-            return cls(directory, fd)
+            if (fd := _lock(directory)) is not None:
+                return cls(directory, fd)
         raise ConfigError(
             "checkpoint.dir",
             f"all {slots} default checkpoint folders under {run_dir} are held by running nodes",
             "set checkpoint.dir for this node",
         )
+
+    @staticmethod
+    def free_slots(run_id: str, fingerprint: str, *, home: Path | None = None) -> list[Path]:
+        """The existing slots of this run and config that no running node holds, lowest first."""
+        run_dir = run_directory(run_id, fingerprint, home)
+        found = sorted(run_dir.glob("node-*"), key=lambda p: int(p.name[5:]) if p.name[5:].isdigit() else MAX_SLOTS)
+        free = []
+        for directory in found:
+            if directory.is_dir() and (fd := _lock(directory)) is not None:
+                os.close(fd)  # only looked: the claim takes it for good
+                free.append(directory)
+        return free
 
     def release(self) -> None:
         if self._lock_fd >= 0:
@@ -90,3 +106,20 @@ class CheckpointSlot:
 
     def __exit__(self, *_exc) -> None:
         self.release()
+
+
+def unserved_first(stages_by_slot: dict[Path, list[int]], served: set[int]) -> list[Path]:
+    """The free slots whose one checkpointed stage no live replica serves, lowest first: there our
+    weights are the stage's only copy, and the lowest free slot may hold a stage others serve."""
+    return [slot for slot, stages in stages_by_slot.items() if len(stages) == 1 and stages[0] not in served]
+
+
+def _lock(directory: Path) -> int | None:
+    """An fd holding the slot's exclusive lock, or None when a running node holds it."""
+    fd = os.open(directory / LOCK_NAME, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd

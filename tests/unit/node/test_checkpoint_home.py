@@ -122,3 +122,29 @@ def test_another_model_under_the_same_run_id_gets_another_folder():
     for other in ({"model": {"seq_len": 64}}, {"data": {"path": "other.txt"}}, {"outer": {"alpha": 0.6}}):
         assert config_fingerprint(build_config(other)) != config_fingerprint(base), other
     assert config_fingerprint(build_config({"checkpoint": {"every_steps": 7}})) == config_fingerprint(base)
+
+
+def test_a_preferred_free_slot_is_claimed_before_the_lowest_and_a_held_one_is_passed_over(tmp_path):
+    held = CheckpointSlot.claim("run", "fp", home=tmp_path)  # node-0, held by a running node
+    for n in (1, 2, 3):
+        (run_directory("run", "fp", tmp_path) / f"node-{n}").mkdir()
+    assert [p.name for p in CheckpointSlot.free_slots("run", "fp", home=tmp_path)] == ["node-1", "node-2", "node-3"]
+    node3 = run_directory("run", "fp", tmp_path) / "node-3"
+    with CheckpointSlot.claim("run", "fp", home=tmp_path, prefer=[held.directory, node3]) as slot:
+        assert slot.directory == node3  # node-0 is held: the next preferred one
+        assert [p.name for p in CheckpointSlot.free_slots("run", "fp", home=tmp_path)] == ["node-1", "node-2"]
+    elsewhere = tmp_path / "elsewhere" / "node-0"
+    elsewhere.mkdir(parents=True)
+    with CheckpointSlot.claim("run", "fp", home=tmp_path, prefer=[elsewhere]) as slot:
+        assert slot.directory.name == "node-1"  # a folder of another run is never taken
+    held.release()
+
+
+def test_the_slots_of_stages_nobody_serves_come_first():
+    from pathlib import Path
+
+    from noloco_node.node.checkpoint_home import unserved_first
+
+    slots = {Path("node-0"): [0], Path("node-1"): [1], Path("node-2"): [], Path("node-3"): [0, 1], Path("node-4"): [2]}
+    assert unserved_first(slots, served={0}) == [Path("node-1"), Path("node-4")]
+    assert unserved_first(slots, served={0, 1, 2}) == []
