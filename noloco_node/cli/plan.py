@@ -62,7 +62,13 @@ def register(subparsers) -> None:
         help="with --uplink: what a node receives through (default: the uplink's speed)",
     )
     p.add_argument("--rtt", type=float, default=0.0, metavar="MS", help="round-trip time between nodes in ms")
-    p.add_argument("--gpu", help=f"device name for its TFLOP/s: {', '.join(_tflops_table())}")
+    p.add_argument(
+        "--gpu",
+        type=str.lower,
+        choices=list(_tflops_table()),
+        metavar="NAME",
+        help=f"device name for its TFLOP/s: {', '.join(_tflops_table())}",
+    )
     p.add_argument("--device-tflops", type=float, help="the device's dense bf16 peak TFLOP/s")
     p.add_argument("--mfu", type=float, help="model FLOPs utilisation while busy (default 0.3)")
     p.add_argument("--json", action="store_true", help="print JSON for scripts")

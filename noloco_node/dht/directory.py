@@ -56,6 +56,9 @@ class PeerDirectory:
         self._cache: dict[int, tuple[float, list[StageRecord]]] = {}
         self._seen: dict[int, dict[object, tuple[float, object]]] = {}  # stage -> subkey -> (expires, value)
         self._ignored: set[str] = set()  # peers whose incompatible records were logged once
+        # Peers of our run whose records carry another manifest: a config that is not the swarm's
+        # (theirs or ours), which node/attention.py names while we wait for a replica.
+        self.other_config_peers: dict[str, str] = {}
         self._impostors: set[str] = set()  # claimed peer ids whose impostor records were logged once
         self.impostor_records = 0  # records refused because they claim another node's peer id
         self._by_peer: dict[str, tuple[float, StageRecord]] = {}  # every accepted record, leaving ones too
@@ -262,6 +265,8 @@ class PeerDirectory:
             reason = f"run {record.run_id!r}"
         elif record.manifest_hash != ident.manifest_hash:
             reason = f"manifest {record.manifest_hash} (ours {ident.manifest_hash})"
+            if len(self.other_config_peers) < 4096:
+                self.other_config_peers[record.peer_id] = record.manifest_hash
         elif not compatible_version(ident.version, record.version):
             reason = f"version {record.version} (ours {ident.version})"
         elif record.stage != stage:

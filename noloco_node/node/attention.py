@@ -40,11 +40,19 @@ class NodeView:
     """what the node knowingly waits for before it can compute (then it is not stalled)"""
     done: bool = False
     """stage 0 trained all its steps: nothing is expected to advance any more"""
+    other_config_peers: int = 0
+    """peers of this run seen with another manifest (config, tokenizer or model files not ours)"""
 
 
 def attention(view: NodeView, *, stall_s: float = STALL_S) -> list[str]:
     """Warnings, most important first; [] when all is well."""
     notes = []
+    if view.waiting_for is not None and view.other_config_peers:
+        # Seen by a newcomer: a `--set` that changed the model made a swarm of one that waited forever.
+        notes.append(
+            f"{view.other_config_peers} peer(s) of this run use another config and never train with this node: "
+            f"join with the swarm's config file, no --set changing model or data (`noloco-node doctor` checks)"
+        )
     solo = _solo_note(view)
     if solo:
         notes.append(solo)

@@ -31,6 +31,10 @@ class ExportError(ValueError):
     pass
 
 
+STEPS_APART = 100
+"""Replicas of one stage further apart than this many inner steps are named when exporting."""
+
+
 def stage_weights(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], str]:
     """A stage's parameters from a checkpoint's tensors: phi if present, else theta."""
     for kind in ("phi", "theta"):
@@ -43,12 +47,15 @@ def stage_weights(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Ten
 def gather_checkpoints(dirs: list[Path], *, num_stages: int, manifest_hash: str) -> dict[int, list[tuple[dict, Path]]]:
     """stage -> [(meta, weights file)] of every checkpoint of this run found in `dirs`."""
     found: dict[int, list[tuple[dict, Path]]] = {}
-    for directory in dirs:
-        metas = sorted(Path(directory).expanduser().glob("stage*.json"))
-        if not metas:
-            raise ExportError(
-                f"{directory} holds no node checkpoint (stage<N>.json); point --from-checkpoint at checkpoint.dir"
-            )
+    metas_of = {directory: sorted(Path(directory).expanduser().glob("stage*.json")) for directory in dirs}
+    empty = [str(directory) for directory, metas in metas_of.items() if not metas]
+    if len(empty) == len(dirs) or any(not _default_slot(Path(d)) for d in empty):
+        raise ExportError(
+            f"{empty[0]} holds no node checkpoint (stage<N>.json); point --from-checkpoint at checkpoint.dir"
+        )
+    for directory in empty:  # a default folder of a node that never got to checkpoint (the glob finds it)
+        log.info("passing over %s: no checkpoint in it", directory)
+    for metas in metas_of.values():
         for meta_path in metas:
             meta = json.loads(meta_path.read_text())
             if meta.get("manifest_hash") != manifest_hash:
@@ -61,6 +68,13 @@ def gather_checkpoints(dirs: list[Path], *, num_stages: int, manifest_hash: str)
     if missing:
         raise ExportError(f"no checkpoint of stage(s) {missing}; every stage of the pipeline is needed")
     return found
+
+
+def _default_slot(directory: Path) -> bool:
+    """`join`'s own checkpoint folder (node/checkpoint_home.py), which a node that failed to start leaves behind."""
+    from noloco_node.node.checkpoint_home import LOCK_NAME
+
+    return (directory.expanduser() / LOCK_NAME).exists()
 
 
 def merge_stages(per_stage: dict[int, list[dict[str, torch.Tensor]]], average: bool) -> dict[str, torch.Tensor]:
@@ -149,7 +163,7 @@ async def fetch_replicas(
     config: NodeConfig, manifest_hash: str, llama_config, ranges: list[range], *, every_replica: bool, timeout_s: float
 ) -> dict[int, list[tuple[str, dict[str, torch.Tensor], dict]]]:
     """stage -> [(peer id, phi, counters)] fetched over FetchState from live replicas: one per
-    stage (the first of a random order that answers), or every replica with `every_replica`."""
+    stage (the furthest trained that answers), or every replica with `every_replica`."""
     from noloco_node.rpc.outer_service import OuterClient
 
     p = config.pipeline
@@ -221,17 +235,28 @@ async def _join_as_client(config: NodeConfig, manifest_hash: str) -> tuple[PeerD
 
 
 async def _live_replicas(directory: PeerDirectory, stage: int, run_id: str, manifest_hash: str) -> list[str]:
-    """The peer ids of `stage`'s live replicas, in a random order."""
+    """The peer ids of `stage`'s live replicas, the furthest trained first (their records' inner
+    steps; a random order among equals). A replica that joined afresh beside one that trained on
+    is the worst model the swarm has: a newcomer's audit exported one and was told nothing."""
     import random
 
-    replicas = [r.peer_id for r in await directory.replicas(stage, fresh=True)]
-    if not replicas:
+    records = await directory.replicas(stage, fresh=True)
+    if not records:
         raise ExportError(
             f"no live replica of stage {stage} in run {run_id!r} with this model "
             f"(manifest {manifest_hash}); is the swarm up, and is this its --config?"
         )
-    random.shuffle(replicas)
-    return replicas
+    random.shuffle(records)
+    records.sort(key=lambda r: -r.inner_step)
+    steps = [r.inner_step for r in records]
+    if len(steps) > 1 and steps[0] - steps[-1] > STEPS_APART:
+        log.warning(
+            "stage %d: its replicas are %d inner steps apart (%s): taking the furthest first",
+            stage,
+            steps[0] - steps[-1],
+            ", ".join(f"{r.peer_id[-8:]} at {r.inner_step}" for r in records),
+        )
+    return [r.peer_id for r in records]
 
 
 async def _fetch_stage(

@@ -50,11 +50,14 @@ def last_replica_words(
     stage: int, others: int, inner_step: int, *, checkpoint_dir: str | None, weights_dir: str | None, run_done: bool
 ) -> tuple[int, str] | None:
     """What a leaving node says when no other replica of its stage is live (`others` == 0): the
-    stage's trained weights then exist only here. None when another replica keeps them. A warning
+    stage's trained weights then exist only here. None when another replica keeps them; a plain
+    line when it never trained (a newcomer was warned of losing weights it never had). A warning
     only when nothing on disk keeps them and the node's run is not over (stage 0 trained all of
     its steps: the end of a run, not a loss)."""
     if others:
         return None
+    if inner_step == 0:  # never trained here: its initial weights, which every node can build
+        return logging.INFO, f"stage {stage} has no other replica, and it was never trained here: nothing to keep"
     lead = f"stage {stage} has no other replica: its weights (inner step {inner_step})"
     if checkpoint_dir is not None:
         from noloco_node.node.checkpoint_home import state_home

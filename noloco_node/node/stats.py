@@ -202,5 +202,6 @@ def node_attention(node: Node) -> list[str]:
             since_progress_s=node.progress.since_progress_s(),
             waiting_for=node.progress.waiting_for,
             done=node.done_at_step is not None,
+            other_config_peers=len(node.directory.other_config_peers),
         )
     )

@@ -160,6 +160,7 @@ class MemoryDirectory:
 
     def __init__(self, network: MemoryNetwork) -> None:
         self.network = network
+        self.other_config_peers: dict[str, str] = {}  # one config in a twin's network: always empty
 
     def _live(self, stage: int) -> list[MemoryRecord]:
         return [

@@ -1,5 +1,7 @@
 """node/attention.py: what a node and a swarm say needs attention, and what a node waits for."""
 
+import dataclasses
+
 from noloco_node.node.attention import STALL_S, NodeView, Progress, attention, swarm_attention
 
 SOLO = {"outcome": "solo", "reason": "no partner"}
@@ -71,3 +73,20 @@ def test_the_swarm_view_names_empty_and_lone_stages_laggards_relays_and_node_not
     assert "BBBBBBBB (stage 0) is reached only through a relay" in text
     assert "BBBBBBBB (stage 0): the last 4 outer rounds went solo" in text
     assert "AAAAAAAA" not in text
+
+
+def test_a_node_waiting_beside_peers_of_another_config_is_told_its_config_is_not_theirs():
+    waiting = NodeView(
+        stage=2,
+        rounds_go_solo=True,
+        all_reduce=False,
+        replicas_of_stage=1,
+        outer_history=[],
+        since_progress_s=10.0,
+        waiting_for="a stage-1 replica",
+        other_config_peers=3,
+    )
+    [note] = attention(waiting)
+    assert "3 peer(s) of this run use another config" in note and note.endswith("(`noloco-node doctor` checks)")
+    assert attention(dataclasses.replace(waiting, other_config_peers=0)) == []
+    assert attention(dataclasses.replace(waiting, waiting_for=None, since_progress_s=1.0)) == []  # training: no note

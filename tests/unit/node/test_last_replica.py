@@ -39,3 +39,14 @@ def test_the_default_folder_is_named_as_what_join_on_this_machine_finds_again(tm
     level, text = words(0, checkpoint_dir=str(folder))
     assert level == logging.INFO and f"stay in the checkpoint in {folder};" in text
     assert text.endswith("`join` again on this machine (same run) takes the stage back from it")
+
+
+def test_a_replica_that_never_trained_has_nothing_to_keep_and_says_so_plainly():
+    for kwargs in ({}, {"checkpoint_dir": "ckpt-1"}):
+        level, text = last_replica_words(
+            2, 0, 0, weights_dir=None, run_done=False, **{"checkpoint_dir": None, **kwargs}
+        )
+        assert (
+            level == logging.INFO
+            and text == "stage 2 has no other replica, and it was never trained here: nothing to keep"
+        )
