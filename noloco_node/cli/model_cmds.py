@@ -193,10 +193,18 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _left_out(per_stage: list, width: int) -> str:
+    """Which replicas are in no column (a stage with more replicas than the narrowest one has)."""
+    extra = {s: len(r) - width for s, r in enumerate(per_stage) if len(r) > width}
+    if not extra:
+        return ""
+    return "; in no column: " + ", ".join(f"{n} replica(s) of stage {s}" for s, n in extra.items())
+
+
 def _eval_swarm(config, args: argparse.Namespace) -> int:
     import asyncio
 
-    from noloco_node.experiments.evaluate import column_losses, held_out_windows, weight_spread
+    from noloco_node.experiments.evaluate import column_losses, held_out_windows, replica_spread
     from noloco_node.node.export import ExportError, fetch_replicas
     from noloco_node.node.manifest import load_run_inputs
     from noloco_node.model.build import build_run_stage, run_model
@@ -221,7 +229,7 @@ def _eval_swarm(config, args: argparse.Namespace) -> int:
         "column_losses": losses,
         "loss": loss,
         "perplexity": math.exp(loss),
-        "spread": weight_spread(columns) if width > 1 else 0.0,
+        "spread": replica_spread([[phi for _, phi, _ in r] for r in per_stage]),
         "replicas": [[peer for peer, _, _ in r] for r in per_stage],
         "sequences": len(inputs),
     }
@@ -229,6 +237,7 @@ def _eval_swarm(config, args: argparse.Namespace) -> int:
         json.dumps(result)
         if args.json
         else f"swarm held-out loss {loss:.4f} (mean of {width} columns: {', '.join(f'{x:.4f}' for x in losses)}), "
-        f"perplexity {math.exp(loss):.2f}, replica spread {result['spread']:.3g}"
+        f"perplexity {math.exp(loss):.2f}, replica spread {result['spread']:.3g} over every stage's replicas"
+        + _left_out(per_stage, width)
     )
     return 0

@@ -148,6 +148,22 @@ def weight_spread(weights: list[list[dict[str, torch.Tensor]]]) -> float:
     return math.sqrt(total_sq / (replicas * total_params))
 
 
+def replica_spread(per_stage: list[list[dict[str, torch.Tensor]]]) -> float:
+    """sigma of every stage's replicas (inner list) around their stage's mean, pooled over the stages
+    that have two or more (0.0 when none has): `weight_spread` when every stage has D replicas, and
+    still the spread when one stage has fewer (live `eval` once said 0 for two stage-1 replicas 700
+    steps apart because stage 0 had one, so there was one column)."""
+    total_sq, total_params = 0.0, 0
+    for replicas in per_stage:
+        if len(replicas) < 2:
+            continue
+        for name in replicas[0]:
+            stacked = torch.stack([r[name].double() for r in replicas])
+            total_sq += float((stacked - stacked.mean(0)).pow(2).sum())
+            total_params += stacked.numel()
+    return math.sqrt(total_sq / total_params) if total_params else 0.0
+
+
 def pearson(xs: list[float], ys: list[float]) -> float:
     n = len(xs)
     if n < 3:

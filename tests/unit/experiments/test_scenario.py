@@ -8,7 +8,7 @@ import torch
 
 from noloco_node.config import ConfigError, load_config
 from noloco_node.experiments.cell import cell_overrides
-from noloco_node.experiments.evaluate import pearson, weight_spread
+from noloco_node.experiments.evaluate import pearson, replica_spread, weight_spread
 from noloco_node.experiments.scenario import load_scenario
 from noloco_node.netem.relay import LinkProfile
 
@@ -97,6 +97,16 @@ def test_weight_spread_is_the_rms_deviation_from_the_replica_mean():
     # deviations: w: (+-1, 0), v: (+-1): sum of squares 2 + 0 + 2 = 4 over D x params = 2 x 3
     assert weight_spread([a, b]) == pytest.approx(math.sqrt(4 / 6))
     assert weight_spread([a, a]) == 0.0
+
+
+def test_replica_spread_counts_every_stage_with_two_replicas_even_when_another_has_one():
+    a = [{"w": torch.tensor([1.0, 1.0])}, {"v": torch.tensor([0.0])}]
+    b = [{"w": torch.tensor([3.0, 1.0])}, {"v": torch.tensor([2.0])}]
+    # Stage by stage, the same columns give weight_spread's figure.
+    assert replica_spread([[a[0], b[0]], [a[1], b[1]]]) == pytest.approx(weight_spread([a, b]))
+    # Stage 0 with one replica, stage 1 with two apart: the spread is stage 1's, not 0.
+    assert replica_spread([[a[0]], [a[1], b[1]]]) == pytest.approx(1.0)
+    assert replica_spread([[a[0]], [a[1]]]) == 0.0
 
 
 def test_pearson():
