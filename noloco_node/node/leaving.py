@@ -28,6 +28,7 @@ async def leave(node: Node, grace_s: float | None = None, *, final: bool = True)
     # first, a partner's lookup no longer found us and an overlapped round in flight at the end
     # went solo (seen in 8 of 20 overlapped loss_price cells); and the weights we save are post-update.
     # A fixed bound: launchers size their grace after SIGTERM by it (experiments/launcher.py).
+    node.sync.wind_down()
     if not await node.sync.settle(cfg.timeouts.outer_round_s):
         log.warning("an outer step was still running at shutdown")
     node.board.become(Status.LEAVING)  # announced next, with the record withdrawn

@@ -66,7 +66,9 @@ def build_outer_sync(
             parts,
             transport=ports.pairing,
             directory=ports.matching,
-            settings=NoLoCoSettings(match_s=timeouts.match_s, run_seed=config.run.seed),
+            settings=NoLoCoSettings(
+                match_s=timeouts.match_s, run_seed=config.run.seed, heartbeat_s=timeouts.heartbeat_s
+            ),
         )
     if outer.method == "diloco":
         from noloco_node.sync.diloco import DiLoCoSync

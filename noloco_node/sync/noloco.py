@@ -35,25 +35,22 @@ from noloco_node.optim.state import OuterState
 from noloco_node.pipeline.ports import Peer
 from noloco_node.pipeline.router import Bans
 from noloco_node.runtime.node_status import Status
+from noloco_node.sync.catch_up import CatchUp
+from noloco_node.sync.partner_search import PartnerSearch
 from noloco_node.sync.ports import Decision, MatchingDirectory, MethodTraits, OuterSync, PairAnswer
 from noloco_node.sync.ports import PairingTransport, PairProposal, SyncParts
 from noloco_node.sync.pairing import (
     NoLoCoSettings,
-    alone_in_stage,
     PartnerDistances,
     apply_pair_step,
-    drawn_mate,
     partner_snapshot,
-    replica_count,
-    replica_on_its_way,
-    wait_at_most,
 )
 from noloco_node.sync.snapshot import PHI_DELTA, THETA, Frozen, SliceRound, choose_payload, freeze
 
 log = logging.getLogger(__name__)
 
 
-class NoLoCoSync(OuterSync):
+class NoLoCoSync(PartnerSearch, OuterSync):
     # Replicas pair and serve FetchState, so a joiner (or a replica moving stages) copies a live
     # replica's state; no group of fixed size holds a replica to its stage.
     traits = MethodTraits("noloco", syncs=True, outer_rounds=True, donates_state=True, movable=True)
@@ -87,6 +84,7 @@ class NoLoCoSync(OuterSync):
         self.run_seed = settings.run_seed
         self.distances = PartnerDistances(config.max_distance_ratio)
         self.match_s = settings.match_s
+        self.catch_up = CatchUp(settings.match_s, settings.heartbeat_s, settings.catch_up_rounds)
         self.bans = bans or Bans()
         self.rng = rng or random.Random(self.peer_id + "outer")
         self.round: int | None = None
@@ -94,6 +92,7 @@ class NoLoCoSync(OuterSync):
         self.matching = False
         self.partner: str | None = None
         self.outgoing: str | None = None
+        self.awaiting: str | None = None  # our drawn mate, while we wait for it (sync/partner_search.py)
         self.done = asyncio.Event()  # the round's update has been applied
         self.claimed = False  # a completion (pair or solo) is under way for this round
         self._frozen: Frozen | None = None
@@ -132,10 +131,16 @@ class NoLoCoSync(OuterSync):
         return self
 
     def round_bound_s(self) -> float:
-        """The round under way ends within its matching windows, the wait for a session we accepted
-        (a window and the transfer's deadline at the partner's link) and 10 s to freeze and apply."""
+        """The round under way ends within its matching windows, its wait for replicas catching up,
+        the wait for a session we accepted (a window and the transfer's deadline at the partner's
+        link) and 10 s to freeze and apply."""
         running = self._round_task is not None and not self._round_task.done()
-        return 3 * self.match_s + self._exchange_s(self.partner or "") + 10.0 if running else 0.0
+        if not running:
+            return 0.0
+        return 3 * self.match_s + self.catch_up.extra_s() + self._exchange_s(self.partner or "") + 10.0
+
+    def wind_down(self) -> None:
+        self.catch_up.stop()
 
     def _exchange_s(self, peer_id: str) -> float:
         payload = self._frozen.snapshot.payload_bytes if self._frozen is not None else 0
@@ -163,6 +168,8 @@ class NoLoCoSync(OuterSync):
             return PairAnswer(Decision.BUSY, "already paired this round")
         if self.bans.is_banned(proposal.peer_id):
             return PairAnswer(Decision.BUSY, "banned")
+        if self.awaiting is not None and proposal.peer_id != self.awaiting:
+            return PairAnswer(Decision.BUSY, "waiting for the round's drawn mate")
         if self.outgoing is not None and not (self.outgoing == proposal.peer_id and proposal.peer_id < self.peer_id):
             return PairAnswer(Decision.BUSY, "own proposal pending")
         self.partner = proposal.peer_id
@@ -185,6 +192,7 @@ class NoLoCoSync(OuterSync):
     async def outer_step(self, inner_step: int, round_index: int) -> str:
         """Run one outer round; returns its outcome ('paired' or 'solo')."""
         start = time.monotonic()
+        self.catch_up.round_started(start)
         frozen_at = await self._start_round(inner_step, round_index)
         self.matching = True
         await self._announce(Status.MATCHING, round_index)
@@ -237,94 +245,6 @@ class NoLoCoSync(OuterSync):
             )
         )
         return frozen_at
-
-    async def _find_partner(self, inner_step: int, round_index: int, deadline: float, tried: set[str]) -> None:
-        """The drawn mate first, then random proposals until `deadline` (once, one window more for
-        a replica on its way), then the end of a session we accepted; nothing more when no other
-        replica of our stage is live."""
-        await self._propose_to_drawn_mate(inner_step, round_index, deadline, tried)
-        if self.partner is None and not self.done.is_set():
-            if await alone_in_stage(self.directory, self.stage, self.peer_id, timeout_s=min(2.0, self.match_s)):
-                return  # no other live replica of our stage: the solo step now, not after match_s
-        if self.rng.random() < 0.5:  # passive for a short random while, so proposals do not all cross
-            await wait_at_most(self.done, min(self.rng.uniform(0, 0.1 * self.match_s), deadline - time.monotonic()))
-        for window in range(2):
-            await self._match(inner_step, round_index, deadline, tried)
-            if (
-                window
-                or self.done.is_set()
-                or self.partner is not None
-                or not await replica_on_its_way(
-                    self.directory,
-                    self.stage,
-                    self.peer_id,
-                    inner_step=inner_step,
-                    every=self.every,
-                    round_index=round_index,
-                    banned=self.bans.is_banned,
-                    timeout_s=min(2.0, self.match_s),
-                )
-            ):
-                break
-            # Once per round, one more window: with no barrier, a replica that fell a window behind
-            # would otherwise stay there, and every round of both would go solo (seen: two stage-0
-            # replicas 3 s apart with match_s = 3, 0 of 6 rounds paired).
-            deadline = time.monotonic() + self.match_s
-        if self.partner is not None and not self.done.is_set():
-            # A session we accepted is still streaming: its server side ends it within a deadline
-            # derived from the partner's link and finishes the round; this wait only backs that up.
-            await wait_at_most(self.done, self.match_s + self._exchange_s(self.partner))
-
-    async def _match(self, inner_step: int, round_index: int, deadline: float, tried: set[str]) -> None:
-        """Propose to replicas matching this round, one at a time, until the round is done or `deadline`."""
-        while not self.done.is_set() and time.monotonic() < deadline:
-            if self.partner is not None:  # an accepted incoming session is running
-                await wait_at_most(self.done, deadline - time.monotonic())
-                continue
-            candidates = [
-                p
-                for p in await self.directory.matching(self.stage, round_index)
-                if p.peer_id != self.peer_id and p.peer_id not in tried and not self.bans.is_banned(p.peer_id)
-            ]
-            if not candidates:
-                await wait_at_most(self.done, min(0.1, deadline - time.monotonic()))
-                continue
-            # Prefer a partner we reach without a relay; a relayed one only when nobody else matches.
-            unrelayed = [p for p in candidates if p.reach != "relayed"]
-            await self._propose(self.rng.choice(unrelayed or candidates), inner_step, deadline, tried)
-
-    async def _propose_to_drawn_mate(self, inner_step: int, round_index: int, deadline: float, tried: set[str]) -> None:
-        """The round's random pairing, drawn the same way on every replica: after a short gather
-        window, the replicas matching this round are shuffled with a seed of (stage, round) and
-        paired in that order; the lower peer id of each pair proposes, the other waits for it.
-
-        Without it, who pairs with whom follows who reaches the round first, and equal-speed
-        replicas reach it in the same order every round: the same pairs form again and again, so
-        the swarm splits into pairs that never mix (seen in the gamma x codec reproduction). When
-        views differ (a late replica), the random proposals below take over."""
-        gather_s = min(1.0, 0.1 * self.match_s)
-        gather_end = min(deadline, time.monotonic() + gather_s)
-        expected = await replica_count(self.directory, self.stage)
-        while True:
-            if self.done.is_set() or self.partner is not None:
-                return
-            matching = sorted(
-                {
-                    p.peer_id: p
-                    for p in await self.directory.matching(self.stage, round_index)
-                    if p.peer_id != self.peer_id and not self.bans.is_banned(p.peer_id)
-                }.items()
-            )
-            if len(matching) + 1 >= expected or time.monotonic() >= gather_end:
-                break  # everyone we know of is here, or the window is over
-            await wait_at_most(self.done, min(0.05, gather_end - time.monotonic()))
-        mate = drawn_mate([peer_id for peer_id, _ in matching] + [self.peer_id], self.peer_id, self.stage, round_index)
-        if mate is None:
-            return  # the odd one out this round: it proposes at random below
-        if self.peer_id < mate:
-            await self._propose(dict(matching)[mate], inner_step, deadline, tried)
-        else:
-            await wait_at_most(self.done, min(2 * gather_s, deadline - time.monotonic()))
 
     async def _propose(self, peer: Peer, inner_step: int, deadline: float, tried: set[str]) -> None:
         tried.add(peer.peer_id)

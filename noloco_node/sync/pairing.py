@@ -9,7 +9,6 @@ import asyncio
 import collections
 import random
 import statistics
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import Tensor
@@ -30,6 +29,10 @@ class NoLoCoSettings:
     choose (theta wherever it loses nothing)."""
     run_seed: int = 0
     """run.seed, the same on every replica of a run: draws the slices of a sliced phi."""
+    heartbeat_s: float = 10.0
+    """timeouts.heartbeat_s: how often a replica's record (its inner step) is refreshed."""
+    catch_up_rounds: int = 2
+    """How many rounds behind a replica may be and still be waited for (sync/catch_up.py); 0 = none."""
 
 
 async def wait_at_most(event: asyncio.Event, timeout_s: float) -> None:
@@ -70,41 +73,6 @@ async def announced_steps(directory: MatchingDirectory, stage: int, *, timeout_s
         return await steps(stage, timeout_s=timeout_s)
     except Exception:  # noqa: BLE001 - unknown: this round ends as it would have
         return {}
-
-
-async def alone_in_stage(directory: MatchingDirectory, stage: int, me: str, *, timeout_s: float) -> bool:
-    """Whether a fresh lookup lists no live replica of `stage` but `me`: a round then has nobody to
-    wait for. False where the lookup cannot tell (no answer, or not even our own record)."""
-    steps = await announced_steps(directory, stage, timeout_s=timeout_s)
-    return bool(steps) and set(steps) == {me}
-
-
-async def replica_on_its_way(
-    directory: MatchingDirectory,
-    stage: int,
-    me: str,
-    *,
-    inner_step: int,
-    every: int,
-    round_index: int,
-    banned: Callable[[str], bool],
-    timeout_s: float,
-) -> bool:
-    """Whether another replica of `stage` will be matching `round_index` soon: it announces an inner
-    step less than a round short of this boundary, or it is still matching the round before (its
-    steps caught up while that round's window runs: with overlap a replica trains on to the next
-    boundary and waits there). Without this, two replicas a window apart stay a round apart and
-    every round of both goes solo."""
-    try:
-        behind = await asyncio.wait_for(directory.matching(stage, round_index - 1), timeout_s)
-    except Exception:  # noqa: BLE001 - no answer: the inner steps below still tell
-        behind = []
-    if any(p.peer_id != me and not banned(p.peer_id) for p in behind):
-        return True
-    progress = await announced_steps(directory, stage, timeout_s=timeout_s)
-    return any(
-        inner_step - every <= step < inner_step for peer, step in progress.items() if peer != me and not banned(peer)
-    )
 
 
 class PartnerDistances:

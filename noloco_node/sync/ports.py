@@ -305,6 +305,10 @@ class OuterSync(ABC):
         """Carry on from `round_index` (a resumed checkpoint's or a donor's round); methods that
         count their rounds elsewhere ignore it."""
 
+    def wind_down(self) -> None:
+        """The node is stopping: a running round stops waiting for latecomers (it still ends
+        within its own deadlines). Methods that never wait past them ignore it."""
+
     @abstractmethod
     async def at_boundary(self, inner_step: int) -> None:
         """After inner step `inner_step`: run an outer round if one is due (it may finish later).

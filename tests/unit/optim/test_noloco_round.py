@@ -71,7 +71,7 @@ def test_cancelled_finish_still_completes_the_round():
 
 
 def test_drawn_mates_agree_between_replicas_and_change_between_rounds():
-    from noloco_node.sync.noloco import drawn_mate
+    from noloco_node.sync.pairing import drawn_mate
 
     ids = ["a", "b", "c", "d"]
     partners = {p: set() for p in ids}

@@ -5,44 +5,19 @@ every later round of both goes solo (seen in CI: a stage-0 pair, 0 of 6 rounds p
 
 import asyncio
 
-import torch
-from torch import nn
 
-from noloco_node.config import OuterConfig
-from noloco_node.optim.state import OuterState
 from noloco_node.pipeline.memory import MemoryNetwork
-from noloco_node.pipeline.router import Bans
-from noloco_node.runtime.compute import ComputeThread
 from noloco_node.sync.memory import MemoryPairingHub
 from noloco_node.sync.noloco import NoLoCoSync
 from noloco_node.sync.pairing import NoLoCoSettings
-from noloco_node.sync.ports import SyncParts
+
+from .twins import noloco_replica
 
 MATCH_S = 1.0
 
 
 def replica(name: str, network: MemoryNetwork, hub: MemoryPairingHub, steps: dict[str, int]) -> NoLoCoSync:
-    model = nn.Module()
-    model.w = nn.Parameter(torch.ones(4))
-    network.register(name, 0, None, inner_steps=lambda: steps[name])
-
-    async def set_status(status: str, round_index: int) -> None:
-        await network.set_status(name, status, round_index)
-
-    parts = SyncParts(
-        compute=ComputeThread(), peer_id=name, stage=0, set_status=set_status, inner_steps=lambda: steps[name]
-    )
-    sync = NoLoCoSync(
-        OuterState(model.named_parameters(), alpha=0.5, beta=0.7),
-        OuterConfig(codec="none", inner_steps_per_outer=2),
-        parts,
-        transport=hub.transport(name),
-        directory=network.directory(),
-        settings=NoLoCoSettings(match_s=MATCH_S),
-        bans=Bans(),
-    )
-    hub.register(name, sync)
-    return sync
+    return noloco_replica(name, network, hub, steps, every=2, settings=NoLoCoSettings(match_s=MATCH_S))
 
 
 def test_a_replica_still_in_the_round_before_is_waited_for_and_the_pair_meets_again():
