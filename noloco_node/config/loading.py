@@ -66,10 +66,6 @@ def _build_section(section: str, cls: type, values: Mapping[str, Any]) -> Any:
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for key, value in values.items():
-        if key not in hints:
-            raise ConfigError(
-                f"{section}.{key}", "unknown field", f"{_suggest(key, list(hints))}valid fields: {', '.join(hints)}"
-            )
         if (section, key) == ("pipeline", "stage") and isinstance(value, str) and value.strip().lower() == "auto":
             value = None
         if (section, key) in NONE_IS_A_VALUE and isinstance(value, str) and value.strip().lower() == "none":
@@ -82,19 +78,41 @@ def _build_section(section: str, cls: type, values: Mapping[str, Any]) -> Any:
         raise exc.within(section) from None
 
 
+def _refuse_unknown_names(values: Mapping[str, Any]) -> None:
+    """One error naming every unknown section and field at once: a file with several typos was
+    otherwise fixed one run at a time. The first one gets the full list of valid names."""
+    unknown: list[tuple[str, str, str]] = []  # (name, problem, fix)
+    for section, content in values.items():
+        if section not in SECTIONS:
+            fix = f"{_suggest(section, list(SECTIONS))}sections: {', '.join(SECTIONS)}"
+            unknown.append((section, "unknown section", fix))
+            continue
+        hints = list(typing.get_type_hints(SECTIONS[section]))
+        for key in content:
+            if key not in hints:
+                unknown.append(
+                    (f"{section}.{key}", "unknown field", f"{_suggest(key, hints)}valid fields: {', '.join(hints)}")
+                )
+    if not unknown:
+        return
+    (name, problem, fix), rest = unknown[0], unknown[1:]
+    if rest:
+        problem += f" (and {len(rest)} more unknown: {', '.join(repr(n) for n, _, _ in rest)})"
+        hints = [f"'{n}': {f.split('? ')[0]}?" for n, _, f in rest if f.startswith("did you mean")]
+        fix += "".join(f"; {h}" for h in hints)
+    raise ConfigError(name, problem, fix)
+
+
 def build_config(values: Mapping[str, Mapping[str, Any]] | None = None) -> NodeConfig:
     """NodeConfig from nested {section: {field: value}}; values may be strings (from flags)."""
     values = values or {}
     sections = {}
     for section, content in values.items():
-        if section not in SECTIONS:
-            raise ConfigError(
-                section, "unknown section", f"{_suggest(section, list(SECTIONS))}sections: {', '.join(SECTIONS)}"
-            )
-        if not isinstance(content, Mapping):
+        if section in SECTIONS and not isinstance(content, Mapping):
             raise ConfigError(
                 section, f"expected a table, got {content!r}", f"write it as [{section}] with fields below"
             )
+    _refuse_unknown_names(values)
     for section, cls in SECTIONS.items():
         sections[section] = _build_section(section, cls, values.get(section, {}))
     return NodeConfig(**sections)

@@ -17,13 +17,15 @@ log = logging.getLogger(__name__)
 
 
 async def start_directory(
-    cfg: NodeConfig, manifest_hash: str, identity: NodeIdentity, swarm_key: bytes | None
+    cfg: NodeConfig, manifest_hash: str, identity: NodeIdentity | None, swarm_key: bytes | None
 ) -> PeerDirectory:
+    """The node's DHT peer under `identity` on network.dht_port; with no identity a throwaway
+    peer (a key of its own, any free port) that only looks."""
     return await PeerDirectory.start(
         DirectoryIdentity(cfg.run.run_id, manifest_hash, __version__, cfg.pipeline.num_stages),
         initial_peers=list(cfg.network.initial_peers),
         host=cfg.network.host,
-        port=cfg.network.dht_port,
+        port=cfg.network.dht_port if identity is not None else 0,
         startup_timeout_s=cfg.timeouts.startup_s,
         swarm_key=swarm_key,
         max_skew_s=cfg.security.max_clock_skew_s,
@@ -34,14 +36,7 @@ async def start_directory(
 async def stages_served(cfg: NodeConfig, manifest_hash: str, swarm_key: bytes | None) -> set[int]:
     """The stages some live replica serves, as a throwaway DHT peer sees them (a key of its own, any
     free port): what `join` asks before it picks its checkpoint folder (cli/join.py)."""
-    directory = await PeerDirectory.start(
-        DirectoryIdentity(cfg.run.run_id, manifest_hash, __version__, cfg.pipeline.num_stages),
-        initial_peers=list(cfg.network.initial_peers),
-        host=cfg.network.host,
-        startup_timeout_s=cfg.timeouts.startup_s,
-        swarm_key=swarm_key,
-        max_skew_s=cfg.security.max_clock_skew_s,
-    )
+    directory = await start_directory(cfg, manifest_hash, None, swarm_key)
     try:
         return {stage for stage in range(cfg.pipeline.num_stages) if await directory.replicas(stage, fresh=True)}
     finally:

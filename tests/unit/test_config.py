@@ -132,3 +132,15 @@ def test_a_trailing_slash_or_comma_separated_multiaddrs_are_refused_with_the_fix
         with pytest.raises(ConfigError, match="network.initial_peers") as error:
             build_config({"network": {"initial_peers": [bad]}})
         assert says in str(error.value)
+
+
+def test_every_unknown_name_is_named_at_once(tmp_path):
+    """A file with three typos was fixed one run at a time: the error named only the first."""
+    path = tmp_path / "node.toml"
+    path.write_text("[outer]\nalfa = 0.4\n[inner]\nlrr = 0.001\n[netwrk]\nport = 1\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert info.value.field == "outer.alfa" and "did you mean 'alpha'" in message
+    assert "and 2 more unknown: 'inner.lrr', 'netwrk'" in message
+    assert "'inner.lrr': did you mean 'lr'?" in message and "'netwrk': did you mean 'network'?" in message
