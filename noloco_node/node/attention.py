@@ -76,6 +76,13 @@ def _solo_note(view: NodeView) -> str | None:
             f"{rounds}: stage {view.stage} has no second replica to average with (another node on stage "
             f"{view.stage} fixes it)"
         )
+    if all(r.get("reason") == "replicas ahead" for r in latest):
+        # Replicas more than 2 rounds apart are not waited for (sync/catch_up.py); a rejoin copies
+        # a live replica's state when it is past checkpoint.behind_rounds (node/joining.py).
+        return (
+            f"{rounds}: the other replicas of stage {view.stage} are rounds ahead of this node and pair without "
+            f"it; stop it and `join` again: it then copies a current replica's state"
+        )
     if view.all_reduce:
         return (
             f"{rounds}: the all-reduce group never formed in time (a loaded machine or a slow link); "

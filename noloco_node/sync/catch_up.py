@@ -56,21 +56,27 @@ class RoundView:
         return [p.peer_id for p in peers if p.peer_id != self.me and not self.banned(p.peer_id)]
 
 
-async def nobody_to_wait_for(view: RoundView) -> bool:
-    """Whether no other live replica of the stage can still take part in the round: a fresh lookup
-    lists none, or every other one announces an inner step at or past the next boundary and is not
-    matching this round (an overlapped round keeps training to the next boundary while it matches).
-    False where the lookup cannot tell (no answer, or not even our own record)."""
+ALONE, AHEAD = "alone", "replicas ahead"
+
+
+async def nobody_to_wait_for(view: RoundView) -> str | None:
+    """Why no other live replica of the stage can still take part in the round, or None: ALONE (a
+    fresh lookup lists none), AHEAD (every other one announces an inner step at or past the next
+    boundary and is not matching this round: an overlapped round keeps training to the next
+    boundary while it matches). None too where the lookup cannot tell (no answer, or not even our
+    own record)."""
     steps = await view.steps()
     if view.me not in steps:
-        return False
+        return None
     others = {peer: step for peer, step in steps.items() if peer != view.me and not view.banned(peer)}
     if any(step < view.inner_step + view.every for step in others.values()):
-        return False
+        return None
     if not others:
-        return True
+        return ALONE
     here = await view.matching(view.round_index)
-    return here is not None and not set(here) & set(others)  # no answer: look for a partner as usual
+    if here is None or set(here) & set(others):  # no answer: look for a partner as usual
+        return None
+    return AHEAD
 
 
 @dataclass

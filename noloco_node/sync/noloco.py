@@ -199,7 +199,7 @@ class NoLoCoSync(PartnerSearch, OuterSync):
         tried: set[str] = set()
         await self._find_partner(inner_step, round_index, start + self.match_s, tried)
         if not self.claimed:
-            await self._complete(None, None, "no partner")
+            await self._complete(None, None, self._reason)
         await self.done.wait()
         self.matching = False
         outcome, partner = self._outcome

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from noloco_node.pipeline.ports import Peer
 from noloco_node.pipeline.router import Bans
-from noloco_node.sync.catch_up import CatchUp, RoundView, nobody_to_wait_for
+from noloco_node.sync.catch_up import AHEAD, CatchUp, RoundView, nobody_to_wait_for
 from noloco_node.sync.pairing import drawn_mate, replica_count, wait_at_most
 from noloco_node.sync.ports import MatchingDirectory
 
@@ -38,6 +38,7 @@ class PartnerSearch:
         done: asyncio.Event
         partner: str | None
         awaiting: str | None
+        _reason: str
 
         async def _propose(self, peer: Peer, inner_step: int, deadline: float, tried: set[str]) -> None: ...
         def _exchange_s(self, peer_id: str) -> float: ...
@@ -58,8 +59,10 @@ class PartnerSearch:
         )
         odd_one_out = await self._propose_to_drawn_mate(view, deadline, tried)
         if self.partner is None and not self.done.is_set():
-            if await nobody_to_wait_for(view):
-                return  # alone in the stage, or the others are rounds ahead: the solo step now
+            if why := await nobody_to_wait_for(view):  # alone, or the others are rounds ahead: solo now
+                if why == AHEAD:
+                    self._reason = AHEAD  # the round's history says so; a node that stays behind is told
+                return
         if self.rng.random() < 0.5:  # passive for a short random while, so proposals do not all cross
             await wait_at_most(self.done, min(self.rng.uniform(0, 0.1 * self.match_s), deadline - time.monotonic()))
         # The odd one out of a draw that counted the replicas on their way has nobody left to wait for.

@@ -28,6 +28,8 @@ def test_rounds_that_keep_going_solo_say_why():
     assert "no second replica" in lone[0] and "stage 1" in lone[0]
     assert attention(view(rounds_go_solo=False, outer_history=[SOLO] * 9)) == []
     assert "all-reduce group never formed" in attention(view(all_reduce=True, outer_history=[SOLO] * 4))[0]
+    behind = attention(view(outer_history=[{"outcome": "solo", "reason": "replicas ahead"}] * 4))
+    assert "rounds ahead of this node" in behind[0] and "`join` again" in behind[0]
 
 
 def test_no_progress_is_a_warning_unless_the_node_knowingly_waits_or_is_done():
