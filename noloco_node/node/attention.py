@@ -80,8 +80,8 @@ def _solo_note(view: NodeView) -> str | None:
         # Replicas more than 2 rounds apart are not waited for (sync/catch_up.py); a rejoin copies
         # a live replica's state when it is past checkpoint.behind_rounds (node/joining.py).
         return (
-            f"{rounds}: the other replicas of stage {view.stage} are rounds ahead of this node and pair without "
-            f"it; stop it and `join` again: it then copies a current replica's state"
+            f"{rounds}: the other replicas of stage {view.stage} are rounds ahead and pair without this node; "
+            f"`join` again to copy their state (unless that copy takes over 2 rounds here)"
         )
     if view.all_reduce:
         return (
