@@ -28,6 +28,10 @@ from noloco_node.sync.ports import MatchingDirectory
 
 CATCH_UP_ROUNDS = 2
 """How many rounds behind a replica may be and still be waited for (NoLoCoSettings.catch_up_rounds)."""
+MISSED_ROUNDS = 1
+"""A drawn mate that never came is not waited for in this many rounds, doubling with each miss
+until it pairs with us (an honest latecomer misses a round it was too far behind for; a peer that
+only claims progress misses every time, so it costs a logarithmic number of rounds)."""
 
 
 @dataclass(frozen=True)
@@ -91,9 +95,11 @@ class CatchUp:
     stopping: bool = False
     """Set when the node stops (OuterSync.wind_down): nobody is waited for any more."""
     _last_start: float | None = None
-    _seen: dict[str, tuple[int, float]] = field(default_factory=dict)
-    """Each replica's announced inner step and when we first saw it there, kept across rounds: a
-    replica that died keeps its record (and its step) until the record's TTL."""
+    _missed: dict[str, tuple[int, int]] = field(default_factory=dict)  # peer -> (skipped until round, misses)
+    _last_step: dict[str, int] = field(default_factory=dict)
+    _moved_at: dict[str, float] = field(default_factory=dict)
+    """When each replica was last seen moving (a new inner step, or in a round), kept across rounds:
+    a replica that died keeps its record (and its step) until the record's TTL."""
 
     def round_started(self, now: float) -> None:
         if self._last_start is not None:
@@ -102,6 +108,18 @@ class CatchUp:
 
     def stop(self) -> None:
         self.stopping = True
+
+    def missed(self, peer: str, round_index: int) -> None:
+        """`peer` was waited for as this round's drawn mate and never came: it is not counted on
+        its way for the next MISSED_ROUNDS rounds, twice as many each time it misses again before
+        it pairs with us (a peer that announces progress it never makes cannot hold a replica back
+        every round)."""
+        _, times = self._missed.get(peer, (0, 0))
+        self._missed[peer] = (round_index + 1 + MISSED_ROUNDS * 2**times, times + 1)
+
+    def met(self, peer: str) -> None:
+        """We paired with `peer`: its misses are forgiven."""
+        self._missed.pop(peer, None)
 
     def extra_s(self) -> float:
         """How long past its first window a round may wait for replicas behind it: `rounds` of our
@@ -119,19 +137,22 @@ class CatchUp:
     async def laggards(self, view: RoundView) -> list[str]:
         """The other replicas of the stage on their way to the round, sorted: matching one of the
         `rounds` rounds before it, or announcing an inner step at most `rounds` rounds short of its
-        boundary that moved within the stall time. None while the node stops."""
+        boundary (or at it, between rounds) that moved within the stall time. A replica still in an
+        earlier round counts as moving: an overlapped one waits for that round at its next boundary,
+        where its step stands still. None while the node stops."""
         if not self.rounds or self.stopping:
             return []
         on_the_way: set[str] = set()
-        for earlier in range(view.round_index - 1, max(view.round_index - 1 - self.rounds, -1), -1):
-            on_the_way.update(await view.matching(earlier) or [])
         now, oldest = time.monotonic(), view.inner_step - self.rounds * view.every
-        for peer, step in (await view.steps()).items():
-            if peer == view.me or view.banned(peer) or not oldest <= step < view.inner_step:
-                continue
-            last = self._seen.get(peer)
-            if last is None or last[0] != step:
-                self._seen[peer] = last = (step, now)
-            if now - last[1] < self._stall_s(view.every):
+        for earlier in range(view.round_index - 1, max(view.round_index - 1 - self.rounds, -1), -1):
+            for peer in await view.matching(earlier) or []:
                 on_the_way.add(peer)
-        return sorted(on_the_way)
+                self._moved_at[peer] = now
+        for peer, step in (await view.steps()).items():
+            if peer == view.me or view.banned(peer) or not oldest <= step <= view.inner_step:
+                continue
+            if self._last_step.get(peer) != step:
+                self._last_step[peer], self._moved_at[peer] = step, now
+            if now - self._moved_at[peer] < self._stall_s(view.every):
+                on_the_way.add(peer)
+        return sorted(p for p in on_the_way if self._missed.get(p, (0, 0))[0] <= view.round_index)

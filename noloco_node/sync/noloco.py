@@ -308,6 +308,7 @@ class NoLoCoSync(PartnerSearch, OuterSync):
         if peer is not None:
             await apply_pair_step(self.compute, self.state, frozen, peer, self.feedback)
             self.counters.paired += 1
+            self.catch_up.met(peer_id)
             self._outcome = ("paired", peer_id)
             log.info("round %d: paired with %s", self.round, peer_id[-8:])
         else:

@@ -160,6 +160,9 @@ class PartnerSearch:
                 return
             if time.monotonic() >= look_again:
                 if mate not in await self.catch_up.laggards(view):
-                    return
+                    break
                 look_again = time.monotonic() + self.match_s
             await wait_at_most(self.done, min(0.5, until - time.monotonic()))
+        if self.partner is None and not self.done.is_set():
+            # It never came: a replica that only claims to be on its way must not cost a round each time.
+            self.catch_up.missed(mate, view.round_index)

@@ -185,3 +185,23 @@ def test_a_stopping_node_stops_waiting_for_a_replica_behind_it():
         a.compute.shutdown()
     assert still_waiting and outcome == "solo"
     assert took_s < 3 * MATCH_S + 2.0, took_s  # the window under way, not the two minutes
+
+
+def test_a_drawn_mate_that_never_came_is_skipped_for_rounds_doubling_until_it_pairs():
+    """A peer whose record claims progress it never makes (a liar, or a replica too far behind)
+    would otherwise be drawn and waited for round after round."""
+    catch_up = CatchUp(match_s=0.05, heartbeat_s=0.01, rounds=2)
+    directory = Directory({"me": 16, "x": 15})
+
+    def counted(round_index: int) -> bool:
+        view = RoundView(directory, 0, "me", 16, 4, round_index, lambda p: False, timeout_s=1)
+        directory.steps["x"] = 31 - directory.steps["x"]  # 15 <-> 16: it keeps announcing progress
+        return asyncio.run(catch_up.laggards(view)) == ["x"]
+
+    assert counted(4)
+    catch_up.missed("x", 4)
+    assert [counted(r) for r in (5, 6)] == [False, True]  # one round skipped
+    catch_up.missed("x", 6)
+    assert [counted(r) for r in (7, 8, 9)] == [False, False, True]  # then two
+    catch_up.met("x")
+    assert counted(10)  # paired at last: forgiven
