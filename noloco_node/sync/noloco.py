@@ -244,6 +244,7 @@ class NoLoCoSync(PartnerSearch, OuterSync):
                 SliceRound(self.run_seed, self.stage, round_index),
             )
         )
+        self.distances.saw_drift(self._frozen.stats["drift"])
         return frozen_at
 
     async def _propose(self, peer: Peer, inner_step: int, deadline: float, tried: set[str]) -> None:

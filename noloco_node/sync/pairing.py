@@ -83,6 +83,14 @@ class PartnerDistances:
     def __init__(self, max_distance_ratio: float) -> None:
         self.max_distance_ratio = max_distance_ratio
         self._accepted: collections.deque[float] = collections.deque(maxlen=8)
+        self._largest_drift = 0.0
+
+    def saw_drift(self, drift: float) -> None:
+        """Our own drift ||Delta|| at a round's freeze, paired or not: the bound never falls below
+        the largest one. A replica that went solo for long (a joiner left behind) has no accepted
+        partners to go by, and with its learning rate decayed its drift now is ~10x smaller than the
+        spread it built up: it refused every honest partner (seen: 6.35 against a bound of 4.2)."""
+        self._largest_drift = max(self._largest_drift, drift)
 
     def typical(self) -> float:
         """The median distance of the last accepted partners (0 before any)."""
@@ -95,7 +103,7 @@ class PartnerDistances:
             state,
             peer,
             max_distance_ratio=self.max_distance_ratio,
-            typical_distance=self.typical(),
+            typical_distance=max(self.typical(), self._largest_drift),
             distances=measured,
         )
         if problem is None:

@@ -147,6 +147,7 @@ def freeze(
         "payload": payload,
         "bytes": parts.sizes,
         "delta_rel_error": _ratio(parts.err2, parts.ref2),
+        "drift": math.sqrt(parts.ref2),  # ||Delta|| (with the residual a top-k Delta carries)
     }
     if payload == PHI_DELTA:
         stats["phi_rel_error"] = _ratio(parts.phi_err2, parts.phi2)
@@ -274,8 +275,9 @@ def check_snapshot(
     its slow weights within ratio * max(||theta - phi||, floor * ||phi||, typical_distance) of our
     slow weights: an honest partner's weights drift from ours about as far as our own fast weights
     do, or as far as honest partners were found before (`typical_distance`, the median of the
-    last accepted ones: once the learning rate has decayed our own drift over H steps shrinks ~10x
-    while the replicas' spread does not, and every honest partner was refused). The slow weights
+    last accepted ones, or our own largest drift: once the learning rate has decayed our own drift
+    over H steps shrinks ~10x while the replicas' spread does not, and every honest partner was
+    refused; sync/pairing.py PartnerDistances passes the larger). The slow weights
     are bounded too, since the gamma term reads them on their own. `distances`, when given,
     receives the measured {"fast", "slow"} distances.
     """

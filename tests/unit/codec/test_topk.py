@@ -193,3 +193,21 @@ def test_an_honest_partner_passes_after_the_learning_rate_decayed_and_a_liar_sti
     assert check_snapshot(late, honest, max_distance_ratio=10.0, typical_distance=measured["fast"]) is None
     liar = {"w": (phi + spread, 1e6 * phi)}
     assert "exceeds the bound" in check_snapshot(late, liar, max_distance_ratio=10.0, typical_distance=measured["fast"])
+
+
+def test_a_replica_that_never_paired_judges_partners_by_the_largest_drift_it_had():
+    """A joiner left behind rounds went solo until its learning rate decayed, with no accepted
+    partner to go by: its drift now was ~10x smaller than the spread it built up, and it refused
+    every honest partner (seen in the NAT test: 6.35 against a bound of 4.2)."""
+    from noloco_node.sync.pairing import PartnerDistances
+
+    phi = vector(1000, seed=2)
+    spread = 0.05 * vector(1000, seed=3)
+    honest = {"w": (phi + spread, 0.02 * vector(1000, seed=5))}
+    late = outer_state(phi, phi + 1e-4 * vector(1000, seed=4))
+    fresh = PartnerDistances(10.0)
+    assert "exceeds the bound" in fresh.problem(late, honest)
+    seasoned = PartnerDistances(10.0)
+    seasoned.saw_drift(float((0.02 * vector(1000, seed=4)).norm()))  # its drift when the learning rate was high
+    assert seasoned.problem(late, honest) is None
+    assert "exceeds the bound" in seasoned.problem(late, {"w": (phi + spread, 1e6 * phi)})
