@@ -26,8 +26,6 @@ from dataclasses import dataclass, field
 from noloco_node.sync.pairing import announced_steps
 from noloco_node.sync.ports import MatchingDirectory
 
-CATCH_UP_ROUNDS = 2
-"""How many rounds behind a replica may be and still be waited for (NoLoCoSettings.catch_up_rounds)."""
 MISSED_ROUNDS = 1
 """A drawn mate that never came is not waited for in this many rounds, doubling with each miss
 until it pairs with us (an honest latecomer misses a round it was too far behind for; a peer that
@@ -89,7 +87,8 @@ class CatchUp:
 
     match_s: float
     heartbeat_s: float
-    rounds: int = CATCH_UP_ROUNDS
+    rounds: int
+    """How many rounds behind a replica may be and still be waited for (NoLoCoSettings.catch_up_rounds)."""
     period_s: float | None = None
     """The time between this node's last two round starts: how long a round of training takes here."""
     stopping: bool = False

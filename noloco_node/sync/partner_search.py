@@ -112,8 +112,7 @@ class PartnerSearch:
         the swarm splits into pairs that never mix (seen in the gamma x codec reproduction). When
         views differ (a late replica), the random proposals of _find_partner take over."""
         inner_step, round_index = view.inner_step, view.round_index
-        gather_s = min(1.0, 0.1 * self.match_s)
-        gather_end = min(deadline, time.monotonic() + gather_s)
+        gather_end = min(deadline, time.monotonic() + self._gather_s())
         expected = await replica_count(self.directory, self.stage)
         while True:
             if self.done.is_set() or self.partner is not None:
@@ -135,18 +134,23 @@ class PartnerSearch:
         self.awaiting = mate
         try:
             if mate in matching:
-                await self._meet(matching[mate], inner_step, deadline, tried, gather_s)
+                await self._meet(matching[mate], inner_step, deadline, tried)
             else:
                 await self._wait_for_mate(mate, view, deadline, tried)
         finally:
             self.awaiting = None
         return False
 
-    async def _meet(self, mate: Peer, inner_step: int, deadline: float, tried: set[str], gather_s: float) -> None:
+    def _gather_s(self) -> float:
+        """How long a round's draw waits for the replicas it knows of to reach the round."""
+        return min(1.0, 0.1 * self.match_s)
+
+    async def _meet(self, mate: Peer, inner_step: int, deadline: float, tried: set[str]) -> None:
+        """The lower peer id of the drawn pair proposes; the other waits a little for it."""
         if self.peer_id < mate.peer_id:
             await self._propose(mate, inner_step, deadline, tried)
         else:
-            await wait_at_most(self.done, min(2 * gather_s, deadline - time.monotonic()))
+            await wait_at_most(self.done, min(2 * self._gather_s(), deadline - time.monotonic()))
 
     async def _wait_for_mate(self, mate: str, view: RoundView, deadline: float, tried: set[str]) -> None:
         """Our drawn mate is on its way: until it matches this round, while it stays on its way,
@@ -156,7 +160,7 @@ class PartnerSearch:
             here = {p.peer_id: p for p in await self.directory.matching(self.stage, view.round_index)}
             if mate in here:
                 window_end = max(deadline, time.monotonic() + self.match_s)
-                await self._meet(here[mate], view.inner_step, window_end, tried, min(1.0, 0.1 * self.match_s))
+                await self._meet(here[mate], view.inner_step, window_end, tried)
                 return
             if time.monotonic() >= look_again:
                 if mate not in await self.catch_up.laggards(view):
