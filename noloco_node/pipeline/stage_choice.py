@@ -14,6 +14,11 @@ routed to), waits `settle_s` for simultaneous claims to land in the DHT, and rea
   same walk on the same view, so they agree without talking, and two contenders land on two
   stages whenever the swarm needs that.
 
+A claimant is counted by its claim alone, never also as the replica it may have become since: a
+contender that decided first starts serving within a second, and a joiner that read the claims
+before that and the replicas after would count it twice and land on the same stage (seen in a full
+suite run: two simultaneous joiners both on stage 0 of [2, 2]).
+
 A joiner whose stage changed re-claims it (and withdraws the old claim) before building its stage.
 What is left to chance: claims that reach the DHT more than `settle_s` apart in a way that neither
 joiner sees the other's in time (a lookup slower than the settle window); each then still picks a
@@ -25,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from noloco_node.runtime.throughput import weakest_stage
@@ -50,11 +55,16 @@ def _typical(capacities: list[list[float]]) -> float:
     return sum(known) / len(known) if known else 0.0
 
 
+def _capacities(serving: Sequence[Mapping[str, float]], leave_out: Collection[str] = ()) -> list[list[float]]:
+    return [[c for peer, c in stage.items() if peer not in leave_out] for stage in serving]
+
+
 def assign_stage(
-    capacities: Sequence[Sequence[float]], claims: Sequence[Claim], me: str, claimed_at: float, settle_s: float
+    serving: Sequence[Mapping[str, float]], claims: Sequence[Claim], me: str, claimed_at: float, settle_s: float
 ) -> int:
-    """Our stage, given the serving replicas' capacities per stage and every joiner's claim."""
-    caps = [list(c) for c in capacities]
+    """Our stage, given each stage's serving replicas (peer id -> measured capacity) and every
+    joiner's claim; a claimant among the replicas counts by its claim only."""
+    caps = _capacities(serving, {claim.peer_id for claim in claims})
     typical = _typical(caps)
     contenders = {me}
     for claim in claims:
@@ -76,7 +86,7 @@ def assign_stage(
 
 async def claim_stage(
     *,
-    capacities: Callable[[], Awaitable[list[list[float]]]],
+    serving: Callable[[], Awaitable[list[dict[str, float]]]],
     claims: Callable[[], Awaitable[list[Claim]]],
     announce_claim: Callable[[int, int | None, float], Awaitable[None]],
     me: str,
@@ -84,13 +94,14 @@ async def claim_stage(
     clock: Callable[[], float] = time.time,
 ) -> int:
     """Claim, settle, agree (module docstring). `announce_claim(stage, withdrawn_stage, claimed_at)`
-    stores our joining record (and a leaving one under a stage we claimed before)."""
+    stores our joining record (and a leaving one under a stage we claimed before); `serving()`
+    maps each stage's live replicas to their measured capacities."""
     claimed_at = clock()
-    first = weakest_stage(await capacities())
+    first = weakest_stage(_capacities(await serving()))
     await announce_claim(first, None, claimed_at)
     await asyncio.sleep(settle_s)
     seen = await claims()
-    stage = assign_stage(await capacities(), seen, me, claimed_at, settle_s)
+    stage = assign_stage(await serving(), seen, me, claimed_at, settle_s)
     others = sorted((c.peer_id[-8:], c.stage) for c in seen if c.peer_id != me)
     log.info(
         "stage auto: claimed stage %d, other joiners' claims %s%s -> stage %d",
@@ -114,13 +125,19 @@ async def claim_stage_in(
     async def claims() -> list[Claim]:
         return [Claim(r.peer_id, r.stage, r.updated_at) for r in await directory.claims()]
 
+    async def serving() -> list[dict[str, float]]:
+        return [
+            {r.peer_id: r.capacity for r in await directory.replicas(s, fresh=True)}
+            for s in range(directory.identity.num_stages)
+        ]
+
     async def announce_claim(stage: int, withdrawn: int | None, claimed_at: float) -> None:
         for status, where in ((Status.LEAVING, withdrawn), (Status.JOINING, stage)):
             if where is not None:
                 await directory.announce(make_record(where, status, claimed_at), ttl_s=ttl_s)
 
     return await claim_stage(
-        capacities=directory.replica_capacities,
+        serving=serving,
         claims=claims,
         announce_claim=announce_claim,
         me=directory.peer_id,
