@@ -2,7 +2,9 @@
 moments, counters) fetched over Outer.FetchState from donors behind emulated uplinks, imported,
 and one inner step taken. Today's way (one donor, every tensor fp32) against the new one (the
 stage split between two donors, compact: phi exact, m bf16, exp_avg int8, exp_avg_sq bf16), and
-the two halves of the change on their own, in one run on the same machine.
+the two halves of the change on their own, in one run on the same machine. Then the top-up a joiner
+asks for when its copy took rounds (sync/top_up.py): the donors' phi moves on by a few rounds'
+worth, and the joiner fetches the difference of the phi it holds (int8), timed over the same links.
 
 Real gRPC servers (OuterServicer) on 127.0.0.1, each behind its own netem relay
 (noloco_node/netem/relay.py: the rate and latency in each direction of each connection), so each
@@ -35,8 +37,9 @@ from noloco_node.rpc.checks import ServedRun
 from noloco_node.rpc.outer_service import OuterClient, OuterServicer
 from noloco_node.runtime.link_estimates import LinkDeadlines
 from noloco_node.sync.state_fetch import fetch_from_donors
-from noloco_node.codec.state_layout import parameter_bytes
-from noloco_node.sync.transfer import counters_json, expected_tensors, import_state
+from noloco_node.codec.state_layout import parameter_bytes, state_spec
+from noloco_node.sync.top_up import top_up_from_donors
+from noloco_node.sync.transfer import apply_top_up, counters_json, expected_tensors, import_state
 from noloco_node.wire.v1 import outer_pb2_grpc
 
 HIDDEN, INTERMEDIATE = 768, 3072  # the `small` preset (config/sections.py MODEL_PRESETS)
@@ -80,6 +83,13 @@ class Donor:
     async def export_state(self):
         return dict(self.tensors), self.counters
 
+    def train_on(self, seed: int) -> None:
+        """phi moves by what a few outer rounds move it (~1e-4 against phi's ~0.02)."""
+        g = torch.Generator().manual_seed(seed)
+        for name in [n for n in self.tensors if n.startswith("phi/")]:
+            self.tensors[name] = self.tensors[name] + torch.randn(self.tensors[name].shape, generator=g) * 1e-4
+        self.counters = counters_json({"inner_step": 540, "outer_round": 14, "adam_steps": {}})
+
 
 class RelayDialer:
     def __init__(self, addresses: dict[str, str]) -> None:
@@ -96,7 +106,7 @@ class RelayDialer:
 
 async def run(layers: int, donors: int, compact: bool, profile: LinkProfile) -> dict:
     params = stage_parameters(layers)
-    servers, relays, addresses = [], [], {}
+    servers, relays, addresses, donor_states = [], [], {}, []
     for i in range(donors):
         server = grpc.aio.server()
         # Each donor holds the same state, as a stage's replicas nearly do.
@@ -107,10 +117,11 @@ async def run(layers: int, donors: int, compact: bool, profile: LinkProfile) -> 
                 run=ServedRun("bench", "h", 1),
                 max_bytes=1 << 30,
                 deadlines=LinkDeadlines(),
-                donor=Donor(params, seed=1),
+                donor=(donor_state := Donor(params, seed=1)),
             ),
             server,
         )
+        donor_states.append(donor_state)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         relay = Relay(f"127.0.0.1:{port}", profile, seed=i)
@@ -142,6 +153,21 @@ async def run(layers: int, donors: int, compact: bool, profile: LinkProfile) -> 
             p.grad = torch.randn_like(p) * 1e-3
         inner.step()
         first_step_s = time.monotonic() - began
+        top_up_s = top_up_bytes = None
+        if compact:
+            for i, donor_state in enumerate(donor_states):
+                donor_state.train_on(seed=10 + i)
+            topping = time.monotonic()
+            differences, _ = await top_up_from_donors(
+                client, fetched.owner, stage=1, requester="joiner", timeout_s=600, expected=expected
+            )
+            top_up_s = time.monotonic() - topping
+            top_up_bytes = sum(
+                state_spec(n, tuple(d.shape), d.dtype, False, True).payload_bytes for n, d in differences.items()
+            )
+            apply_top_up(outer, inner, differences, {"inner_step": 540, "outer_round": 14})
+            owner = {n: donor_states[int(d.removeprefix("donor"))] for n, d in fetched.owner.items()}
+            error = max(float((outer.phi[n] - owner[n].tensors[f"phi/{n}"]).abs().max()) for n in params)
     finally:
         await dialer.close()
         for relay in relays:
@@ -160,6 +186,9 @@ async def run(layers: int, donors: int, compact: bool, profile: LinkProfile) -> 
         "imported_s": imported_s,
         "first_step_s": first_step_s,
         "parameters_from": fetched.parameters_from,
+        "top_up_s": top_up_s,
+        "top_up_bytes": top_up_bytes,
+        "top_up_max_error": error if compact else None,
     }
 
 
@@ -188,6 +217,15 @@ def main() -> None:
             f"first step {result['first_step_s']:6.1f} s",
             flush=True,
         )
+        if result["top_up_s"] is not None:
+            print(
+                f"{'  then its top-up':30s} {result['top_up_bytes'] / 1e6:7.1f} MB "
+                f"({result['top_up_bytes'] / result['parameters']:.2f} B/param): {result['top_up_s']:6.1f} s "
+                f"(link-bound {result['top_up_bytes'] / donors / profile.bytes_per_s:5.1f} s), "
+                f"{result['top_up_s'] / result['fetch_s']:.3f} of the copy's time; phi within "
+                f"{result['top_up_max_error']:.1e} of the donors' (moved ~1e-4)",
+                flush=True,
+            )
     before, after = results[0], results[-1]
     print(
         f"bytes per parameter: {before['bytes_per_parameter']:.2f} -> {after['bytes_per_parameter']:.2f} "

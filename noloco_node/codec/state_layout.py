@@ -18,6 +18,12 @@ What travels exactly and what compactly (the `compact` encoding a joiner asks fo
 Dense, the state is 16 bytes per parameter (four fp32 tensors); compact, 4 + 2 + (1 + 4/64) + 2
 = 9.06 bytes (benchmarks/joiner_fetch.py prints the measured sizes).
 
+A top-up (the TOP_UP encoding, sync/top_up.py) sends phi/<p> alone, as the difference between
+the donor's phi now and the phi the joiner holds of it, int8 blockwise: 1.06 bytes per parameter.
+The difference of a few outer rounds is small, so its rounding error (absmax / 254 of a block of
+the difference) is far below the replicas' spread; the donor records what the joiner then holds,
+so a later top-up carries the rounding too.
+
 Tensors travel grouped by parameter (its phi, m and both Adam moments together), so that a joiner
 whose donor dies mid-transfer keeps every parameter it received whole and asks another donor for
 the rest (sync/state_fetch.py)."""
@@ -34,6 +40,7 @@ from noloco_node.codec.tensors import DEFAULT_BLOCK, DTYPE_NAMES, TensorSpec, ex
 KINDS = ("phi", "momentum", "adam_exp_avg", "adam_exp_avg_sq")
 ADAM_KINDS = ("adam_exp_avg", "adam_exp_avg_sq")
 COMPACT_CODECS = {"phi": "none", "momentum": "bf16", "adam_exp_avg": "int8", "adam_exp_avg_sq": "bf16"}
+TOP_UP_CODEC = "int8"
 STATE_BLOCK = DEFAULT_BLOCK
 MAX_REQUESTED_NAMES = 1 << 16
 """A request naming more parameters than this is refused before the donor copies anything (a
@@ -56,17 +63,21 @@ def split_name(tensor_name: str) -> tuple[str, str]:
     return (kind, parameter) if sep and kind in KINDS else ("", tensor_name)
 
 
-def state_codec(tensor_name: str, dtype: torch.dtype, compact: bool) -> str:
-    """The codec a state tensor travels in: always "none" when dense, else by kind (module doc).
-    Non-float tensors travel exactly whatever was asked."""
-    if not compact or not dtype.is_floating_point:
+def state_codec(tensor_name: str, dtype: torch.dtype, compact: bool, top_up: bool = False) -> str:
+    """The codec a state tensor travels in: always "none" when dense, else by kind (module doc);
+    int8 in a top-up. Non-float tensors travel exactly whatever was asked."""
+    if not dtype.is_floating_point or not (compact or top_up):
         return "none"
+    if top_up:
+        return TOP_UP_CODEC
     return COMPACT_CODECS.get(split_name(tensor_name)[0], "none")
 
 
-def state_spec(tensor_name: str, shape: tuple[int, ...], dtype: torch.dtype, compact: bool) -> TensorSpec:
+def state_spec(
+    tensor_name: str, shape: tuple[int, ...], dtype: torch.dtype, compact: bool, top_up: bool = False
+) -> TensorSpec:
     """The spec (and so the payload size) of one state tensor in the chosen encoding."""
-    codec = state_codec(tensor_name, dtype, compact)
+    codec = state_codec(tensor_name, dtype, compact, top_up)
     spec = TensorSpec(
         dtype=DTYPE_NAMES[dtype], shape=tuple(shape), codec=codec, block_size=STATE_BLOCK if codec == "int8" else 0
     )

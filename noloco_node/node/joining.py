@@ -1,5 +1,5 @@
 """The steps of joining a running swarm, before a node announces itself: find out how peers can
-reach us, and copy the stage's training state from its live replicas.
+reach us (the stage's training state is copied by node/state_copy.py).
 
 Reachability never guesses. A node is `direct` only when a peer proved it can dial the announced
 TLS address (Diagnostics.Probe: live direct replicas first, then the initial peers, which a
@@ -18,13 +18,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 
 from noloco_node.dht.directory import PeerDirectory
-from noloco_node.errors import NodeError, UnreachableAddress
-from noloco_node.optim.inner import InnerOptimizer
-from noloco_node.optim.state import OuterState
-from noloco_node.rpc.outer_service import OuterClient
-from noloco_node.runtime.compute import ComputeThread
-from noloco_node.sync.state_fetch import donor_order, fetch_from_donors
-from noloco_node.sync.transfer import expected_tensors, import_state
+from noloco_node.errors import UnreachableAddress
 
 log = logging.getLogger(__name__)
 
@@ -300,64 +294,4 @@ async def public_libp2p_addrs(directory: PeerDirectory, num_stages: int) -> dict
         for s in range(num_stages)
         for r in await directory.replicas(s)
         if r.reach == "direct" and r.p2p_addrs and r.peer_id != directory.peer_id
-    }
-
-
-async def fetch_state(
-    directory: PeerDirectory,
-    client: OuterClient,
-    compute: ComputeThread,
-    state: OuterState,
-    inner: InnerOptimizer,
-    *,
-    stage: int,
-    peer_id: str,
-    timeout_s: float,
-    compact: bool = True,
-    max_donors: int = 4,
-) -> dict | None:
-    """Joining a stage that already has replicas: copy its phi, m, Adam moments and counters
-    (theta <- phi) from up to `max_donors` of them at once, each sending its share of the
-    parameters, compactly unless `compact` is False (sync/state_fetch.py, codec/state_layout.py).
-    Returns {donor (the one furthest along), inner_step, outer_round, donors (parameters taken
-    from each), reasked, failed}, or None (no other replica, or the state could not be had from
-    them: the run's initial weights stay)."""
-    records = await directory.replicas(stage, fresh=True)
-    donors = donor_order([(r.peer_id, r.reach) for r in records if r.peer_id != peer_id], seed=peer_id)
-    if not donors:
-        return None
-    began = time.monotonic()
-    try:
-        fetched = await fetch_from_donors(
-            client,
-            donors,
-            stage=stage,
-            requester=peer_id,
-            timeout_s=timeout_s,
-            expected=expected_tensors(state),
-            compact=compact,
-            max_donors=max_donors,
-        )
-        step = await compute.run(import_state, state, inner, fetched.tensors, fetched.counters)
-    except NodeError as exc:
-        log.warning("state transfer failed (%s); starting from the run's initial weights", exc)
-        return None
-    outer_round = int(fetched.counters["outer_round"])
-    log.info(
-        "joined at inner step %d, outer round %d with state from %s in %.1f s%s",
-        step,
-        outer_round,
-        ", ".join(f"{d[-8:]} ({n} parameters)" for d, n in fetched.parameters_from.items()),
-        time.monotonic() - began,
-        f"; {fetched.reasked} parameters asked again after {', '.join(d[-8:] for d in fetched.failed)} failed"
-        if fetched.failed
-        else "",
-    )
-    return {
-        "donor": fetched.donor,
-        "inner_step": step,
-        "outer_round": outer_round,
-        "donors": fetched.parameters_from,
-        "reasked": fetched.reasked,
-        "failed": fetched.failed,
     }

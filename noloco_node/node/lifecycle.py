@@ -17,7 +17,8 @@ from noloco_node.node.assembly import PipelineParts, build_driver
 from noloco_node.node.attention import Progress
 from noloco_node.node.boundary import InnerStepBoundary
 from noloco_node.node.building import BuiltNode, NodeBasics, build_node
-from noloco_node.node.joining import Reprobe, fetch_state, settle_reach
+from noloco_node.node.joining import Reprobe, settle_reach
+from noloco_node.node.state_copy import fetch_state
 from noloco_node.node.waiting import wait_for_replicas
 from noloco_node.node.leaving import abandon, leave
 from noloco_node.node.presence import heartbeat, watch_balance
@@ -199,6 +200,7 @@ class Node:
                 stage=self.stage_index,
                 peer_id=self.peer_id,
                 timeout_s=self.config.timeouts.rpc_s,
+                round_steps=self.config.outer.inner_steps_per_outer,
             )
             if self.fetched_state is not None:
                 self.sync.start_at(self.fetched_state["outer_round"])

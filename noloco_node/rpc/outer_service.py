@@ -286,5 +286,28 @@ class OuterClient:
             into=into,
         )
 
+    async def top_up_state(
+        self,
+        to: str,
+        *,
+        stage: int,
+        requester: str,
+        timeout_s: float,
+        expected: dict[str, tuple[tuple[int, ...], torch.dtype]],
+        names: Sequence[str],
+    ) -> tuple[dict[str, Tensor], dict]:
+        """The difference of a donor's phi of `names` since what it sent us (sync/top_up.py), as
+        phi/<p> tensors, and its counters now."""
+        return await self.state.fetch(
+            await self._stub(to),
+            to,
+            stage=stage,
+            requester=requester,
+            timeout_s=timeout_s,
+            expected=expected,
+            names=names,
+            top_up=True,
+        )
+
     async def close(self) -> None:
         self._stubs.clear()

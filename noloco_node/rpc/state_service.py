@@ -23,10 +23,12 @@ from noloco_node.codec.state_layout import (
     STATE_BLOCK,
     ReceivedState,
     select_state,
+    split_name,
     state_codec,
     state_spec,
 )
 from noloco_node.codec.checked import decode_checked
+from noloco_node.codec.top_up import SentPhi, phi_difference
 from noloco_node.codec.tensors import DTYPES, TensorSpec, encode
 from noloco_node.errors import InvalidPayload, NodeError, ProtocolMismatch
 from noloco_node.rpc.checks import ServedRun, check_caller
@@ -40,6 +42,7 @@ from noloco_node.wire.v1 import outer_pb2, outer_pb2_grpc, tensor_pb2
 
 COMPACT = outer_pb2.STATE_ENCODING_COMPACT
 DENSE = outer_pb2.STATE_ENCODING_DENSE
+TOP_UP = outer_pb2.STATE_ENCODING_TOP_UP
 
 
 class StateDonorServicer:
@@ -49,6 +52,7 @@ class StateDonorServicer:
         self, *, run: ServedRun, deadlines: LinkDeadlines, donor: StateDonor | None, faults: FaultInjector | None = None
     ) -> None:
         self.run, self.deadlines, self.donor, self.faults = run, deadlines, donor, faults
+        self.sent = SentPhi()  # the phi each joiner holds of ours, for its top-up (sync/top_up.py)
 
     def _check(self, request) -> None:
         """Raises the node error to answer a request this donor does not serve."""
@@ -56,8 +60,10 @@ class StateDonorServicer:
             raise InvalidPayload("undecodable FetchStateRequest")
         self.run.check(request.run, request.stage)
         check_caller(request.peer_id, "FetchStateRequest")
-        if request.encoding not in (DENSE, COMPACT):
-            raise InvalidPayload(f"unknown state encoding {request.encoding}; use STATE_ENCODING_DENSE or _COMPACT")
+        if request.encoding not in (DENSE, COMPACT, TOP_UP):
+            raise InvalidPayload(
+                f"unknown state encoding {request.encoding}; use STATE_ENCODING_DENSE, _COMPACT or _TOP_UP"
+            )
         if len(request.names) > MAX_REQUESTED_NAMES:  # before copying anything
             raise InvalidPayload(
                 f"{len(request.names)} parameters asked for; at most {MAX_REQUESTED_NAMES} per request"
@@ -73,11 +79,20 @@ class StateDonorServicer:
                 selected = select_state(tensors, list(request.names))
             except ValueError as exc:
                 raise InvalidPayload(f"FetchStateRequest: {exc}") from None
+            top_up = request.encoding == TOP_UP
+            if top_up:
+                selected = self._top_up_selection(request.peer_id, selected)
         except NodeError as error:
             await abort_with(context, error)
+        if top_up and (missing := [p for p in selected if self.sent.held(request.peer_id, p) is None]):
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"nothing sent to {request.peer_id[-8:]} of {len(missing)} parameters (e.g. {missing[0]!r}) to top "
+                "up: fetch them first (STATE_ENCODING_COMPACT)",
+            )
         compact = request.encoding == COMPACT
         order = [name for names in selected.values() for name in names]
-        specs = {n: state_spec(n, tuple(tensors[n].shape), tensors[n].dtype, compact) for n in order}
+        specs = {n: state_spec(n, tuple(tensors[n].shape), tensors[n].dtype, compact, top_up) for n in order}
         payload_bytes = sum(spec.payload_bytes for spec in specs.values())
         counters_dict = json.loads(counters)
         manifest = outer_pb2.StateMessage(
@@ -90,9 +105,25 @@ class StateDonorServicer:
             )
         )
         try:
-            await self._send_state(context, request.peer_id, manifest, selected, tensors, compact, payload_bytes)
+            await self._send_state(
+                context, request.peer_id, manifest, selected, tensors, compact, payload_bytes, top_up
+            )
         except TransferTimedOut as exc:
+            self._cut(request.peer_id, top_up)
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"state transfer cut: {exc}")
+        except BaseException:
+            self._cut(request.peer_id, top_up)
+            raise
+
+    @staticmethod
+    def _top_up_selection(joiner: str, selected: dict[str, list[str]]) -> dict[str, list[str]]:
+        """A top-up sends phi/<p> alone of each parameter asked for."""
+        return {p: [f"phi/{p}"] for p, names in selected.items() if f"phi/{p}" in names}
+
+    def _cut(self, joiner: str, top_up: bool) -> None:
+        """A cut top-up leaves us unsure what the joiner holds: it has nothing more to top up here."""
+        if top_up:
+            self.sent.forget(joiner)
 
     async def _send_state(
         self,
@@ -103,6 +134,7 @@ class StateDonorServicer:
         tensors: dict[str, Tensor],
         compact: bool,
         payload_bytes: int,
+        top_up: bool = False,
     ) -> None:
         """Written, not yielded, so that each write has the progress deadline (a requester that
         stops reading is cut) and the whole the deadline derived from its measured bandwidth.
@@ -129,13 +161,23 @@ class StateDonorServicer:
             if self.faults is not None:
                 await self.faults.hit("donate_parameter")  # tests: a donor that dies between parameters
             for name in names:
-                tensor = tensors[name]
-                codec = state_codec(name, tensor.dtype, compact)
-                spec, payload = await asyncio.to_thread(encode, tensor, codec, block_size=STATE_BLOCK)
+                tensor, holds = tensors[name], None
+                if top_up:
+                    parameter = split_name(name)[1]
+                    spec, payload, holds = await asyncio.to_thread(
+                        phi_difference, tensor, self.sent.held(requester, parameter)
+                    )
+                else:
+                    codec = state_codec(name, tensor.dtype, compact)
+                    spec, payload = await asyncio.to_thread(encode, tensor, codec, block_size=STATE_BLOCK)
+                    if split_name(name)[0] == "phi":  # sent exact: the joiner holds this very tensor
+                        holds = tensor
                 progress.stamp_wrote()  # encoding is not the requester stalling
                 await put(outer_pb2.StateMessage(tensor=spec_to_header(spec, name)))
                 for message in chunk_messages(outer_pb2.StateMessage, payload):
                     await put(message)
+                if holds is not None:
+                    self.sent.record(requester, split_name(name)[1], holds)
         # No bandwidth sample here: a server stream's writes return once the bytes are buffered
         # (socket buffers and HTTP/2 windows hold megabytes), long before they arrive, so bytes
         # over write time measured thousands of Mbit/s on a 0.6 Mbit/s link, and every later
@@ -168,20 +210,22 @@ class StateFetcher:
         names: Sequence[str] = (),
         compact: bool = False,
         into: ReceivedState | None = None,
+        top_up: bool = False,
     ) -> tuple[dict[str, Tensor], dict]:
-        """Download the state of `names` (every parameter when empty) from donor `to`. Every
-        tensor is checked against `expected` (name, shape, dtype) and the codec the encoding gives
-        its kind before it is allocated; `expected` should hold exactly what was asked for. The
-        deadline is `timeout_s` (timeouts.rpc_s) or the asked state's size at the donor's measured
-        bandwidth times the slack, whichever is longer; once the manifest is in, a donor that
-        sends nothing for the progress deadline is cut (TransferTimedOut). `into`, when given,
-        receives the counters and each tensor as it arrives, so a caller keeps what came before a
-        failure."""
+        """The state of `names` (all when empty) from donor `to` (with `top_up`, its phi's difference
+        since what it sent us: codec/top_up.py), each tensor checked against `expected` (exactly
+        what was asked for) and its kind's codec before it is allocated. Deadline: `timeout_s` or
+        the state's size at the donor's measured bandwidth times the slack, whichever is longer;
+        after the manifest a donor silent for the progress deadline is cut (TransferTimedOut).
+        `into` receives the counters and each tensor as it arrives (kept past a failure)."""
         into = into if into is not None else ReceivedState()
+        encoding = TOP_UP if top_up else COMPACT if compact else DENSE
         request = outer_pb2.FetchStateRequest(
-            run=self.run, stage=stage, peer_id=requester, names=list(names), encoding=COMPACT if compact else DENSE
+            run=self.run, stage=stage, peer_id=requester, names=names, encoding=encoding
         )
-        state_bytes = sum(state_spec(n, shape, dtype, compact).payload_bytes for n, (shape, dtype) in expected.items())
+        state_bytes = sum(
+            state_spec(n, shape, dtype, compact, top_up).payload_bytes for n, (shape, dtype) in expected.items()
+        )
         total_s = self.deadlines.floored(timeout_s).total_s(to, state_bytes, RECEIVED)
         stall_s = self.deadlines.stall_s(to, RECEIVED)
         call = stub.FetchState(request, timeout=total_s)
@@ -200,7 +244,7 @@ class StateFetcher:
                 lambda: within(call.read(), stall_s, f"receiving state from {to[-8:]}"),
                 manifest.num_tensors,
                 expected,
-                compact,
+                (compact, top_up),
                 into.tensors,
             )
             self.deadlines.estimates.observe(to, manifest.payload_bytes, time.monotonic() - began, RECEIVED)
@@ -214,13 +258,15 @@ class StateFetcher:
             call.cancel()  # we gave up early (a stalled donor, a bad tensor): free the stream
             raise
 
-    async def _state_tensors(self, read, count: int, expected: dict, compact: bool, out: dict[str, Tensor]) -> None:
+    async def _state_tensors(
+        self, read, count: int, expected: dict, encoding: tuple[bool, bool], out: dict[str, Tensor]
+    ) -> None:
         for _ in range(count):
             message = await read()
             if message is grpc.aio.EOF or message.WhichOneof("kind") != "tensor":
                 raise InvalidPayload("expected a tensor header")
             header, spec = message.tensor, header_to_spec(message.tensor)
-            _check_header(header.name, spec, expected.get(header.name), compact, out)
+            _check_header(header.name, spec, expected.get(header.name), encoding, out)
             receiver = PayloadReceiver(spec, max_bytes=self.max_bytes)
             while not receiver.complete:
                 chunk = await read()
@@ -234,13 +280,18 @@ class StateFetcher:
 
 
 def _check_header(
-    name: str, spec: TensorSpec, want: tuple[tuple[int, ...], torch.dtype] | None, compact: bool, received: dict
+    name: str,
+    spec: TensorSpec,
+    want: tuple[tuple[int, ...], torch.dtype] | None,
+    encoding: tuple[bool, bool],
+    received: dict,
 ) -> None:
     """A tensor the joiner did not ask for, sent twice, of another shape or dtype, or in another
-    codec than the encoding gives its kind (phi is always exact) is refused before allocation."""
+    codec than the encoding (compact, top_up) gives its kind (phi is always exact, except in a
+    top-up) is refused before allocation."""
     if want is None or name in received:
         raise InvalidPayload(f"unexpected state tensor {name!r}" + (" (sent twice)" if want is not None else ""))
-    codec = state_codec(name, want[1], compact)
+    codec = state_codec(name, want[1], *encoding)
     if spec.shape != want[0] or DTYPES.get(spec.dtype) != want[1] or spec.codec != codec:
         raise InvalidPayload(
             f"state tensor {name!r} {spec.dtype}{list(spec.shape)}/{spec.codec} does not match "

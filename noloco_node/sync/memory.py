@@ -12,7 +12,8 @@ import torch
 from torch import Tensor
 
 from noloco_node.codec.checked import decode_checked
-from noloco_node.codec.state_layout import STATE_BLOCK, ReceivedState, select_state, state_codec
+from noloco_node.codec.state_layout import STATE_BLOCK, ReceivedState, select_state, split_name, state_codec
+from noloco_node.codec.top_up import SentPhi, phi_difference
 from noloco_node.codec.tensors import decode, encode
 from noloco_node.errors import InvalidPayload, PeerBusy, PeerUnavailable, ProtocolMismatch
 from noloco_node.runtime.faults import FaultInjector
@@ -47,6 +48,8 @@ class MemoryPairingHub:
         self.transports: dict[str, MemoryPairing] = {}
         self.state_cut: dict[str, int] = {}
         """Tests: donor -> parameters of a state transfer it sends before it leaves mid-transfer."""
+        self.sent: dict[str, SentPhi] = {}
+        """Donor -> the phi each joiner holds of it, for top-ups (the gRPC donor's own, in one place)."""
 
     def register(self, peer_id: str, responder: PairingResponder | None, donor: StateDonor | None = None) -> None:
         if responder is not None:
@@ -145,8 +148,37 @@ class MemoryPairing:
                 into.tensors[name] = decode(
                     *encode(tensor, state_codec(name, tensor.dtype, compact), block_size=STATE_BLOCK)
                 )
+                if split_name(name)[0] == "phi":
+                    self.hub.sent.setdefault(peer_id, SentPhi()).record(requester, parameter, tensor)
             await asyncio.sleep(0)  # other donors' transfers interleave, as over the network
         return into.tensors, into.counters
+
+    async def top_up_state(
+        self,
+        peer_id: str,
+        *,
+        stage: int,
+        requester: str,
+        timeout_s: float,
+        expected: dict[str, tuple[tuple[int, ...], torch.dtype]],
+        names: Sequence[str],
+    ) -> tuple[dict[str, Tensor], dict]:
+        """As rpc/state_service.py's TOP_UP: phi/<p> of each parameter in `names` as the difference
+        since what donor `peer_id` sent us, through the top-up's codec; refused for a parameter it
+        sent us nothing of."""
+        donor, sent = self.hub.donors.get(peer_id), self.hub.sent.get(peer_id, SentPhi())
+        if donor is None or peer_id in self.hub.down:
+            raise PeerUnavailable(f"{peer_id} does not donate state")
+        tensors, counters = await asyncio.wait_for(donor.export_state(), timeout_s)
+        out = {}
+        for parameter in names:
+            held, name = sent.held(requester, parameter), f"phi/{parameter}"
+            if held is None or name not in expected:
+                raise PeerUnavailable(f"{peer_id}: FAILED_PRECONDITION it sent us nothing of {parameter!r} to top up")
+            spec, payload, holds = phi_difference(tensors[name], held)
+            out[name] = decode(spec, payload)
+            sent.record(requester, parameter, holds)
+        return out, json.loads(counters)
 
     async def close(self) -> None:
         return None

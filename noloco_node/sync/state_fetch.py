@@ -50,6 +50,12 @@ class StateSource(Protocol):
         into: ReceivedState | None = None,
     ) -> tuple[dict[str, Tensor], dict]: ...
 
+    async def top_up_state(
+        self, peer_id: str, *, stage: int, requester: str, timeout_s: float, expected: Expected, names: Sequence[str]
+    ) -> tuple[dict[str, Tensor], dict]:
+        """phi/<p> of `names` as the difference since what `peer_id` sent us (sync/top_up.py)."""
+        ...
+
 
 class StateUnavailable(NodeError):
     """No live donor was left for some parameters (or the retries ran out)."""
@@ -67,6 +73,8 @@ class FetchedState:
     """Parameters asked for again after their first donor failed."""
     failed: list[str] = field(default_factory=list)
     """Donors that failed mid-transfer (or refused)."""
+    owner: dict[str, str] = field(default_factory=dict)
+    """Parameter -> the donor whose copy of it we kept (a top-up asks that donor: sync/top_up.py)."""
 
     @property
     def donor(self) -> str:
@@ -259,4 +267,5 @@ class _Transfers:
         }
         for donor in owner.values():
             result.parameters_from[donor] = result.parameters_from.get(donor, 0) + 1
+        result.owner = dict(owner)
         return result

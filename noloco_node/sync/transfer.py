@@ -44,5 +44,19 @@ def import_state(outer: OuterState, inner: InnerOptimizer, tensors: dict[str, Te
     return inner.step_count
 
 
+def apply_top_up(outer: OuterState, inner: InnerOptimizer, differences: dict[str, Tensor], counters: dict) -> int:
+    """Add a top-up's phi/<p> differences to phi (theta <- phi: nothing was trained since the copy)
+    and take its counters (sync/top_up.py). Returns the new inner step."""
+    with torch.no_grad():
+        for name, difference in differences.items():
+            parameter = name.partition("/")[2]
+            phi = outer.phi[parameter]
+            phi += difference.to(phi.device, phi.dtype)
+            outer.params[parameter].data.copy_(phi)
+    outer.round = int(counters["outer_round"])
+    inner.step_count = int(counters["inner_step"])
+    return inner.step_count
+
+
 def counters_json(counters: dict) -> str:
     return json.dumps(counters, sort_keys=True)

@@ -102,3 +102,45 @@ def test_late_joiners_copy_their_donors_and_a_donor_killed_mid_transfer_costs_on
     assert_compact_copy(j_outer, d_outer)
     for name, theta in joiner_theta.items():
         assert torch.equal(theta, d_outer[f"phi/{name}"].to(theta.dtype)), name
+
+
+def test_a_joiner_whose_copy_lands_rounds_behind_tops_it_up_and_pairs(tmp_path, make_swarm):
+    """The joiner's copy is held up 6 s after the manifest (a slow home uplink, in short) while the
+    donor trains on at ~0.1 s per step with H = 4: without a top-up it starts ~10 rounds behind,
+    past the catch-up's 2, and pairs with nobody. It tops its phi up from the donor (the
+    difference since the copy, int8) and takes its counters, so it starts level and pairs."""
+    h = 4
+    overrides = tiny_overrides(
+        tmp_path,
+        **{
+            "outer.method": "noloco",
+            "outer.inner_steps_per_outer": h,
+            "inner.total_steps": 2000,
+            "timeouts.match_s": 3.0,
+            "faults.compute_delay_s": 0.03,
+        },
+    )
+    prepare_tokenizer(overrides)
+    swarm = make_swarm(overrides)
+    donor = swarm.start_node(1, 0)
+    swarm.wait_ready([donor])
+    driver = swarm.start_node(0, 0, "--steps", "2000")
+    swarm.wait_ready([driver])
+    joiner = swarm.start_node(1, 1, "--set", "faults.inject=during_state_transfer:delay=6@1")
+    swarm.wait_ready([joiner])
+    deadline = time.monotonic() + 90
+    while True:  # six of the joiner's rounds, or its time is up
+        status = json.loads(joiner.ready_file.read_text())
+        if status["outer_round"] >= joiner.info["outer_round"] + 6 or time.monotonic() > deadline:
+            break
+        assert driver.proc.poll() is None and joiner.proc.poll() is None
+        time.sleep(0.2)
+    swarm.stop()
+
+    stats = swarm.node_stats()
+    joiner_stats = stats[joiner.info["peer_id"]]
+    fetched = joiner_stats["fetched_state"]
+    rounds = [(h_["outcome"], h_.get("reason")) for h_ in joiner_stats["outer_history"]]
+    print(f"\nfetched {fetched}\njoiner's rounds {rounds}")
+    assert fetched["topped_up"] is not None and fetched["topped_up"] >= 2 * h, fetched
+    assert any(outcome == "paired" for outcome, _ in rounds), rounds

@@ -12,8 +12,10 @@ class StateEncoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     STATE_ENCODING_DENSE: _ClassVar[StateEncoding]
     STATE_ENCODING_COMPACT: _ClassVar[StateEncoding]
+    STATE_ENCODING_TOP_UP: _ClassVar[StateEncoding]
 STATE_ENCODING_DENSE: StateEncoding
 STATE_ENCODING_COMPACT: StateEncoding
+STATE_ENCODING_TOP_UP: StateEncoding
 
 class PairRequest(_message.Message):
     __slots__ = ("run", "stage", "round", "inner_step", "peer_id", "nonce", "send_slow_weights", "codec")

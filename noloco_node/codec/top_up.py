@@ -1,0 +1,69 @@
+"""A top-up's encoding (the TOP_UP state encoding, rpc/state_service.py): the difference of a
+donor's phi since what a joiner holds of it, and the donor's ledger of what each joiner holds.
+
+A state copy at real size over a home uplink takes minutes while the donors train on, so the joiner
+starts rounds behind its stage's replicas. phi moves only at outer steps and by little per round:
+its difference travels int8 blockwise, about a ninth of the compact copy's bytes
+(codec/state_layout.py). The donor records what the joiner holds after decoding, so the rounding
+of one top-up is carried by the next. The joiner's side: sync/top_up.py."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from noloco_node.codec.state_layout import STATE_BLOCK, TOP_UP_CODEC
+from noloco_node.codec.tensors import TensorSpec, decode, encode
+
+KEEP_S = 900.0
+"""How long a donor remembers what it sent a joiner: a joiner asks for its top-up as soon as its
+copy is in, so this only has to outlast the other donors' parts of the same copy."""
+MAX_JOINERS = 4
+"""Joiners remembered at once (each costs 4 bytes per parameter it was sent, on the donor's host)."""
+
+
+class SentPhi:
+    """Per joiner, the phi it holds of this donor's parameters (host tensors, float32)."""
+
+    def __init__(
+        self, *, keep_s: float = KEEP_S, max_joiners: int = MAX_JOINERS, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.keep_s, self.max_joiners, self.clock = keep_s, max_joiners, clock
+        self._held: dict[str, tuple[float, dict[str, Tensor]]] = {}
+
+    def record(self, joiner: str, parameter: str, phi: Tensor) -> None:
+        """`joiner` now holds `phi` of `parameter` (a tensor nobody writes to afterwards)."""
+        self._expire()
+        _, held = self._held.pop(joiner, (0.0, {}))
+        held[parameter] = phi
+        self._held[joiner] = (self.clock(), held)  # re-inserted: the newest last
+        while len(self._held) > self.max_joiners:
+            self._held.pop(next(iter(self._held)))
+
+    def held(self, joiner: str, parameter: str) -> Tensor | None:
+        self._expire()
+        entry = self._held.get(joiner)
+        return None if entry is None else entry[1].get(parameter)
+
+    def forget(self, joiner: str) -> None:
+        self._held.pop(joiner, None)
+
+    def joiners(self) -> list[str]:
+        self._expire()
+        return list(self._held)
+
+    def _expire(self) -> None:
+        now = self.clock()
+        for joiner in [j for j, (at, _) in self._held.items() if now - at > self.keep_s]:
+            del self._held[joiner]
+
+
+def phi_difference(now: Tensor, held: Tensor) -> tuple[TensorSpec, bytes, Tensor]:
+    """The top-up of one parameter: (spec, payload) of `now - held` in the top-up's codec, and the
+    phi the joiner holds once it adds what it decodes (the donor records that)."""
+    difference = now.to(torch.float32) - held.to(torch.float32)
+    spec, payload = encode(difference, TOP_UP_CODEC, block_size=STATE_BLOCK)
+    return spec, payload, held.to(torch.float32) + decode(spec, payload)
