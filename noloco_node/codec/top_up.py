@@ -21,8 +21,10 @@ from noloco_node.codec.tensors import TensorSpec, decode, encode
 KEEP_S = 900.0
 """How long a donor remembers what it sent a joiner: a joiner asks for its top-up as soon as its
 copy is in, so this only has to outlast the other donors' parts of the same copy."""
-MAX_JOINERS = 4
-"""Joiners remembered at once (each costs 4 bytes per parameter it was sent, on the donor's host)."""
+MAX_JOINERS = 2
+"""Joiners remembered at once: each costs the donor 4 bytes per parameter it sent that joiner, on
+the host (a `medium` stage: up to 1.6 GB), so only the newest two are kept (joiners of the same
+minute are few); an older one's top-up is refused and its copy stays as it was."""
 
 
 class SentPhi:

@@ -78,10 +78,11 @@ def _solo_note(view: NodeView) -> str | None:
         )
     if all(r.get("reason") == "replicas ahead" for r in latest):
         # Replicas more than 2 rounds apart are not waited for (sync/catch_up.py); a rejoin copies
-        # a live replica's state when it is past checkpoint.behind_rounds (node/joining.py).
+        # a live replica's state when it is past checkpoint.behind_rounds, and tops the copy up
+        # when it took rounds (node/state_copy.py).
         return (
             f"{rounds}: the other replicas of stage {view.stage} are rounds ahead and pair without this node; "
-            f"`join` again to copy their state (unless that copy takes over 2 rounds here)"
+            f"`join` again to copy their state"
         )
     if view.all_reduce:
         return (

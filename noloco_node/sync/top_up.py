@@ -6,7 +6,7 @@ A state copy at real size over a home uplink takes minutes (a `medium` stage: 3.
 min from two donors at 20 Mbit/s) while the donors train on; the joiner then starts rounds behind
 the stage's replicas, further than the catch-up wait reaches (sync/catch_up.py), and pairs with
 nobody. The top-up is about a ninth of the copy's bytes, so it lands within the catch-up's reach
-for a copy of up to ~17 rounds. The outer momentum and Adam's moments stay as copied: statistics
+for a copy of up to ~16 rounds. The outer momentum and Adam's moments stay as copied: statistics
 a few rounds old (m's weight in the next update is alpha, and shrinks by alpha each round)."""
 
 from __future__ import annotations
