@@ -52,7 +52,7 @@ class StateDonorServicer:
         self, *, run: ServedRun, deadlines: LinkDeadlines, donor: StateDonor | None, faults: FaultInjector | None = None
     ) -> None:
         self.run, self.deadlines, self.donor, self.faults = run, deadlines, donor, faults
-        self.sent = SentPhi()  # the phi each joiner holds of ours, for its top-up (sync/top_up.py)
+        self.sent = SentPhi()  # the phi each joiner holds of ours, for its top-up (codec/top_up.py)
 
     def _check(self, request) -> None:
         """Raises the node error to answer a request this donor does not serve."""
@@ -72,6 +72,7 @@ class StateDonorServicer:
             raise ProtocolMismatch("this node does not donate state")
 
     async def FetchState(self, request, context):
+        bases: dict[str, Tensor | None] | None = None  # a top-up's: the phi the joiner holds of each parameter
         try:
             self._check(request)
             tensors, counters = await self.donor.export_state()
@@ -80,11 +81,12 @@ class StateDonorServicer:
             except ValueError as exc:
                 raise InvalidPayload(f"FetchStateRequest: {exc}") from None
             top_up = request.encoding == TOP_UP
-            if top_up:
-                selected = self._top_up_selection(request.peer_id, selected)
+            if top_up:  # phi/<p> alone, from what the joiner holds now (the ledger may drop it meanwhile)
+                selected = {p: [f"phi/{p}"] for p, names in selected.items() if f"phi/{p}" in names}
+                bases = {p: self.sent.held(request.peer_id, p) for p in selected}
         except NodeError as error:
             await abort_with(context, error)
-        if top_up and (missing := [p for p in selected if self.sent.held(request.peer_id, p) is None]):
+        if bases is not None and (missing := [p for p, held in bases.items() if held is None]):
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"nothing sent to {request.peer_id[-8:]} of {len(missing)} parameters (e.g. {missing[0]!r}) to top "
@@ -105,20 +107,13 @@ class StateDonorServicer:
             )
         )
         try:
-            await self._send_state(
-                context, request.peer_id, manifest, selected, tensors, compact, payload_bytes, top_up
-            )
+            await self._send_state(context, request.peer_id, manifest, selected, tensors, compact, payload_bytes, bases)
         except TransferTimedOut as exc:
             self._cut(request.peer_id, top_up)
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"state transfer cut: {exc}")
         except BaseException:
             self._cut(request.peer_id, top_up)
             raise
-
-    @staticmethod
-    def _top_up_selection(joiner: str, selected: dict[str, list[str]]) -> dict[str, list[str]]:
-        """A top-up sends phi/<p> alone of each parameter asked for."""
-        return {p: [f"phi/{p}"] for p, names in selected.items() if f"phi/{p}" in names}
 
     def _cut(self, joiner: str, top_up: bool) -> None:
         """A cut top-up leaves us unsure what the joiner holds: it has nothing more to top up here."""
@@ -134,7 +129,7 @@ class StateDonorServicer:
         tensors: dict[str, Tensor],
         compact: bool,
         payload_bytes: int,
-        top_up: bool = False,
+        bases: dict[str, Tensor] | None = None,
     ) -> None:
         """Written, not yielded, so that each write has the progress deadline (a requester that
         stops reading is cut) and the whole the deadline derived from its measured bandwidth.
@@ -162,11 +157,8 @@ class StateDonorServicer:
                 await self.faults.hit("donate_parameter")  # tests: a donor that dies between parameters
             for name in names:
                 tensor, holds = tensors[name], None
-                if top_up:
-                    parameter = split_name(name)[1]
-                    spec, payload, holds = await asyncio.to_thread(
-                        phi_difference, tensor, self.sent.held(requester, parameter)
-                    )
+                if bases is not None:  # a top-up: the difference from what the joiner holds
+                    spec, payload, holds = await asyncio.to_thread(phi_difference, tensor, bases[split_name(name)[1]])
                 else:
                     codec = state_codec(name, tensor.dtype, compact)
                     spec, payload = await asyncio.to_thread(encode, tensor, codec, block_size=STATE_BLOCK)
