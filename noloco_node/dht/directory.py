@@ -359,6 +359,11 @@ class PeerDirectory:
         most `timeout_s`."""
         child = getattr(self._own_p2p, "_child", None)
         stopping = asyncio.ensure_future(self.node.shutdown())  # does not stop a P2P it was handed
+        # hivemind's shutdown leaves the node's cache refresh task pending; collected later (after a
+        # relayed node's DHT restart), asyncio logged "Task was destroyed but it is pending!" as an ERROR.
+        refreshing = getattr(self.node, "cache_refresh_task", None)
+        if refreshing is not None and not refreshing.done():
+            refreshing.cancel()
         watched = {stopping}
         if child is not None:
             watched.add(asyncio.ensure_future(child.wait()))

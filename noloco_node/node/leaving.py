@@ -23,6 +23,7 @@ async def leave(node: Node, grace_s: float | None = None, *, final: bool = True)
     `final=False` (a move to another stage): no checkpoint, snapshot or outputs of this stage."""
     cfg = node.config
     grace_s = cfg.timeouts.drain_s if grace_s is None else grace_s
+    node.stopping = True
     node.events.emit("stopping", inner_step=node.worker.inner_steps, in_flight=len(node.runtime.in_flight))
     # Let a running outer step finish first, while our record still says we are here: withdrawn
     # first, a partner's lookup no longer found us and an overlapped round in flight at the end

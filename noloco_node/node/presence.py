@@ -46,8 +46,11 @@ async def heartbeat(node: Node) -> None:
                 await node.links.bridge.dial_out(
                     await public_libp2p_addrs(node.directory, node.config.pipeline.num_stages)
                 )
-        except Exception:  # noqa: BLE001 - a failed heartbeat is retried next period
-            log.exception("heartbeat failed")
+        except Exception as exc:  # noqa: BLE001 - a failed heartbeat is retried next period
+            if node.stopping:  # a Ctrl-C or systemd's stop reaches our libp2p daemon too: expected
+                log.info("heartbeat while stopping: %r", exc)
+            else:
+                log.exception("heartbeat failed")
 
 
 async def _look_around(node: Node, look: Every) -> None:
