@@ -66,6 +66,6 @@ class SentPhi:
 def phi_difference(now: Tensor, held: Tensor) -> tuple[TensorSpec, bytes, Tensor]:
     """The top-up of one parameter: (spec, payload) of `now - held` in the top-up's codec, and the
     phi the joiner holds once it adds what it decodes (the donor records that)."""
-    difference = now.to(torch.float32) - held.to(torch.float32)
-    spec, payload = encode(difference, TOP_UP_CODEC, block_size=STATE_BLOCK)
-    return spec, payload, held.to(torch.float32) + decode(spec, payload)
+    held = held.to(torch.float32)
+    spec, payload = encode(now.to(torch.float32) - held, TOP_UP_CODEC, block_size=STATE_BLOCK)
+    return spec, payload, held + decode(spec, payload)

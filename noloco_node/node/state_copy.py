@@ -61,13 +61,16 @@ async def fetch_state(
     except NodeError as exc:
         log.warning("state transfer failed (%s); starting from the run's initial weights", exc)
         return None
-    copied = {"inner_step": step, "outer_round": int(fetched.counters["outer_round"])}
-    now, note = copied, ""
+    now = {"inner_step": step, "outer_round": int(fetched.counters["outer_round"])}
+    topped_up, note = None, ""
     live = max((r.inner_step for r in await directory.replicas(stage, fresh=True) if r.peer_id != peer_id), default=0)
     if round_steps and live - step >= round_steps:
-        now = await _top_up(client, compute, state, inner, fetched.owner, stage, peer_id, timeout_s) or copied
-        note = _behind_note(live - step, round_steps, None if now is copied else now["inner_step"] - step)
-    return _joined(fetched, now, None if now is copied else now["inner_step"] - step, time.monotonic() - began, note)
+        if (
+            counters := await _top_up(client, compute, state, inner, fetched.owner, stage, peer_id, timeout_s)
+        ) is not None:
+            now, topped_up = counters, counters["inner_step"] - step
+        note = _behind_note(live - step, round_steps, topped_up)
+    return _joined(fetched, now, topped_up, time.monotonic() - began, note)
 
 
 def _joined(fetched: FetchedState, now: dict, topped_up: int | None, took_s: float, note: str) -> dict:

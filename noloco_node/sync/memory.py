@@ -128,10 +128,7 @@ class MemoryPairing:
         each tensor through the codec the encoding gives its kind and checked against `expected`.
         A donor in `hub.state_cut` leaves after sending that many parameters (PeerUnavailable)."""
         into = into if into is not None else ReceivedState()
-        donor = self.hub.donors.get(peer_id)
-        if donor is None or peer_id in self.hub.down:
-            raise PeerUnavailable(f"{peer_id} does not donate state")
-        tensors, counters = await asyncio.wait_for(donor.export_state(), timeout_s)
+        tensors, counters = await self._donor_state(peer_id, timeout_s)
         try:
             selected = select_state(tensors, list(names))
         except ValueError as exc:  # the gRPC donor answers INVALID_ARGUMENT
@@ -166,11 +163,8 @@ class MemoryPairing:
         """As rpc/state_service.py's TOP_UP: phi/<p> of each parameter in `names` as the difference
         since what donor `peer_id` sent us, through the top-up's codec; refused for a parameter it
         sent us nothing of."""
-        donor, sent = self.hub.donors.get(peer_id), self.hub.sent.get(peer_id, SentPhi())
-        if donor is None or peer_id in self.hub.down:
-            raise PeerUnavailable(f"{peer_id} does not donate state")
-        tensors, counters = await asyncio.wait_for(donor.export_state(), timeout_s)
-        out = {}
+        tensors, counters = await self._donor_state(peer_id, timeout_s)
+        sent, out = self.hub.sent.get(peer_id, SentPhi()), {}
         for parameter in names:
             held, name = sent.held(requester, parameter), f"phi/{parameter}"
             if held is None or name not in expected:
@@ -179,6 +173,12 @@ class MemoryPairing:
             out[name] = decode(spec, payload)
             sent.record(requester, parameter, holds)
         return out, json.loads(counters)
+
+    async def _donor_state(self, peer_id: str, timeout_s: float) -> tuple[dict[str, Tensor], str]:
+        donor = self.hub.donors.get(peer_id)
+        if donor is None or peer_id in self.hub.down:
+            raise PeerUnavailable(f"{peer_id} does not donate state")
+        return await asyncio.wait_for(donor.export_state(), timeout_s)
 
     async def close(self) -> None:
         return None

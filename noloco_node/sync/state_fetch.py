@@ -82,6 +82,11 @@ class FetchedState:
         return self.counters["donor"]
 
 
+def progress(counters: dict) -> tuple[int, int]:
+    """How far a donor's counters are along (inner step, then outer round): the furthest is taken."""
+    return int(counters["inner_step"]), int(counters["outer_round"])
+
+
 def donor_order(candidates: Sequence[tuple[str, str]], seed: str) -> list[str]:
     """The donors to ask, from (peer id, reach) pairs: in a random order drawn from `seed` (so that
     joiners spread over the replicas), those reached without a relay first. The first `max_donors`
@@ -251,9 +256,7 @@ class _Transfers:
     def fetched(self) -> FetchedState:
         """The kept tensors, the counters of the donor furthest along, and who sent what."""
         counters_of, owner, result = self.counters_of, self.owner, self.result
-        furthest = max(
-            counters_of, key=lambda d: (int(counters_of[d]["inner_step"]), int(counters_of[d]["outer_round"]))
-        )
+        furthest = max(counters_of, key=lambda d: progress(counters_of[d]))
         result.tensors = self.kept
         result.counters = {
             "inner_step": int(counters_of[furthest]["inner_step"]),

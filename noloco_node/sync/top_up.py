@@ -12,17 +12,10 @@ a few rounds old (m's weight in the next update is alpha, and shrinks by alpha e
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
 
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from noloco_node.sync.state_fetch import Expected, StateSource
-
-
-def furthest(counters: list[dict]) -> dict:
-    """The counters of the donor furthest along (largest inner step, then outer round)."""
-    return max(counters, key=lambda c: (int(c["inner_step"]), int(c["outer_round"])))
+from noloco_node.sync.state_fetch import Expected, StateSource, progress
 
 
 async def top_up_from_donors(
@@ -56,5 +49,5 @@ async def top_up_from_donors(
     differences: dict[str, Tensor] = {}
     for part, _ in answers:
         differences.update(part)
-    counters = furthest([c for _, c in answers])
-    return differences, {"inner_step": int(counters["inner_step"]), "outer_round": int(counters["outer_round"])}
+    inner_step, outer_round = max(progress(c) for _, c in answers)
+    return differences, {"inner_step": inner_step, "outer_round": outer_round}

@@ -4,6 +4,7 @@ phi exact and the moments within the codecs' bounds, and a donor refuses names i
 in the in-memory twin and over gRPC."""
 
 import asyncio
+import contextlib
 import json
 
 import grpc
@@ -212,6 +213,39 @@ class LoopbackDialer:
         return self.channels[peer_id], "direct"
 
 
+@contextlib.asynccontextmanager
+async def grpc_donors(donors: dict, faults: dict | None = None):
+    """Each donor behind its own OuterServicer on 127.0.0.1 (with its FaultInjector from `faults`):
+    yields a client that reaches them by name, and the servers by name (a test may stop one)."""
+    servers, addresses = {}, {}
+    for name, donor in donors.items():
+        server = grpc.aio.server()
+        outer_pb2_grpc.add_OuterServicer_to_server(
+            OuterServicer(
+                None,
+                peer_id=name,
+                run=ServedRun("r", "h", 0),
+                max_bytes=1 << 24,
+                # A node's floor is timeouts.match_s; without one a loaded machine cuts 20 kB at 0.1 s.
+                deadlines=LinkDeadlines(floor_s=10.0),
+                donor=donor,
+                faults=(faults or {}).get(name),
+            ),
+            server,
+        )
+        addresses[name] = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+        await server.start()
+        servers[name] = server
+    dialer = LoopbackDialer(addresses)
+    try:
+        yield OuterClient(run_id="r", manifest_hash="h", max_bytes=1 << 24, dialer=dialer), servers
+    finally:
+        for channel in dialer.channels.values():
+            await channel.close()
+        for server in servers.values():
+            await server.stop(None)
+
+
 def test_over_grpc_two_donors_one_cut_mid_stream_and_the_compact_codecs_checked():
     """Real streams on 127.0.0.1: donor a dies (its server stops) after two parameters; the joiner
     keeps them and takes the rest from b, each tensor in the codec the compact encoding names."""
@@ -220,38 +254,16 @@ def test_over_grpc_two_donors_one_cut_mid_stream_and_the_compact_codecs_checked(
     donors = {"a": Donor(1), "b": Donor(2)}
 
     async def scenario():
-        servers, addresses = {}, {}
         stall = FaultInjector(["donate_parameter:stall=30@3"])
-        for name, donor in donors.items():
-            faults = stall if name == "a" else None
-            server = grpc.aio.server()
-            outer_pb2_grpc.add_OuterServicer_to_server(
-                OuterServicer(
-                    None,
-                    peer_id=name,
-                    run=ServedRun("r", "h", 0),
-                    max_bytes=1 << 24,
-                    # A node's floor is timeouts.match_s; without one a loaded machine cuts 20 kB at 0.1 s.
-                    deadlines=LinkDeadlines(floor_s=10.0),
-                    donor=donor,
-                    faults=faults,
-                ),
-                server,
-            )
-            addresses[name] = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
-            await server.start()
-            servers[name] = server
-        dialer = LoopbackDialer(addresses)
-        client = OuterClient(run_id="r", manifest_hash="h", max_bytes=1 << 24, dialer=dialer)
-        _, outer, inner = joiner = fresh_joiner()
+        async with grpc_donors(donors, {"a": stall}) as (client, servers):
+            _, outer, inner = joiner = fresh_joiner()
 
-        async def cut_a():
-            while ("donate_parameter", "stall") not in stall.fired:  # a stalls before its third parameter
-                await asyncio.sleep(0.05)
-            await asyncio.sleep(0.5)  # the two parameters it wrote reach the joiner
-            await servers["a"].stop(None)
+            async def cut_a():
+                while ("donate_parameter", "stall") not in stall.fired:  # a stalls before its third parameter
+                    await asyncio.sleep(0.05)
+                await asyncio.sleep(0.5)  # the two parameters it wrote reach the joiner
+                await servers["a"].stop(None)
 
-        try:
             cutter = asyncio.create_task(cut_a())
             fetched = await fetch_from_donors(
                 client,
@@ -265,11 +277,6 @@ def test_over_grpc_two_donors_one_cut_mid_stream_and_the_compact_codecs_checked(
             await cutter
             import_state(outer, inner, fetched.tensors, fetched.counters)
             return joiner, fetched
-        finally:
-            for channel in dialer.channels.values():
-                await channel.close()
-            for server in servers.values():
-                await server.stop(None)
 
     (_, outer, _), fetched = asyncio.run(scenario())
     assert fetched.failed == ["a"] and fetched.parameters_from["a"] == 2 and fetched.reasked > 0

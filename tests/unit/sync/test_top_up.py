@@ -5,23 +5,18 @@ copy stays as it was."""
 
 import asyncio
 
-import grpc
 import pytest
 import torch
 
 from noloco_node.codec.state_layout import state_spec
 from noloco_node.codec.top_up import SentPhi, phi_difference
 from noloco_node.errors import PeerUnavailable
-from noloco_node.rpc.checks import ServedRun
-from noloco_node.rpc.outer_service import OuterClient, OuterServicer
-from noloco_node.runtime.link_estimates import LinkDeadlines
 from noloco_node.sync.memory import MemoryPairingHub
 from noloco_node.sync.state_fetch import fetch_from_donors
 from noloco_node.sync.top_up import top_up_from_donors
 from noloco_node.sync.transfer import apply_top_up, expected_tensors, import_state
-from noloco_node.wire.v1 import outer_pb2_grpc
 
-from .test_state_fetch import Donor, LoopbackDialer, fresh_joiner
+from .test_state_fetch import Donor, fresh_joiner, grpc_donors
 
 
 def int8_bound(difference: torch.Tensor, block: int = 64) -> float:
@@ -106,11 +101,16 @@ def assert_at_donors_phi_now(joiner, fetched, donors: dict[str, Donor], copied: 
         assert float((copied[parameter] - now).abs().max()) > 50 * error  # the copy itself was far off
 
 
-def test_in_memory_two_donors_move_on_and_the_top_up_brings_the_copy_to_their_phi_and_counters():
-    donors = {"a": Donor(1), "b": Donor(2)}
+def memory_donors(donors: dict[str, Donor]) -> MemoryPairingHub:
     hub = MemoryPairingHub()
     for name, donor in donors.items():
         hub.register(name, None, donor)
+    return hub
+
+
+def test_in_memory_two_donors_move_on_and_the_top_up_brings_the_copy_to_their_phi_and_counters():
+    donors = {"a": Donor(1), "b": Donor(2)}
+    hub = memory_donors(donors)
     joiner = fresh_joiner()
     copied = {}
 
@@ -128,9 +128,7 @@ def test_in_memory_two_donors_move_on_and_the_top_up_brings_the_copy_to_their_ph
 
 def test_a_donor_that_sent_us_nothing_refuses_and_the_copy_stays_as_it_was():
     donors = {"a": Donor(1), "b": Donor(2)}
-    hub = MemoryPairingHub()
-    for name, donor in donors.items():
-        hub.register(name, None, donor)
+    hub = memory_donors(donors)
     joiner = fresh_joiner()
     kept = {}
 
@@ -150,26 +148,7 @@ def test_over_grpc_the_top_up_follows_a_moved_donor_and_a_stranger_is_refused():
     copied = {}
 
     async def scenario():
-        servers, addresses = [], {}
-        for name, donor in donors.items():
-            server = grpc.aio.server()
-            outer_pb2_grpc.add_OuterServicer_to_server(
-                OuterServicer(
-                    None,
-                    peer_id=name,
-                    run=ServedRun("r", "h", 0),
-                    max_bytes=1 << 24,
-                    deadlines=LinkDeadlines(floor_s=10.0),
-                    donor=donor,
-                ),
-                server,
-            )
-            addresses[name] = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
-            await server.start()
-            servers.append(server)
-        dialer = LoopbackDialer(addresses)
-        client = OuterClient(run_id="r", manifest_hash="h", max_bytes=1 << 24, dialer=dialer)
-        try:
+        async with grpc_donors(donors) as (client, _):
             _, outer, inner = joiner
             fetched = await fetch_from_donors(
                 client, ["a", "b"], stage=0, requester="joiner", timeout_s=20, expected=expected_tensors(outer)
@@ -192,11 +171,6 @@ def test_over_grpc_the_top_up_follows_a_moved_donor_and_a_stranger_is_refused():
                     names=["0.weight"],
                 )
             return fetched, counters
-        finally:
-            for channel in dialer.channels.values():
-                await channel.close()
-            for server in servers:
-                await server.stop(None)
 
     fetched, counters = asyncio.run(scenario())
     assert_at_donors_phi_now(joiner, fetched, donors, copied)
