@@ -2,7 +2,7 @@
 came from at once for the difference of its phi since (codec/top_up.py), and take the counters of
 the donor furthest along.
 
-A state copy at real size over a home uplink takes minutes (a `medium` stage: 3.7 GB compact, ~12
+A state copy at real size over a home uplink takes minutes (a `medium` stage: 3.7 GB compact, ~12.6
 min from two donors at 20 Mbit/s) while the donors train on; the joiner then starts rounds behind
 the stage's replicas, further than the catch-up wait reaches (sync/catch_up.py), and pairs with
 nobody. The top-up is about a ninth of the copy's bytes, so it lands within the catch-up's reach
