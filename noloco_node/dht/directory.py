@@ -284,9 +284,12 @@ class PeerDirectory:
         every stage. A joiner's claim is no such record (no address, no certificate): a claim seen
         a moment ago means a fresh lookup, which finds the record the joiner announced once it
         served (seen: a stage-1 node dialled a new stage-0 replica by its claim, failed every
-        backward of its first microbatches, and that replica waited out the microbatch timeout)."""
+        backward of its first microbatches, and that replica waited out the microbatch timeout).
+        A leaving record is looked up afresh too: its peer may be back already at a new address (a
+        node that copies its own stage's state again is back within a second or two)."""
         known = self._by_peer.get(peer_id)
-        if known is not None and known[1].status != Status.JOINING and time.monotonic() - known[0] < max_age_s:
+        cached = known is not None and known[1].status not in (Status.JOINING, Status.LEAVING)
+        if cached and time.monotonic() - known[0] < max_age_s:
             return known[1]
         for stage in range(self.identity.num_stages):
             await self.replicas(stage, fresh=True)

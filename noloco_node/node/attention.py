@@ -42,6 +42,9 @@ class NodeView:
     """stage 0 trained all its steps: nothing is expected to advance any more"""
     other_config_peers: int = 0
     """peers of this run seen with another manifest (config, tokenizer or model files not ours)"""
+    copied_in_vain: bool = False
+    """this node copied its stage's state because it was rounds behind, and has not paired since
+    (node/catching_up.py: the copy landed behind too)"""
 
 
 def attention(view: NodeView, *, stall_s: float = STALL_S) -> list[str]:
@@ -77,12 +80,16 @@ def _solo_note(view: NodeView) -> str | None:
             f"{view.stage} fixes it)"
         )
     if all(r.get("reason") == "replicas ahead" for r in latest):
-        # Replicas more than 2 rounds apart are not waited for (sync/catch_up.py); a rejoin copies
-        # a live replica's state when it is past checkpoint.behind_rounds, and tops the copy up
-        # when it took rounds (node/state_copy.py).
+        # Replicas more than 2 rounds apart are not waited for (sync/catch_up.py); a node left
+        # behind copies their state (node/catching_up.py), topped up when the copy took rounds.
+        if view.copied_in_vain:
+            return (
+                f"{rounds}: stage {view.stage}'s other replicas are rounds ahead; its copy of their state landed "
+                f"behind too (slower than their rounds): a faster link or a smaller stage"
+            )
         return (
             f"{rounds}: the other replicas of stage {view.stage} are rounds ahead and pair without this node; "
-            f"`join` again to copy their state"
+            f"it copies their state once it can reach one (or `join` again)"
         )
     if view.all_reduce:
         return (

@@ -17,10 +17,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-async def leave(node: Node, grace_s: float | None = None, *, final: bool = True) -> None:
+async def leave(node: Node, grace_s: float | None = None, *, final: bool = True, same_stage: bool = False) -> None:
     """Finish a running outer step, withdraw the DHT record (status leaving), drain the
     microbatches in flight within `grace_s`, checkpoint, write stats (and weights), shut down.
-    `final=False` (a move to another stage): no checkpoint, snapshot or outputs of this stage."""
+    `final=False` (a move): no snapshot or outputs of this stage, and no checkpoint unless it comes
+    back to the `same_stage` (node/catching_up.py: it keeps its own state, should no copy be had)."""
     cfg = node.config
     grace_s = cfg.timeouts.drain_s if grace_s is None else grace_s
     node.stopping = True
@@ -35,7 +36,10 @@ async def leave(node: Node, grace_s: float | None = None, *, final: bool = True)
     node.board.become(Status.LEAVING)  # announced next, with the record withdrawn
     # A mover's leaving record outlives its trip to the new stage (a restart, a state fetch), so
     # no other node plans a move while this one is in transit (pipeline/rebalance.py).
-    ttl_s = None if final else max(cfg.timeouts.record_ttl_s, 2 * cfg.pipeline.rebalance_period_s)
+    # Not one coming back to the same stage: its new record goes under the same key, and the DHT
+    # keeps whichever value expires last (the new address went unseen for minutes).
+    long_ttl = not final and not same_stage
+    ttl_s = max(cfg.timeouts.record_ttl_s, 2 * cfg.pipeline.rebalance_period_s) if long_ttl else None
     try:  # withdraw first, so peers stop routing to us while we drain
         await asyncio.wait_for(node.announce(ttl_s), timeout=cfg.timeouts.connect_s)
     except Exception as exc:  # noqa: BLE001 - leaving anyway; the record expires by TTL
@@ -44,6 +48,8 @@ async def leave(node: Node, grace_s: float | None = None, *, final: bool = True)
     if final:
         await _say_if_last_replica(node)  # after the drain: the step it names is the one kept
         await _final_outputs(node)
+    elif same_stage and node.checkpoints is not None:
+        await node.boundary.checkpoint(node.driver)
     node.cancel_background()
     await _shut_down(node)
 

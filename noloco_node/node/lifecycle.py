@@ -16,6 +16,7 @@ from noloco_node.dht.records import StageRecord
 from noloco_node.node.assembly import PipelineParts, build_driver
 from noloco_node.node.attention import Progress
 from noloco_node.node.boundary import InnerStepBoundary
+from noloco_node.node.catching_up import RECOPY, Recopy, watch_behind
 from noloco_node.node.building import BuiltNode, NodeBasics, build_node
 from noloco_node.node.joining import Reprobe, settle_reach
 from noloco_node.node.state_copy import fetch_state
@@ -87,7 +88,7 @@ class Node:
             and config.pipeline.num_stages > 1
             and self.traits.movable
         )
-        self.move: Move | None = None
+        self.move: Move | Recopy | None = None
         self.move_claimed_at = 0.0
         self.move_requested = asyncio.Event()
         self.started_at = time.monotonic()
@@ -146,6 +147,8 @@ class Node:
         self.spawn(heartbeat(self))
         if self.movable:
             self.spawn(watch_balance(self))
+        if self.traits.donates_state:
+            self.spawn(watch_behind(self))
         if self.snapshots is not None:
             await self.snapshots.save(self.worker.inner_steps)
         self.events.bind(peer=self.peer_id, stage=self.stage_index)
@@ -188,8 +191,10 @@ class Node:
     async def _join_state(self) -> None:
         """Take up the newest state there is: our own checkpoint, unless (a method whose replicas
         donate state: NoLoCo) a live replica of the stage is further on, then a copy of its state;
-        the checkpoint again if no replica could give one."""
-        if await self._checkpoint_is_newest():
+        the checkpoint again if no replica could give one. A node that came back to copy its
+        stage's state (node/catching_up.py) copies it, whatever its checkpoint says."""
+        recopy = bool(self.moves) and self.moves[-1].get("why") == RECOPY
+        if not recopy and await self._checkpoint_is_newest():
             await self._resume()
         if self.resumed_from is None and self.traits.donates_state:
             self.fetched_state = await fetch_state(
@@ -344,11 +349,12 @@ class Node:
             log.warning("the last outer round did not finish within %.0f s", bound_s)
 
     # ---- stop ------------------------------------------------------------------------------
-    async def stop(self, grace_s: float | None = None, *, final: bool = True) -> None:
+    async def stop(self, grace_s: float | None = None, *, final: bool = True, same_stage: bool = False) -> None:
         """Finish a running outer step, withdraw the DHT record (status leaving), drain the
         microbatches in flight within `grace_s`, checkpoint, write stats (and weights), shut down.
-        `final=False` (a move to another stage): no checkpoint, snapshot or outputs of this stage."""
-        await leave(self, grace_s, final=final)
+        `final=False` (a move to another stage): no checkpoint, snapshot or outputs of this stage;
+        `same_stage` (a move back to the same stage, node/catching_up.py): the checkpoint all the same."""
+        await leave(self, grace_s, final=final, same_stage=same_stage)
 
     def cancel_background(self) -> None:
         for task in list(self._background):

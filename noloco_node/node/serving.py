@@ -1,7 +1,8 @@
 """Serving a stage until done: stage 0 trains (until the run's `inner.total_steps`, or inner step N
 with `--steps N`), waiting first for a replica of every later stage however long that takes; every
 node serves until stopped, and a node the rebalancing plan names moves to another stage and carries on
-there. What `join` runs once its arguments are read (cli/join.py)."""
+there; a node left rounds behind its stage's replicas copies their state the same way
+(node/catching_up.py). What `join` runs once its arguments are read (cli/join.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from noloco_node.node.catching_up import RECOPY, Recopy
 from noloco_node.node.lifecycle import Membership, Node
 
 log = logging.getLogger(__name__)
@@ -164,15 +166,24 @@ async def race(coro, stop: asyncio.Event) -> None:
 
 async def moved(node: Node) -> Node:
     """Leave this stage gracefully (withdraw, drain, no checkpoint of it) and come back on
-    the planned stage under the same identity; Node.create fetches the new stage's state from a replica."""
+    the planned stage under the same identity; Node.create fetches the new stage's state from a
+    replica. A Recopy (node/catching_up.py) comes back on the same stage, having checkpointed its
+    own state first, in case no replica can give one."""
     move = node.move
+    recopy = isinstance(move, Recopy)
     log.info("moving: %s", move)
-    await node.stop(final=False)
+    await node.stop(final=False, same_stage=recopy)
     record = {"from": move.source, "to": move.target, "at": time.time(), "inner_step": node.worker.inner_steps}
+    if recopy:
+        record["why"] = RECOPY
     if node.driver is not None:
         record["microbatches"] = node.driver.counters.as_dict()
     cfg = node.config
-    there = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, stage=move.target, rebalance=True))
+    # The stage named (a node that chose its own, `--stage auto`, would choose again), and movable
+    # as before: only a movable node is moved by the plan, and a Recopy stays what it was.
+    there = dataclasses.replace(
+        cfg, pipeline=dataclasses.replace(cfg.pipeline, stage=move.target, rebalance=node.movable)
+    )
     new = await Node.create(there, outputs=node.outputs, membership=Membership(node.identity, node.moves + [record]))
     new.events.emit("moved", **record)
     log.info("moved to stage %d (state fetched: %s)", new.stage_index, new.fetched_state)

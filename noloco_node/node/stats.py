@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from noloco_node import __version__
 from noloco_node.dht.records import StageRecord
 from noloco_node.node.attention import NodeView, attention
+from noloco_node.node.catching_up import copy_again_in_vain
 from noloco_node.node.reporting import Snapshot
 from noloco_node.runtime.memory import peak_memory_bytes
 from noloco_node.runtime.node_stats import IntegrityStats, NodeStats, TransportStats, WorkStats
@@ -203,5 +204,6 @@ def node_attention(node: Node) -> list[str]:
             waiting_for=node.progress.waiting_for,
             done=node.done_at_step is not None,
             other_config_peers=len(node.directory.other_config_peers),
+            copied_in_vain=copy_again_in_vain(node.sync.counters.history, node.moves) if traits.syncs else False,
         )
     )

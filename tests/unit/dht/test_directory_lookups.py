@@ -107,3 +107,21 @@ def test_a_joiners_claim_is_never_the_record_it_is_dialled_by():
     dht.entries = {serving[0]: (serving[1], now + 40)}  # it announced itself once it served
     found = asyncio.run(directory.record_of(joiner.peer_id))  # the cached claim is looked past at once
     assert found is not None and found.status == "serving" and found.tls_cert == "AAAA"
+
+
+def test_a_peer_that_left_is_looked_up_afresh_and_found_back_at_its_new_address():
+    """A node that copies its own stage's state again leaves and is back within a second or two
+    under the same peer id at a new address: a leaving record seen a moment ago is not reused (a
+    stage-1 node sent the returning node's first backwards to its old port, refused)."""
+    me, mover = NodeIdentity.generate(), NodeIdentity.generate()
+    dht = ScriptedDHT(me)
+    directory = PeerDirectory(dht, IDENTITY, RSASignatureValidator(me.hivemind_key()), key=me)
+    now = get_dht_time()
+    leaving = record(mover, status="leaving", address="127.0.0.1:1111", updated_at=1000.0)
+    dht.entries = {leaving[0]: (leaving[1], now + 30)}
+    found = asyncio.run(directory.record_of(mover.peer_id))  # it still drains: dialled where it was
+    assert found is not None and found.address == "127.0.0.1:1111"
+    back = record(mover, status="serving", address="127.0.0.1:2222", updated_at=1001.0)
+    dht.entries = {back[0]: (back[1], now + 31)}
+    found = asyncio.run(directory.record_of(mover.peer_id))
+    assert found is not None and (found.status, found.address) == ("serving", "127.0.0.1:2222")

@@ -29,8 +29,10 @@ def test_rounds_that_keep_going_solo_say_why():
     assert attention(view(rounds_go_solo=False, outer_history=[SOLO] * 9)) == []
     assert "all-reduce group never formed" in attention(view(all_reduce=True, outer_history=[SOLO] * 4))[0]
     behind = attention(view(outer_history=[{"outcome": "solo", "reason": "replicas ahead"}] * 4))
-    assert "rounds ahead and pair without this node" in behind[0] and "`join` again" in behind[0]
+    assert "rounds ahead and pair without this node" in behind[0] and "copies their state" in behind[0]
     assert len("the last 4 outer rounds went solo: " + behind[0].split(": ", 1)[1]) <= 200  # a DHT record's note
+    in_vain = attention(view(outer_history=[{"outcome": "solo", "reason": "replicas ahead"}] * 4, copied_in_vain=True))
+    assert "landed behind too" in in_vain[0] and "faster link" in in_vain[0] and len(in_vain[0]) <= 200
 
 
 def test_no_progress_is_a_warning_unless_the_node_knowingly_waits_or_is_done():
