@@ -185,10 +185,30 @@ def _with_checkpoint_home(config):
     from noloco_node.node.checkpoint_home import CheckpointSlot, config_fingerprint
 
     fingerprint = config_fingerprint(config)
-    prefer = _unserved_checkpoints(config, fingerprint) if config.pipeline.stage is None else []
-    slot = CheckpointSlot.claim(config.run.run_id, fingerprint, prefer=prefer)
+    if config.pipeline.stage is None:
+        prefer, avoid = _unserved_checkpoints(config, fingerprint), []
+    else:
+        prefer, avoid = _checkpoints_of_stage(config, fingerprint, config.pipeline.stage)
+    slot = CheckpointSlot.claim(config.run.run_id, fingerprint, prefer=prefer, avoid=avoid)
     checkpoint = dataclasses.replace(config.checkpoint, dir=str(slot.directory))
     return dataclasses.replace(config, checkpoint=checkpoint), slot
+
+
+def _checkpoints_of_stage(config, fingerprint: str, stage: int) -> tuple[list[Path], list[Path]]:
+    """`--stage S`: the free folders holding S's checkpoint, furthest first, and those holding only
+    other stages', to pass over (checkpoint_home.stage_slots_first). A newcomer's pinned stage-1
+    node took the lowest free folder, a stage-0 checkpoint's, started at step 0 beside it without
+    a word, and a later `--stage auto` resumed that stage 0 next to an untrained stage 1."""
+    from noloco_node.node.checkpoint import saved_meta, stages_in
+    from noloco_node.node.checkpoint_home import CheckpointSlot, stage_slots_first
+    from noloco_node.node.manifest import load_run_inputs
+
+    free = CheckpointSlot.free_slots(config.run.run_id, fingerprint)
+    if not free:
+        return [], []
+    _, _, manifest_hash = load_run_inputs(config)
+    stages_by_slot = {slot: stages_in(slot, config.run.run_id, manifest_hash) for slot in free}
+    return stage_slots_first(stages_by_slot, stage, lambda slot: int(saved_meta(slot, stage).get("inner_step", 0)))
 
 
 def _unserved_checkpoints(config, fingerprint: str) -> list[Path]:

@@ -2,6 +2,7 @@
 under the user's state directory, `$XDG_STATE_HOME/noloco-node/<run_id>/<config>/node-<n>`
 (`~/.local/state/...` by default; <config> a fingerprint of the config, so that another model under
 the same run id never meets this one's checkpoints), n the lowest slot no running node holds, or,
+for `--stage S`, the free slot holding S's checkpoint (never one holding only other stages'), and
 for `--stage auto` on a machine whose stopped nodes left checkpoints of several stages, the free
 slot holding a stage the swarm has no replica of (`join` asks the swarm first: cli/join.py).
 
@@ -61,9 +62,11 @@ class CheckpointSlot:
         home: Path | None = None,
         slots: int = MAX_SLOTS,
         prefer: Sequence[Path] = (),
+        avoid: Sequence[Path] = (),
     ) -> CheckpointSlot:
         """The first free slot of `prefer` (slots of this run and config), else the lowest free
-        slot; ConfigError naming checkpoint.dir when none can be had."""
+        slot not in `avoid` (a new one past them if need be); ConfigError naming checkpoint.dir
+        when none can be had."""
         run_dir = run_directory(run_id, fingerprint, home)
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -74,7 +77,9 @@ class CheckpointSlot:
                 "set checkpoint.dir to a writable folder, or checkpoint.auto = false for no checkpoints",
             ) from None
         preferred = [Path(p) for p in prefer if Path(p).parent == run_dir]
-        for directory in [*preferred, *(run_dir / f"node-{n}" for n in range(slots))]:
+        avoided = {Path(p) for p in avoid}
+        numbered = (run_dir / f"node-{n}" for n in range(slots))
+        for directory in [*preferred, *(d for d in numbered if d not in avoided)]:
             directory.mkdir(exist_ok=True)
             if (fd := _lock(directory)) is not None:
                 return cls(directory, fd)
@@ -112,6 +117,15 @@ def unserved_first(stages_by_slot: dict[Path, list[int]], served: set[int]) -> l
     """The free slots whose one checkpointed stage no live replica serves, lowest first: there our
     weights are the stage's only copy, and the lowest free slot may hold a stage others serve."""
     return [slot for slot, stages in stages_by_slot.items() if len(stages) == 1 and stages[0] not in served]
+
+
+def stage_slots_first(stages_by_slot: dict[Path, list[int]], stage: int, saved_step) -> tuple[list[Path], list[Path]]:
+    """For a node pinned to `stage`: (the free slots holding a checkpoint of it, furthest trained
+    first; the free slots holding only other stages' checkpoints, which it must not take: it would
+    start from its initial weights beside them, and a later `--stage auto` would resume those)."""
+    mine = sorted((s for s, stages in stages_by_slot.items() if stage in stages), key=lambda s: -saved_step(s))
+    others = [s for s, stages in stages_by_slot.items() if stages and stage not in stages]
+    return mine, others
 
 
 def _lock(directory: Path) -> int | None:

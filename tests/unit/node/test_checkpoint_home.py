@@ -4,6 +4,7 @@ same slot again for the next node once the last one stopped (or died), and the c
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -148,3 +149,38 @@ def test_the_slots_of_stages_nobody_serves_come_first():
     slots = {Path("node-0"): [0], Path("node-1"): [1], Path("node-2"): [], Path("node-3"): [0, 1], Path("node-4"): [2]}
     assert unserved_first(slots, served={0}) == [Path("node-1"), Path("node-4")]
     assert unserved_first(slots, served={0, 1, 2}) == []
+
+
+def test_a_pinned_stage_takes_its_own_checkpoint_and_never_another_stages_folder(tmp_path, monkeypatch):
+    """Seen by a newcomer: `join --stage 1` took the lowest free folder, which held a stage-0
+    checkpoint, and started at step 0 beside it; a later `--stage auto` resumed that stage 0."""
+    import json
+
+    import noloco_node.node.manifest as manifest
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    monkeypatch.setattr(manifest, "load_run_inputs", lambda config: (None, None, "mh"))
+
+    def pinned(stage: int):
+        return build_config({"run": {"run_id": "r1"}, "pipeline": {"stage": stage, "num_stages": 3}})
+
+    run_dir = run_directory("r1", config_fingerprint(pinned(0)), state_home())
+    for n, stage, step in ((0, 0, 1394), (1, 1, 200), (2, 1, 2315)):
+        (run_dir / f"node-{n}").mkdir(parents=True)
+        meta = {"run_id": "r1", "manifest_hash": "mh", "stage": stage, "inner_step": step}
+        (run_dir / f"node-{n}" / f"stage{stage}.json").write_text(json.dumps(meta))
+    config, slot = _with_checkpoint_home(pinned(1))
+    try:
+        assert Path(config.checkpoint.dir).name == "node-2"  # stage 1's furthest trained
+    finally:
+        slot.release()
+    config, slot = _with_checkpoint_home(pinned(2))
+    try:
+        assert Path(config.checkpoint.dir).name == "node-3"  # a folder of its own, not stage 0's node-0
+    finally:
+        slot.release()
+    config, slot = _with_checkpoint_home(pinned(0))
+    try:
+        assert Path(config.checkpoint.dir).name == "node-0"
+    finally:
+        slot.release()
