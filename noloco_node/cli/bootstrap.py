@@ -6,6 +6,7 @@ when no other node is."""
 from __future__ import annotations
 
 import argparse
+import shlex
 import asyncio
 import logging
 import sys
@@ -83,8 +84,8 @@ async def _serve(config, args: argparse.Namespace) -> int:
     if args.maddr_file:
         atomic_write_text(args.maddr_file, "\n".join(maddrs) + "\n")
     print("bootstrap peer is up; nodes join with:", flush=True)
-    for maddr in maddrs:
-        print(f"  noloco-node join --initial-peers {maddr}", flush=True)
+    for line in join_lines(maddrs, config.security.swarm_key_file):
+        print(line, flush=True)
     sys.stdout.flush()
     dashboard = metrics = touch = None
     try:
@@ -104,7 +105,15 @@ async def _serve(config, args: argparse.Namespace) -> int:
         await links.close()
         await server.stop(1.0)
         await directory.shutdown()
+        print("bootstrap peer stopped", flush=True)
     return 0
+
+
+def join_lines(maddrs: list[str], swarm_key_file: str | None) -> list[str]:
+    """The join command for each multiaddr, with the swarm key when the swarm has one (without it
+    a joiner's pings go unanswered: a newcomer copied the line and got hivemind's bootstrap error)."""
+    key = f" --swarm-key {shlex.quote(swarm_key_file)}" if swarm_key_file else ""
+    return [f"  noloco-node join --initial-peers {maddr}{key}" for maddr in maddrs]
 
 
 def _identity(path: str):

@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(swarm, indent=2))
         return 0
     rows, limit = swarm["replicas"], swarm["limiting_stage"]
-    print(f"run {config.run.run_id}: {len(rows)} replicas over {config.pipeline.num_stages} stages")
+    print(f"run {config.run.run_id}: {_count(len(rows), 'replica')} over {_count(config.pipeline.num_stages, 'stage')}")
     header = (
         f"{'stage':>5}  {'peer':<10} {'address':<22} {'reach':<12} {'inner':>6} {'round':>5} {'status':<9} "
         f"{'tok/s':>8} {'cap seq/s':>9} {'busy':>5} {'hop ms':>6} {'link Mb/s':>9} {'round MB':>8} "
@@ -54,10 +54,14 @@ def run(args: argparse.Namespace) -> int:
     for s, total in swarm["stage_capacity"].items():
         count = sum(1 for r in rows if r["stage"] == int(s))
         mark = "  <- limits the swarm" if int(s) == limit else ""
-        print(f"stage {s}: {count} replicas, capacity {total:.1f} sequences/s{mark}")
+        print(f"stage {s}: {_count(count, 'replica')}, capacity {total:.1f} sequences/s{mark}")
     for note in swarm["attention"]:
         print(f"! {note}")
     return 0
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def _megabytes(value: int) -> str:

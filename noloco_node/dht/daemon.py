@@ -51,11 +51,28 @@ async def join_dht(args: dict, validator: CompositeValidator, p2p_options: dict 
         # hivemind raises RuntimeError when no initial peer answered a ping: they are down,
         # unreachable, or (in a keyed swarm) ignoring us because our swarm key differs.
         where = ", ".join(initial_peers) or "(none)"
-        hint = "" if swarm_key is not None else " (if the swarm uses a key, pass it with --swarm-key)"
         if p2p is not None:
             await p2p.shutdown()
-        raise BootstrapError(f"could not join the DHT through initial peers {where}: {exc}{hint}".strip()) from None
+        hint = BootstrapError.hint + ("" if swarm_key is None else "; and that your swarm key is the swarm's")
+        if swarm_key is None and initial_peers:
+            hint += "; a swarm with a key answers only joiners that pass it with --swarm-key"
+        raise BootstrapError(
+            f"could not join the DHT through initial peers {where}: {bootstrap_failure(exc, timeout_s)}", hint=hint
+        ) from None
     return node, p2p
+
+
+def bootstrap_failure(exc: BaseException, timeout_s: float) -> str:
+    """What went wrong, in the user's words: hivemind's and the Go daemon's texts name settings the
+    user cannot set and call a failed dial a daemon that failed to start (a newcomer's audit)."""
+    text = str(exc)
+    if "failed to connect to bootstrap peers" in text:
+        return "none of them could be connected to (a wrong host, port or peer id, or the peer is down)"
+    if "responded to a ping" in text:
+        return "connected, but none of them answered (the peer is not a DHT peer of this swarm, or ignores us)"
+    if isinstance(exc, asyncio.TimeoutError):
+        return f"no answer within timeouts.startup_s ({timeout_s:g} s)"
+    return text or type(exc).__name__
 
 
 def daemon_with_flags(flags: dict):

@@ -108,7 +108,7 @@ async def _say_if_last_replica(node: Node) -> None:
 async def _final_outputs(node: Node) -> None:
     if node.snapshots is not None:  # where training left this node, whatever inner step that is
         await node.snapshots.save(node.worker.inner_steps, final=True)
-    if node.checkpoints is not None:
+    if node.checkpoints is not None and node.worker.inner_steps > 0:  # at 0: the initial weights, nothing to keep
         await node.boundary.checkpoint(node.driver)
     if node.outputs.out_dir is not None:
         from noloco_node.node.outputs import write_outputs

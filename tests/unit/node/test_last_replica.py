@@ -50,3 +50,27 @@ def test_a_replica_that_never_trained_has_nothing_to_keep_and_says_so_plainly():
             level == logging.INFO
             and text == "stage 2 has no other replica, and it was never trained here: nothing to keep"
         )
+
+
+async def test_a_node_that_never_trained_writes_no_checkpoint_as_it_leaves():
+    """Seen by a newcomer: 'it was never trained here: nothing to keep', then a step-0 checkpoint."""
+    from types import SimpleNamespace
+
+    from noloco_node.node.leaving import _final_outputs
+
+    saved = []
+
+    async def checkpoint(driver):
+        saved.append(driver)
+
+    for steps in (0, 5):
+        node = SimpleNamespace(
+            snapshots=None,
+            checkpoints=object(),
+            boundary=SimpleNamespace(checkpoint=checkpoint),
+            driver=None,
+            worker=SimpleNamespace(inner_steps=steps),
+            outputs=SimpleNamespace(out_dir=None),
+        )
+        await _final_outputs(node)
+    assert saved == [None]  # only the node at inner step 5

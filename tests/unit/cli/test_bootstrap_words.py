@@ -1,0 +1,28 @@
+"""What a bootstrap host and a joiner read: the printed join command, and why a join failed."""
+
+import asyncio
+
+from noloco_node.cli.bootstrap import join_lines
+from noloco_node.dht.daemon import bootstrap_failure
+
+MADDR = "/ip4/127.0.0.1/tcp/31340/p2p/QmTW5SvQ3c9iqsNAatdwQRrZ9g8L18B9DzsP3oFYQKu9hN"
+
+
+def test_a_keyed_bootstraps_join_command_carries_the_key():
+    assert join_lines([MADDR], None) == [f"  noloco-node join --initial-peers {MADDR}"]
+    assert join_lines([MADDR], "my keys/swarm.key") == [
+        f"  noloco-node join --initial-peers {MADDR} --swarm-key 'my keys/swarm.key'"
+    ]
+
+
+def test_a_failed_join_is_said_in_the_users_words_not_hiveminds():
+    dial = RuntimeError("Daemon failed to start: 2026/11/29 02:49:50 failed to connect to bootstrap peers")
+    ping = RuntimeError(
+        "DHTNode bootstrap failed: none of the initial_peers responded to a ping. "
+        "(set ensure_bootstrap_success=False to ignore)"
+    )
+    assert "could be connected to" in bootstrap_failure(dial, 30) and "Daemon" not in bootstrap_failure(dial, 30)
+    assert "none of them answered" in bootstrap_failure(ping, 30)
+    assert "ensure_bootstrap_success" not in bootstrap_failure(ping, 30)
+    assert bootstrap_failure(asyncio.TimeoutError(), 30) == "no answer within timeouts.startup_s (30 s)"
+    assert bootstrap_failure(OSError("No such file"), 30) == "No such file"
