@@ -27,6 +27,10 @@ from noloco_node.transport.identity import NodeIdentity, peer_id_of_owner_marker
 
 log = logging.getLogger(__name__)
 
+OTHER_CONFIG_SEEN_S = 60.0
+"""How long a peer of another config counts after a lookup last found it: two record TTLs (30 s),
+several lookups of a node waiting for a replica (it looks around every few seconds)."""
+
 
 def compatible_version(ours: str, theirs: str) -> bool:
     """Same major.minor: the wire contract only changes across minor versions."""
@@ -57,8 +61,9 @@ class PeerDirectory:
         self._seen: dict[int, dict[object, tuple[float, object]]] = {}  # stage -> subkey -> (expires, value)
         self._ignored: set[str] = set()  # peers whose incompatible records were logged once
         # Peers of our run whose records carry another manifest: a config that is not the swarm's
-        # (theirs or ours), which node/attention.py names while we wait for a replica.
-        self.other_config_peers: dict[str, str] = {}
+        # (theirs or ours), which node/attention.py names while we wait for a replica: peer ->
+        # (manifest, when a lookup last found it live).
+        self._other_configs: dict[str, tuple[str, float]] = {}
         self._impostors: set[str] = set()  # claimed peer ids whose impostor records were logged once
         self.impostor_records = 0  # records refused because they claim another node's peer id
         self._by_peer: dict[str, tuple[float, StageRecord]] = {}  # every accepted record, leaving ones too
@@ -252,6 +257,15 @@ class PeerDirectory:
             log.warning("refusing a record that claims peer id %s but is signed by another key", record.peer_id[-8:])
         return False
 
+    @property
+    def other_config_peers(self) -> dict[str, str]:
+        """Peers of our run seen with another manifest (peer -> manifest) by a lookup of the last
+        OTHER_CONFIG_SEEN_S, not leaving: one that left stops counting (a newcomer's node kept
+        warning of a mismatched peer 90 s after it had gone)."""
+        since = time.monotonic() - OTHER_CONFIG_SEEN_S
+        self._other_configs = {p: seen for p, seen in self._other_configs.items() if seen[1] >= since}
+        return {peer: manifest for peer, (manifest, _) in self._other_configs.items()}
+
     def _accept(self, value: object, stage: int, subkey: object) -> StageRecord | None:
         try:
             record = StageRecord.parse_obj(value)
@@ -265,8 +279,10 @@ class PeerDirectory:
             reason = f"run {record.run_id!r}"
         elif record.manifest_hash != ident.manifest_hash:
             reason = f"manifest {record.manifest_hash} (ours {ident.manifest_hash})"
-            if len(self.other_config_peers) < 4096:
-                self.other_config_peers[record.peer_id] = record.manifest_hash
+            if record.status == Status.LEAVING:
+                self._other_configs.pop(record.peer_id, None)
+            elif len(self._other_configs) < 4096 or record.peer_id in self._other_configs:
+                self._other_configs[record.peer_id] = (record.manifest_hash, time.monotonic())
         elif not compatible_version(ident.version, record.version):
             reason = f"version {record.version} (ours {ident.version})"
         elif record.stage != stage:
