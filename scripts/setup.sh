@@ -35,3 +35,4 @@ fi
 if .venv/bin/python -m pip list 2>/dev/null | grep -qi '^nvidia-'; then
   command -v nvidia-smi >/dev/null || echo "warning: CUDA wheels are installed on a machine without nvidia-smi" >&2
 fi
+echo "set up: $root/.venv ($(.venv/bin/python -c "import noloco_node; print(\"noloco-node\", noloco_node.__version__)"))"

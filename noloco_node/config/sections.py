@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +16,8 @@ from noloco_node.config.checks import ConfigError, _require
 from noloco_node.config.links import NetworkConfig, SecurityConfig, TimeoutsConfig
 from noloco_node.config.optimizers import InnerConfig, OuterConfig
 from noloco_node.config.pipeline import PipelineConfig
+
+DEFAULT_CACHE_DIR = "~/.cache/noloco-node"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -140,7 +143,9 @@ class DataConfig:
     """Vocabulary of the BPE trained when tokenizer is None."""
     holdout_fraction: float = 0.02
     """Share of documents held out for validation (chosen by a hash of the text)."""
-    cache_dir: str = "~/.cache/noloco-node"
+    cache_dir: str = DEFAULT_CACHE_DIR
+    """Where the corpus and a trained tokenizer are cached; the default follows $XDG_CACHE_HOME
+    when it is set, as checkpoints follow $XDG_STATE_HOME."""
 
     def __post_init__(self) -> None:
         _require(
@@ -158,6 +163,8 @@ class DataConfig:
 
     @property
     def cache_path(self) -> Path:
+        if self.cache_dir == DEFAULT_CACHE_DIR and os.environ.get("XDG_CACHE_HOME"):
+            return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "noloco-node"
         return Path(self.cache_dir).expanduser()
 
 

@@ -144,3 +144,17 @@ def test_every_unknown_name_is_named_at_once(tmp_path):
     assert info.value.field == "outer.alfa" and "did you mean 'alpha'" in message
     assert "and 2 more unknown: 'inner.lrr', 'netwrk'" in message
     assert "'inner.lrr': did you mean 'lr'?" in message and "'netwrk': did you mean 'network'?" in message
+
+
+def test_the_default_cache_follows_xdg_cache_home_and_a_named_one_stays(monkeypatch, tmp_path):
+    """Seen by a newcomer: checkpoints followed $XDG_STATE_HOME, the corpus and tokenizer cache
+    went to ~/.cache whatever $XDG_CACHE_HOME said."""
+    from pathlib import Path
+
+    from noloco_node.config import build_config
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert build_config({}).data.cache_path == tmp_path / "noloco-node"
+    assert build_config({"data": {"cache_dir": "~/mine"}}).data.cache_path == Path("~/mine").expanduser()
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert build_config({}).data.cache_path == Path("~/.cache/noloco-node").expanduser()
