@@ -59,9 +59,20 @@ async def abort_with(context: grpc.aio.ServicerContext, error: NodeError) -> Non
     await context.abort(status_of(error), str(error), trailing_metadata=((ERROR_KEY, error.code),))
 
 
+LOST_REFUSAL = "Internal error from Core"
+"""What grpc.aio's client reports, as INTERNAL, when the server ended a client-streaming call
+while we were still writing it (grpc/grpc#36066): the server's own status is lost. A node ends a
+call early only to refuse it, most often as busy (8 concurrent 8 MiB Forwards to a refusing server
+here: 3 of 80 came back so, the rest RESOURCE_EXHAUSTED)."""
+
+
 def error_from_rpc(exc: grpc.aio.AioRpcError, peer: str) -> NodeError:
-    """A client-side AioRpcError as the node error the caller can act on."""
+    """A client-side AioRpcError as the node error the caller can act on. A refusal whose status
+    gRPC lost (LOST_REFUSAL) is PeerBusy: the caller tries another replica, and does not ban the
+    one it asked (a newcomer's stage 0 banned the only stage-1 replica for up to 8 s so)."""
     code, detail = exc.code(), exc.details() or ""
+    if code == grpc.StatusCode.INTERNAL and detail == LOST_REFUSAL:
+        return PeerBusy(f"{peer}: ended the call before it was sent whole (a refusal whose status gRPC lost)")
     cls = _FROM_STATUS.get(code)
     if cls is None:
         return unavailable_from_rpc(exc, peer)

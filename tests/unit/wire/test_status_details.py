@@ -157,3 +157,14 @@ def test_a_peer_keeps_its_stub_until_the_dialer_replaces_its_channel():
         assert (await stubs.get("a"))[0] is not renewed
 
     asyncio.run(scenario())
+
+
+def test_a_refusal_whose_status_grpc_lost_is_busy_and_other_internal_errors_are_not():
+    """grpc.aio reports INTERNAL 'Internal error from Core' when the server ends a streaming call
+    while the client still writes (grpc/grpc#36066): a node's early refusal, most often busy."""
+    empty = grpc.aio.Metadata()
+    lost = grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, empty, empty, "Internal error from Core")
+    other = grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, empty, empty, "Exception calling application: boom")
+    assert isinstance(error_from_rpc(lost, "peer"), PeerBusy)
+    not_busy = error_from_rpc(other, "peer")
+    assert isinstance(not_busy, PeerUnavailable) and "INTERNAL" in str(not_busy)
