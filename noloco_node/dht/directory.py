@@ -20,16 +20,13 @@ from hivemind.dht.validation import CompositeValidator
 from hivemind.utils.timed_storage import get_dht_time
 
 from noloco_node.dht.daemon import join_dht
+from noloco_node.dht.other_configs import OtherConfigs
 from noloco_node.errors import BootstrapError
 from noloco_node.dht.records import StageRecord, make_validators, stage_key
 from noloco_node.runtime.node_status import Status
 from noloco_node.transport.identity import NodeIdentity, peer_id_of_owner_marker
 
 log = logging.getLogger(__name__)
-
-OTHER_CONFIG_SEEN_S = 60.0
-"""How long a peer of another config counts after a lookup last found it: two record TTLs (30 s),
-several lookups of a node waiting for a replica (it looks around every few seconds)."""
 
 
 def compatible_version(ours: str, theirs: str) -> bool:
@@ -60,10 +57,7 @@ class PeerDirectory:
         self._cache: dict[int, tuple[float, list[StageRecord]]] = {}
         self._seen: dict[int, dict[object, tuple[float, object]]] = {}  # stage -> subkey -> (expires, value)
         self._ignored: set[str] = set()  # peers whose incompatible records were logged once
-        # Peers of our run whose records carry another manifest: a config that is not the swarm's
-        # (theirs or ours), which node/attention.py names while we wait for a replica: peer ->
-        # (manifest, when a lookup last found it live).
-        self._other_configs: dict[str, tuple[str, float]] = {}
+        self.other_configs = OtherConfigs()  # peers of our run with another manifest
         self._impostors: set[str] = set()  # claimed peer ids whose impostor records were logged once
         self.impostor_records = 0  # records refused because they claim another node's peer id
         self._by_peer: dict[str, tuple[float, StageRecord]] = {}  # every accepted record, leaving ones too
@@ -259,12 +253,8 @@ class PeerDirectory:
 
     @property
     def other_config_peers(self) -> dict[str, str]:
-        """Peers of our run seen with another manifest (peer -> manifest) by a lookup of the last
-        OTHER_CONFIG_SEEN_S, not leaving: one that left stops counting (a newcomer's node kept
-        warning of a mismatched peer 90 s after it had gone)."""
-        since = time.monotonic() - OTHER_CONFIG_SEEN_S
-        self._other_configs = {p: seen for p, seen in self._other_configs.items() if seen[1] >= since}
-        return {peer: manifest for peer, (manifest, _) in self._other_configs.items()}
+        """Peers of our run seen live with another manifest (dht/other_configs.py)."""
+        return self.other_configs.peers()
 
     def _accept(self, value: object, stage: int, subkey: object) -> StageRecord | None:
         try:
@@ -279,10 +269,7 @@ class PeerDirectory:
             reason = f"run {record.run_id!r}"
         elif record.manifest_hash != ident.manifest_hash:
             reason = f"manifest {record.manifest_hash} (ours {ident.manifest_hash})"
-            if record.status == Status.LEAVING:
-                self._other_configs.pop(record.peer_id, None)
-            elif len(self._other_configs) < 4096 or record.peer_id in self._other_configs:
-                self._other_configs[record.peer_id] = (record.manifest_hash, time.monotonic())
+            self.other_configs.found(record)
         elif not compatible_version(ident.version, record.version):
             reason = f"version {record.version} (ours {ident.version})"
         elif record.stage != stage:

@@ -127,11 +127,9 @@ def test_a_peer_that_left_is_looked_up_afresh_and_found_back_at_its_new_address(
     assert found is not None and (found.status, found.address) == ("serving", "127.0.0.1:2222")
 
 
-def test_a_peer_of_another_config_stops_counting_once_it_leaves_or_is_no_longer_found(monkeypatch):
+def test_a_peer_of_another_config_stops_counting_once_it_leaves_or_is_no_longer_found():
     """Seen by a newcomer: a node warned of 'peer(s) of this run use another config' 90 s after the
     one such peer had stopped, and in its closing summary."""
-    import noloco_node.dht.directory as directory_module
-
     me, stranger, other = NodeIdentity.generate(), NodeIdentity.generate(), NodeIdentity.generate()
     dht = ScriptedDHT(me)
     directory = PeerDirectory(dht, IDENTITY, RSASignatureValidator(me.hivemind_key()), key=me)
@@ -148,5 +146,5 @@ def test_a_peer_of_another_config_stops_counting_once_it_leaves_or_is_no_longer_
     dht.entries = {gone[0]: (gone[1], now + 30)}
     asyncio.run(directory.replicas(0, fresh=True))
     assert directory.other_config_peers == {other.peer_id: "third"}
-    monkeypatch.setattr(directory_module, "OTHER_CONFIG_SEEN_S", -1.0)  # time has passed: not found since
+    assert directory.other_configs.peers(seen_s=-1.0) == {}  # time has passed: not found since
     assert directory.other_config_peers == {}
