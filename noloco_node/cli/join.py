@@ -212,10 +212,12 @@ def _checkpoints_of_stage(config, fingerprint: str, stage: int) -> tuple[list[Pa
 
 
 def _unserved_checkpoints(config, fingerprint: str) -> list[Path]:
-    """`--stage auto` where this machine's stopped nodes left checkpoints of more than one stage: the
-    free folders whose stage the swarm has no live replica of, asked of the swarm first. Without it
-    the lowest free folder was taken: a node stopped second and started first took the other's
-    stage-0 folder while its own stage-1 weights, the stage's only copy, sat unused beside it."""
+    """`--stage auto` where this machine's stopped nodes left checkpoints the lowest free folder does
+    not hold all of (several stages, or an empty folder below one): the free folders whose stage the
+    swarm has no live replica of, asked of the swarm first. Without it the lowest free folder was
+    taken: a node stopped second and started first took the other's stage-0 folder (or an empty
+    one, left by a node that never trained) while its own stage-1 weights, the stage's only copy,
+    sat unused beside it."""
     from noloco_node.node.checkpoint import stages_in
     from noloco_node.node.checkpoint_home import CheckpointSlot, unserved_first
     from noloco_node.node.discovery import stages_served
@@ -227,8 +229,9 @@ def _unserved_checkpoints(config, fingerprint: str) -> list[Path]:
         return []
     _, _, manifest_hash = load_run_inputs(config)
     stages_by_slot = {slot: stages_in(slot, config.run.run_id, manifest_hash) for slot in free}
-    if len({stage for stages in stages_by_slot.values() for stage in stages}) < 2:
-        return []  # one stage or none on disk: the lowest free folder is the one
+    on_disk = {stage for stages in stages_by_slot.values() for stage in stages}
+    if not on_disk or (len(on_disk) == 1 and stages_by_slot[free[0]]):
+        return []  # nothing on disk, or the lowest free folder holds the one stage there is
     try:
         served = asyncio.run(stages_served(config, manifest_hash, read_swarm_key(config.security)))
     except Exception as exc:  # noqa: BLE001 - the node's own start says what is wrong with the swarm
