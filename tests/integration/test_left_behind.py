@@ -34,10 +34,10 @@ def paired_since_it_came_back(node) -> int:
 
 
 def test_a_replica_stopped_for_many_rounds_copies_its_stage_again_and_pairs(tmp_path, make_swarm):
-    """Two stage-0 replicas train at ~0.1 s per step with H = 4; one is stopped (SIGSTOP) for
-    16 s, rounds past the 2 the catch-up waits for. Continued, its rounds go
-    solo ("replicas ahead") until it leaves its stage, copies the other's state (its own checkpoint
-    is older) and comes back level: it pairs again."""
+    """Two stage-0 replicas train with H = 4; one is stopped (SIGSTOP) for 16 s, rounds past the 2
+    the catch-up waits for. Continued, its rounds go solo ("replicas ahead") until it leaves its
+    stage, copies the other's state (not its own, older checkpoint) and comes back level: it pairs
+    again."""
     overrides = tiny_overrides(
         tmp_path,
         **{
