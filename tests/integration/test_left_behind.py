@@ -69,9 +69,9 @@ def test_a_replica_stopped_for_many_rounds_copies_its_stage_again_and_pairs(tmp_
     mine = stats[behind.info["peer_id"]]
     rounds = [(r["outcome"], r.get("reason")) for r in mine["outer_history"]]
     print(f"\ngap {gap} steps; moves {mine['moves']}\nfetched {mine['fetched_state']}\nrounds since {rounds}")
-    assert gap > 3 * H, f"the pause left it only {gap} steps behind: not a test of the copy"
+    assert gap > 2 * H, f"the pause left it only {gap} steps behind, within the catch-up's reach"
     assert [m.get("why") for m in mine["moves"]] == ["behind"], mine["moves"]
     fetched = mine["fetched_state"]
     assert fetched is not None and fetched["donor"] == ahead.info["peer_id"], fetched
-    assert fetched["inner_step"] > mine["moves"][0]["inner_step"] + 2 * H, (fetched, mine["moves"])
+    assert fetched["inner_step"] >= mine["moves"][0]["inner_step"] + H, (fetched, mine["moves"])
     assert sum(outcome == "paired" for outcome, _ in rounds) >= 2, rounds
