@@ -6,9 +6,9 @@ when no other node is."""
 from __future__ import annotations
 
 import argparse
-import shlex
 import asyncio
 import logging
+import shlex
 import sys
 from pathlib import Path
 

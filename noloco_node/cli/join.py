@@ -194,20 +194,31 @@ def _with_checkpoint_home(config):
     return dataclasses.replace(config, checkpoint=checkpoint), slot
 
 
+def _free_slot_stages(config, fingerprint: str) -> tuple[dict[Path, list[int]], str]:
+    """The free checkpoint folders of this run and config, lowest first, each with the stages it
+    holds a checkpoint of; and the manifest hash (read only when there is a free folder)."""
+    from noloco_node.node.checkpoint import stages_in
+    from noloco_node.node.checkpoint_home import CheckpointSlot
+    from noloco_node.node.manifest import load_run_inputs
+
+    free = CheckpointSlot.free_slots(config.run.run_id, fingerprint)
+    if not free:
+        return {}, ""
+    _, _, manifest_hash = load_run_inputs(config)
+    return {slot: stages_in(slot, config.run.run_id, manifest_hash) for slot in free}, manifest_hash
+
+
 def _checkpoints_of_stage(config, fingerprint: str, stage: int) -> tuple[list[Path], list[Path]]:
     """`--stage S`: the free folders holding S's checkpoint, furthest first, and those holding only
     other stages', to pass over (checkpoint_home.stage_slots_first). A newcomer's pinned stage-1
     node took the lowest free folder, a stage-0 checkpoint's, started at step 0 beside it without
     a word, and a later `--stage auto` resumed that stage 0 next to an untrained stage 1."""
-    from noloco_node.node.checkpoint import saved_meta, stages_in
-    from noloco_node.node.checkpoint_home import CheckpointSlot, stage_slots_first
-    from noloco_node.node.manifest import load_run_inputs
+    from noloco_node.node.checkpoint import saved_meta
+    from noloco_node.node.checkpoint_home import stage_slots_first
 
-    free = CheckpointSlot.free_slots(config.run.run_id, fingerprint)
-    if not free:
+    stages_by_slot, _ = _free_slot_stages(config, fingerprint)
+    if not stages_by_slot:
         return [], []
-    _, _, manifest_hash = load_run_inputs(config)
-    stages_by_slot = {slot: stages_in(slot, config.run.run_id, manifest_hash) for slot in free}
     return stage_slots_first(stages_by_slot, stage, lambda slot: int(saved_meta(slot, stage).get("inner_step", 0)))
 
 
@@ -218,19 +229,15 @@ def _unserved_checkpoints(config, fingerprint: str) -> list[Path]:
     taken: a node stopped second and started first took the other's stage-0 folder (or an empty
     one, left by a node that never trained) while its own stage-1 weights, the stage's only copy,
     sat unused beside it."""
-    from noloco_node.node.checkpoint import stages_in
-    from noloco_node.node.checkpoint_home import CheckpointSlot, unserved_first
+    from noloco_node.node.checkpoint_home import unserved_first
     from noloco_node.node.discovery import stages_served
-    from noloco_node.node.manifest import load_run_inputs
     from noloco_node.rpc.security import read_swarm_key
 
-    free = CheckpointSlot.free_slots(config.run.run_id, fingerprint)
-    if not free:
+    stages_by_slot, manifest_hash = _free_slot_stages(config, fingerprint)
+    if not stages_by_slot:
         return []
-    _, _, manifest_hash = load_run_inputs(config)
-    stages_by_slot = {slot: stages_in(slot, config.run.run_id, manifest_hash) for slot in free}
     on_disk = {stage for stages in stages_by_slot.values() for stage in stages}
-    if not on_disk or (len(on_disk) == 1 and stages_by_slot[free[0]]):
+    if not on_disk or (len(on_disk) == 1 and next(iter(stages_by_slot.values()))):
         return []  # nothing on disk, or the lowest free folder holds the one stage there is
     try:
         served = asyncio.run(stages_served(config, manifest_hash, read_swarm_key(config.security)))
