@@ -11,6 +11,7 @@ from hivemind.dht.node import DHTNode
 from hivemind.dht.validation import CompositeValidator
 from hivemind.p2p import P2P, P2PDaemonError
 
+from noloco_node.dht.stale_sockets import remove_stale_sockets
 from noloco_node.errors import BootstrapError
 
 
@@ -24,6 +25,7 @@ async def join_dht(args: dict, validator: CompositeValidator, p2p_options: dict 
 
         authorizer = SwarmKeyAuthorizer(swarm_key, max_skew_s=args["max_skew_s"])
     options = dict(p2p_options or {})
+    await asyncio.to_thread(remove_stale_sockets)  # sockets killed processes left (dht/stale_sockets.py)
     daemon_flags = options.pop("daemon_flags", {})
     p2p = None
     try:
