@@ -188,6 +188,10 @@ def run(args: argparse.Namespace) -> int:
     check_link_flags(args)
     has_link = args.link is not None or args.uplink is not None
     link = link_prediction(args, cfg, llama, plan) if plan is not None and has_link else None
+    if link is not None:
+        from noloco_node.cli.plan_together import together
+
+        link["together"] = together(args, args.headroom * memory, device_type)
     report = _report(cfg, llama, plan, device_type, memory, args.headroom, link)
     if args.json:
         print(json.dumps(report, indent=2))
@@ -295,4 +299,7 @@ def _print(report: dict, memory_text: str) -> None:
     if "link" in report:
         from noloco_node.cli.plan_link import print_link
 
+        from noloco_node.cli.plan_together import print_together
+
         print_link(report["link"], report["settings"]["pipeline.schedule"])
+        print_together(report["link"]["together"])

@@ -171,7 +171,7 @@ def print_link(link: dict, schedule: str) -> None:
     )
     print(f"link {speeds}, RTT {link['rtt_ms']:g} ms, device {link['device_tflops']:g} TFLOP/s x MFU {link['mfu']:g}:")
     for key, p in link.items():
-        if not isinstance(p, dict) or key in ("subspace", "outer_round"):
+        if not isinstance(p, dict) or key in ("subspace", "outer_round", "together"):
             continue
         mark = "  <- the plan's settings" if key == f"{schedule}/{link['outer']}" else ""
         print(
