@@ -76,6 +76,8 @@ def together(args: argparse.Namespace, memory_bytes: float, device_type: str) ->
         "num_stages": current.plan["num_stages"],
         "ratio": current.row["ratio"],
         "configured_ratio": base.row["ratio"],
+        "tokens_per_s_vs_configured": current.row["tokens_per_s_per_pipeline"] / base.row["tokens_per_s_per_pipeline"],
+        "subspace_token_price": _token_price(current),
         "limited_by": current.row["limited_by"],
         "tokens_per_s_per_pipeline": current.row["tokens_per_s_per_pipeline"],
     }
@@ -103,7 +105,9 @@ def _toml(value: object) -> str:
 
 
 def _better(candidate: Candidate, than: Candidate, by: float = 1.0) -> bool:
-    return candidate.row is not None and candidate.row["ratio"] > than.row["ratio"] * by
+    """More tokens/s (not a higher ratio: the overlap schedule's unlimited link is faster too)."""
+    rate = "tokens_per_s_per_pipeline"
+    return candidate.row is not None and candidate.row[rate] > than.row[rate] * by
 
 
 def _outer_codecs(args, current: Candidate, memory_bytes, device_type):
@@ -180,6 +184,13 @@ def _subspace(args, current: Candidate, memory_bytes, device_type):
     return best, f"reaches dense bf16's loss in {best_time:.2f}x dense's time on this link", SUBSPACE_PRICE
 
 
+def _token_price(candidate: Candidate) -> float | None:
+    from noloco_node.model.costs import SUBSPACE_TOKEN_PRICE
+
+    rank = candidate.settings.get("model.residual_subspace")
+    return SUBSPACE_TOKEN_PRICE.get(candidate.hidden_size // rank) if rank else None
+
+
 def _no_hops(candidate: Candidate) -> bool:
     return candidate.plan["num_stages"] == 1
 
@@ -223,11 +234,18 @@ def print_together(result: dict | None) -> None:
         print(f"  {fields}\n      why: {step['why']}; price: {step['price']}")
     print(
         f"  predicted: {result['ratio']:.1%} of an unlimited link's tokens/s (as configured: "
-        f"{result['configured_ratio']:.1%}), {result['num_stages']} stage{'s' if result['num_stages'] > 1 else ''}, "
+        f"{result['configured_ratio']:.1%}; {_versus_configured(result)}), "
+        f"{result['num_stages']} stage{'s' if result['num_stages'] > 1 else ''}, "
         f"{result['tokens_per_s_per_pipeline']:,.0f} tok/s per pipeline; limited by {result['limited_by']}"
     )
     flags = " ".join(f"--set {k}={_toml(v)}" for k, v in result["settings"].items())
     print(f"  as flags (plan again with them for their whole tables): {flags}")
+
+
+def _versus_configured(result: dict) -> str:
+    faster, price = result["tokens_per_s_vs_configured"], result["subspace_token_price"]
+    said = f"{faster:.1f}x its tokens/s"
+    return said if price is None else f"{said}, {faster / price:.1f}x after the subspace's {price:.2f}x token price"
 
 
 def _quoted(value: object) -> str:

@@ -29,6 +29,7 @@ def test_a_home_uplink_gets_the_levers_together_and_plan_with_them_predicts_the_
     assert settings["model.residual_subspace"] in (2048 // 8, 2048 // 16)
     assert together["configured_ratio"] == _plan_row(report)["ratio"]
     assert together["ratio"] > 5 * together["configured_ratio"]
+    assert together["tokens_per_s_vs_configured"] > 5 and together["subspace_token_price"] > 1
     assert all(step["why"] and step["price"] for step in together["steps"])
     assert {k: v for step in together["steps"] for k, v in step["settings"].items()} == settings
 
