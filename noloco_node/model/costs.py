@@ -188,8 +188,10 @@ def inner_step_seconds(costs: PipelineCosts, compute: tuple[float, ...], link: L
     window = issued if p == 1 else min(costs.max_in_flight, issued)
     tau = max(max(compute), max(uplink), max(downlink))
     interval = max(tau, round_trip / window)
-    if interval > tau * (1 + 1e-9):
+    if interval > tau * (1 + 1e-9) and window < issued:
         limit = "the in-flight window (pipeline.max_in_flight) against the round trip"
+    elif interval > tau * (1 + 1e-9):  # a larger max_in_flight would not help: the step issues no more
+        limit = "the in-flight window: one step's microbatches (batch_size / microbatch_size) against the round trip"
     elif max(uplink) > max(compute) or max(downlink) > max(compute):
         limit = "the link (activations and gradients per microbatch)"
     else:
