@@ -87,11 +87,15 @@ def _evaluate(args, settings: dict, memory_bytes: float, device_type: str) -> Ca
     from noloco_node.cli.common import resolve_config
     from noloco_node.cli.plan import find_plan, vocab_size
     from noloco_node.cli.plan_link import link_prediction
+    from noloco_node.config import ConfigError
     from noloco_node.model.build import resolve_llama_config
 
     run_args = copy.copy(args)
     run_args.overrides = [*(args.overrides or []), *(f"{k}={_toml(v)}" for k, v in settings.items())]
-    cfg = resolve_config(run_args, flags={"model": {"preset": args.preset}})
+    try:
+        cfg = resolve_config(run_args, flags={"model": {"preset": args.preset}})
+    except ConfigError:  # this config refuses the lever (e.g. a subspace with model.init_from): not a candidate
+        return Candidate(settings, None, None, None, 0)
     llama = resolve_llama_config(cfg.model, vocab_size(cfg))
     plan = find_plan(cfg, llama, memory_bytes, device_type)
     if plan is None:
@@ -111,8 +115,9 @@ def _better(candidate: Candidate, than: Candidate, by: float = 1.0) -> bool:
 
 
 def _outer_codecs(args, current: Candidate, memory_bytes, device_type):
-    """The least compressed round that hides behind H inner steps, where the configured does not."""
-    if _round_hidden(current):
+    """The least compressed round that hides behind H inner steps, where the configured does not
+    (NoLoCo's codecs: DiLoCo's all-reduce and dp send what they send)."""
+    if current.plan["config"].outer.method != "noloco" or _round_hidden(current):
         return None
     now = (current.settings.get("outer.codec_phi"), current.settings.get("outer.codec_delta"))
     tried = []
