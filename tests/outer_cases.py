@@ -326,3 +326,6 @@ def test_hostile_snapshot_rejected_banned_and_solo(peers, poison):
     assert honest["counters"]["rejected"] == 1 and honest["banned"] >= 1
     assert torch.isfinite(honest["phi"]).all()
     torch.testing.assert_close(honest["phi"], expected, atol=1e-12, rtol=0)
+    # refused before the receipts: the hostile side is told so and pairs with nobody either (it
+    # used to get a matching receipt and believe the pair step happened on both sides)
+    assert results["hostile"]["outcome"] == "solo" and results["hostile"]["counters"]["paired"] == 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from collections.abc import Callable
 
 import grpc
 from torch import Tensor
@@ -19,6 +20,9 @@ from noloco_node.rpc.tensors import PayloadReceiver, chunk_messages, header_to_s
 from noloco_node.runtime.faults import FaultInjector
 from noloco_node.sync.ports import EncodedSnapshot, ExpectedTensor, check_tensor_count
 from noloco_node.wire.v1 import outer_pb2
+
+Screen = Callable[[dict[str, Tensor]], None]
+"""Judges a partner's decoded snapshot; raises InvalidPayload (or PoisonedPayload) to refuse it."""
 
 
 class Traffic:
@@ -39,16 +43,19 @@ async def exchange_snapshots(
     traffic: Traffic | None = None,
     faults: FaultInjector | None = None,
     limits: ExchangeLimits | None = None,
+    screen: Screen | None = None,
 ) -> dict[str, Tensor]:
     """Send `mine` and receive the partner's snapshot concurrently; returns the decoded tensors
     once both receipts check out. Raises InvalidPayload / PeerUnavailable otherwise, and
     TransferTimedOut past `limits` (rpc/deadlines.py: the total deadline for the bytes both ways,
-    set once the partner's manifest is in, and the progress deadline)."""
+    set once the partner's manifest is in, and the progress deadline). `screen` judges the
+    partner's values before our receipt goes out (raising InvalidPayload), so a snapshot we will
+    not use ends the call with an error on both sides, never with a matching receipt."""
     limits = limits or ExchangeLimits(total_s=lambda _: 3600.0, stall_s=3600.0)
     progress = Progress(limits.stall_s, asyncio.get_running_loop().time)
     stream = _ExchangeStream(read, write, progress, traffic, faults)
     sender = asyncio.create_task(stream.send(mine))
-    receiver = asyncio.create_task(stream.receive(mine, expected, codec, max_bytes, limits))
+    receiver = asyncio.create_task(stream.receive(mine, expected, codec, max_bytes, limits, screen))
     for task in (sender, receiver):
         # When one direction fails, the other often fails too ('stream ended'): the exchange raises
         # the first, and the second is no "exception never retrieved" ERROR in the node's log.
@@ -122,7 +129,13 @@ class _ExchangeStream:
         return getattr(message, kind)
 
     async def receive(
-        self, mine: EncodedSnapshot, expected: list[ExpectedTensor], codec: str, max_bytes: int, limits: ExchangeLimits
+        self,
+        mine: EncodedSnapshot,
+        expected: list[ExpectedTensor],
+        codec: str,
+        max_bytes: int,
+        limits: ExchangeLimits,
+        screen: Screen | None = None,
     ) -> dict[str, Tensor]:
         """The partner's tensors, once its receipt matches what we sent."""
         manifest = await self.next_message("manifest")
@@ -136,6 +149,8 @@ class _ExchangeStream:
         out, digest = await _receive_tensors(self.next_message, expected, codec, max_bytes, self.progress)
         if limits.observe is not None:
             limits.observe(manifest.payload_bytes, self.progress.clock() - began)
+        if screen is not None:
+            screen(out)  # raises before our receipt: no receipt, no pair step on either side
         self.received_hash.append(digest)
         self.received_all.set()
         receipt = await self.next_message("receipt")

@@ -20,10 +20,18 @@ import torch
 from torch import Tensor
 
 from noloco_node.codec.state_layout import ReceivedState
-from noloco_node.errors import InvalidPayload, NodeError, PeerBusy, PeerUnavailable, ProtocolMismatch
+from noloco_node.errors import (
+    InvalidPayload,
+    NodeError,
+    PeerBusy,
+    PeerUnavailable,
+    PoisonedPayload,
+    ProtocolMismatch,
+)
+from noloco_node.rpc.admission import POISONED
 from noloco_node.rpc.checks import ServedRun, check_caller
 from noloco_node.rpc.deadlines import TransferTimedOut, exchange_limits, within
-from noloco_node.rpc.exchange import Traffic, exchange_snapshots
+from noloco_node.rpc.exchange import Screen, Traffic, exchange_snapshots
 from noloco_node.rpc.state_service import StateDonorServicer, StateFetcher
 from noloco_node.rpc.status import abort_with, unavailable_from_rpc
 from noloco_node.rpc.stubs import StubCache
@@ -129,6 +137,7 @@ class OuterServicer(outer_pb2_grpc.OuterServicer):
                 self.traffic,
                 self.faults,
                 exchange_limits(self.deadlines, request.peer_id),
+                self.handler.screen,  # before our receipt: a snapshot we refuse pairs neither side
             )
         except asyncio.CancelledError:  # the caller vanished: the round must still end (solo)
             await self.handler.finish(request.peer_id, None, "failed")
@@ -142,6 +151,8 @@ class OuterServicer(outer_pb2_grpc.OuterServicer):
                 # The caller ended or aborted its own exchange: not malformed data (an honest
                 # partner does this when its deadline passes), so not a strike towards a ban.
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"exchange ended early: {exc}")
+            if isinstance(exc, PoisonedPayload):
+                POISONED.set(True)  # values that would corrupt the stage: its sender is banned at once
             if isinstance(exc, NodeError):
                 await abort_with(context, exc)
             return
@@ -220,6 +231,7 @@ class OuterClient:
         codec: str,
         *,
         timeout_s: float,
+        screen: Screen | None = None,
     ) -> dict[str, Tensor]:
         """Propose a pair and, if accepted, exchange snapshots. Raises PeerBusy when refused.
         `timeout_s` bounds the wait for the partner's answer (the rest of the matching window); the
@@ -243,7 +255,7 @@ class OuterClient:
             if reply.decision != ACCEPT:
                 raise PeerBusy(f"{to}: {outer_pb2.PairReply.Decision.Name(reply.decision)} {reply.reason}".strip())
             received = await exchange_snapshots(
-                call.read, call.write, mine, expected, codec, self.max_bytes, self.traffic, self.faults, limits
+                call.read, call.write, mine, expected, codec, self.max_bytes, self.traffic, self.faults, limits, screen
             )
             await call.done_writing()
             # EOF once the partner has read our receipt and closed its side

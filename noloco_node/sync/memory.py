@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -81,14 +81,21 @@ class MemoryPairing:
         codec: str,
         *,
         timeout_s: float,
+        screen: Callable[[dict[str, Tensor]], None] | None = None,
     ) -> dict[str, Tensor]:
-        return await asyncio.wait_for(self._exchange(peer_id, proposal, mine, expected, codec), timeout_s)
+        return await asyncio.wait_for(self._exchange(peer_id, proposal, mine, expected, codec, screen), timeout_s)
 
     def exchange_deadline_s(self, peer_id: str, payload_bytes: int) -> float:
         return 1.0  # a swap in memory takes no time on a link; this only backs up the responder's finish
 
     async def _exchange(
-        self, peer_id: str, proposal: PairProposal, mine: EncodedSnapshot, expected: list[ExpectedTensor], codec: str
+        self,
+        peer_id: str,
+        proposal: PairProposal,
+        mine: EncodedSnapshot,
+        expected: list[ExpectedTensor],
+        codec: str,
+        screen: Callable[[dict[str, Tensor]], None] | None,
     ) -> dict[str, Tensor]:
         responder = self.hub.responders.get(peer_id)
         if responder is None or peer_id in self.hub.down:
@@ -109,6 +116,17 @@ class MemoryPairing:
         except InvalidPayload:
             await responder.finish(self.me, None, "rejected")
             raise
+        try:  # both judged before either side's receipt, as over gRPC (rpc/exchange.py)
+            responder.screen(delivered)
+        except InvalidPayload as exc:  # over gRPC the responder's refusal reaches us as a failed call
+            await responder.finish(self.me, None, "rejected")
+            raise PeerUnavailable(f"{peer_id} refused our snapshot: {exc}") from None
+        if screen is not None:
+            try:
+                screen(received)
+            except InvalidPayload:
+                await responder.finish(self.me, None, "failed")  # we refused theirs: the call ends in error
+                raise
         await responder.finish(self.me, delivered, "paired")
         return received
 

@@ -29,7 +29,7 @@ import time
 from torch import Tensor
 
 from noloco_node.config import OuterConfig
-from noloco_node.errors import InvalidPayload, NodeError, PeerBusy
+from noloco_node.errors import InvalidPayload, NodeError, PeerBusy, PoisonedPayload
 from noloco_node.optim.compress import ErrorFeedback
 from noloco_node.optim.state import OuterState
 from noloco_node.pipeline.ports import Peer
@@ -178,6 +178,16 @@ class NoLoCoSync(PartnerSearch, OuterSync):
     def frozen(self):
         return self._frozen.snapshot, self._frozen.expected, self.codec_phi
 
+    def screen(self, received: dict[str, Tensor]) -> None:
+        """The partner's snapshot judged before our receipt goes out (as responder and as
+        initiator), so a refused one ends the exchange with an error on both sides and neither
+        applies the pair step; _complete uses what passed."""
+        peer = partner_snapshot(self.state, self._frozen, received)
+        problem = self.distances.problem(self.state, peer)
+        if problem is not None:
+            raise PoisonedPayload(problem)
+        self._screened = (received, peer)
+
     async def finish(self, peer_id: str, received: dict[str, Tensor] | None, reason: str) -> None:
         # The RPC reporting this is cancelled when its caller vanishes, possibly while the step is
         # being applied: the round's one update must still finish (and set `done`), or outer_step
@@ -227,6 +237,7 @@ class NoLoCoSync(PartnerSearch, OuterSync):
         self.round, self.partner, self.outgoing = round_index, None, None
         self.done = asyncio.Event()
         self.claimed = False
+        self._screened: tuple[dict, dict] | None = None
         self._outcome = ("solo", None)
         self._reason = "no partner"
         self._applied_at = inner_step
@@ -266,6 +277,7 @@ class NoLoCoSync(PartnerSearch, OuterSync):
                 self._frozen.expected,
                 self.codec_phi,
                 timeout_s=max(0.1, deadline - time.monotonic()),
+                screen=self.screen,
             )
         except PeerBusy:
             return
@@ -294,9 +306,12 @@ class NoLoCoSync(PartnerSearch, OuterSync):
         if self.claimed:
             return
         self.claimed = True  # first completion wins; claimed before awaiting so no second one runs
-        frozen = self._frozen
-        peer = None if received is None else partner_snapshot(self.state, frozen, received)
-        problem = None if peer is None else self.distances.problem(self.state, peer)
+        frozen, screened = self._frozen, self._screened
+        if screened is not None and received is not None and screened[0] is received:
+            peer, problem = screened[1], None  # judged before the receipts (screen)
+        else:
+            peer = None if received is None else partner_snapshot(self.state, frozen, received)
+            problem = None if peer is None else self.distances.problem(self.state, peer)
         if problem is not None:
             log.warning("round %d: snapshot from %s rejected: %s", self.round, (peer_id or "?")[-8:], problem)
             peer, reason = None, "rejected"

@@ -178,6 +178,10 @@ class PairingResponder(Protocol):
     def frozen(self) -> tuple[EncodedSnapshot, list[ExpectedTensor], str]:
         """The snapshot to send, the tensors expected back, and the codec they must use."""
 
+    def screen(self, received: dict[str, Tensor]) -> None:
+        """Judge the partner's decoded snapshot before our receipt goes out; raises PoisonedPayload
+        for one this round would reject (non-finite, or beyond the distance bound)."""
+
     async def finish(self, peer_id: str, received: dict[str, Tensor] | None, reason: str) -> None:
         """Called once per accepted session: with the partner's tensors, or None on failure."""
 
@@ -200,6 +204,7 @@ class PairingTransport(Protocol):
         codec: str,
         *,
         timeout_s: float,
+        screen: Callable[[dict[str, Tensor]], None] | None = None,
     ) -> dict[str, Tensor]:
         """Propose and, if accepted, swap snapshots; returns the partner's decoded tensors.
         Raises PeerBusy (refused), ProtocolMismatch, InvalidPayload or PeerUnavailable."""
