@@ -45,7 +45,7 @@ from noloco_node.sync.pairing import (
     apply_pair_step,
     partner_snapshot,
 )
-from noloco_node.sync.snapshot import PHI_DELTA, THETA, Frozen, SliceRound, choose_payload, freeze
+from noloco_node.sync.snapshot import NON_FINITE, PHI_DELTA, THETA, Frozen, SliceRound, choose_payload, freeze
 
 log = logging.getLogger(__name__)
 
@@ -184,8 +184,8 @@ class NoLoCoSync(PartnerSearch, OuterSync):
         applies the pair step; _complete uses what passed."""
         peer = partner_snapshot(self.state, self._frozen, received)
         problem = self.distances.problem(self.state, peer)
-        if problem is not None:
-            raise PoisonedPayload(problem)
+        if problem is not None:  # non-finite values ban their sender at once; a distance is a strike
+            raise (PoisonedPayload if problem.startswith(NON_FINITE) else InvalidPayload)(problem)
         self._screened = (received, peer)
 
     async def finish(self, peer_id: str, received: dict[str, Tensor] | None, reason: str) -> None:

@@ -180,7 +180,7 @@ class PairingResponder(Protocol):
 
     def screen(self, received: dict[str, Tensor]) -> None:
         """Judge the partner's decoded snapshot before our receipt goes out; raises PoisonedPayload
-        for one this round would reject (non-finite, or beyond the distance bound)."""
+        for non-finite values, InvalidPayload for one beyond the distance bound."""
 
     async def finish(self, peer_id: str, received: dict[str, Tensor] | None, reason: str) -> None:
         """Called once per accepted session: with the partner's tensors, or None on failure."""

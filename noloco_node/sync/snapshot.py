@@ -260,6 +260,10 @@ def unpack(received: Mapping[str, Tensor], payload: str, names: list[str]) -> di
     }
 
 
+NON_FINITE = "non-finite"
+"""How check_snapshot's answer starts for values no honest partner sends (its sender is banned at once)."""
+
+
 def check_snapshot(
     state: OuterState,
     received: Mapping[str, tuple[Tensor | None, Tensor]],
@@ -289,7 +293,7 @@ def check_snapshot(
         peer_phi, values = entry
         for kind, tensor in (("slow weights", peer_phi), ("values", values)):
             if tensor is not None and not torch.isfinite(tensor).all():
-                return f"non-finite {kind} in {name}"
+                return f"{NON_FINITE} {kind} in {name}"
         phi = state.phi[name]
         if peer_phi is None:
             peer_theta = values.to(phi.dtype)
