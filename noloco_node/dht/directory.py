@@ -282,14 +282,11 @@ class PeerDirectory:
         return record
 
     async def record_of(self, peer_id: str, max_age_s: float = 5.0) -> StageRecord | None:
-        """The latest record of `peer_id` that can be dialled (a leaving one too: it still drains
-        its microbatches), from the lookups of the last `max_age_s`, else from a fresh lookup of
-        every stage. A joiner's claim is no such record (no address, no certificate): a claim seen
-        a moment ago means a fresh lookup, which finds the record the joiner announced once it
-        served (seen: a stage-1 node dialled a new stage-0 replica by its claim, failed every
-        backward of its first microbatches, and that replica waited out the microbatch timeout).
-        A leaving record is looked up afresh too: its peer may be back already at a new address (a
-        node that copies its own stage's state again is back within a second or two)."""
+        """The latest record of `peer_id` that can be dialled (a leaving one too: it still drains),
+        from the lookups of the last `max_age_s`, else from a fresh lookup of every stage. A
+        joiner's claim (no address: seen, a stage-1 node failed every backward to a new replica
+        dialled by it) and a leaving record (its peer may be back at a new address, a recopy) are
+        always looked up afresh."""
         known = self._by_peer.get(peer_id)
         cached = known is not None and known[1].status not in (Status.JOINING, Status.LEAVING)
         if cached and time.monotonic() - known[0] < max_age_s:
@@ -304,12 +301,17 @@ class PeerDirectory:
             self._by_peer = {p: v for p, v in self._by_peer.items() if v[0] > cutoff}
         return known[1]
 
+    def saw_address(self, peer_id: str, address: str) -> None:
+        """Forget a cached record of `peer_id` at another address than its own signed call gave (a
+        recopy's new port: its first gradients went to the old one, lost: 60 s waited, an audit)."""
+        if address and (known := self._by_peer.get(peer_id)) is not None and known[1].address != address:
+            del self._by_peer[peer_id]
+
     async def keep_in_touch(self, timeout_s: float = 3.0, max_met: int = 8) -> int:
         """Dial and ping the initial peers again; if none answers, up to `max_met` peers met through
-        their records. A bootstrap that restarted has forgotten everyone, and the rest of the swarm
-        had dropped it: the ping puts each of us in the other's routing table again, so it re-learns
-        the swarm from the peers that come back to it and a node still finds the swarm after every
-        bootstrap is gone. Called on every heartbeat; returns how many peers answered."""
+        their records. A restarted bootstrap has forgotten everyone: the ping puts each of us in the
+        other's routing table again, so it re-learns the swarm, and a node still finds the swarm
+        after every bootstrap is gone. Called on every heartbeat; returns how many answered."""
         if self._restarting:
             return 0
         # A peer we are still connected to has not restarted: only the others are dialled and pinged.

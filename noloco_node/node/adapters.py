@@ -21,6 +21,9 @@ class DhtReplicas:
     async def replicas(self, stage: int) -> list[Peer]:
         return [Peer(r.peer_id, r.address, r.reach, r.capacity) for r in await self.directory.replicas(stage)]
 
+    def saw_address(self, peer_id: str, address: str) -> None:
+        self.directory.saw_address(peer_id, address)
+
 
 class DhtMatching:
     """sync.ports.MatchingDirectory and sync.ports.StageProgress over the DHT directory (fresh lookups)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -77,6 +78,14 @@ class DriverSettings:
     overlap: bool = False
     """pipeline.schedule = overlap: batch k+1's forwards start before step k; their backwards wait
     at the gate of batch k+1, opened once step k is taken."""
+
+
+HOP_CHECK_S = 1.0
+"""How often a microbatch waiting for its gradient checks whether its next hop became unreachable."""
+
+
+class HopLost(Exception):
+    """A microbatch's next hop failed a later call as unreachable: its gradient will not come."""
 
 
 def overlapped(settings: DriverSettings, is_last: bool) -> bool:
@@ -219,6 +228,21 @@ class Stage0Driver:
         finally:
             self.completions.unassign(sequence)
 
+    async def _gradient(self, future: asyncio.Future, sent: str) -> float:
+        """The microbatch's loss once its gradient is back: TimeoutError past timeout_s, HopLost as
+        soon as a later call to `sent` (its next hop) failed as unreachable. A killed next-stage
+        replica held its microbatches for the whole timeout before (60 s a newcomer saw: the
+        node trained nothing, fell behind its stage and had to copy its state again)."""
+        since = time.monotonic()
+        end = since + self.timeout_s
+        while (left := end - time.monotonic()) > 0:
+            try:
+                return await asyncio.wait_for(asyncio.shield(future), timeout=min(left, HOP_CHECK_S))
+            except asyncio.TimeoutError:
+                if self.runtime.unreachable_at.get(sent, -math.inf) > since:
+                    raise HopLost(f"its next hop {sent[-8:]} stopped answering") from None
+        raise asyncio.TimeoutError
+
     async def _whole(self, sequence: int, inputs: Tensor, labels: Tensor) -> None:
         try:
             loss, _ = await self.runtime.compute.run(self.runtime.worker.forward_backward_whole, inputs, labels)
@@ -240,7 +264,7 @@ class Stage0Driver:
                 self.counters.reissued += 1
                 self.log.reissued_sequences.append(sequence)
             key = MicrobatchKey(me.peer_id, sequence, attempt)
-            future = self.completions.expect(key)
+            future, sent = self.completions.expect(key), None
             try:
                 # Stage 0 keeps the graph instead of recomputing: in exact mode it steps only
                 # between batches; in overlap mode the graph is built on stashed weights.
@@ -251,7 +275,8 @@ class Stage0Driver:
                 sent = await self.runtime.send_forward(key, route, output, labels, inputs, avoid=frozenset(lost_on))
                 if sent is not None:
                     lost_on.add(sent)
-                    loss = await asyncio.wait_for(asyncio.shield(future), timeout=self.timeout_s)
+                    loss = await self._gradient(future, sent)
+                    self.runtime.router.returned(sent)
                     staleness = self.runtime.worker.inner_steps - steps_at_forward
                     self.log.record_staleness(staleness)
                     self.counters.completed += 1
@@ -263,12 +288,16 @@ class Stage0Driver:
                 log.debug("microbatch %d attempt %d found no stage-1 replica; re-issuing", sequence, attempt)
                 if self.before_batch is not None:
                     await self.before_batch()
+            except HopLost as lost:
+                log.info("microbatch %d attempt %d: %s; re-issuing now", sequence, attempt, lost)
             except asyncio.TimeoutError:
+                shunned_s = self.runtime.router.lost(sent, self.timeout_s) if sent is not None else 0.0
                 log.info(
-                    "microbatch %d attempt %d got no gradient within %.0f s; re-issuing",
+                    "microbatch %d attempt %d got no gradient within %.0f s; re-issuing%s",
                     sequence,
                     attempt,
                     self.timeout_s,
+                    f" (its next hop {sent[-8:]} gets none of ours for {shunned_s:.0f} s)" if sent else "",
                 )
             except asyncio.CancelledError:
                 # Training was stopped (shutdown) with this microbatch in flight: it is dropped, so

@@ -172,6 +172,9 @@ class MemoryDirectory:
     async def replicas(self, stage: int, *, fresh: bool = False) -> list[Peer]:
         return [r.peer for r in self._live(stage)]  # always fresh: no lookup cache here
 
+    def saw_address(self, peer_id: str, address: str) -> None:
+        pass  # no lookup cache to correct
+
     async def matching(self, stage: int, round_index: int) -> list[Peer]:
         return [r.peer for r in self._live(stage) if r.status == Status.MATCHING and r.outer_round == round_index]
 

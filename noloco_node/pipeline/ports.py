@@ -76,6 +76,10 @@ class ReplicaDirectory(Protocol):
     async def replicas(self, stage: int) -> list[Peer]:
         """Live replicas of `stage` (cached; may include peers that have just died)."""
 
+    def saw_address(self, peer_id: str, address: str) -> None:
+        """A signed caller's own hop says where it serves now: a cached record elsewhere is stale
+        (a replica that left and came back under its peer id, at a new port)."""
+
 
 @dataclass(frozen=True, slots=True)
 class ForwardCall:

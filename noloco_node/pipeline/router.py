@@ -23,7 +23,11 @@ RELAYED_WEIGHT against 1 for the others, as Petals does: still random, but the r
 bandwidth, an extra hop) carries a smaller share.
 
 A peer that fails a call is banned locally with exponential backoff (1 s, 2 s, 4 s ... up to
-`max_ban_s`), independent of what the DHT says; a success clears its record.
+`max_ban_s`), independent of what the DHT says; a success clears its record. A peer that took a
+microbatch and sent no gradient back within timeouts.microbatch_s is shunned apart from that (a
+call's success does not clear it): for that long, doubling up to LOST_MAX_S, while any other
+replica is usable. A replica that acknowledges every forward and answers none (a black hole whose
+record claims a huge capacity, a hostile-peer audit) so loses the traffic after one timeout.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from noloco_node.runtime.throughput import routing_weights
 
 
 RELAYED_WEIGHT = 0.2
+LOST_MAX_S = 600.0  # the longest a replica that lost our microbatches is shunned
 # Capacity routing weighs replicas only when their measured capacities differ by at least this
 # ratio; closer than that they are noise around one speed, and the equal shares of the shuffled
 # cycle keep the replicas of a stage at the same inner step (NoLoCo pairs replicas of one round).
@@ -89,6 +94,27 @@ class Router:
         self.measured_shares: Counter = Counter()
         self.rng = rng or random.Random()
         self._cycle: list[str] = []
+        self._lost: dict[str, _Ban] = {}
+        self.clock = bans.clock
+
+    def lost(self, peer_id: str, timeout_s: float) -> float:
+        """`peer_id` took a microbatch and sent no gradient back within `timeout_s`: shun it that
+        long, doubling with each loss (up to LOST_MAX_S); returns for how long."""
+        strikes = self._lost[peer_id].strikes + 1 if peer_id in self._lost else 1
+        duration = min(LOST_MAX_S, timeout_s * 2 ** (strikes - 1))
+        self._lost[peer_id] = _Ban(until=self.clock() + duration, strikes=strikes)
+        return duration
+
+    def returned(self, peer_id: str) -> None:
+        """A gradient came back through `peer_id`: it loses no more than others do."""
+        self._lost.pop(peer_id, None)
+
+    def shunned(self, peer_id: str) -> bool:
+        lost = self._lost.get(peer_id)
+        return lost is not None and self.clock() < lost.until
+
+    def _refused(self, peer_id: str) -> bool:
+        return self.bans.is_banned(peer_id) or self.shunned(peer_id)
 
     def pick_permuted(
         self, candidates: list[Peer], senders: list[str], me: str, seed: str, *, ignore_bans: bool = False
@@ -102,7 +128,7 @@ class Router:
         order = list(range(len(receivers)))
         random.Random(seed).shuffle(order)  # str seeds hash the same in every process
         peer = receivers[order[sorted(senders).index(me)]]
-        return None if self.bans.is_banned(peer.peer_id) and not ignore_bans else peer
+        return None if self._refused(peer.peer_id) and not ignore_bans else peer
 
     def pick_fixed(self, candidates: list[Peer], senders: list[str], me: str) -> Peer | None:
         """The fixed choice: the sender at index d among its stage's replicas always sends to index
@@ -112,10 +138,11 @@ class Router:
             return None
         receivers = sorted(candidates, key=lambda p: p.peer_id)
         peer = receivers[sorted(senders).index(me) % len(receivers)]
-        return None if self.bans.is_banned(peer.peer_id) else peer
+        return None if self._refused(peer.peer_id) else peer
 
     def pick(self, candidates: list[Peer], exclude: set[str] = frozenset()) -> Peer | None:
         usable = {p.peer_id: p for p in candidates if p.peer_id not in exclude and not self.bans.is_banned(p.peer_id)}
+        usable = {k: p for k, p in usable.items() if not self.shunned(k)} or usable  # the only ones left: still
         if not usable:
             return None
         measured = [p.capacity for p in usable.values()]

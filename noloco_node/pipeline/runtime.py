@@ -15,7 +15,15 @@ import time
 from torch import Tensor
 
 from noloco_node.codec.tensors import TensorSpec
-from noloco_node.errors import InvalidPayload, NodeError, PeerBusy, PeerUnknown, ProtocolMismatch, UnknownMicrobatch
+from noloco_node.errors import (
+    InvalidPayload,
+    NodeError,
+    PeerBusy,
+    PeerUnavailable,
+    PeerUnknown,
+    ProtocolMismatch,
+    UnknownMicrobatch,
+)
 from noloco_node.pipeline.outage import ReceiverOutage
 from noloco_node.pipeline.ports import BackwardCall, ForwardCall, Hop, MicrobatchKey
 from noloco_node.pipeline.runtime_settings import RuntimeHooks, RuntimeSettings, StageNetwork, StageShape
@@ -54,6 +62,7 @@ class StageRuntime:
         self._last_hooked_step = 0
         self._method_step_lock = asyncio.Lock()
         self.in_flight: dict[MicrobatchKey, Ticket] = {}
+        self.unreachable_at: dict[str, float] = {}  # next-stage replica -> when a call to it last failed so
         self.stats = RuntimeStats()
         self.outage = ReceiverOutage(shape.stage + 1)
         self.accepting = True
@@ -79,6 +88,8 @@ class StageRuntime:
             raise InvalidPayload("token ids sent, but this run's model has no residual subspace")
         if not call.route or call.route[-1].stage != s.stage - 1 or not call.route[-1].address:
             raise InvalidPayload("route must end with a hop of the previous stage and its address")
+        # The last hop is the signed caller (rpc/stage_service.py checks): where its gradient goes.
+        self.directory.saw_address(call.route[-1].peer_id, call.route[-1].address)
         key = call.key
         if (held := self.in_flight.get(key)) is not None:
             if held.route[-1].peer_id != call.route[-1].peer_id:
@@ -297,6 +308,8 @@ class StageRuntime:
         """Counts the failure; returns whether to try the same receiver again after a pause
         (lockstep), else bans it so the next pick goes elsewhere."""
         self.stats.send_failures += 1
+        if isinstance(exc, PeerUnavailable):  # the driver re-issues what it holds at once (driver.py)
+            self.unreachable_at[peer_id] = time.monotonic()
         if self.lockstep:
             log.info("forward of %s to %s failed (%s); trying it again", key, peer_id[-8:], exc)
             return True

@@ -148,3 +148,20 @@ def test_a_peer_of_another_config_stops_counting_once_it_leaves_or_is_no_longer_
     assert directory.other_config_peers == {other.peer_id: "third"}
     assert directory.other_configs.peers(seen_s=-1.0) == {}  # time has passed: not found since
     assert directory.other_config_peers == {}
+
+
+def test_a_signed_call_from_a_new_address_makes_the_next_record_lookup_fresh():
+    """A replica that left and came back under its peer id (a recopy) serves at a new port: the
+    record cached from before (up to 5 s) would send its first gradients to the old one."""
+    me, fellow = NodeIdentity.generate(), NodeIdentity.generate()
+    dht = ScriptedDHT(me)
+    directory = PeerDirectory(dht, IDENTITY, RSASignatureValidator(me.hivemind_key()), key=me)
+    old, new = record(fellow, address="127.0.0.1:4000"), record(fellow, address="127.0.0.1:4999", updated_at=1001.0)
+    dht.entries = {old[0]: (old[1], get_dht_time() + 30)}
+    assert asyncio.run(directory.record_of(fellow.peer_id)).address == "127.0.0.1:4000"
+    dht.entries = {new[0]: (new[1], get_dht_time() + 30)}  # it is back, announced at the new port
+    assert asyncio.run(directory.record_of(fellow.peer_id)).address == "127.0.0.1:4000"  # cached
+    directory.saw_address(fellow.peer_id, "127.0.0.1:4000")  # the same address: the cache stays
+    assert asyncio.run(directory.record_of(fellow.peer_id)).address == "127.0.0.1:4000"
+    directory.saw_address(fellow.peer_id, "127.0.0.1:4999")
+    assert asyncio.run(directory.record_of(fellow.peer_id)).address == "127.0.0.1:4999"

@@ -35,6 +35,9 @@ class NextStage:
     async def replicas(self, stage: int) -> list[Peer]:
         return [Peer(peer_id="QmHonest", address="127.0.0.1:1")]
 
+    def saw_address(self, peer_id: str, address: str) -> None:
+        pass
+
     async def forward(self, peer: Peer, **_call) -> None:
         self.sending.set()
         await self.accept.wait()
