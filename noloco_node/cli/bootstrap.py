@@ -84,8 +84,10 @@ async def _serve(config, args: argparse.Namespace) -> int:
     if args.maddr_file:
         atomic_write_text(args.maddr_file, "\n".join(maddrs) + "\n")
     print("bootstrap peer is up; nodes join with:", flush=True)
-    for line in join_lines(maddrs, config.security.swarm_key_file):
+    for line in join_lines(maddrs, config.security.swarm_key_file, args.config, args.overrides):
         print(line, flush=True)
+    if args.config or args.overrides:
+        print(f"  (every node of run {config.run.run_id!r} needs this config: give them {_settings(args)})", flush=True)
     sys.stdout.flush()
     dashboard = metrics = touch = None
     try:
@@ -109,11 +111,22 @@ async def _serve(config, args: argparse.Namespace) -> int:
     return 0
 
 
-def join_lines(maddrs: list[str], swarm_key_file: str | None) -> list[str]:
+def join_lines(
+    maddrs: list[str], swarm_key_file: str | None, config_file: str | None = None, overrides: list[str] | None = None
+) -> list[str]:
     """The join command for each multiaddr, with the swarm key when the swarm has one (without it
-    a joiner's pings go unanswered: a newcomer copied the line and got hivemind's bootstrap error)."""
+    a joiner's pings go unanswered: a newcomer copied the line and got hivemind's bootstrap error),
+    and the config this bootstrap was given (without it a newcomer joined run 'local' and waited
+    alone for ever, every doctor check passed)."""
     key = f" --swarm-key {shlex.quote(swarm_key_file)}" if swarm_key_file else ""
-    return [f"  noloco-node join --initial-peers {maddr}{key}" for maddr in maddrs]
+    config = f" --config {shlex.quote(config_file)}" if config_file else ""
+    config += "".join(f" --set {shlex.quote(item)}" for item in overrides or [])
+    return [f"  noloco-node join{config} --initial-peers {maddr}{key}" for maddr in maddrs]
+
+
+def _settings(args: argparse.Namespace) -> str:
+    parts = ([f"the file {args.config}"] if args.config else []) + (["the same --set flags"] if args.overrides else [])
+    return " and ".join(parts)
 
 
 def _identity(path: str):

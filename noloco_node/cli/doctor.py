@@ -7,7 +7,8 @@ Checks, in order, with the exit code a failure returns (the first failure's code
   13 dht      the bootstrap peers answer within timeouts.startup_s
   14 reach    how peers will reach us: live peers dial our announced TLS address (they call our health
               endpoint); if none can, the node is reached over libp2p (hole punching, else a relay),
-              which is no failure unless network.reach = "direct"
+              which is no failure unless network.reach = "direct"; a failure when the peers asked
+              serve another run (run.run_id: the swarm's config is not this one)
   15 clock    our clock is within --max-skew seconds of the peers' clocks
   16 compat   live peers run a compatible version and the same manifest (config + tokenizer)
   17 disk     the checkpoint folder (checkpoint.dir, or join's own under the state home) can be
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import re
 import socket
 import sys
 from dataclasses import dataclass
@@ -220,12 +222,35 @@ async def _reach_and_clock(config, args, directory, records, probers: list[str],
     if not probers:
         return [Check("reach", "skip", "no directly reachable node to ask"), Check("clock", "skip", "needs a probe")]
     address, results, errors = await _probe_from_peers(config, directory, records, probers)
+    if not results and (other := _other_run(errors)) is not None:
+        return [_run_check(config.run.run_id, other), Check("clock", "skip", "needs a probe")]
     if not results:
         return [
             Check("reach", "skip", f"no live node answered a probe request ({'; '.join(errors)[:200]})"),
             Check("clock", "skip", "needs a probe"),
         ]
     return [_reach_check(config.network, address, results), _clock_check(args.max_skew, results)]
+
+
+def _other_run(errors: list[str]) -> str | None:
+    """The run a peer serves, when it refused our probe for serving another one (rpc/checks.py)."""
+    for error in errors:
+        if (found := re.search(r"this node serves run '([^']*)'", error)) is not None:
+            return found.group(1)
+    return None
+
+
+def _run_check(mine: str, theirs: str) -> Check:
+    """A peer serves another run: join would wait alone in a run of its own (the DHT keeps runs
+    apart), and the swarm's page would never show it (a newcomer copied a join line without the
+    swarm's config: every check passed, and the node waited for ever)."""
+    return Check(
+        "reach",
+        "fail",
+        f"the swarm's peers serve run {theirs!r}; this config's run is {mine!r}: join would train alone",
+        f"use the swarm's config: --config FILE as the bootstrap's join line says (or --set run.run_id={theirs} "
+        "with the rest of its settings)",
+    )
 
 
 async def _probe_from_peers(config, directory, records, probers: list[str]) -> tuple[str, list, list[str]]:

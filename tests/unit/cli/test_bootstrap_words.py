@@ -15,6 +15,22 @@ def test_a_keyed_bootstraps_join_command_carries_the_key():
     ]
 
 
+def test_a_bootstrap_given_a_config_prints_it_in_the_join_command():
+    """Without it a newcomer joined run 'local' beside the swarm's run and waited alone for ever."""
+    assert join_lines([MADDR], None, "run.toml", ["run.run_id=my run"]) == [
+        f"  noloco-node join --config run.toml --set 'run.run_id=my run' --initial-peers {MADDR}"
+    ]
+
+
+def test_doctor_fails_when_the_swarms_peers_serve_another_run():
+    from noloco_node.cli.doctor import _other_run, _run_check
+
+    errors = ["QmAbc: FAILED_PRECONDITION this node serves run 'newcomer'", "QmDef: timed out"]
+    assert _other_run(errors) == "newcomer" and _other_run(["QmDef: timed out"]) is None
+    check = _run_check("local", "newcomer")
+    assert check.outcome == "fail" and "--config" in check.fix and "run.run_id=newcomer" in check.fix
+
+
 def test_a_failed_join_is_said_in_the_users_words_not_hiveminds():
     dial = RuntimeError("Daemon failed to start: 2026/11/29 02:49:50 failed to connect to bootstrap peers")
     ping = RuntimeError(
