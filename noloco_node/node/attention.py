@@ -61,7 +61,18 @@ def attention(view: NodeView, *, stall_s: float = STALL_S) -> list[str]:
         notes.append(solo)
     if view.waiting_for is None and not view.done and view.since_progress_s >= stall_s:
         notes.append(_stall_note(view))
-    return [n[:MAX_NOTE_CHARS] for n in notes[:MAX_NOTES]]
+    return notes[:MAX_NOTES]
+
+
+def for_record(notes: Sequence[str]) -> list[str]:
+    """The notes as a DHT record carries them: each shortened to MAX_NOTE_CHARS at a word, marked
+    with an ellipsis (the log and the terminal show them whole: a newcomer read 'raise timeouts.ma')."""
+    short = []
+    for note in notes[:MAX_NOTES]:
+        if len(note) > MAX_NOTE_CHARS:
+            note = note[: MAX_NOTE_CHARS - 1].rsplit(" ", 1)[0].rstrip(",;:") + "…"
+        short.append(note)
+    return short
 
 
 def _solo_note(view: NodeView) -> str | None:
@@ -78,6 +89,15 @@ def _solo_note(view: NodeView) -> str | None:
         return (
             f"{rounds}: stage {view.stage} has no second replica to average with (another node on stage "
             f"{view.stage} fixes it)"
+        )
+    if all(r.get("reason") == "rejected" for r in latest):
+        # Each partner's snapshot failed the check (sync/snapshot.py check_snapshot): the log's
+        # 'rejected' lines say why. A hostile-peer audit saw this after a stranger averaged scaled
+        # weights into a replica, and the note blamed match_s.
+        return (
+            f"{rounds}: every partner's weights were refused (too far from this node's, or not finite: the "
+            f"log's 'rejected' lines): the replicas of stage {view.stage} drifted apart, or a peer sends bad weights "
+            f"(in an open swarm any peer may pair: a swarm key closes it)"
         )
     if all(r.get("reason") == "replicas ahead" for r in latest):
         # Replicas more than 2 rounds apart are not waited for (sync/catch_up.py); a node left
@@ -97,8 +117,9 @@ def _solo_note(view: NodeView) -> str | None:
             f"raise timeouts.match_s"
         )
     return (
-        f"{rounds}: no replica of stage {view.stage} answered within timeouts.match_s (a loaded machine, a slow "
-        f"link, or partners that are unreachable: see `noloco-node status`); raise timeouts.match_s"
+        f"{rounds}: no replica of stage {view.stage} paired within timeouts.match_s (one that left or stopped, "
+        f"a loaded machine, a slow link, or unreachable partners: see `noloco-node status`); where its other "
+        f"replicas are live and reachable, raise timeouts.match_s"
     )
 
 

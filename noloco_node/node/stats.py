@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from noloco_node import __version__
 from noloco_node.dht.records import StageRecord
-from noloco_node.node.attention import NodeView, attention
+from noloco_node.node.attention import NodeView, attention, for_record
 from noloco_node.node.catching_up import copy_again_in_vain
 from noloco_node.node.reporting import Snapshot
 from noloco_node.runtime.memory import peak_memory_bytes
@@ -177,7 +177,7 @@ def stage_record(node: Node) -> StageRecord:
         memory_peak_bytes=max(0, peak_memory_bytes(parts.device) - parts.memory_baseline_bytes),
         outer_round_bytes=node.sync.stats_view().bytes_per_round.last if node.traits.syncs else 0,
         loss=last_loss(node),
-        attention=node_attention(node),
+        attention=for_record(node_attention(node)),
         **node.meter.record_fields(),
     )
 

@@ -2,7 +2,15 @@
 
 import dataclasses
 
-from noloco_node.node.attention import STALL_S, NodeView, Progress, attention, swarm_attention
+from noloco_node.node.attention import (
+    MAX_NOTE_CHARS,
+    STALL_S,
+    NodeView,
+    Progress,
+    attention,
+    for_record,
+    swarm_attention,
+)
 
 SOLO = {"outcome": "solo", "reason": "no partner"}
 PAIRED = {"outcome": "paired"}
@@ -33,6 +41,22 @@ def test_rounds_that_keep_going_solo_say_why():
     assert len("the last 4 outer rounds went solo: " + behind[0].split(": ", 1)[1]) <= 200  # a DHT record's note
     in_vain = attention(view(outer_history=[{"outcome": "solo", "reason": "replicas ahead"}] * 4, copied_in_vain=True))
     assert "landed behind too" in in_vain[0] and "faster link" in in_vain[0] and len(in_vain[0]) <= 200
+
+
+def test_rounds_refused_for_the_partners_weights_say_so_not_match_s():
+    """A hostile-peer audit: after a stranger averaged scaled weights in, the honest replicas
+    refused each other every round, and the note told the volunteer to raise timeouts.match_s."""
+    notes = attention(view(outer_history=[{"outcome": "solo", "reason": "rejected"}] * 4))
+    assert "weights were refused" in notes[0] and "match_s" not in notes[0] and "swarm key" in notes[0]
+
+
+def test_a_note_is_whole_in_the_log_and_shortened_at_a_word_for_the_record():
+    [long] = attention(view(outer_history=[PAIRED] + [SOLO] * 4))
+    assert long.endswith("raise timeouts.match_s")  # a newcomer read 'raise timeouts.ma'
+    [short] = for_record([long])
+    assert len(short) <= MAX_NOTE_CHARS and short.endswith("…") and long.startswith(short[:-1])
+    assert long[len(short) - 1] == " " or not long[len(short) - 1].isalnum()  # cut between words
+    assert for_record(["brief"]) == ["brief"]
 
 
 def test_no_progress_is_a_warning_unless_the_node_knowingly_waits_or_is_done():
