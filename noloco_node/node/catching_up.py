@@ -72,6 +72,18 @@ def copy_again_in_vain(history: Sequence[dict], moves: Sequence[dict]) -> bool:
     return bool(moves) and moves[-1].get("why") == RECOPY and not any(r.get("outcome") == "paired" for r in history)
 
 
+async def _answering(node: Node, ahead: list) -> list:
+    """The replicas ahead (up to 4, furthest first) that answer where their records say they
+    serve: leaving the stage for a copy nobody can give costs the node its place (a hostile-peer
+    audit's record at a dead port made a lone replica leave, fail the copy and stall ~70 s)."""
+    timeout_s = min(node.config.timeouts.rpc_s, 10.0)
+    ahead = sorted(ahead, key=lambda r: -r.inner_step)[:4]
+    answering = [r for r in ahead if await node.outer_client.answers(r.peer_id, timeout_s)]
+    if not answering:
+        log.info("stage %d's replicas ahead of this node do not answer: no copy of their state", node.stage_index)
+    return answering
+
+
 async def watch_behind(node: Node) -> None:
     """Until cancelled, or a move is asked for: after every outer round, ask for a Recopy when the
     node is behind its stage's live replicas as the module says."""
@@ -91,9 +103,10 @@ async def watch_behind(node: Node) -> None:
             log.debug("could not look up stage %d's replicas: %r", node.stage_index, exc)
             continue
         mine = node.worker.inner_steps
-        furthest = max((r.inner_step for r in replicas if r.peer_id != node.peer_id), default=mine)
-        if furthest - mine < every or node.move_requested.is_set():
+        ahead = [r for r in replicas if r.peer_id != node.peer_id and r.inner_step - mine >= every]
+        if not ahead or node.move_requested.is_set() or not (answering := await _answering(node, ahead)):
             continue
+        furthest = max(r.inner_step for r in answering)
         node.move = Recopy(node.peer_id, node.stage_index, mine, furthest)
         node.events.emit("recopy_planned", stage=node.stage_index, inner_step=mine, replicas_at=furthest)
         log.warning(

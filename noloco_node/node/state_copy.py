@@ -59,7 +59,7 @@ async def fetch_state(
         )
         step = await compute.run(import_state, state, inner, fetched.tensors, fetched.counters)
     except NodeError as exc:
-        log.warning("state transfer failed (%s); starting from the run's initial weights", exc)
+        log.warning("state transfer failed (%s); this node keeps its own state (its checkpoint if it has one)", exc)
         return None
     now = {"inner_step": step, "outer_round": int(fetched.counters["outer_round"])}
     topped_up, note = None, ""

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import grpc
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from torch import Tensor
 
 from noloco_node.codec.state_layout import ReceivedState
@@ -320,6 +321,17 @@ class OuterClient:
             names=names,
             top_up=True,
         )
+
+    async def answers(self, peer_id: str, timeout_s: float) -> bool:
+        """Whether `peer_id` answers a health check where its record says it serves (TLS pinned to
+        its record): a record announcing a replica far ahead at a dead address (a hostile-peer
+        audit) is no reason to leave the stage to copy its state."""
+        try:
+            channel, _ = await self.dialer.channel(peer_id)
+            await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+            return True
+        except (NodeError, grpc.aio.AioRpcError, asyncio.TimeoutError):
+            return False
 
     async def close(self) -> None:
         self._stubs.clear()

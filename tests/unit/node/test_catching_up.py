@@ -45,13 +45,25 @@ class FakeDirectory:
         return [SimpleNamespace(peer_id=p, inner_step=s) for p, s in self.steps.items()]
 
 
-def fake_node(history: list[dict], steps: dict[str, int], *, moves=()) -> SimpleNamespace:
+class FakeOuterClient:
+    def __init__(self, dead: set[str]) -> None:
+        self.dead, self.asked = dead, []
+
+    async def answers(self, peer_id: str, timeout_s: float) -> bool:
+        self.asked.append(peer_id)
+        return peer_id not in self.dead
+
+
+def fake_node(history: list[dict], steps: dict[str, int], *, moves=(), dead=frozenset()) -> SimpleNamespace:
     events = []
-    config = SimpleNamespace(outer=SimpleNamespace(inner_steps_per_outer=H), timeouts=SimpleNamespace(heartbeat_s=0.01))
+    config = SimpleNamespace(
+        outer=SimpleNamespace(inner_steps_per_outer=H), timeouts=SimpleNamespace(heartbeat_s=0.01, rpc_s=5.0)
+    )
     return SimpleNamespace(
         config=config,
         sync=SimpleNamespace(counters=SimpleNamespace(history=history)),
         directory=FakeDirectory(steps),
+        outer_client=FakeOuterClient(set(dead)),
         peer_id="me",
         stage_index=1,
         worker=SimpleNamespace(inner_steps=steps["me"]),
@@ -88,3 +100,14 @@ async def test_no_copy_while_pairing_can_still_bring_it_level_or_nobody_is_a_rou
         assert not node.move_requested.is_set() and node.move is None
     assert pairing.directory.lookups == 0 and in_vain.directory.lookups == 0
     assert near.directory.lookups == 1  # once per round seen, not every heartbeat
+
+
+async def test_no_copy_from_replicas_ahead_that_do_not_answer():
+    """A hostile-peer audit: one record at a dead port announcing 3000 steps ahead made a lone
+    replica leave its stage, fail the copy and stall ~70 s."""
+    fake = fake_node([AHEAD_SOLO] * BEHIND_ROUNDS, {"me": 40, "ghost": 3040}, dead={"ghost"})
+    await watch_for(fake)
+    assert not fake.move_requested.is_set() and fake.outer_client.asked[:1] == ["ghost"]
+    real = fake_node([AHEAD_SOLO] * BEHIND_ROUNDS, {"me": 40, "ghost": 3040, "b": 60}, dead={"ghost"})
+    await watch_for(real, 5.0)
+    assert real.move_requested.is_set() and real.move.replicas_at == 60  # the one that answers
