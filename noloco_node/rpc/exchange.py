@@ -71,6 +71,11 @@ async def exchange_snapshots(
                 task.cancel()
 
 
+def _same_size_bound(ours: int) -> int:
+    """The most a partner's snapshot may announce against ours: equal, with 1% and 4 KiB spare."""
+    return int(ours * 1.01) + 4096
+
+
 def _retrieved(task: asyncio.Task) -> None:
     if not task.cancelled():
         task.exception()
@@ -144,9 +149,18 @@ class _ExchangeStream:
             raise InvalidPayload(
                 f"snapshot manifest announces {manifest.payload_bytes} bytes; the limit is {max_bytes}"
             )
+        if manifest.payload_bytes > _same_size_bound(mine.payload_bytes):
+            # Both sides send the same form and codecs of the same parameters: the same bytes. A
+            # larger announcement only stretches the total deadline (a hostile-peer audit: 4.5x).
+            raise InvalidPayload(
+                f"snapshot manifest announces {manifest.payload_bytes} bytes; this round's snapshots are "
+                f"{mine.payload_bytes}"
+            )
         self.progress.set_total(limits.total_s(mine.payload_bytes + manifest.payload_bytes))
         began = self.progress.read
-        out, digest = await _receive_tensors(self.next_message, expected, codec, max_bytes, self.progress)
+        out, digest, received = await _receive_tensors(self.next_message, expected, codec, max_bytes, self.progress)
+        if received != manifest.payload_bytes:
+            raise InvalidPayload(f"snapshot of {received} bytes; its manifest announced {manifest.payload_bytes}")
         if limits.observe is not None:
             limits.observe(manifest.payload_bytes, self.progress.clock() - began)
         if screen is not None:
@@ -161,9 +175,9 @@ class _ExchangeStream:
 
 async def _receive_tensors(
     next_message, expected: list[ExpectedTensor], codec: str, max_bytes: int, progress: Progress
-) -> tuple[dict[str, Tensor], bytes]:
-    """The partner's tensors, each checked against `expected` before it is allocated, and the
-    SHA-256 of their payloads."""
+) -> tuple[dict[str, Tensor], bytes, int]:
+    """The partner's tensors, each checked against `expected` before it is allocated, the
+    SHA-256 of their payloads, and their bytes."""
     digest, out = hashlib.sha256(), {}
     budget = max_bytes
     for want in expected:
@@ -178,4 +192,4 @@ async def _receive_tensors(
         digest.update(payload)
         out[want.name] = decode_checked(spec, payload)
         progress.stamp_read()  # decoding a large tensor is not the partner stalling
-    return out, digest.digest()
+    return out, digest.digest(), max_bytes - budget

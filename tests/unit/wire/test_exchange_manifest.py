@@ -39,3 +39,16 @@ async def test_a_manifest_within_the_limit_goes_on_to_its_tensors():
     limits = ExchangeLimits(total_s=lambda n: 10.0, stall_s=5.0)
     with pytest.raises(IndexError):  # past the manifest: the scripted stream has no tensor to give
         await stream_with(16).receive(EncodedSnapshot(tensors=[]), EXPECTED, "none", 64, limits)
+
+
+async def test_a_manifest_announcing_more_than_this_rounds_snapshots_is_refused_on_arrival():
+    """Both sides send the same form and codecs of the same parameters: the same bytes. A hostile
+    peer's manifest 8x the real size stretched an exchange's deadline from ~14 s to 62.7 s."""
+    ours = EncodedSnapshot(tensors=[("w", None, b"\0" * 100_000)])
+    deadlines: list[int] = []
+    limits = ExchangeLimits(total_s=lambda n: deadlines.append(n) or 10.0, stall_s=5.0)
+    with pytest.raises(InvalidPayload, match="announces 800000 bytes; this round's snapshots are 100000"):
+        await stream_with(800_000).receive(ours, EXPECTED, "none", 10**9, limits)
+    assert deadlines == []
+    with pytest.raises(IndexError):  # the same size goes on to its tensors
+        await stream_with(100_000).receive(ours, EXPECTED, "none", 10**9, limits)
