@@ -62,6 +62,14 @@ class UnknownMicrobatch(NodeError):
     code = "unknown-microbatch"
 
 
+class NothingToTopUp(NodeError):
+    """A state top-up (Outer.FetchState, STATE_ENCODING_TOP_UP) for a parameter the donor holds
+    no record of having sent the caller whole (never sent, cut, or dropped from its ledger)."""
+
+    code = "nothing-to-top-up"
+    hint = "copy those parameters first (STATE_ENCODING_COMPACT or _DENSE); the copy stays as it was"
+
+
 class BootstrapError(NodeError):
     code = "bootstrap-failed"
     hint = (

@@ -23,8 +23,12 @@ KEEP_S = 900.0
 copy is in, so this only has to outlast the other donors' parts of the same copy."""
 MAX_JOINERS = 2
 """Joiners remembered at once: each costs the donor 4 bytes per parameter it sent that joiner, on
-the host (a `medium` stage: up to 1.6 GB), so only the newest two are kept (joiners of the same
-minute are few); an older one's top-up is refused and its copy stays as it was."""
+the host (a `medium` stage: up to 1.6 GB), so only two are kept (joiners of the same minute are
+few). Past two, the one holding the fewest bytes goes (the oldest of equals), whoever it is: a
+caller that fetched one parameter cannot push out a joiner that copied a part of the state, it
+would have to receive more than that joiner did (ledger entries are written only for what a
+stream wrote whole: rpc/state_service.py). A forgotten joiner's top-up is refused and its copy
+stays as it was."""
 
 
 class SentPhi:
@@ -38,17 +42,30 @@ class SentPhi:
 
     def record(self, joiner: str, parameter: str, phi: Tensor) -> None:
         """`joiner` now holds `phi` of `parameter` (a tensor nobody writes to afterwards)."""
+        self.commit(joiner, {parameter: phi})
+
+    def commit(self, joiner: str, holds: dict[str, Tensor]) -> None:
+        """`joiner` now holds these phi (parameter -> tensor nobody writes to afterwards), beside
+        what it held of other parameters; past `max_joiners`, the joiner holding the fewest bytes
+        is forgotten (the oldest of equals), which may be this one."""
         self._expire()
         _, held = self._held.pop(joiner, (0.0, {}))
-        held[parameter] = phi
+        held.update(holds)
         self._held[joiner] = (self.clock(), held)  # re-inserted: the newest last
         while len(self._held) > self.max_joiners:
-            self._held.pop(next(iter(self._held)))
+            order = list(self._held)
+            smallest = min(order, key=lambda j: (self.held_bytes(j), order.index(j)))
+            del self._held[smallest]
 
     def held(self, joiner: str, parameter: str) -> Tensor | None:
         self._expire()
         entry = self._held.get(joiner)
         return None if entry is None else entry[1].get(parameter)
+
+    def held_bytes(self, joiner: str) -> int:
+        """The bytes of phi `joiner` holds of ours (what eviction compares)."""
+        entry = self._held.get(joiner)
+        return 0 if entry is None else sum(t.numel() * t.element_size() for t in entry[1].values())
 
     def forget(self, joiner: str) -> None:
         self._held.pop(joiner, None)

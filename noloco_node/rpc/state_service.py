@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import Sequence
 
@@ -30,9 +31,10 @@ from noloco_node.codec.state_layout import (
 from noloco_node.codec.checked import decode_checked
 from noloco_node.codec.top_up import SentPhi, phi_difference
 from noloco_node.codec.tensors import DTYPES, TensorSpec, encode
-from noloco_node.errors import InvalidPayload, NodeError, ProtocolMismatch
+from noloco_node.errors import InvalidPayload, NodeError, NothingToTopUp, PeerBusy, ProtocolMismatch
 from noloco_node.rpc.checks import ServedRun, check_caller
 from noloco_node.rpc.deadlines import Progress, TransferTimedOut, within
+from noloco_node.rpc.state_slots import StreamSlots
 from noloco_node.rpc.status import abort_with, unavailable_from_rpc
 from noloco_node.rpc.tensors import PayloadReceiver, chunk_messages, header_to_spec, spec_to_header
 from noloco_node.runtime.faults import FaultInjector
@@ -40,18 +42,28 @@ from noloco_node.runtime.link_estimates import RECEIVED, SENT, LinkDeadlines
 from noloco_node.sync.ports import StateDonor
 from noloco_node.wire.v1 import outer_pb2, outer_pb2_grpc, tensor_pb2
 
+log = logging.getLogger(__name__)
+
 COMPACT = outer_pb2.STATE_ENCODING_COMPACT
 DENSE = outer_pb2.STATE_ENCODING_DENSE
 TOP_UP = outer_pb2.STATE_ENCODING_TOP_UP
 
 
 class StateDonorServicer:
-    """The donor side of Outer.FetchState (OuterServicer hands its calls here)."""
+    """The donor side of Outer.FetchState (OuterServicer hands its calls here). At most
+    `slots.total` streams at once, `slots.per_caller` per caller (rpc/state_slots.py)."""
 
     def __init__(
-        self, *, run: ServedRun, deadlines: LinkDeadlines, donor: StateDonor | None, faults: FaultInjector | None = None
+        self,
+        *,
+        run: ServedRun,
+        deadlines: LinkDeadlines,
+        donor: StateDonor | None,
+        faults: FaultInjector | None = None,
+        slots: StreamSlots | None = None,
     ) -> None:
         self.run, self.deadlines, self.donor, self.faults = run, deadlines, donor, faults
+        self.slots = slots or StreamSlots()
         self.sent = SentPhi()  # the phi each joiner holds of ours, for its top-up (codec/top_up.py)
 
     def _check(self, request) -> None:
@@ -72,53 +84,62 @@ class StateDonorServicer:
             raise ProtocolMismatch("this node does not donate state")
 
     async def FetchState(self, request, context):
-        bases: dict[str, Tensor | None] | None = None  # a top-up's: the phi the joiner holds of each parameter
         try:
             self._check(request)
-            tensors, counters = await self.donor.export_state()
-            try:
-                selected = select_state(tensors, list(request.names))
-            except ValueError as exc:
-                raise InvalidPayload(f"FetchStateRequest: {exc}") from None
-            top_up = request.encoding == TOP_UP
-            if top_up:  # phi/<p> alone, from what the joiner holds now (the ledger may drop it meanwhile)
-                selected = {p: [f"phi/{p}"] for p, names in selected.items() if f"phi/{p}" in names}
-                bases = {p: self.sent.held(request.peer_id, p) for p in selected}
+            self.slots.take(request.peer_id)  # before the copy: each stream holds one
         except NodeError as error:
             await abort_with(context, error)
-        if bases is not None and (missing := [p for p, held in bases.items() if held is None]):
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"nothing sent to {request.peer_id[-8:]} of {len(missing)} parameters (e.g. {missing[0]!r}) to top "
-                "up: fetch them first (STATE_ENCODING_COMPACT)",
-            )
-        compact = request.encoding == COMPACT
-        order = [name for names in selected.values() for name in names]
-        specs = {n: state_spec(n, tuple(tensors[n].shape), tensors[n].dtype, compact, top_up) for n in order}
-        payload_bytes = sum(spec.payload_bytes for spec in specs.values())
-        counters_dict = json.loads(counters)
-        manifest = outer_pb2.StateMessage(
-            manifest=outer_pb2.StateManifest(
-                inner_step=int(counters_dict["inner_step"]),
-                outer_round=int(counters_dict["outer_round"]),
-                num_tensors=len(order),
-                payload_bytes=payload_bytes,
-                counters_json=counters,
-            )
-        )
         try:
-            await self._send_state(context, request.peer_id, manifest, selected, tensors, compact, payload_bytes, bases)
-        except TransferTimedOut as exc:
-            self._cut(request.peer_id, top_up)
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"state transfer cut: {exc}")
-        except BaseException:
-            self._cut(request.peer_id, top_up)
-            raise
+            await self._serve(request, context)
+        finally:
+            self.slots.give(request.peer_id)
 
-    def _cut(self, joiner: str, top_up: bool) -> None:
-        """A cut top-up leaves us unsure what the joiner holds: it has nothing more to top up here."""
-        if top_up:
+    async def _serve(self, request, context) -> None:
+        top_up = request.encoding == TOP_UP
+        try:
+            tensors, counters = await self.donor.export_state()
+            selected = _selected(tensors, request)
+            bases = self._bases(request.peer_id, selected) if top_up else None
+        except NodeError as error:
+            await abort_with(context, error)
+        compact = request.encoding == COMPACT
+        # Only what this stream sends stays; each tensor is dropped once written.
+        tensors = {name: tensors[name] for names in selected.values() for name in names}
+        specs = {n: state_spec(n, tuple(t.shape), t.dtype, compact, top_up) for n, t in tensors.items()}
+        payload_bytes = sum(spec.payload_bytes for spec in specs.values())
+        manifest = _manifest(counters, len(tensors), payload_bytes)
+        staged: dict[str, Tensor] = {}  # parameter -> the phi the caller holds once its last chunk went out
+        try:
+            await self._send_state(
+                context, request.peer_id, manifest, selected, tensors, compact, payload_bytes, bases, staged
+            )
+        except TransferTimedOut as exc:  # it stopped reading: it holds what was written whole
+            self._settle(request.peer_id, top_up, staged if not top_up else None)
+            await _end_cut(context, request.peer_id, exc)
+            return
+        except BaseException:  # it cancelled (or we failed): what it read is unknown
+            self._settle(request.peer_id, top_up, None)
+            raise
+        self._settle(request.peer_id, top_up, staged)
+
+    def _bases(self, joiner: str, selected: dict[str, list[str]]) -> dict[str, Tensor]:
+        """A top-up's bases: the phi `joiner` holds of each parameter (the ledger may drop it
+        meanwhile); raises NothingToTopUp when it holds none of some."""
+        bases = {p: self.sent.held(joiner, p) for p in selected}
+        if missing := [p for p, held in bases.items() if held is None]:
+            raise NothingToTopUp(
+                f"nothing sent to {joiner[-8:]} of {len(missing)} parameters (e.g. {missing[0]!r}) to top "
+                "up: fetch them first (STATE_ENCODING_COMPACT)"
+            )
+        return bases
+
+    def _settle(self, joiner: str, top_up: bool, staged: dict[str, Tensor] | None) -> None:
+        """Into the ledger: what a stream gave `joiner` (None: unknown). A top-up that did not
+        end leaves us unsure what the joiner holds: it has nothing more to top up here."""
+        if staged is None and top_up:
             self.sent.forget(joiner)
+        elif staged:
+            self.sent.commit(joiner, staged)
 
     async def _send_state(
         self,
@@ -129,12 +150,14 @@ class StateDonorServicer:
         tensors: dict[str, Tensor],
         compact: bool,
         payload_bytes: int,
-        bases: dict[str, Tensor] | None = None,
+        bases: dict[str, Tensor] | None,
+        staged: dict[str, Tensor],
     ) -> None:
         """Written, not yielded, so that each write has the progress deadline (a requester that
         stops reading is cut) and the whole the deadline derived from its measured bandwidth.
         Each tensor is encoded just before it is sent, off the event loop (an int8 pass over a
-        large matrix would otherwise hold up this node's pipeline traffic)."""
+        large matrix would otherwise hold up this node's pipeline traffic), and dropped once
+        written. A parameter's phi is staged for the ledger once its last tensor went out whole."""
         progress = Progress(self.deadlines.stall_s(requester, SENT))
         total_s = self.deadlines.total_s(requester, payload_bytes, SENT)
         # Never shorter than the joiner's own call deadline (its floor is timeouts.rpc_s; ours is the
@@ -152,29 +175,70 @@ class StateDonorServicer:
         await put(manifest)
         if self.faults is not None:
             await self.faults.hit("during_state_transfer")
-        for names in selected.values():
+        for parameter, names in selected.items():
             if self.faults is not None:
                 await self.faults.hit("donate_parameter")  # tests: a donor that dies between parameters
+            holds = None
             for name in names:
-                tensor, holds = tensors[name], None
+                tensor = tensors.pop(name)
                 if bases is not None:  # a top-up: the difference from what the joiner holds
-                    spec, payload, holds = await asyncio.to_thread(phi_difference, tensor, bases[split_name(name)[1]])
+                    spec, payload, holds = await asyncio.to_thread(phi_difference, tensor, bases[parameter])
                 else:
                     codec = state_codec(name, tensor.dtype, compact)
                     spec, payload = await asyncio.to_thread(encode, tensor, codec, block_size=STATE_BLOCK)
                     if split_name(name)[0] == "phi":  # sent exact: the joiner holds this very tensor
                         holds = tensor
+                del tensor
                 progress.stamp_wrote()  # encoding is not the requester stalling
                 await put(outer_pb2.StateMessage(tensor=spec_to_header(spec, name)))
                 for message in chunk_messages(outer_pb2.StateMessage, payload):
                     await put(message)
-                if holds is not None:
-                    self.sent.record(requester, split_name(name)[1], holds)
+                del payload
+            if holds is not None:
+                staged[parameter] = holds
         # No bandwidth sample here: a server stream's writes return once the bytes are buffered
         # (socket buffers and HTTP/2 windows hold megabytes), long before they arrive, so bytes
         # over write time measured thousands of Mbit/s on a 0.6 Mbit/s link, and every later
         # exchange with this requester got the floor as its deadline (benchmarks/wan_utilisation.py).
         # The requester times the arrival (RECEIVED), which is the link.
+
+
+def _selected(tensors: dict[str, Tensor], request) -> dict[str, list[str]]:
+    """The tensors a request gets, grouped by parameter (a top-up: phi/<p> alone); raises
+    InvalidPayload for names the stage does not have."""
+    try:
+        selected = select_state(tensors, list(request.names))
+    except ValueError as exc:
+        raise InvalidPayload(f"FetchStateRequest: {exc}") from None
+    if request.encoding == TOP_UP:
+        return {p: [f"phi/{p}"] for p, names in selected.items() if f"phi/{p}" in names}
+    return selected
+
+
+def _manifest(counters: str, num_tensors: int, payload_bytes: int) -> outer_pb2.StateMessage:
+    counters_dict = json.loads(counters)
+    return outer_pb2.StateMessage(
+        manifest=outer_pb2.StateManifest(
+            inner_step=int(counters_dict["inner_step"]),
+            outer_round=int(counters_dict["outer_round"]),
+            num_tensors=num_tensors,
+            payload_bytes=payload_bytes,
+            counters_json=counters,
+        )
+    )
+
+
+async def _end_cut(context, requester: str, exc: TransferTimedOut) -> None:
+    """End a stream the donor cut with DEADLINE_EXCEEDED. A caller that cancelled at the same
+    moment has ended the call already: gRPC then fails to send the status (ExecuteBatchError,
+    which it logged as an unhandled error with its traceback), and there is nobody to tell."""
+    log.info("state transfer to %s cut: %s", requester[-8:], exc)
+    try:
+        await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"state transfer cut: {exc}")
+    except grpc.aio.AbortError:
+        raise
+    except Exception as error:  # noqa: BLE001 - grpc's ExecuteBatchError: the call is over
+        log.debug("state transfer to %s: the call ended before the cut's status went out (%r)", requester[-8:], error)
 
 
 class StateFetcher:
@@ -242,7 +306,7 @@ class StateFetcher:
             self.deadlines.estimates.observe(to, manifest.payload_bytes, time.monotonic() - began, RECEIVED)
             return into.tensors, into.counters
         except grpc.aio.AioRpcError as exc:
-            raise unavailable_from_rpc(exc, to) from None
+            raise _refused(exc, to) from None
         except ValueError as exc:  # e.g. counters that are not JSON
             call.cancel()
             raise InvalidPayload(f"{to}: {exc}") from None
@@ -269,6 +333,14 @@ class StateFetcher:
             if tensor.is_floating_point() and not torch.isfinite(tensor).all():
                 raise InvalidPayload(f"state tensor {header.name!r} is not finite")
             out[header.name] = tensor
+
+
+def _refused(exc: grpc.aio.AioRpcError, donor: str) -> NodeError:
+    """A failed FetchState as the joiner acts on it: PeerBusy for RESOURCE_EXHAUSTED (the donor
+    serves its most transfers: ask another, or it again later), else PeerUnavailable."""
+    if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return PeerBusy(f"{donor}: RESOURCE_EXHAUSTED {exc.details() or ''}".strip())
+    return unavailable_from_rpc(exc, donor)
 
 
 def _check_header(

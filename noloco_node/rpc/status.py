@@ -16,6 +16,7 @@ import grpc
 from noloco_node.errors import (
     InvalidPayload,
     NodeError,
+    NothingToTopUp,
     PeerBusy,
     PeerUnavailable,
     ProtocolMismatch,
@@ -32,6 +33,7 @@ TO_STATUS: dict[type[NodeError], grpc.StatusCode] = {
     # state, and the four codes a peer can earn stay INVALID_ARGUMENT / RESOURCE_EXHAUSTED /
     # FAILED_PRECONDITION / UNAUTHENTICATED.
     UnknownMicrobatch: grpc.StatusCode.FAILED_PRECONDITION,
+    NothingToTopUp: grpc.StatusCode.FAILED_PRECONDITION,
     PeerUnavailable: grpc.StatusCode.UNAVAILABLE,
 }
 ERROR_KEY = "noloco-error"
@@ -44,7 +46,7 @@ _FROM_STATUS: dict[grpc.StatusCode, type[NodeError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidPayload,
     grpc.StatusCode.FAILED_PRECONDITION: ProtocolMismatch,
 }
-DISTINGUISHED: tuple[type[NodeError], ...] = (UnknownMicrobatch,)
+DISTINGUISHED: tuple[type[NodeError], ...] = (UnknownMicrobatch, NothingToTopUp)
 
 
 def status_of(error: NodeError) -> grpc.StatusCode:

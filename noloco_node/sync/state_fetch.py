@@ -26,11 +26,17 @@ import torch
 from torch import Tensor
 
 from noloco_node.codec.state_layout import ADAM_KINDS, ReceivedState, parameter_bytes, split_name, tensors_by_parameter
-from noloco_node.errors import NodeError
+from noloco_node.errors import NodeError, PeerBusy
 
 log = logging.getLogger(__name__)
 
 Expected = dict[str, tuple[tuple[int, ...], torch.dtype]]
+BUSY_WAIT_S = 2.0
+"""How long a joiner waits before asking a busy donor (RESOURCE_EXHAUSTED: it serves its most
+state transfers at once, rpc/state_slots.py) again when no other donor is free; doubled each time."""
+MAX_BUSY_WAITS = 4
+"""Times a joiner asks a busy donor again, all donors together (2 + 4 + 8 + 16 s of waiting), besides
+`max_retries`."""
 
 
 class StateSource(Protocol):
@@ -72,7 +78,9 @@ class FetchedState:
     reasked: int = 0
     """Parameters asked for again after their first donor failed."""
     failed: list[str] = field(default_factory=list)
-    """Donors that failed mid-transfer (or refused)."""
+    """Donors that failed mid-transfer (or refused, other than busy)."""
+    busy: int = 0
+    """Times a donor answered busy (RESOURCE_EXHAUSTED) before sending anything."""
     owner: dict[str, str] = field(default_factory=dict)
     """Parameter -> the donor whose copy of it we kept (a top-up asks that donor: sync/top_up.py)."""
 
@@ -174,59 +182,63 @@ class _Transfers:
         self.counters_of: dict[str, dict] = {}
         self.result = FetchedState({}, {}, {})
 
-    def start(self, donor: str, names: list[str]) -> None:
-        """Ask `donor` for the state of the parameters `names`."""
+    def start(self, donor: str, names: list[str], delay_s: float = 0.0) -> None:
+        """Ask `donor` for the state of the parameters `names` (after `delay_s`)."""
         into = ReceivedState()
-        asked = {t: self.expected[t] for p in names for t in self.grouped[p]}
-        task = asyncio.create_task(
-            self.source.fetch_state(
-                donor,
-                stage=self.stage,
-                requester=self.requester,
-                timeout_s=self.timeout_s,
-                expected=asked,
-                names=names,
-                compact=self.compact,
-                into=into,
-            )
-        )
+        task = asyncio.create_task(self._ask(donor, names, into, delay_s))
         self.running[task] = (donor, names, into)
+
+    async def _ask(self, donor: str, names: list[str], into: ReceivedState, delay_s: float):
+        if delay_s > 0:
+            await asyncio.sleep(delay_s)
+        return await self.source.fetch_state(
+            donor,
+            stage=self.stage,
+            requester=self.requester,
+            timeout_s=self.timeout_s,
+            expected={t: self.expected[t] for p in names for t in self.grouped[p]},
+            names=names,
+            compact=self.compact,
+            into=into,
+        )
 
     async def run(self, standby: list[str], *, max_retries: int, parameters: int) -> None:
         """Settle each transfer as it ends, handing a failed donor's missing parameters to a donor
         on `standby`, until none runs; raises StateUnavailable when some are left with no one to ask."""
         waiting: list[list[str]] = []
-        retries = 0
+        busy: list[str] = []  # donors that refused as busy: asked again after a wait, when no other is free
+        retries = busy_waits = 0
         while self.running:
             done, _ = await asyncio.wait(self.running, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
-                donor, missing = self._settle(task)
+                donor, missing, was_busy = self._settle(task)
                 if missing is None:
                     standby.append(donor)  # finished: it may take over a failed donor's part
                 else:
                     waiting.append(missing)
-            while waiting and standby and retries < max_retries:
-                retries += 1
-                names = waiting.pop(0)
-                donor = standby.pop(0)
+                    busy += [donor] if was_busy else []
+            while waiting and ((standby and retries < max_retries) or (busy and busy_waits < MAX_BUSY_WAITS)):
+                names, delay_s = waiting.pop(0), 0.0
+                if standby and retries < max_retries:
+                    retries, donor = retries + 1, standby.pop(0)
+                else:
+                    delay_s, donor = BUSY_WAIT_S * 2**busy_waits, busy.pop(0)
+                    busy_waits += 1
                 self.result.reasked += len(names)
-                log.info(
-                    "asking %s for the %d parameters %s did not finish",
-                    donor[-8:],
-                    len(names),
-                    self.result.failed[-1][-8:],
-                )
-                self.start(donor, names)
+                log.info("asking %s for %d parameters another donor did not send", donor[-8:], len(names))
+                self.start(donor, names, delay_s)
             if waiting and not self.running:
                 raise StateUnavailable(
                     f"{sum(map(len, waiting))} of {parameters} parameters could not be fetched: "
-                    f"donors {', '.join(d[-8:] for d in self.result.failed)} failed, and no other "
-                    f"donor is left or the {max_retries} retries are spent"
+                    f"donors {', '.join(d[-8:] for d in self.result.failed) or 'none'} failed, "
+                    f"{self.result.busy} times one was busy, and no other donor is left or the "
+                    f"{max_retries} retries are spent"
                 )
 
-    def _settle(self, task: asyncio.Task) -> tuple[str, list[str] | None]:
-        """Keep the whole parameters an ended transfer delivered; returns its donor and, when it
-        failed, the parameters it did not deliver (None when it finished its part)."""
+    def _settle(self, task: asyncio.Task) -> tuple[str, list[str] | None, bool]:
+        """Keep the whole parameters an ended transfer delivered; returns its donor, when it
+        failed the parameters it did not deliver (None when it finished its part), and whether it
+        refused as busy before sending anything (not a failed donor: it may be asked again)."""
         donor, names, into = self.running.pop(task)
         error = task.exception()
         if error is not None and not isinstance(error, (NodeError, asyncio.TimeoutError)):
@@ -239,13 +251,17 @@ class _Transfers:
             self.counters_of[donor] = into.counters
         missing = [p for p in names if p not in self.owner]
         if error is None and not missing:
-            return donor, None
+            return donor, None, False
+        if isinstance(error, PeerBusy) and not whole:
+            self.result.busy += 1
+            log.info("state donor %s is busy: %s", donor[-8:], error)
+            return donor, missing, True
         reason = error or f"the stream ended without {len(missing)} parameters"
         log.warning(
             "state transfer from %s failed after %d of %d parameters: %s", donor[-8:], len(whole), len(names), reason
         )
         self.result.failed.append(donor)
-        return donor, missing
+        return donor, missing, False
 
     async def cancel(self) -> None:
         """Stop the transfers still running and wait until they have stopped."""

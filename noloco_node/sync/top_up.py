@@ -15,7 +15,8 @@ import asyncio
 
 from torch import Tensor
 
-from noloco_node.sync.state_fetch import Expected, StateSource, progress
+from noloco_node.errors import PeerBusy
+from noloco_node.sync.state_fetch import BUSY_WAIT_S, MAX_BUSY_WAITS, Expected, StateSource, progress
 
 
 async def top_up_from_donors(
@@ -23,19 +24,22 @@ async def top_up_from_donors(
 ) -> tuple[dict[str, Tensor], dict]:
     """Every donor's top-up of the parameters we kept from it (`owner`: parameter -> donor), all at
     once: the phi/<p> differences and the counters of the donor furthest along. All or nothing: a
-    donor that fails raises its error (a NodeError) and the copy stays as it was."""
+    donor that fails raises its error (a NodeError) and the copy stays as it was; a busy donor
+    (RESOURCE_EXHAUSTED) is asked again after a wait, up to MAX_BUSY_WAITS times."""
     by_donor: dict[str, list[str]] = {}
     for parameter, donor in owner.items():
         by_donor.setdefault(donor, []).append(parameter)
     calls = [
         asyncio.ensure_future(
-            source.top_up_state(
-                donor,
-                stage=stage,
-                requester=requester,
-                timeout_s=timeout_s,
-                expected={f"phi/{p}": expected[f"phi/{p}"] for p in names},
-                names=names,
+            _patiently(
+                lambda donor=donor, names=names: source.top_up_state(
+                    donor,
+                    stage=stage,
+                    requester=requester,
+                    timeout_s=timeout_s,
+                    expected={f"phi/{p}": expected[f"phi/{p}"] for p in names},
+                    names=names,
+                )
             )
         )
         for donor, names in by_donor.items()
@@ -51,3 +55,13 @@ async def top_up_from_donors(
         differences.update(part)
     inner_step, outer_round = max(progress(c) for _, c in answers)
     return differences, {"inner_step": inner_step, "outer_round": outer_round}
+
+
+async def _patiently(call):
+    """`call()`'s answer, asking again after BUSY_WAIT_S (doubled each time) while it is busy."""
+    for wait in range(MAX_BUSY_WAITS):
+        try:
+            return await call()
+        except PeerBusy:
+            await asyncio.sleep(BUSY_WAIT_S * 2**wait)
+    return await call()
