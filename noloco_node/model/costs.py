@@ -58,7 +58,16 @@ from noloco_node.model.split import model_costs
 SUBSPACE_TOKEN_PRICE: dict[int, float] = {8: 0.569 / 0.410, 16: 0.570 / 0.410}
 SUBSPACE_PRICE_MIN_HIDDEN = 1024  # the price above holds from this width up; narrower models paid more
 # Dense bf16 peak TFLOP/s from the vendors' datasheets (no sparsity); pass --device-tflops for others.
-DEVICE_TFLOPS = {"h100": 989.0, "h200": 989.0, "a100": 312.0}
+DEVICE_TFLOPS = {
+    "h100": 989.0,
+    "h200": 989.0,
+    "a100": 312.0,
+    # Home cards, bf16 with fp32 accumulate (what autocast's matmuls use), from NVIDIA's Ampere and
+    # Ada whitepapers; a newcomer's 24 GB card had no name here.
+    "rtx3090": 71.2,
+    "rtx4080": 97.4,
+    "rtx4090": 165.2,
+}
 DEFAULT_MFU = 0.3  # the plain Hugging Face loop measured 0.31 on an H200 at `medium` (issue 27)
 # Wire bytes a Forward/Backward call adds to its payload: 1482 and 1215 per call (TLS, connection
 # set-up amortised over 80 calls) measured through a counting proxy, P = 2, this repository's nodes.
