@@ -64,3 +64,41 @@ def test_a_nodes_loop_reports_grpcs_leak_at_debug_and_everything_else_as_before(
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1 and "boom" in str(errors[0].exc_info[1])  # ours: still an ERROR
     assert any(r.levelno == logging.DEBUG and "cut stream" in r.getMessage() for r in caplog.records)
+
+
+def test_hiveminds_read_of_a_closed_daemon_stream_is_kept_for_debug():
+    """hivemind reads a header from a stream the libp2p daemon closed (a peer went away): asyncio
+    reported it as an ERROR with a traceback in every process (a newcomer saw 9 in 30 min)."""
+    import sys
+
+    from noloco_node.runtime.logging import _not_a_closed_daemon_stream
+
+    code = compile(
+        "async def _handler(reader):\n    raise asyncio.IncompleteReadError(b'', 1)\n",
+        "/venv/hivemind/p2p/p2p_daemon_bindings/control.py",
+        "exec",
+    )
+    scope = {"asyncio": asyncio}
+    exec(code, scope)
+
+    def record_of(coro_fn, message="Unhandled exception in client_connected_cb") -> logging.LogRecord:
+        try:
+            asyncio.run(coro_fn(None))
+        except Exception:  # noqa: BLE001 - the exception is what the record carries
+            info = sys.exc_info()
+        return logging.LogRecord("asyncio", logging.ERROR, __file__, 1, message, None, info)
+
+    async def ours(reader):
+        raise asyncio.IncompleteReadError(b"", 1)
+
+    root = logging.getLogger()
+    level = root.level
+    try:
+        root.setLevel(logging.INFO)
+        assert not _not_a_closed_daemon_stream(record_of(scope["_handler"]))
+        assert _not_a_closed_daemon_stream(record_of(ours))  # not hivemind's: still an ERROR
+        assert _not_a_closed_daemon_stream(record_of(scope["_handler"], "Task exception was never retrieved"))
+        root.setLevel(logging.DEBUG)
+        assert _not_a_closed_daemon_stream(record_of(scope["_handler"]))
+    finally:
+        root.setLevel(level)
