@@ -54,10 +54,13 @@ def swarm_json(rows: list[dict], config: NodeConfig, *, now: float | None = None
     """The swarm's state from its replicas' rows (`record_row`), for a page or a script."""
     num_stages = config.pipeline.num_stages
     stages = range(num_stages)
-    capacity = {s: [r["capacity"] for r in rows if r["stage"] == s] for s in stages}
-    limit = limiting_stage(capacity)
     manifest = swarm_manifest(rows)
-    notes = swarm_attention(rows, num_stages, behind_steps=2 * config.outer.inner_steps_per_outer)
+    # A replica of another config never trains with the swarm: it gets its own note (manifest_notes),
+    # not a place among its stage's replicas ("687 inner steps behind its stage", a newcomer read).
+    ours = [r for r in rows if not (manifest and r["manifest_hash"] and r["manifest_hash"] != manifest)]
+    capacity = {s: [r["capacity"] for r in ours if r["stage"] == s] for s in stages}
+    limit = limiting_stage(capacity)
+    notes = swarm_attention(ours, num_stages, behind_steps=2 * config.outer.inner_steps_per_outer)
     notes.extend(manifest_notes(rows, manifest))
     notes.extend(silent_notes(rows, config.timeouts.heartbeat_s, config.timeouts.record_ttl_s))
     m = config.model
@@ -86,7 +89,7 @@ def swarm_json(rows: list[dict], config: NodeConfig, *, now: float | None = None
         "stage_capacity": {str(s): sum(c) for s, c in capacity.items()},
         "limiting_stage": limit,
         "limiting_reason": limiting_reason(capacity, limit),
-        "tokens_per_s": sum(r["tokens_per_s"] for r in rows if r["stage"] == 0 and r["status"] != "leaving"),
+        "tokens_per_s": sum(r["tokens_per_s"] for r in ours if r["stage"] == 0 and r["status"] != "leaving"),
         "attention": notes,
     }
 
@@ -125,8 +128,8 @@ def limiting_reason(capacity: dict[int, list[float]], limit: int | None) -> str:
         unmeasured = [s for s, t in totals.items() if t <= 0]
         return (
             (
-                f"not known yet: stage {', '.join(map(str, unmeasured))} has no measured capacity (no replica, or "
-                f"none has computed yet)"
+                f"not known yet: stage{'s' if len(unmeasured) > 1 else ''} {', '.join(map(str, unmeasured))} "
+                f"{'have' if len(unmeasured) > 1 else 'has'} no measured capacity (no replica, or none computed yet)"
             )
             if unmeasured
             else "not known yet"

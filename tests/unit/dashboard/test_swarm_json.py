@@ -57,13 +57,32 @@ def test_an_empty_stage_a_lone_one_a_relayed_replica_and_another_manifest_need_a
     )
     notes = swarm["attention"]
     assert any(n.startswith("stage 2 has no replica") and "--stage auto" in n for n in notes), notes
-    assert any(n.startswith("stage 1 has a single replica") for n in notes), notes
+    # stage 1's only replica runs another config: it never trains with the swarm, so the stage is empty
+    assert any(n.startswith("stage 1 has no replica") for n in notes), notes
     relayed = [n for n in notes if "B0000000" in n]
     assert relayed and "relay" in relayed[0] and "doctor" in relayed[0], notes
     other = [n for n in notes if "C0000000" in n and "manifest" in n]
     assert other and "xxxxxxxxxxxx" in other[0] and "mmmmmmmmmmmm" in other[0], notes
     assert swarm["run"]["manifest_hash"] == "m" * 16  # two of three announce it
-    assert swarm["limiting_stage"] is None and "stage 2" in swarm["limiting_reason"]
+    assert swarm["limiting_stage"] is None and "stages 1, 2 have no measured" in swarm["limiting_reason"]
+
+
+def test_a_replica_of_another_config_is_no_laggard_of_its_stage():
+    """A newcomer's joiner with --set model.seq_len=64 was also called '687 inner steps behind its
+    stage: a slow machine or link' beside the right note (another manifest)."""
+    swarm = swarm_json(
+        rows(
+            record("peerA0000000", 0, inner_step=700),
+            record("peerB0000000", 0, inner_step=700),
+            record("peerX0000000", 0, inner_step=13, manifest_hash="x" * 16),
+            record("peerC0000000", 1),
+        ),
+        CONFIG,
+        now=1001.0,
+    )
+    about_x = [n for n in swarm["attention"] if "X0000000" in n]
+    assert about_x and all("manifest" in n and "behind" not in n for n in about_x), about_x
+    assert swarm["tokens_per_s"] == 200.0  # the other config's node trains nothing of the swarm's
 
 
 def test_a_replica_that_stopped_renewing_its_record_needs_attention_before_it_expires():
