@@ -3,12 +3,23 @@ so the peer learns whether the address it announces is reachable from outside (N
 a wrong --announce-addr). Also the clock and version the prober sees, for `noloco-node doctor`.
 
 A probe can only call grpc.health.v1 Check (nothing else) and at most a few run at once, so a
-node cannot be turned into a relay for arbitrary traffic.
+node cannot be turned into a relay for arbitrary traffic. Probe is served to unsigned callers in an
+open swarm, so it must not be a scanner either: `address` is a plain host:port (an IP literal or a
+DNS name, never one of gRPC's target schemes such as unix:), and the answer says only whether the
+health check answered SERVING, in a fixed word, after the same time for every failure (gRPC's own
+error text and how fast it came told a closed port from an HTTP server or a unix socket).
+
+The target is not restricted to the caller's own observed IP ("dial me back"): a node asks over
+libp2p where the prober is not directly reachable (a bootstrap serves probes over libp2p only), so
+the caller's IP is the local bridge's, and an announced address may be a DNS name or a forwarded
+port on another host than the one the call came from.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
+import re
 import time
 from dataclasses import dataclass
 
@@ -19,9 +30,45 @@ from noloco_node.transport.tls import TLS_NAME
 from noloco_node.wire.v1 import diag_pb2, diag_pb2_grpc
 
 
+# What a ProbeReply's `detail` may say: nothing finer than whether the health check answered.
+REACHABLE, NOT_SERVING, UNREACHABLE = "reachable", "not serving", "unreachable"
+_LABEL = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)")
+
+
+def _ip_literal(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The IP `host` spells (IPv6 in brackets, no zone id), else None."""
+    bracketed = host.startswith("[") and host.endswith("]")
+    try:
+        ip = ipaddress.ip_address(host[1:-1] if bracketed else host)
+    except ValueError:
+        return None
+    if (ip.version == 6) != bracketed or "%" in host:
+        return None
+    return ip
+
+
+def _dns_name(host: str) -> bool:
+    labels = host.removesuffix(".").split(".")
+    return len(host) <= 253 and all(_LABEL.fullmatch(label) for label in labels) and not labels[-1].isdigit()
+
+
 def valid_address(address: str) -> bool:
+    """Whether `address` is a plain host:port: an IPv4 literal, an [IPv6] literal or a DNS name,
+    and a port 1 to 65535. Never a gRPC target scheme (unix:, unix-abstract:, dns:, ipv4: ...)."""
     host, sep, port = address.rpartition(":")
-    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536 and len(address) <= 255)
+    if not (sep and len(address) <= 255 and port.isdigit() and port.isascii() and 0 < int(port) < 65536):
+        return False
+    return _ip_literal(host) is not None or _dns_name(host)
+
+
+def grpc_target(address: str) -> str:
+    """The gRPC target for a valid host:port, its scheme spelled out, so that gRPC never reads the
+    host as a scheme of its own (a host named `unix` would otherwise be a unix socket path)."""
+    host, _, port = address.rpartition(":")
+    ip = _ip_literal(host)
+    if ip is None:
+        return f"dns:///{host}:{port}"
+    return f"ipv4:{ip}:{port}" if ip.version == 4 else f"ipv6:[{ip}]:{port}"
 
 
 def _channel(address: str, cert_pem: bytes | None) -> grpc.aio.Channel:
@@ -69,7 +116,11 @@ class DiagnosticsServicer(diag_pb2_grpc.DiagnosticsServicer):
         if request.run_id != self.run_id:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this node serves run {self.run_id!r}")
         if not valid_address(request.address):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"address {request.address[:80]!r} is not host:port")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"address {request.address[:80]!r} is not a plain host:port "
+                "(an IPv4 literal, an [IPv6] literal or a DNS name; port 1 to 65535; no scheme)",
+            )
         if self._slots.locked():
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many probes in flight; retry later")
         cert_pem = None
@@ -83,7 +134,7 @@ class DiagnosticsServicer(diag_pb2_grpc.DiagnosticsServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "tls_cert is not a DER certificate")
         async with self._slots:
             self.probes += 1
-            reachable, detail, rtt = await health_check(request.address, self.timeout_s, cert_pem)
+            reachable, detail, rtt = await self._probe(request.address, cert_pem)
         return diag_pb2.ProbeReply(
             reachable=reachable,
             detail=detail,
@@ -92,6 +143,20 @@ class DiagnosticsServicer(diag_pb2_grpc.DiagnosticsServicer):
             version=self.version,
             manifest_hash=self.manifest_hash,
         )
+
+    async def _probe(self, address: str, cert_pem: bytes | None) -> tuple[bool, str, float]:
+        """The health check of `address` as the caller may see it: `reachable`, `not serving` (a
+        health service answered otherwise), or `unreachable` for every other outcome, which
+        returns only once the whole timeout has passed, so neither its words nor its time tell a
+        closed port from a silent one, an HTTP server or a TLS endpoint with another identity."""
+        start = time.monotonic()
+        serving, detail, rtt = await health_check(grpc_target(address), self.timeout_s, cert_pem)
+        if serving:
+            return True, REACHABLE, rtt
+        if detail.startswith("health status"):
+            return False, NOT_SERVING, rtt
+        await asyncio.sleep(max(0.0, start + self.timeout_s - time.monotonic()))
+        return False, UNREACHABLE, time.monotonic() - start
 
 
 @dataclass(frozen=True)
