@@ -88,6 +88,10 @@ class StageRuntime:
             raise InvalidPayload("token ids sent, but this run's model has no residual subspace")
         if not call.route or call.route[-1].stage != s.stage - 1 or not call.route[-1].address:
             raise InvalidPayload("route must end with a hop of the previous stage and its address")
+        if len(call.route) > s.stage:  # one hop per earlier stage: stage 0's, then each one's it passed
+            raise InvalidPayload(
+                f"route has {len(call.route)} hops; a forward to stage {s.stage} has at most {s.stage}"
+            )
         # The last hop is the signed caller (rpc/stage_service.py checks): where its gradient goes.
         self.directory.saw_address(call.route[-1].peer_id, call.route[-1].address)
         key = call.key

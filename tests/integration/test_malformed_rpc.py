@@ -36,6 +36,7 @@ def forward_messages(
     payload_bytes=None,
     last_hop=None,
     token_ids=(),
+    earlier_hops=0,
 ):
     """A Forward whose route ends with the caller `me` (the node checks it against the signature),
     or with `last_hop` when given."""
@@ -48,7 +49,8 @@ def forward_messages(
         run=run,
         microbatch=stage_pb2.MicrobatchId(origin_peer="tester", sequence=sequence),
         target_stage=1,
-        route=[stage_pb2.Hop(peer_id=last_hop or me, address="127.0.0.1:9", stage=0)],
+        route=[stage_pb2.Hop(peer_id=f"QmHop{i}", address="127.0.0.1:9", stage=0) for i in range(earlier_hops)]
+        + [stage_pb2.Hop(peer_id=last_hop or me, address="127.0.0.1:9", stage=0)],
         activations=header,
         labels=labels if labels is not None else [1] * (b * t),
         token_ids=token_ids,
@@ -117,6 +119,8 @@ def test_malformed_forwards_are_rejected_and_node_keeps_serving(tmp_path, make_s
                 "token ids to a dense model": await call_forward(info, fwd(run, token_ids=[1] * SEQ), sig()),
                 "oversize header": await call_forward(info, fwd(run, labels=[1] * (9 << 20)), sig()),
                 "header missing": await call_forward(info, fwd(run)[1:], sig()),
+                # A 2-stage pipeline's forward has one hop, stage 0's (the audit's was ~0.9 MB).
+                "9999-hop route": await call_forward(info, fwd(run, earlier_hops=9998, sequence=5), sig()),
                 # A route whose last hop is not the peer that signed the call (an impersonation).
                 "route names another peer": await call_forward(
                     info, fwd(run, last_hop=info["peer_id"], sequence=3), sig()
@@ -191,6 +195,7 @@ def test_malformed_forwards_are_rejected_and_node_keeps_serving(tmp_path, make_s
         "token ids to a dense model": invalid,
         "oversize header": grpc.StatusCode.RESOURCE_EXHAUSTED,
         "header missing": invalid,
+        "9999-hop route": invalid,
         "garbage bytes": invalid,
         "backward unknown microbatch": grpc.StatusCode.FAILED_PRECONDITION,
         "valid": grpc.StatusCode.OK,
