@@ -4,7 +4,9 @@ Pages are static files (no build step, uPlot vendored: they work offline); the J
 callables the owner passes in, each awaited per request. Only GET and HEAD are routed: any other
 method is 405 and any other path 404, so nothing here can change the node. Pages and JSON carry a
 Content-Security-Policy that allows only this origin's own scripts and styles: a string a peer
-put in its record is text on the page, never markup or script.
+put in its record is text on the page, never markup or script. A connection that sends no whole
+request within IDLE_TIMEOUT_S (a half-sent one included, however slowly it trickles in) is closed:
+aiohttp's default (3630 s in 3.14) kept one for an hour.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ SECURITY_HEADERS = {
     "Cache-Control": "no-store",
 }
 JsonSource = Callable[[], Awaitable[Mapping]]
+IDLE_TIMEOUT_S = 15.0
+"""How long a connection may go without a whole request: a page polls every 2 s."""
 
 
 def _static_file(name: str) -> bytes:
@@ -41,8 +45,10 @@ class DashboardServer:
     """Serves `pages` ({path: static file name}) and `api` ({path: async callable -> JSON}) on
     host:port; `start()` returns the bound port (0 = any free one)."""
 
-    def __init__(self, *, pages: Mapping[str, str], api: Mapping[str, JsonSource]) -> None:
-        self.pages, self.api = dict(pages), dict(api)
+    def __init__(
+        self, *, pages: Mapping[str, str], api: Mapping[str, JsonSource], idle_timeout_s: float = IDLE_TIMEOUT_S
+    ) -> None:
+        self.pages, self.api, self.idle_timeout_s = dict(pages), dict(api), idle_timeout_s
         self._runner: web.AppRunner | None = None
         self.requests = 0
 
@@ -57,7 +63,11 @@ class DashboardServer:
 
     async def start(self, host: str, port: int) -> int:
         # access_log=None: a page polling every 2 s would otherwise log every request at INFO.
-        self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False)
+        # keepalive_timeout: aiohttp closes a connection with no whole request after it, counted
+        # from the connection's start or its last answer (partial data does not restart it).
+        self._runner = web.AppRunner(
+            self.app(), access_log=None, handle_signals=False, keepalive_timeout=self.idle_timeout_s
+        )
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port, reuse_address=True)
         await site.start()

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from noloco_node.node.metrics_http import serve_metrics
 from noloco_node.runtime.node_stats import AdmissionStats, IntegrityStats, NodeStats, OuterCounts, TransportStats
 
 
@@ -160,8 +161,9 @@ class _MetricsServer:
     server = None
 
     def serve(self, host: str, port: int) -> int:
-        """Start the /metrics HTTP server; returns the bound port."""
-        self.server, _ = start_http_server(port, addr=host, registry=self.registry)
+        """Start the /metrics HTTP server (node/metrics_http.py: bounded against idle and slow
+        clients); returns the bound port."""
+        self.server = serve_metrics(self.registry, host, port)
         return self.server.server_port
 
     def stop(self) -> None:

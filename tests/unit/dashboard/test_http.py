@@ -1,9 +1,11 @@
 """The dashboard's server: pages and JSON by GET only, 404 elsewhere, 405 for every other method,
 a Content-Security-Policy on everything, and JSON a browser can parse (no NaN)."""
 
+import asyncio
 import json
 
 import pytest
+from aiohttp import ClientSession
 from aiohttp.test_utils import TestClient, TestServer
 
 from noloco_node.dashboard.http import DashboardServer
@@ -64,3 +66,41 @@ async def test_every_method_but_get_is_refused_and_nothing_runs(client, method, 
     response = await client.request(method, path, data=b"{}")
     assert response.status == 405 and "GET" in response.headers["Allow"]
     assert client.calls == []  # the JSON source never ran: nothing a request sends reaches the node
+
+
+async def _closed_after(reader: asyncio.StreamReader, limit_s: float = 5.0) -> float:
+    start = asyncio.get_running_loop().time()
+    assert await asyncio.wait_for(reader.read(), limit_s) == b""  # closed, nothing answered
+    return asyncio.get_running_loop().time() - start
+
+
+async def test_a_half_sent_request_is_closed_after_the_idle_timeout_and_others_are_served():
+    """A hostile-peer audit held idle half-requests open on the public dashboards (aiohttp's default
+    keep-alive is an hour); they are closed after idle_timeout_s, trickled or not."""
+
+    async def swarm():
+        return {"ok": 1}
+
+    server = DashboardServer(pages={}, api={"/api/swarm": swarm}, idle_timeout_s=0.5)
+    port = await server.start("127.0.0.1", 0)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /api/swarm HTTP/1.1\r\nHost: x\r\n")  # the blank line never comes
+        trickle_reader, trickle = await asyncio.open_connection("127.0.0.1", port)
+        trickle.write(b"GET /api/swarm HTTP/1.1\r\n")
+
+        async def drip():
+            for _ in range(40):
+                await asyncio.sleep(0.1)
+                trickle.write(b"X-Slow: y\r\n")
+
+        dripping = asyncio.create_task(drip())
+        async with ClientSession() as session, session.get(f"http://127.0.0.1:{port}/api/swarm") as answer:
+            assert answer.status == 200 and json.loads(await answer.text()) == {"ok": 1}
+        assert 0.3 < await _closed_after(reader) < 2.0
+        assert await _closed_after(trickle_reader) < 2.0
+        dripping.cancel()
+        writer.close()
+        trickle.close()
+    finally:
+        await server.stop()
