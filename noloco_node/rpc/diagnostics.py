@@ -132,9 +132,13 @@ class DiagnosticsServicer(diag_pb2_grpc.DiagnosticsServicer):
                 cert_pem = x509.load_der_x509_certificate(request.tls_cert).public_bytes(serialization.Encoding.PEM)
             except ValueError:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "tls_cert is not a DER certificate")
+        start = time.monotonic()
         async with self._slots:
             self.probes += 1
             reachable, detail, rtt = await self._probe(request.address, cert_pem)
+        if detail == UNREACHABLE:  # the wait is out of the slot: it holds no dial, only the answer
+            await asyncio.sleep(max(0.0, start + self.timeout_s - time.monotonic()))
+            rtt = time.monotonic() - start
         return diag_pb2.ProbeReply(
             reachable=reachable,
             detail=detail,
@@ -146,17 +150,13 @@ class DiagnosticsServicer(diag_pb2_grpc.DiagnosticsServicer):
 
     async def _probe(self, address: str, cert_pem: bytes | None) -> tuple[bool, str, float]:
         """The health check of `address` as the caller may see it: `reachable`, `not serving` (a
-        health service answered otherwise), or `unreachable` for every other outcome, which
-        returns only once the whole timeout has passed, so neither its words nor its time tell a
+        health service answered otherwise), or `unreachable` for every other outcome, which Probe
+        answers only once the whole timeout has passed, so neither its words nor its time tell a
         closed port from a silent one, an HTTP server or a TLS endpoint with another identity."""
-        start = time.monotonic()
         serving, detail, rtt = await health_check(grpc_target(address), self.timeout_s, cert_pem)
         if serving:
             return True, REACHABLE, rtt
-        if detail.startswith("health status"):
-            return False, NOT_SERVING, rtt
-        await asyncio.sleep(max(0.0, start + self.timeout_s - time.monotonic()))
-        return False, UNREACHABLE, time.monotonic() - start
+        return False, NOT_SERVING if detail.startswith("health status") else UNREACHABLE, rtt
 
 
 @dataclass(frozen=True)

@@ -146,3 +146,19 @@ async def test_a_health_service_is_reachable_or_not_serving_at_once():
             await server.stop(None)
         assert reply.reachable is (word == "reachable") and reply.detail == word
         assert seconds < TIMEOUT_S, seconds
+
+
+async def test_a_failures_wait_holds_no_probe_slot():
+    """The wait to the end of the timeout only delays the answer: the 4 slots bound dials, and an
+    honest joiner is not refused while earlier failures sit out their time."""
+    closed = socket.create_server(("127.0.0.1", 0))
+    address = f"127.0.0.1:{closed.getsockname()[1]}"
+    closed.close()
+    node = servicer()
+    waiting = [
+        asyncio.create_task(node.Probe(diag_pb2.ProbeRequest(run_id="r", address=address), Context())) for _ in range(4)
+    ]
+    await asyncio.sleep(TIMEOUT_S / 3)  # refused in milliseconds; now sitting out the timeout
+    assert not node._slots.locked() and not any(w.done() for w in waiting)
+    fifth = await node.Probe(diag_pb2.ProbeRequest(run_id="r", address=address), Context())
+    assert fifth.detail == "unreachable" and [(await w).detail for w in waiting] == ["unreachable"] * 4
