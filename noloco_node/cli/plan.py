@@ -163,6 +163,15 @@ def _memory(args, device_type: str) -> tuple[float, str]:
         return args.memory_gib * GIB, f"{args.memory_gib:g} GiB per device (given)"
     import torch
 
+    if device_type == "cuda" and not torch.cuda.is_available():
+        from noloco_node.config import ConfigError
+
+        raise ConfigError(
+            "--memory-gib",
+            "this machine has no GPU to read the free memory of",
+            "pass --memory-gib N, the named card's memory (24 for a 24 GB card)",
+        )
+
     from noloco_node.model.memory import available_bytes
 
     free = available_bytes(torch.device("cuda" if device_type == "cuda" else "cpu"))
@@ -182,7 +191,9 @@ def run(args: argparse.Namespace) -> int:
     from noloco_node.model.build import resolve_llama_config
 
     llama = resolve_llama_config(cfg.model, vocab_size(cfg))
-    device_type = args.device or ("cuda" if args.memory_gib is not None or _has_gpu() else "cpu")
+    # --gpu names a card: plan for it, not for this machine's CPU at that card's speed (a newcomer's
+    # plan said "device: cpu" beside an H100's TFLOP/s).
+    device_type = args.device or ("cuda" if args.memory_gib is not None or args.gpu or _has_gpu() else "cpu")
     memory, memory_text = _memory(args, device_type)
     plan = find_plan(cfg, llama, args.headroom * memory, device_type)
     check_link_flags(args)

@@ -87,8 +87,8 @@ def _solo_note(view: NodeView) -> str | None:
     rounds = f"the last {n} outer rounds went solo" if n > 1 else "the last outer round went solo"
     if view.replicas_of_stage == 1:
         return (
-            f"{rounds}: stage {view.stage} has no second replica to average with (another node on stage "
-            f"{view.stage} fixes it)"
+            f"{rounds}: stage {view.stage} has no second replica to average with (a node that joins stage "
+            f"{view.stage}, `join --stage {view.stage}`, fixes it)"
         )
     if all(r.get("reason") == "rejected" for r in latest):
         # Each partner's snapshot failed the check (sync/snapshot.py check_snapshot): the log's

@@ -129,7 +129,17 @@ def write_model_dir(out: Path, llama_config, weights: dict[str, torch.Tensor], t
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
+    _readable_like_the_rest(out)
     return out
+
+
+def _readable_like_the_rest(out: Path) -> None:
+    """safetensors writes its weights 0600 (a private temporary file renamed) while the other
+    files follow the umask: give the weights the mode config.json got, so whoever may read the
+    model directory (another user, a web server) can load it (a newcomer's export)."""
+    mode = (out / "config.json").stat().st_mode & 0o777
+    for weights in out.glob("*.safetensors"):
+        weights.chmod(mode)
 
 
 def expected_state(

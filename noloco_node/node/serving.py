@@ -186,5 +186,11 @@ async def moved(node: Node) -> Node:
     )
     new = await Node.create(there, outputs=node.outputs, membership=Membership(node.identity, node.moves + [record]))
     new.events.emit("moved", **record)
-    log.info("moved to stage %d (state fetched: %s)", new.stage_index, new.fetched_state)
+    fetched = new.fetched_state
+    how = (
+        f"its state copied from {fetched['donor'][-8:]} at inner step {fetched['inner_step']}"
+        if fetched
+        else "resumed from its own state (no copy)"
+    )
+    log.info("moved to stage %d: %s", new.stage_index, how)
     return new

@@ -76,8 +76,8 @@ async def fetch_state(
 def _joined(fetched: FetchedState, now: dict, topped_up: int | None, took_s: float, note: str) -> dict:
     """Says where the joiner starts, and returns fetch_state's answer."""
     failed = ", ".join(d[-8:] for d in fetched.failed)
-    sources = ", ".join(f"{d[-8:]} ({n} parameters)" for d, n in fetched.parameters_from.items())
-    reasked = f"; {fetched.reasked} parameters asked again after {failed} failed" if fetched.failed else ""
+    sources = ", ".join(f"{d[-8:]} ({n} parameter tensors)" for d, n in fetched.parameters_from.items())
+    reasked = f"; {fetched.reasked} parameter tensors asked again after {failed} failed" if fetched.failed else ""
     log.info(
         "joined at inner step %d, outer round %d with state from %s in %.1f s%s%s",
         now["inner_step"],

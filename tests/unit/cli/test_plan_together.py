@@ -2,6 +2,9 @@
 
 import json
 
+import pytest
+import torch
+
 from noloco_node.cli.main import main
 
 HOME = ["--preset", "medium", "--memory-gib", "24", "--uplink", "20", "--downlink", "100", "--rtt", "40"]
@@ -59,3 +62,13 @@ def test_a_link_that_loses_nothing_asks_for_nothing(capsys):
         == 0
     )
     assert "together: nothing more pays on this link" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU machine reads its own card's memory")
+def test_a_named_card_is_planned_as_a_card_not_as_this_machines_cpu(capsys):
+    """A newcomer's plan on a CPU machine with --gpu h100 said 'device: cpu' beside an H100's speed."""
+    assert main(["plan", "--preset", "medium", "--link", "20", "--gpu", "h100"]) == 2
+    err = capsys.readouterr().err
+    assert "--memory-gib" in err and "no GPU" in err
+    report = _plan(capsys, "--preset", "medium", "--memory-gib", "24", "--link", "20", "--gpu", "rtx4090")
+    assert report["device"] == "cuda" and report["link"]["device_tflops"] == 165.2
