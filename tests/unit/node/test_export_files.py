@@ -16,9 +16,7 @@ class Tokenizer:
 
 
 def test_the_weights_get_the_mode_config_json_got(tmp_path):
-    config = LlamaConfig(
-        hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, vocab_size=16
-    )
+    config = LlamaConfig(hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, vocab_size=16)
     weights = dict(LlamaForCausalLM(config).state_dict())
     old = os.umask(0o022)
     try:
