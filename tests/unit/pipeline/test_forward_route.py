@@ -12,8 +12,15 @@ from noloco_node.pipeline.runtime import StageRuntime
 from noloco_node.pipeline.runtime_settings import RuntimeSettings, StageNetwork, StageShape
 
 
+class Directory:
+    def saw_address(self, peer_id: str, address: str) -> None:
+        pass
+
+
 def runtime(stage: int, num_stages: int) -> StageRuntime:
-    network = StageNetwork(transport=None, directory=None, router=Router(Bans()), me=Hop("QmMe", "127.0.0.1:2", stage))
+    network = StageNetwork(
+        transport=None, directory=Directory(), router=Router(Bans()), me=Hop("QmMe", "127.0.0.1:2", stage)
+    )
     shape = StageShape(stage=stage, num_stages=num_stages, boundary_width=4, seq_len=2, microbatch_size=1, vocab_size=8)
     return StageRuntime(
         shape=shape,
