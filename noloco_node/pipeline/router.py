@@ -99,10 +99,15 @@ class Router:
 
     def lost(self, peer_id: str, timeout_s: float) -> float:
         """`peer_id` took a microbatch and sent no gradient back within `timeout_s`: shun it that
-        long, doubling with each loss (up to LOST_MAX_S); returns for how long."""
-        strikes = self._lost[peer_id].strikes + 1 if peer_id in self._lost else 1
+        long, doubling with each loss (up to LOST_MAX_S); returns for how long. The other
+        microbatches it held then time out together: one loss, not one per microbatch (live, a
+        batch of 8 took a black hole to the 600 s cap at once)."""
+        now, known = self.clock(), self._lost.get(peer_id)
+        if known is not None and now < known.until:
+            return known.until - now
+        strikes = known.strikes + 1 if known is not None else 1
         duration = min(LOST_MAX_S, timeout_s * 2 ** (strikes - 1))
-        self._lost[peer_id] = _Ban(until=self.clock() + duration, strikes=strikes)
+        self._lost[peer_id] = _Ban(until=now + duration, strikes=strikes)
         return duration
 
     def returned(self, peer_id: str) -> None:
