@@ -6,6 +6,8 @@ Uniform routing's equal shares are checked in tests/unit/pipeline/test_router.py
 routing gains in tokens/s over uniform routing is measured, not asserted, by
 `benchmarks/heterogeneous.py --routing-only` (both runs in one invocation, the ratio printed)."""
 
+import math
+
 import pytest
 
 from .conftest import prepare_tokenizer, tiny_overrides
@@ -67,8 +69,12 @@ def test_capacity_routing_follows_measured_capacity(tmp_path, make_swarm):
     # machine's load, so the ratio drifts towards 1 on a busy machine.
     assert 0 < slow_cap < 0.75 * fast_cap
     # The share the slow replica got, against the share its measured capacity gave it at each
-    # pick (capacities move with the machine's load during the run), and against the end's ratio.
-    assert weighted["slow_share"] == pytest.approx(weighted["expected_share"], rel=0.2)
+    # pick (capacities move with the machine's load during the run), within 4 binomial standard
+    # deviations of the picks (a fixed 20% was about 2 of them at ~750 picks of p ~0.13, and failed
+    # a clean-clone CI at 0.175 against 0.141), and against the end's ratio.
+    p, picks = weighted["expected_share"], weighted["picks"]
+    spread = 4 * math.sqrt(p * (1 - p) / picks)
+    assert abs(weighted["slow_share"] - p) <= spread, (weighted, spread)
     assert weighted["slow_share"] == pytest.approx(slow_cap / (slow_cap + fast_cap), rel=0.5)
     # Uniform routing would give it half: routing moved its share at least halfway from there to its
     # capacity's share (a fixed bound of 0.4 failed once on a loaded CI box, at a capacity share of ~0.42).
