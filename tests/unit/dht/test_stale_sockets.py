@@ -4,6 +4,8 @@ import os
 import socket
 import time
 
+import pytest
+
 from noloco_node.dht.stale_sockets import remove_stale_sockets
 
 
@@ -39,6 +41,9 @@ def test_only_old_sockets_nobody_listens_on_go(tmp_path):
         assert not dead.exists() and not dead_daemon.exists()
         assert live.exists() and young.exists() and other_program.exists() and not_a_socket.exists()
         assert remove_stale_sockets(tmp_path, min_age_s=60) == 0
+        socks[2].setblocking(False)
+        with pytest.raises(BlockingIOError):  # a socket a process holds is never dialled
+            socks[2].accept()
     finally:
         socks[2].close()
 
