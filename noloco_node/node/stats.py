@@ -96,9 +96,15 @@ def _integrity_stats(node: Node) -> IntegrityStats:
 
 def _inherited_microbatches(node: Node) -> dict[str, int] | None:
     """Restarted at its last step, a stage 0 with nothing left to train has no driver: its
-    predecessor's accounting (from the checkpoint) is the driver's whole story."""
-    if node.driver is None and node.stage_index == 0 and (node.resumed_from or {}).get("microbatches"):
+    predecessor's accounting is the driver's whole story: from the checkpoint it resumed, or from
+    its move's record when it copied its stage's state again and the copy was at its last step
+    (seen once in test_chaos: a recopy at step 55 of 60 landed at 60)."""
+    if node.driver is not None or node.stage_index != 0:
+        return None
+    if (node.resumed_from or {}).get("microbatches"):
         return dict(node.resumed_from["microbatches"])
+    if node.moves and node.moves[-1].get("microbatches"):
+        return dict(node.moves[-1]["microbatches"])
     return None
 
 

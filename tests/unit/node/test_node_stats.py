@@ -111,3 +111,20 @@ def test_typed_reads_spare_the_readers_the_keys():
     assert stats.work.served == 7 and stats.outer.last_round["outcome"] == "solo"
     assert sample_stats(driver=False, outer=False).loss is None
     assert RoundBytes.of([]) == RoundBytes(last=0, mean=0.0, fp32_fraction=0.0)
+
+
+def test_a_stage_0_whose_recopy_landed_at_its_last_step_keeps_its_predecessors_microbatches():
+    """test_chaos once saw a driver copy its stage's state at step 55 of 60 and land at 60: no
+    driver, no checkpoint resumed, and the stats lost the microbatch accounting."""
+    from types import SimpleNamespace
+
+    from noloco_node.node.stats import _inherited_microbatches
+
+    counts = {"issued": 110, "completed": 108, "reissued": 3, "dropped": 2}
+    moved = SimpleNamespace(
+        driver=None, stage_index=0, resumed_from=None, moves=[{"why": "behind", "microbatches": counts}]
+    )
+    assert _inherited_microbatches(moved) == counts
+    resumed = SimpleNamespace(driver=None, stage_index=0, resumed_from={"microbatches": {"issued": 4}}, moves=[])
+    assert _inherited_microbatches(resumed) == {"issued": 4}
+    assert _inherited_microbatches(SimpleNamespace(driver=None, stage_index=1, resumed_from=None, moves=[])) is None
