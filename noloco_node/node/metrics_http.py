@@ -82,6 +82,12 @@ class BoundedWSGIServer(ThreadingMixIn, WSGIServer):
         self.cut = 0
         super().__init__(address, handler)
 
+    @property
+    def serving(self) -> int:
+        """Connections being served now, each holding one thread."""
+        with self._lock:
+            return sum(self._open.values())
+
     def _take(self, host: str) -> bool:
         with self._lock:
             if sum(self._open.values()) >= self.max_connections or self._open.get(host, 0) >= self.max_per_host:

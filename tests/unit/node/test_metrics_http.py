@@ -101,20 +101,40 @@ def test_one_host_holding_its_share_does_not_keep_another_host_out(server):
             sock.close()
 
 
+def settled(count, at_most: int, limit_s: float = 3.0) -> int:
+    """`count()`, waited for (bounded) to fall to `at_most`: a handler thread gives its place back
+    just after it closed its socket, and ends just after that."""
+    deadline = time.monotonic() + limit_s
+    while count() > at_most and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return count()
+
+
+def handler_threads(besides: set[threading.Thread]) -> int:
+    """Connection threads alive now that were not in `besides` (other tests' servers may linger)."""
+    return sum(1 for t in threading.enumerate() if t not in besides and "process_request_thread" in t.name)
+
+
 def test_connections_over_the_cap_get_no_thread_and_service_resumes():
     registry = CollectorRegistry()
+    Counter("noloco_test_scrapes", "A counter to find in the scrape", registry=registry).inc()
     httpd = serve_metrics(registry, "127.0.0.1", 0, request_timeout_s=1.5, max_connections=CAP)
-    threads = threading.active_count()
+    before = set(threading.enumerate())
     idle = [half_request(httpd.server_port) for _ in range(5 * CAP)]
     try:
-        time.sleep(0.3)
-        assert threading.active_count() <= threads + CAP // 2  # one host: half the places
+        deadline = time.monotonic() + 3.0  # every connection accepted: served or refused
+        while httpd.refused + httpd.serving < len(idle) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert httpd.serving == CAP // 2  # one host: half the places, the rest closed unserved
+        assert handler_threads(before) == CAP // 2
         assert httpd.refused >= 4 * CAP
         assert closed_after(idle[-1], 1.0) < 1.0  # over the cap: closed at once
         for sock in idle[: CAP // 2]:  # those served are cut at the deadline, freeing their places
             closed_after(sock)
-        scrape(httpd.server_port)
-        assert threading.active_count() <= threads + 1
+        assert settled(lambda: httpd.serving, 0) == 0
+        assert "noloco_test_scrapes_total 1.0" in scrape(httpd.server_port)
+        assert settled(lambda: httpd.serving, 0) == 0
+        assert settled(lambda: handler_threads(before), 0) == 0
     finally:
         for sock in idle:
             sock.close()
