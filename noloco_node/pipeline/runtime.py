@@ -24,6 +24,7 @@ from noloco_node.errors import (
     ProtocolMismatch,
     UnknownMicrobatch,
 )
+from noloco_node.pipeline.call_checks import check_forward, check_gradient
 from noloco_node.pipeline.outage import ReceiverOutage
 from noloco_node.pipeline.ports import BackwardCall, ForwardCall, Hop, MicrobatchKey
 from noloco_node.pipeline.runtime_settings import RuntimeHooks, RuntimeSettings, StageNetwork, StageShape
@@ -73,25 +74,7 @@ class StageRuntime:
         s = self.shape
         if call.target_stage != s.stage or s.is_first:
             raise ProtocolMismatch(f"this node serves stage {s.stage}, not stage {call.target_stage}")
-        if spec.dtype != "float32" or len(spec.shape) != 3:
-            raise InvalidPayload(f"activations must be float32 [batch, seq, width], got {spec.dtype}{list(spec.shape)}")
-        b, t, h = spec.shape
-        if not (1 <= b <= s.microbatch_size and 1 <= t <= s.seq_len and h == s.boundary_width):
-            raise InvalidPayload(
-                f"activations shape {list(spec.shape)} does not fit [<= {s.microbatch_size}, "
-                f"<= {s.seq_len}, {s.boundary_width}]"
-            )
-        _check_token_list("labels", call.labels, b * t, s.vocab_size)
-        if s.carries_token_ids:
-            _check_token_list("token ids", call.token_ids, b * t, s.vocab_size)
-        elif call.token_ids:
-            raise InvalidPayload("token ids sent, but this run's model has no residual subspace")
-        if not call.route or call.route[-1].stage != s.stage - 1 or not call.route[-1].address:
-            raise InvalidPayload("route must end with a hop of the previous stage and its address")
-        if len(call.route) > s.stage:  # one hop per earlier stage: stage 0's, then each one's it passed
-            raise InvalidPayload(
-                f"route has {len(call.route)} hops; a forward to stage {s.stage} has at most {s.stage}"
-            )
+        b, t, _ = check_forward(s, call, spec)
         # The last hop is the signed caller (rpc/stage_service.py checks): where its gradient goes.
         self.directory.saw_address(call.route[-1].peer_id, call.route[-1].address)
         key = call.key
@@ -130,10 +113,7 @@ class StageRuntime:
         expected = self.worker.output_shape(key)
         if ticket is None or expected is None:
             raise UnknownMicrobatch(f"no saved input for microbatch {key} (expired or never seen)")
-        if spec.dtype != "float32" or spec.shape != expected:
-            raise InvalidPayload(
-                f"gradient {spec.dtype}{list(spec.shape)} does not match the output float32{list(expected)}"
-            )
+        check_gradient(spec, expected)
         if caller and not ticket.gradient_may_come_from(caller):
             # FAILED_PRECONDITION, not a strike: an honest replica whose accept we never saw (our
             # call timed out, we retried elsewhere) lands here too.
@@ -387,10 +367,3 @@ async def _back_off(delay: float, deadline: float) -> float:
     """Sleeps `delay` (never past `deadline`); returns the next, doubled up to a second."""
     await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
     return min(1.0, delay * 2)
-
-
-def _check_token_list(what: str, values, count: int, vocab_size: int) -> None:
-    if len(values) != count:
-        raise InvalidPayload(f"{len(values)} {what} for {count} positions")
-    if any(not 0 <= value < vocab_size for value in values):
-        raise InvalidPayload(f"{what} outside the vocabulary 0..{vocab_size - 1}")
