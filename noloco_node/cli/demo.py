@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from noloco_node.cli.common import add_config_flags, resolve_config
+from noloco_node.cli.demo_report import report_lines
 from noloco_node.experiments.process_group import Interrupted, raise_on_signals
 
 log = logging.getLogger(__name__)
@@ -90,22 +91,14 @@ def _run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     summary = _run_local(config, args) if args.local else _run_swarm(config, args, out)
     summary["config"] = config.to_dict()
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    mb = summary.get("microbatches")
-    print(
-        f"{summary['mode']} demo, method {summary['method']}: D={summary['replicas']} x P={summary['stages']}, "
-        f"{summary['inner_steps']} inner steps, {summary['tokens_per_s']:.0f} tok/s"
-    )
-    print(
-        f"train loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f}" + (f"; microbatches {mb}" if mb else "")
-    )
+    for line in report_lines(summary):
+        print(line)
     if summary.get("outer") is not None:
-        spread = summary.get("replica_spread_last")
-        print(f"outer steps {summary['outer']}; replica spread " + (f"{spread:.3e}" if spread is not None else "n/a"))
         warning = _outer_warning(summary["outer"], summary["method"], summary["replicas"])
         if warning:
             summary["warnings"] = [warning]
             print(f"warning: {warning}", file=sys.stderr)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(f"wrote {out / 'summary.json'}")
     return 0
 
@@ -146,7 +139,6 @@ def _run_swarm(config, args, out: Path) -> dict:
     from noloco_node.runtime.logging import ProgressLine
 
     _prepare_tokenizer(config)
-    method = config.outer.method
     stages, replicas = config.pipeline.num_stages, args.replicas
     threads = max(1, (os.cpu_count() or 1) // (stages * replicas))
     overrides = [
@@ -164,32 +156,59 @@ def _run_swarm(config, args, out: Path) -> dict:
     # D nodes of a stage start at once, each importing torch and building its model on the same cores.
     startup_s = config.timeouts.startup_s + 30 + 10 * replicas
     with LocalSwarm(out, overrides=overrides, threads=threads, startup_timeout_s=startup_s) as swarm:
+        print(
+            f"starting a local swarm on 127.0.0.1: a bootstrap peer and {replicas} replicas x {stages} stages, "
+            f"each its own process; their logs are in {out / 'logs'}",
+            flush=True,
+        )
         swarm.start_bootstrap(*(("--dashboard", args.dashboard) if args.dashboard != "off" else ()))
         if args.dashboard != "off":
             print(f"watch the swarm live: {swarm.dashboard_url()}", flush=True)
-        servers = [swarm.start_node(s, r, "--save-weights") for s in range(1, stages) for r in range(replicas)]
-        swarm.wait_ready(servers)
-        drivers = [
-            swarm.start_node(0, r, "--steps", str(args.steps), "--wait-replicas", str(replicas), "--save-weights")
-            for r in range(replicas)
-        ]
-        swarm.wait_ready(drivers)
-        deadline = start + args.timeout
-        while any(d.proc.poll() is None for d in drivers):
-            steps = [json.loads(d.ready_file.read_text()).get("inner_step", 0) for d in drivers]
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"demo did not finish within {args.timeout:.0f} s (stage-0 inner steps {steps} of "
-                    f"{args.steps}); logs in {out / 'logs'}"
-                )
-            progress.update(f"inner steps {min(steps)}/{args.steps} ({time.monotonic() - start:.0f} s)")
-            time.sleep(0.5)
-        progress.close()
-        failed = [d.label for d in drivers if d.proc.returncode != 0]
-        if failed:
-            raise RuntimeError(f"{', '.join(failed)} failed; see {out / 'logs'}")
+        drivers = _start_nodes(swarm, stages, replicas, args.steps, progress, start)
+        print(f"the swarm is up after {time.monotonic() - start:.0f} s; training {args.steps} inner steps", flush=True)
+        _wait_for_training(drivers, args, out, progress, start)
         swarm.stop()
-        return summarize_swarm(swarm, method=method, steps=args.steps, wall_s=time.monotonic() - start)
+        return summarize_swarm(swarm, method=config.outer.method, steps=args.steps, wall_s=time.monotonic() - start)
+
+
+def _start_nodes(swarm, stages: int, replicas: int, steps: int, progress, start: float) -> list:
+    """The servers of stages 1.., then the stage-0 drivers; the progress line says who is not up yet
+    (every node imports torch and builds its model on the same cores: a minute on 2 of them)."""
+
+    def starting(waiting) -> None:
+        up = sum(node.ready_file.exists() for node in swarm.nodes)
+        names = ", ".join(node.label for node in waiting[:2]) + (" ..." if len(waiting) > 2 else "")
+        progress.update(
+            f"starting the swarm: {up}/{stages * replicas} nodes up, waiting for {names} "
+            f"({time.monotonic() - start:.0f} s)"
+        )
+
+    servers = [swarm.start_node(s, r, "--save-weights") for s in range(1, stages) for r in range(replicas)]
+    swarm.wait_ready(servers, on_wait=starting)
+    drivers = [
+        swarm.start_node(0, r, "--steps", str(steps), "--wait-replicas", str(replicas), "--save-weights")
+        for r in range(replicas)
+    ]
+    swarm.wait_ready(drivers, on_wait=starting)
+    progress.clear()
+    return drivers
+
+
+def _wait_for_training(drivers: list, args, out: Path, progress, start: float) -> None:
+    deadline = start + args.timeout
+    while any(d.proc.poll() is None for d in drivers):
+        steps = [json.loads(d.ready_file.read_text()).get("inner_step", 0) for d in drivers]
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"demo did not finish within {args.timeout:.0f} s (stage-0 inner steps {steps} of "
+                f"{args.steps}); logs in {out / 'logs'}"
+            )
+        progress.update(f"inner steps {min(steps)}/{args.steps} ({time.monotonic() - start:.0f} s)")
+        time.sleep(0.5)
+    progress.close()
+    failed = [d.label for d in drivers if d.proc.returncode != 0]
+    if failed:
+        raise RuntimeError(f"{', '.join(failed)} failed; see {out / 'logs'}")
 
 
 def _flat(value) -> str:

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -147,16 +148,25 @@ class LocalSwarm:
         self.nodes.remove(node)
         return self.start_node(node.stage, node.replica, *node.extra)
 
-    def wait_ready(self, nodes: list[NodeProcess] | None = None) -> None:
+    def wait_ready(
+        self, nodes: list[NodeProcess] | None = None, on_wait: Callable[[list[NodeProcess]], None] | None = None
+    ) -> None:
+        """Until every one of `nodes` (all by default) wrote its ready file; `on_wait`, if given, is
+        told which are not ready yet about twice a second."""
         deadline = time.monotonic() + self.startup_timeout_s
-        for node in nodes or self.nodes:
+        waiting, told = list(nodes or self.nodes), 0.0
+        for node in list(waiting):
             while not node.ready_file.exists():
                 if node.proc.poll() is not None:
                     raise RuntimeError(f"{node.label} exited with {node.proc.returncode}; see {node.log_file}")
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{node.label} not ready in {self.startup_timeout_s} s; see {node.log_file}")
+                if on_wait is not None and time.monotonic() - told >= 0.5:
+                    on_wait([n for n in waiting if not n.ready_file.exists()])
+                    told = time.monotonic()
                 time.sleep(0.05)
             node.info = json.loads(node.ready_file.read_text())
+            waiting.remove(node)
 
     def wait_exit(self, nodes: list[NodeProcess], timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

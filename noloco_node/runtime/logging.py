@@ -69,6 +69,13 @@ class ProgressLine:
             self.stream.write("\r\033[K" + text)
             self.stream.flush()
 
+    def clear(self) -> None:
+        """Erase the line, for a line of plain output in its place; `update` draws it again."""
+        if self.enabled and ProgressLine.shown is self:
+            ProgressLine.shown = None
+            self.stream.write("\r\033[K")
+            self.stream.flush()
+
     def close(self) -> None:
         if self.enabled and ProgressLine.shown is self:
             ProgressLine.shown = None

@@ -68,6 +68,13 @@ def test_demo_noloco_d4_p2(tmp_path):
     assert summary["loss_last"] < summary["loss_first"] - 0.5
     mb = summary["microbatches"]
     assert mb["issued"] == mb["completed"] + mb["dropped"] and mb["dropped"] == 0
+    # What it printed: where it is while the nodes start, then the summary in words, no dicts.
+    said = result.stdout
+    assert said.startswith("starting a local swarm on 127.0.0.1: a bootstrap peer and 4 replicas x 2 stages"), said
+    assert "the swarm is up after " in said and "training 20 inner steps" in said
+    assert f"microbatches: {mb['issued']:,} issued, {mb['completed']:,} completed" in said
+    assert f"outer rounds: {summary['outer']['rounds']}, {summary['outer']['paired']} paired" in said
+    assert "{" not in said, said
     outer = summary["outer"]
     nodes = summary["nodes"]
     # Stage-0 replicas step exactly once per batch: 4 rounds each. Stage-1 replicas step per B

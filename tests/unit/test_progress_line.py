@@ -58,3 +58,18 @@ def test_asyncios_warning_of_a_daemon_we_reaped_ourselves_is_not_shown(capsys):
         root.handlers[:], root.level = handlers, level
     err = capsys.readouterr().err
     assert "Unknown child process" not in err and "something else" in err
+
+
+def test_a_cleared_line_leaves_nothing_behind_and_is_drawn_again_by_the_next_update():
+    screen = Terminal()
+    line = ProgressLine(screen)
+    try:
+        line.update("starting the swarm: 1/4 nodes up")
+        line.clear()
+        assert ProgressLine.shown is None  # a log line now prints plainly
+        assert screen.getvalue() == "\r\x1b[Kstarting the swarm: 1/4 nodes up\r\x1b[K"
+        line.update("inner steps 3/40")
+        line.close()
+    finally:
+        ProgressLine.shown = None
+    assert screen.getvalue().endswith("\r\x1b[K\r\x1b[Kinner steps 3/40\n")
