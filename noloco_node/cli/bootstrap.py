@@ -91,7 +91,9 @@ async def _serve(config, args: argparse.Namespace) -> int:
     sys.stdout.flush()
     dashboard = metrics = touch = None
     try:
-        dashboard = await _serve_dashboard(config, directory) if config.network.dashboard is not None else None
+        dashboard = (
+            await _serve_dashboard(config, directory, args.identity) if config.network.dashboard is not None else None
+        )
         metrics = _serve_metrics(config, links, directory.peer_id) if config.network.metrics_port is not None else None
         touch = asyncio.create_task(_keep_in_touch(directory, max(config.timeouts.heartbeat_s, TOUCH_PERIOD_S)))
         await stop.wait()
@@ -198,26 +200,36 @@ def _serve_metrics(config, links, peer_id: str):
 
 
 class _SwarmDashboard:
-    def __init__(self, server, sampling: asyncio.Task) -> None:
-        self.server, self.sampling = server, sampling
+    def __init__(self, server, view, sampling: asyncio.Task) -> None:
+        self.server, self.view, self.sampling = server, view, sampling
 
     async def close(self) -> None:
         self.sampling.cancel()
+        await self.view.save()
         await self.server.stop()
 
 
-async def _serve_dashboard(config, directory) -> _SwarmDashboard:
+def history_file(identity: str) -> Path:
+    """Where the swarm page keeps its charts across restarts: beside the bootstrap's identity, the
+    one file an operator already keeps (bootstrap.key -> bootstrap.history.json)."""
+    key = Path(identity).expanduser()
+    return key.with_name(f"{key.stem}.history.json")
+
+
+async def _serve_dashboard(config, directory, identity: str) -> _SwarmDashboard:
     """The swarm page (docs/dashboard.md), sampled in the background: its history covers the time
-    nobody watched. Prints the address to open."""
+    nobody watched, and a restart (saved every minute and at exit). Prints the address to open."""
     from noloco_node.dashboard.http import DashboardServer, page_url
     from noloco_node.dashboard.swarm import SwarmView
 
     host, port = parse_listen(config.network.dashboard)
-    view = SwarmView(directory.all_records, config, poll_s=config.network.dashboard_poll_s)
+    view = SwarmView(
+        directory.all_records, config, poll_s=config.network.dashboard_poll_s, history_file=history_file(identity)
+    )
     server = DashboardServer(
         pages={"/": "swarm.html", "/swarm": "swarm.html"},
         api={"/api/swarm": view.swarm, "/api/history": view.history_json},
     )
     bound = await server.start(host, port)
     print(f"dashboard at {page_url(host, bound)}", flush=True)
-    return _SwarmDashboard(server, asyncio.create_task(view.run()))
+    return _SwarmDashboard(server, view, asyncio.create_task(view.run()))

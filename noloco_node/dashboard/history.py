@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 HISTORY_POINTS = 720
 """Points kept per series: an hour at the default 5 s poll, and a page's JSON stays small."""
 MAX_SERIES = 256
 """Replicas tracked per series family: records are bounded by the DHT, this bounds our memory too."""
+HISTORY_SCHEMA = "noloco-node/history/1"
 
 
 class Series:
@@ -25,6 +27,21 @@ class Series:
 
     def as_list(self) -> list[list[float]]:
         return list(self.points)
+
+
+def _points(points, width: int) -> list[list[float]]:
+    """Points of `width` finite numbers each, or ValueError."""
+    if not isinstance(points, list):
+        raise ValueError("a series must be a list of points")
+    checked = []
+    for point in points:
+        if not isinstance(point, list) or len(point) != width:
+            raise ValueError(f"a point must be a list of {width} numbers")
+        values = [float(v) for v in point if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        if len(values) != width or not all(math.isfinite(v) for v in values):
+            raise ValueError(f"a point must be a list of {width} finite numbers")
+        checked.append(values)
+    return checked
 
 
 class SwarmHistory:
@@ -56,9 +73,30 @@ class SwarmHistory:
         for table in (self._seen, self.loss, self.inner_step):
             table.pop(oldest, None)
 
+    @classmethod
+    def from_json(cls, data: dict, limit: int = HISTORY_POINTS) -> SwarmHistory:
+        """A history as `as_json` wrote it (a bootstrap's page keeps its charts across a restart);
+        ValueError for anything else. At most `limit` points per series, MAX_SERIES replicas."""
+        if not isinstance(data, dict) or data.get("schema") != HISTORY_SCHEMA:
+            raise ValueError(f"not a {HISTORY_SCHEMA} document")
+        history = cls(limit)
+        for point in _points(data.get("tokens_per_s"), 2)[-limit:]:
+            history.tokens_per_s.add(*point)
+        for family, width in ((history.inner_step, 2), (history.loss, 3)):
+            key = "inner_step" if family is history.inner_step else "loss"
+            table = data.get(key)
+            if not isinstance(table, dict):
+                raise ValueError(f"{key} must be an object of series")
+            for peer, points in list(table.items())[:MAX_SERIES]:
+                series = family.setdefault(str(peer), Series(limit))
+                for point in _points(points, width)[-limit:]:
+                    series.add(*point)
+        history._seen = {peer: series.last[0] for peer, series in history.inner_step.items() if series.last}
+        return history
+
     def as_json(self) -> dict:
         return {
-            "schema": "noloco-node/history/1",
+            "schema": HISTORY_SCHEMA,
             "tokens_per_s": self.tokens_per_s.as_list(),
             "loss": {peer: s.as_list() for peer, s in self.loss.items()},
             "inner_step": {peer: s.as_list() for peer, s in self.inner_step.items()},

@@ -9,14 +9,17 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
+import json
 import logging
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
 
 from noloco_node.config import NodeConfig
 from noloco_node.dashboard.history import HISTORY_POINTS, SwarmHistory
 from noloco_node.node.attention import swarm_attention
+from noloco_node.runtime.files import atomic_write_text
 from noloco_node.runtime.throughput import limiting_stage
 
 log = logging.getLogger(__name__)
@@ -156,9 +159,13 @@ class SwarmView:
         poll_s: float,
         limit: int = HISTORY_POINTS,
         clock: Callable[[], float] = time.monotonic,
+        history_file: Path | None = None,
+        save_every_s: float = 60.0,
     ) -> None:
         self.read, self.config, self.poll_s, self.clock = read, config, poll_s, clock
-        self.history = SwarmHistory(limit)
+        self.history_file, self.save_every_s = history_file, save_every_s
+        self.history = load_history(history_file, config.run.run_id, limit) if history_file else SwarmHistory(limit)
+        self._saved_at = clock()
         self._latest: dict | None = None
         self._read_at = float("-inf")
         self._lock = asyncio.Lock()
@@ -190,9 +197,45 @@ class SwarmView:
                 log.warning("dashboard: reading the swarm's records failed: %s", exc or type(exc).__name__)
             await asyncio.sleep(self.poll_s)
 
+    async def save(self) -> None:
+        """Write the history to `history_file` (off the loop: it can be megabytes); a failure is
+        logged, never raised: the page goes on without it."""
+        if self.history_file is None:
+            return
+        self._saved_at = self.clock()
+        document = json.dumps({"run_id": self.config.run.run_id, **self.history.as_json()})
+        try:
+            await asyncio.to_thread(atomic_write_text, self.history_file, document)
+        except OSError as exc:
+            log.warning("dashboard: could not save its history to %s: %s", self.history_file, exc)
+
     async def _refresh(self) -> None:
         now = time.time()
         rows = await read_rows(self.read, self.config.pipeline.num_stages, now)
         latest = swarm_json(rows, self.config, now=now)
         self.history.observe(now, rows, latest["tokens_per_s"])
         self._latest, self._read_at = latest, self.clock()
+        if self.history_file is not None and self.clock() - self._saved_at >= self.save_every_s:
+            await self.save()
+
+
+def load_history(path: Path, run_id: str, limit: int = HISTORY_POINTS) -> SwarmHistory:
+    """The history a bootstrap's page saved before it stopped, so its charts survive a restart; a
+    fresh one when there is none, or it is another run's, or unreadable (said, not raised)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return SwarmHistory(limit)
+    except (OSError, ValueError) as exc:
+        log.warning("dashboard: its history %s is unreadable (%s); starting a new one", path, exc)
+        return SwarmHistory(limit)
+    if not isinstance(data, dict) or data.get("run_id") != run_id:
+        log.info("dashboard: %s holds another run's history; starting a new one", path)
+        return SwarmHistory(limit)
+    try:
+        history = SwarmHistory.from_json(data, limit)
+    except (ValueError, TypeError) as exc:
+        log.warning("dashboard: its history %s is unreadable (%s); starting a new one", path, exc)
+        return SwarmHistory(limit)
+    log.info("dashboard: history of %d replicas carried over from %s", len(history.inner_step), path)
+    return history
