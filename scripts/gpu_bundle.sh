@@ -35,5 +35,8 @@ done
 if ((${#missing[@]})); then
   .venv/bin/python -m pip wheel -q --no-deps -w "$out" "${missing[@]}"
 fi
+# The tokenizer of the embedded corpus, trained here if this machine has none under today's key.
+.venv/bin/python -c "from noloco_node.config import load_config; from noloco_node.cli.demo import _prepare_tokenizer; \
+_prepare_tokenizer(load_config())"
 cp -r "$HOME/.cache/noloco-node/." .gpu/cache/ 2>/dev/null || echo "note: no ~/.cache/noloco-node yet (run the demo once)" >&2
 echo ".gpu: $(ls "$out" | wc -l) wheels, $(du -sh .gpu | cut -f1)"

@@ -8,6 +8,7 @@ package is missing, a tiny committed excerpt is used with a warning.
 from __future__ import annotations
 
 import glob
+import hashlib
 import importlib.metadata
 import json
 import logging
@@ -30,6 +31,8 @@ FORMATS = {
     ".parquet": "parquet",
 }
 FALLBACK_TEXT = Path(__file__).parent / "assets" / "fallback.txt"
+CONTENT_HASH_BYTES = 64 * 2**20
+"""A corpus up to this size is known by its content (Corpus.fingerprint), a larger one by its files."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,11 +45,18 @@ class Corpus:
     text_field: str = "text"
 
     def fingerprint(self) -> str:
-        """Identifies the corpus content cheaply (paths, sizes, mtimes) for cache keys."""
+        """Identifies the corpus content for cache keys: by its bytes up to CONTENT_HASH_BYTES in
+        all (the embedded corpus, whose file is rebuilt with a new mtime by every fresh install,
+        so a newcomer's second checkout trained the same tokenizer again), else cheaply by paths,
+        sizes and mtimes (a user's gigabytes are not read through at every start)."""
         parts = [self.format, self.text_field]
-        for f in self.files:
-            st = os.stat(f)
-            parts.append(f"{os.path.abspath(f)}:{st.st_size}:{int(st.st_mtime)}")
+        stats = [(f, os.stat(f)) for f in self.files]
+        if sum(st.st_size for _, st in stats) <= CONTENT_HASH_BYTES:
+            for f, _ in stats:
+                with open(f, "rb") as data:
+                    parts.append(hashlib.file_digest(data, "sha256").hexdigest())
+        else:
+            parts += [f"{os.path.abspath(f)}:{st.st_size}:{int(st.st_mtime)}" for f, st in stats]
         return "|".join(parts)
 
 

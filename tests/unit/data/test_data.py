@@ -136,3 +136,27 @@ def test_embedded_default_corpus_is_offline_and_chaptered(tmp_path):
     lines = open(corpus.files[0]).read().splitlines()
     assert len(lines) == 1189  # chapters in the KJV
     assert json.loads(lines[0])["text"].startswith("Genesis 1\nIn the beginning")
+
+
+def test_a_small_corpus_is_known_by_its_content_not_its_path_or_time(tmp_path, monkeypatch):
+    """A newcomer's second checkout trained the embedded corpus's tokenizer again: the corpus file
+    is rebuilt with a new mtime by every fresh install, and the cache was keyed by path and mtime."""
+    import os
+
+    from noloco_node.data import corpus as corpus_module
+    from noloco_node.data.corpus import Corpus
+
+    text = "In the beginning was the word.\n" * 50
+    a, b = tmp_path / "a" / "c.txt", tmp_path / "b" / "c.txt"
+    for path in (a, b):
+        path.parent.mkdir()
+        path.write_text(text)
+    os.utime(b, (1, 1))
+    key = Corpus("c", (str(a),), "text").fingerprint()
+    assert key == Corpus("c", (str(b),), "text").fingerprint()  # another path, another time: the same
+    b.write_text(text + "amen\n")
+    assert key != Corpus("c", (str(b),), "text").fingerprint()  # other bytes: another key
+    assert key != Corpus("c", (str(a),), "json").fingerprint()
+    monkeypatch.setattr(corpus_module, "CONTENT_HASH_BYTES", 10)  # a large corpus: by its files, unread
+    assert Corpus("c", (str(a),), "text").fingerprint() != Corpus("c", (str(b),), "text").fingerprint()
+    assert str(a) in Corpus("c", (str(a),), "text").fingerprint()
