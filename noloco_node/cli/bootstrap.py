@@ -84,7 +84,8 @@ async def _serve(config, args: argparse.Namespace) -> int:
     if args.maddr_file:
         atomic_write_text(args.maddr_file, "\n".join(maddrs) + "\n")
     print("bootstrap peer is up; nodes join with:", flush=True)
-    for line in join_lines(maddrs, config.security.swarm_key_file, args.config, args.overrides):
+    program = typed_program(sys.argv[0])
+    for line in join_lines(maddrs, config.security.swarm_key_file, args.config, args.overrides, program):
         print(line, flush=True)
     if args.config or args.overrides:
         print(f"  (every node of run {config.run.run_id!r} needs this config: give them {_settings(args)})", flush=True)
@@ -114,16 +115,30 @@ async def _serve(config, args: argparse.Namespace) -> int:
 
 
 def join_lines(
-    maddrs: list[str], swarm_key_file: str | None, config_file: str | None = None, overrides: list[str] | None = None
+    maddrs: list[str],
+    swarm_key_file: str | None,
+    config_file: str | None = None,
+    overrides: list[str] | None = None,
+    program: str = "noloco-node",
 ) -> list[str]:
     """The join command for each multiaddr, with the swarm key when the swarm has one (without it
     a joiner's pings go unanswered: a newcomer copied the line and got hivemind's bootstrap error),
-    and the config this bootstrap was given (without it a newcomer joined run 'local' and waited
-    alone for ever, every doctor check passed)."""
+    the config this bootstrap was given (without it a newcomer joined run 'local' and waited
+    alone for ever, every doctor check passed), and `--stage auto` (without it every volunteer who
+    copied the line took stage 0, the config's default, and a fresh swarm's later stages stayed
+    empty: nothing trained)."""
     key = f" --swarm-key {shlex.quote(swarm_key_file)}" if swarm_key_file else ""
     config = f" --config {shlex.quote(config_file)}" if config_file else ""
     config += "".join(f" --set {shlex.quote(item)}" for item in overrides or [])
-    return [f"  noloco-node join{config} --initial-peers {maddr}{key}" for maddr in maddrs]
+    return [f"  {program} join{config} --initial-peers {maddr}{key} --stage auto" for maddr in maddrs]
+
+
+def typed_program(argv0: str) -> str:
+    """How the user ran noloco-node, for a line they copy: `.venv/bin/noloco-node` after
+    scripts/setup.sh (there is no `noloco-node` on PATH then), else the bare name (an absolute
+    path is this machine's, and `python -m noloco_node` has none)."""
+    typed = Path(argv0)
+    return argv0 if typed.name == "noloco-node" and not typed.is_absolute() else "noloco-node"
 
 
 def _settings(args: argparse.Namespace) -> str:

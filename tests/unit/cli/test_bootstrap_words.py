@@ -2,24 +2,34 @@
 
 import asyncio
 
-from noloco_node.cli.bootstrap import join_lines
+from noloco_node.cli.bootstrap import join_lines, typed_program
 from noloco_node.dht.daemon import bootstrap_failure
 
 MADDR = "/ip4/127.0.0.1/tcp/31340/p2p/QmTW5SvQ3c9iqsNAatdwQRrZ9g8L18B9DzsP3oFYQKu9hN"
 
 
 def test_a_keyed_bootstraps_join_command_carries_the_key():
-    assert join_lines([MADDR], None) == [f"  noloco-node join --initial-peers {MADDR}"]
+    assert join_lines([MADDR], None) == [f"  noloco-node join --initial-peers {MADDR} --stage auto"]
     assert join_lines([MADDR], "my keys/swarm.key") == [
-        f"  noloco-node join --initial-peers {MADDR} --swarm-key 'my keys/swarm.key'"
+        f"  noloco-node join --initial-peers {MADDR} --swarm-key 'my keys/swarm.key' --stage auto"
     ]
 
 
 def test_a_bootstrap_given_a_config_prints_it_in_the_join_command():
     """Without it a newcomer joined run 'local' beside the swarm's run and waited alone for ever."""
     assert join_lines([MADDR], None, "run.toml", ["run.run_id=my run"]) == [
-        f"  noloco-node join --config run.toml --set 'run.run_id=my run' --initial-peers {MADDR}"
+        f"  noloco-node join --config run.toml --set 'run.run_id=my run' --initial-peers {MADDR} --stage auto"
     ]
+
+
+def test_the_join_line_runs_the_program_as_the_host_typed_it():
+    """After scripts/setup.sh there is no `noloco-node` on PATH: the docs' `.venv/bin/noloco-node`
+    is what a newcomer copies; an absolute path is only this machine's."""
+    assert typed_program(".venv/bin/noloco-node") == ".venv/bin/noloco-node"
+    assert typed_program("/home/host/noloco/.venv/bin/noloco-node") == "noloco-node"
+    assert typed_program("/x/noloco_node/__main__.py") == "noloco-node"
+    line = join_lines([MADDR], None, program=".venv/bin/noloco-node")[0]
+    assert line.startswith("  .venv/bin/noloco-node join --initial-peers ") and line.endswith(" --stage auto")
 
 
 def test_doctor_fails_when_the_swarms_peers_serve_another_run():
