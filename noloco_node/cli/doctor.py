@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import re
 import socket
 import sys
 from dataclasses import dataclass
 
 from noloco_node.cli.common import add_config_flags, require_initial_peers, resolve_config
+from noloco_node.cli.other_run import other_run
 from noloco_node.runtime.node_status import Status
 
 CODES = {"python": 10, "cuda": 11, "port": 12, "dht": 13, "reach": 14, "clock": 15, "compat": 16, "disk": 17}
@@ -222,7 +222,7 @@ async def _reach_and_clock(config, args, directory, records, probers: list[str],
     if not probers:
         return [Check("reach", "skip", "no directly reachable node to ask"), Check("clock", "skip", "needs a probe")]
     address, results, errors = await _probe_from_peers(config, directory, records, probers)
-    if not results and (other := _other_run(errors)) is not None:
+    if not results and (other := other_run(errors)) is not None:
         return [_run_check(config.run.run_id, other), Check("clock", "skip", "needs a probe")]
     if not results:
         return [
@@ -230,14 +230,6 @@ async def _reach_and_clock(config, args, directory, records, probers: list[str],
             Check("clock", "skip", "needs a probe"),
         ]
     return [_reach_check(config.network, address, results), _clock_check(args.max_skew, results)]
-
-
-def _other_run(errors: list[str]) -> str | None:
-    """The run a peer serves, when it refused our probe for serving another one (rpc/checks.py)."""
-    for error in errors:
-        if (found := re.search(r"this node serves run '([^']*)'", error)) is not None:
-            return found.group(1)
-    return None
 
 
 def _run_check(mine: str, theirs: str) -> Check:

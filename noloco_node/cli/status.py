@@ -7,6 +7,7 @@ import asyncio
 import json
 
 from noloco_node.cli.common import add_config_flags, require_initial_peers, resolve_config
+from noloco_node.cli.other_run import run_of_initial_peers
 
 STATUS_SECOND_READ_S = 0.5
 
@@ -29,7 +30,13 @@ def run(args: argparse.Namespace) -> int:
     require_initial_peers(config)
     from noloco_node.dashboard.swarm import swarm_json
 
-    swarm = swarm_json(asyncio.run(_collect(config)), config)
+    rows, other = asyncio.run(_collect(config))
+    swarm = swarm_json(rows, config)
+    if other is not None:
+        swarm["attention"] = [  # rather than "stage S has no replica: join it", for each stage
+            f"the swarm's peers serve run {other!r}; this config's run is {config.run.run_id!r}, which has no "
+            f"node: use the swarm's config (--config FILE, as the bootstrap's join line says)"
+        ]
     if args.json:
         print(json.dumps(swarm, indent=2))
         return 0
@@ -78,7 +85,9 @@ def _memory(row: dict) -> str:
     return f"{gib(row.get('memory_estimate_bytes', 0))}/{gib(row.get('memory_peak_bytes', 0))}"
 
 
-async def _collect(config) -> list[dict]:
+async def _collect(config) -> tuple[list[dict], str | None]:
+    """The rows of this config's run, and, when it has none, the run the initial peers serve if
+    it is another one (cli/other_run.py)."""
     from noloco_node import __version__
     from noloco_node.dashboard.swarm import read_rows
     from noloco_node.dht.directory import DirectoryIdentity, PeerDirectory
@@ -99,7 +108,8 @@ async def _collect(config) -> list[dict]:
         # that just joined no longer goes missing from one `status` (seen in the NAT test).
         await read_rows(directory.all_records, config.pipeline.num_stages)
         await asyncio.sleep(STATUS_SECOND_READ_S)
-        return await read_rows(directory.all_records, config.pipeline.num_stages)
+        rows = await read_rows(directory.all_records, config.pipeline.num_stages)
+        return rows, None if rows else await run_of_initial_peers(config, directory)
     finally:
         await directory.shutdown()
 

@@ -44,3 +44,16 @@ def test_status_json_lists_every_node(tmp_path, make_swarm):
         timeout=120,
     )
     assert table.returncode == 0 and "3 replicas over 2 stages" in table.stdout
+
+    # Without the swarm's config (the README's `status --initial-peers MADDR`): run 'local' has no
+    # node, and status says which run the swarm serves instead of inviting a join of an empty stage.
+    bare = subprocess.run(
+        [sys.executable, "-m", "noloco_node", "status", "--initial-peers", swarm.maddr],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bare.returncode == 0, bare.stderr[-2000:]
+    assert "run local: 0 replicas" in bare.stdout
+    assert "! the swarm's peers serve run 'status-test'; this config's run is 'local'" in bare.stdout, bare.stdout
+    assert "has no replica" not in bare.stdout

@@ -33,10 +33,11 @@ def test_the_join_line_runs_the_program_as_the_host_typed_it():
 
 
 def test_doctor_fails_when_the_swarms_peers_serve_another_run():
-    from noloco_node.cli.doctor import _other_run, _run_check
+    from noloco_node.cli.doctor import _run_check
+    from noloco_node.cli.other_run import other_run
 
     errors = ["QmAbc: FAILED_PRECONDITION this node serves run 'newcomer'", "QmDef: timed out"]
-    assert _other_run(errors) == "newcomer" and _other_run(["QmDef: timed out"]) is None
+    assert other_run(errors) == "newcomer" and other_run(["QmDef: timed out"]) is None
     check = _run_check("local", "newcomer")
     assert check.outcome == "fail" and "--config" in check.fix and "run.run_id=newcomer" in check.fix
 
