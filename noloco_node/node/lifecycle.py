@@ -29,6 +29,7 @@ from noloco_node.pipeline.rebalance import Move
 from noloco_node.runtime.memory import tune_allocator
 from noloco_node.runtime.node_stats import NodeStats
 from noloco_node.runtime.node_status import Status
+from noloco_node.runtime.recent_rate import RecentRate
 from noloco_node.sync.factory import method_traits
 from noloco_node.sync.ports import OuterSync
 from noloco_node.transport.identity import NodeIdentity
@@ -110,6 +111,7 @@ class Node:
         self.pipeline: PipelineParts = services.pipeline
         self.servicer = services.servicer
         self.driver: Stage0Driver | None = None  # stage 0, once it trains
+        self.recent_tokens = RecentRate(self.parts.worker.tokens_total)
         self.reprobe: Reprobe | None = None
         self.metrics: NodeMetrics | None = None
         self.metrics_port: int | None = None
@@ -265,8 +267,8 @@ class Node:
 
     @property
     def tokens_per_s(self) -> float:
-        """Tokens this stage processed per second since it started."""
-        return float(self.worker.tokens_total / max(1e-6, time.monotonic() - self.started_at))
+        """Tokens this stage processed per second over the last minute (runtime/recent_rate.py)."""
+        return self.recent_tokens.rate(self.worker.tokens_total)
 
     # ---- the swarm's view of us ------------------------------------------------------------
     @property

@@ -58,7 +58,7 @@ class _StatsCollector(_Labelled):
         """Steps, tokens, loss and the in-flight window of the stage."""
         work = s.work
         yield self._gauge("noloco_inner_step", "Inner steps taken", work.inner_steps)
-        yield self._gauge("noloco_tokens_per_second", "Tokens per second since start", s.tokens_per_s)
+        yield self._gauge("noloco_tokens_per_second", "Tokens per second over the last minute", s.tokens_per_s)
         yield self._counter("noloco_tokens", "Tokens this stage computed backward for", work.tokens)
         if s.loss is not None:
             yield self._gauge("noloco_loss", "Loss of the last completed microbatch (stage 0)", s.loss)
