@@ -319,7 +319,8 @@ class _JoinReporter:
         if what == said:
             return
         if what is not None:
-            log.info("waiting for %s: nothing trains until one joins the swarm", what)
+            if self.node is None or self.node.done_at_step is None:  # a stage 0 that trained all waits for nothing
+                log.info("waiting for %s: nothing trains until one joins the swarm", what)
         elif said is not None:
             log.info("no longer waiting for %s", said)
         self.waiting_said = what

@@ -64,6 +64,14 @@ def swarm_json(rows: list[dict], config: NodeConfig, *, now: float | None = None
     capacity = {s: [r["capacity"] for r in ours if r["stage"] == s] for s in stages}
     limit = limiting_stage(capacity)
     notes = swarm_attention(ours, num_stages, behind_steps=2 * config.outer.inner_steps_per_outer)
+    first = [r for r in ours if r["stage"] == 0 and r["status"] != "leaving"]
+    finished = bool(first) and all(r["inner_step"] >= config.inner.total_steps for r in first)
+    if finished:  # said first: an idle swarm is done, not broken (a newcomer read a finished run as stalled)
+        notes.insert(
+            0,
+            f"the run is finished: stage 0's replicas trained all {config.inner.total_steps} inner steps "
+            f"(inner.total_steps); its nodes serve the trained state (`noloco-node export` takes it)",
+        )
     notes.extend(manifest_notes(rows, manifest))
     notes.extend(silent_notes(rows, config.timeouts.heartbeat_s, config.timeouts.record_ttl_s))
     m = config.model
@@ -89,6 +97,7 @@ def swarm_json(rows: list[dict], config: NodeConfig, *, now: float | None = None
             },
         },
         "replicas": rows,
+        "finished": finished,
         "stage_capacity": {str(s): sum(c) for s, c in capacity.items()},
         "limiting_stage": limit,
         "limiting_reason": limiting_reason(capacity, limit),

@@ -39,7 +39,8 @@ class NodeView:
     waiting_for: str | None = None
     """what the node knowingly waits for before it can compute (then it is not stalled)"""
     done: bool = False
-    """stage 0 trained all its steps: nothing is expected to advance any more"""
+    """stage 0 trained all its steps (on a later stage: saw stage 0's replicas do so): nothing is
+    expected to advance any more"""
     other_config_peers: int = 0
     """peers of this run seen with another manifest (config, tokenizer or model files not ours)"""
     copied_in_vain: bool = False

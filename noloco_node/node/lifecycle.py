@@ -96,6 +96,7 @@ class Node:
         self.progress = Progress()
         self.stage_replicas: int | None = None  # live replicas of our stage, ours included (heartbeat)
         self.done_at_step: int | None = None  # stage 0 trained all its steps and only serves now
+        self.run_finished_at: int | None = None  # a later stage saw stage 0 train all of them (presence.py)
         self.stopping = False  # leave() has begun (node/leaving.py)
         self.corpus, self.tokenizer, self.manifest_hash = built.corpus, built.tokenizer, built.manifest_hash
         self.stage_index, self.parts, self.directory = built.stage_index, built.parts, built.directory

@@ -68,6 +68,23 @@ async def _look_around(node: Node, look: Every) -> None:
     node.stage_replicas, missing = await look_around(node.directory, node.stage_index, node.config.pipeline.num_stages)
     if node.progress.waiting_for is None or node.progress.waiting_for.startswith("a stage-"):
         node.progress.wait(missing)
+    if not busy and node.stage_index > 0 and node.run_finished_at is None:
+        await _notice_a_finished_run(node)
+
+
+async def _notice_a_finished_run(node: Node) -> None:
+    """A later stage idle because stage 0's replicas trained all of inner.total_steps is done, not
+    stalled: it says so once, and warns no more (a newcomer read "no inner step for 8 min ... see
+    doctor" on every stage-1 node, `status` and both pages of a finished run)."""
+    total = node.config.inner.total_steps
+    first = await node.directory.replicas(0)
+    if first and all(r.inner_step >= total for r in first):
+        node.run_finished_at = total
+        log.info(
+            "the run is finished: stage 0's replicas trained all %d inner steps (inner.total_steps); this node "
+            "only serves now (its state, for joiners and `noloco-node export`): stop it when you like",
+            total,
+        )
 
 
 async def watch_balance(node: Node) -> None:

@@ -208,7 +208,7 @@ def node_attention(node: Node) -> list[str]:
             outer_history=node.sync.counters.history if traits.syncs else [],
             since_progress_s=node.progress.since_progress_s(),
             waiting_for=node.progress.waiting_for,
-            done=node.done_at_step is not None,
+            done=node.done_at_step is not None or node.run_finished_at is not None,
             other_config_peers=len(node.directory.other_config_peers),
             copied_in_vain=copy_again_in_vain(node.sync.counters.history, node.moves) if traits.syncs else False,
         )
