@@ -178,11 +178,13 @@ def run(args: argparse.Namespace) -> int:
 def _with_checkpoint_home(config):
     """(config, held slot): a node with no checkpoint.dir keeps its checkpoints in a slot of its
     own under the state home (node/checkpoint_home.py), unless checkpoint.auto is false."""
-    if config.checkpoint.dir is not None or not config.checkpoint.auto:
+    from noloco_node.node.checkpoint_home import CheckpointSlot, config_fingerprint
+
+    if config.checkpoint.dir is not None:
+        return config, CheckpointSlot.hold(Path(config.checkpoint.dir).expanduser())
+    if not config.checkpoint.auto:
         return config, None
     import dataclasses
-
-    from noloco_node.node.checkpoint_home import CheckpointSlot, config_fingerprint
 
     fingerprint = config_fingerprint(config)
     if config.pipeline.stage is None:
@@ -261,10 +263,10 @@ async def _serve(config, args: argparse.Namespace, slot=None) -> int:
     node = await Node.create(config, outputs=outputs)  # a start that fails closes what it opened
     if slot is not None:  # said once the node is up: a start that fails says only why
         log.info(
-            "checkpoints every %d inner steps and on stop in %s (--set checkpoint.dir=DIR for another "
-            "folder, checkpoint.auto=false for none)",
+            "checkpoints every %d inner steps and on stop in %s%s",
             config.checkpoint.every_steps,
             slot.directory,
+            "" if slot.named else " (--set checkpoint.dir=DIR for another folder, checkpoint.auto=false for none)",
         )
     plan = ServePlan(steps=args.steps, serve_after=args.serve_after, wait_replicas=args.wait_replicas)
     return await serve(node, plan, stop, _JoinReporter(config, args))

@@ -50,8 +50,9 @@ def run_directory(run_id: str, fingerprint: str, home: Path | None = None) -> Pa
 class CheckpointSlot:
     """One node's checkpoint directory, held until `release()` (or the process ends)."""
 
-    def __init__(self, directory: Path, lock_fd: int) -> None:
+    def __init__(self, directory: Path, lock_fd: int, *, named: bool = False) -> None:
         self.directory, self._lock_fd = directory, lock_fd
+        self.named = named  # the config's checkpoint.dir, not a slot of the state home
 
     @classmethod
     def claim(
@@ -100,6 +101,25 @@ class CheckpointSlot:
                 os.close(fd)  # only looked: the claim takes it for good
                 free.append(directory)
         return free
+
+    @classmethod
+    def hold(cls, directory: Path) -> CheckpointSlot:
+        """A folder the config names (checkpoint.dir), held as a slot is: two nodes given one folder
+        overwrote and pruned each other's checkpoints (a newcomer's audit lost a stop checkpoint)."""
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            fd = _lock(directory)
+        except OSError as e:
+            raise ConfigError(
+                "checkpoint.dir", f"cannot use {directory}: {e.strerror}", "set checkpoint.dir to a writable folder"
+            ) from None
+        if fd is None:
+            raise ConfigError(
+                "checkpoint.dir",
+                f"{directory} is held by another running node of this machine",
+                "give each node its own folder (or leave checkpoint.dir unset: each node then gets one)",
+            )
+        return cls(directory, fd, named=True)
 
     def release(self) -> None:
         if self._lock_fd >= 0:

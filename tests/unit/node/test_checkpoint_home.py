@@ -72,7 +72,7 @@ def test_no_slot_to_be_had_names_the_field_and_the_fix(tmp_path):
         slot.release()
 
 
-def test_join_keeps_checkpoints_by_default_and_leaves_a_named_folder_or_auto_false_alone(tmp_path, monkeypatch):
+def test_join_keeps_checkpoints_by_default_holds_a_named_folder_and_leaves_auto_false_alone(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
     config, slot = _with_checkpoint_home(build_config({"run": {"run_id": "r1"}}))
     try:
@@ -80,8 +80,12 @@ def test_join_keeps_checkpoints_by_default_and_leaves_a_named_folder_or_auto_fal
         assert config.checkpoint.dir == str(tmp_path / "noloco-node" / "r1" / fingerprint / "node-0")
     finally:
         slot.release()
-    named = build_config({"checkpoint": {"dir": "mine"}})
-    assert _with_checkpoint_home(named) == (named, None)
+    named = build_config({"checkpoint": {"dir": str(tmp_path / "mine")}})
+    kept, held = _with_checkpoint_home(named)
+    try:  # the folder is the config's own, held while the node runs
+        assert kept == named and held.named and held.directory == tmp_path / "mine"
+    finally:
+        held.release()
     off = build_config({"checkpoint": {"auto": False}})
     assert _with_checkpoint_home(off) == (off, None) and off.checkpoint.dir is None
 
@@ -184,3 +188,18 @@ def test_a_pinned_stage_takes_its_own_checkpoint_and_never_another_stages_folder
         assert Path(config.checkpoint.dir).name == "node-0"
     finally:
         slot.release()
+
+
+def test_a_named_checkpoint_folder_is_held_as_a_slot_is(tmp_path):
+    """Two nodes given one checkpoint.dir overwrote and pruned each other's checkpoints (a
+    newcomer's audit lost a stop checkpoint): the second is refused, naming the field."""
+    from noloco_node.config import ConfigError
+    from noloco_node.node.checkpoint_home import CheckpointSlot
+
+    folder = tmp_path / "shared" / "ckpt"
+    first = CheckpointSlot.hold(folder)
+    assert first.named and folder.is_dir()
+    with pytest.raises(ConfigError, match="checkpoint.dir.*held by another running node"):
+        CheckpointSlot.hold(folder)
+    first.release()
+    CheckpointSlot.hold(folder).release()  # free again once the first node stopped
