@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from noloco_node.sync.catch_up import AHEAD
+from noloco_node.sync.state_fetch import agreed_step, claim_limit
 
 if TYPE_CHECKING:
     from noloco_node.node.lifecycle import Node
@@ -72,6 +73,17 @@ def copy_again_in_vain(history: Sequence[dict], moves: Sequence[dict]) -> bool:
     return bool(moves) and moves[-1].get("why") == RECOPY and not any(r.get("outcome") == "paired" for r in history)
 
 
+def replicas_ahead(others: Sequence, mine: int, every: int) -> list:
+    """The other replicas a round or more ahead of inner step `mine`, when the stage's records
+    agree it is that far on (sync/state_fetch.py agreed_step: a record claiming thousands of steps
+    ahead of three honest replicas made the odd one out copy from it), none past their claim_limit."""
+    steps = [r.inner_step for r in others]
+    agreed, limit = agreed_step(steps), claim_limit(steps, every)
+    if agreed is None or limit is None or agreed - mine < every:
+        return []
+    return [r for r in others if every <= r.inner_step - mine and r.inner_step <= limit]
+
+
 async def _answering(node: Node, ahead: list) -> list:
     """The replicas ahead (up to 4, furthest first) that answer where their records say they
     serve: leaving the stage for a copy nobody can give costs the node its place (a hostile-peer
@@ -103,7 +115,7 @@ async def watch_behind(node: Node) -> None:
             log.debug("could not look up stage %d's replicas: %r", node.stage_index, exc)
             continue
         mine = node.worker.inner_steps
-        ahead = [r for r in replicas if r.peer_id != node.peer_id and r.inner_step - mine >= every]
+        ahead = replicas_ahead([r for r in replicas if r.peer_id != node.peer_id], mine, every)
         if not ahead or node.move_requested.is_set() or not (answering := await _answering(node, ahead)):
             continue
         furthest = max(r.inner_step for r in answering)

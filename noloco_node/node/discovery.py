@@ -11,6 +11,7 @@ from noloco_node.config import NodeConfig
 from noloco_node.dht.directory import DirectoryIdentity, PeerDirectory
 from noloco_node.dht.records import StageRecord
 from noloco_node.pipeline.stage_choice import claim_stage_in
+from noloco_node.sync.state_fetch import agreed_step
 from noloco_node.transport.identity import NodeIdentity
 
 log = logging.getLogger(__name__)
@@ -79,16 +80,18 @@ async def choose_stage(
 async def live_step_ahead(
     directory: PeerDirectory, stage: int, inner_step: int, *, me: str, margin: int = 0
 ) -> int | None:
-    """The furthest inner step a live replica of `stage` other than us announces, when it is more
-    than `margin` steps past `inner_step` (a checkpoint's): its state is the one to take. None
+    """The inner step the live replicas of `stage` other than us agree on, when it is more than
+    `margin` steps past `inner_step` (a checkpoint's): their state is the one to take. None
     otherwise."""
     fellows = [r for r in await directory.replicas(stage, fresh=True) if r.peer_id != me]
     return _past(fellows, inner_step, margin)
 
 
 def _past(fellows: list[StageRecord], inner_step: int, margin: int) -> int | None:
-    furthest = max((r.inner_step for r in fellows), default=None)
-    return furthest if furthest is not None and furthest > inner_step + margin else None
+    """The step the fellows' records agree on (sync/state_fetch.py agreed_step: not one record's
+    claim, which says what its writer likes), when past `inner_step` by more than `margin`."""
+    agreed = agreed_step([r.inner_step for r in fellows])
+    return agreed if agreed is not None and agreed > inner_step + margin else None
 
 
 def checkpoint_margin(cfg: NodeConfig) -> int:

@@ -14,7 +14,7 @@ from noloco_node.optim.inner import InnerOptimizer
 from noloco_node.optim.state import OuterState
 from noloco_node.rpc.outer_service import OuterClient
 from noloco_node.runtime.compute import ComputeThread
-from noloco_node.sync.state_fetch import FetchedState, donor_order, fetch_from_donors
+from noloco_node.sync.state_fetch import FetchedState, claim_limit, donor_order, fetch_from_donors
 from noloco_node.sync.top_up import top_up_from_donors
 from noloco_node.sync.transfer import apply_top_up, expected_tensors, import_state
 
@@ -42,7 +42,16 @@ async def fetch_state(
     topped_up (steps the top-up moved us on, or None)}, or None (no replica, or no state could
     be had: the run's initial weights stay)."""
     replicas = [r for r in await directory.replicas(stage, fresh=True) if r.peer_id != peer_id]
-    donors = donor_order([(r.peer_id, r.reach) for r in replicas], seed=peer_id)
+    # A record claiming steps far past what the stage's records agree on gives nothing (state_fetch.py).
+    limit = claim_limit([r.inner_step for r in replicas], round_steps)
+    passed_over = {r.peer_id for r in replicas if limit is not None and r.inner_step > limit}
+    if passed_over:
+        log.warning(
+            "not copying from %s: their records claim inner steps past the %s the stage's other records allow",
+            ", ".join(p[-8:] for p in sorted(passed_over)),
+            limit,
+        )
+    donors = donor_order([(r.peer_id, r.reach) for r in replicas if r.peer_id not in passed_over], seed=peer_id)
     if not donors:
         return None
     began = time.monotonic()
@@ -56,6 +65,7 @@ async def fetch_state(
             expected=expected_tensors(state),
             compact=compact,
             max_donors=max_donors,
+            max_inner_step=limit,
         )
         step = await compute.run(import_state, state, inner, fetched.tensors, fetched.counters)
     except NodeError as exc:
@@ -63,7 +73,14 @@ async def fetch_state(
         return None
     now = {"inner_step": step, "outer_round": int(fetched.counters["outer_round"])}
     topped_up, note = None, ""
-    live = max((r.inner_step for r in await directory.replicas(stage, fresh=True) if r.peer_id != peer_id), default=0)
+    live = max(
+        (
+            r.inner_step
+            for r in await directory.replicas(stage, fresh=True)
+            if r.peer_id != peer_id and (limit is None or r.inner_step <= limit)
+        ),
+        default=0,
+    )
     if round_steps and live - step >= round_steps:
         if (
             counters := await _top_up(client, compute, state, inner, fetched.owner, stage, peer_id, timeout_s)

@@ -67,6 +67,28 @@ class StateUnavailable(NodeError):
     """No live donor was left for some parameters (or the retries ran out)."""
 
 
+CLAIM_SLACK_ROUNDS, CLAIM_SLACK_MIN_STEPS = 4, 100
+"""How far past the step a stage's records agree on a donor's claim may go (rounds, at least steps)."""
+
+
+def agreed_step(steps: Sequence[int]) -> int | None:
+    """The inner step a stage's replicas' records agree on: the lower median of their claims. A
+    record says what its writer likes (a hostile-peer audit's claimed 3,495 steps ahead of three
+    honest replicas: one of them copied its state and took that step, then the rest copied that
+    one); one claim, or a minority of them, does not move the median."""
+    if not steps:
+        return None
+    ordered = sorted(steps)
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def claim_limit(steps: Sequence[int], round_steps: int) -> int | None:
+    """The furthest inner step a donor may claim, in its record or its stream's counters: a few
+    rounds past the agreed step (honest replicas of one stage run that close; records lag)."""
+    agreed = agreed_step(steps)
+    return None if agreed is None else agreed + max(CLAIM_SLACK_ROUNDS * round_steps, CLAIM_SLACK_MIN_STEPS)
+
+
 @dataclass
 class FetchedState:
     tensors: dict[str, Tensor]
@@ -145,14 +167,22 @@ async def fetch_from_donors(
     compact: bool = True,
     max_donors: int = 4,
     max_retries: int = 3,
+    max_inner_step: int | None = None,
 ) -> FetchedState:
     """The whole state in `expected` from `donors` (in order of preference; the first
-    `max_donors` start at once, the rest stand by). Raises StateUnavailable when some parameters
-    could not be had from anyone."""
+    `max_donors` start at once, the rest stand by). A donor whose counters are past
+    `max_inner_step` (claim_limit) counts as failed: none of its state is kept. Raises
+    StateUnavailable when some parameters could not be had from anyone."""
     if not donors or not expected:
         raise StateUnavailable("no donor to fetch from" if not donors else "nothing to fetch")
     transfers = _Transfers(
-        source, stage=stage, requester=requester, timeout_s=timeout_s, expected=expected, compact=compact
+        source,
+        stage=stage,
+        requester=requester,
+        timeout_s=timeout_s,
+        expected=expected,
+        compact=compact,
+        max_inner_step=max_inner_step,
     )
     sizes = parameter_bytes(expected, compact)
     standby = list(donors)
@@ -171,7 +201,15 @@ class _Transfers:
     delivered, each with the donor that sent it."""
 
     def __init__(
-        self, source: StateSource, *, stage: int, requester: str, timeout_s: float, expected: Expected, compact: bool
+        self,
+        source: StateSource,
+        *,
+        stage: int,
+        requester: str,
+        timeout_s: float,
+        expected: Expected,
+        compact: bool,
+        max_inner_step: int | None = None,
     ) -> None:
         self.source, self.stage, self.requester, self.timeout_s = source, stage, requester, timeout_s
         self.expected, self.compact = expected, compact
@@ -181,6 +219,7 @@ class _Transfers:
         self.owner: dict[str, str] = {}
         self.counters_of: dict[str, dict] = {}
         self.result = FetchedState({}, {}, {})
+        self.max_inner_step = max_inner_step
 
     def start(self, donor: str, names: list[str], delay_s: float = 0.0) -> None:
         """Ask `donor` for the state of the parameters `names` (after `delay_s`)."""
@@ -244,6 +283,14 @@ class _Transfers:
         if error is not None and not isinstance(error, (NodeError, asyncio.TimeoutError)):
             raise error
         whole = whole_parameters(into, self.expected, names)
+        claimed = int(into.counters.get("inner_step", 0)) if into.counters else 0
+        if self.max_inner_step is not None and claimed > self.max_inner_step:
+            whole, error = (
+                [],
+                StateUnavailable(
+                    f"its counters say inner step {claimed}, past the {self.max_inner_step} the stage's records allow"
+                ),
+            )
         for p in whole:
             self.kept.update({t: into.tensors[t] for t in self.grouped[p] if t in into.tensors})
             self.owner[p] = donor

@@ -107,7 +107,8 @@ async def test_a_checkpoint_is_behind_only_when_another_live_replica_is_further_
     assert await live_step_ahead(_Stage({"me": 90, "b": 40}), 1, 50, me="me") is None
     assert await live_step_ahead(_Stage({"b": 50}), 1, 50, me="me") is None
     assert await live_step_ahead(_Stage({}), 1, 50, me="me") is None
-    assert await live_step_ahead(_Stage({"b": 51, "c": 70, "me": 99}), 1, 50, me="me") == 70
+    assert await live_step_ahead(_Stage({"b": 51, "c": 70, "me": 99}), 1, 50, me="me") == 51  # what they agree on
+    assert await live_step_ahead(_Stage({"b": 50, "c": 5000}), 1, 50, me="me") is None  # one claim far on
     assert await live_step_ahead(_Stage({"c": 70}), 1, 50, me="me", margin=20) is None  # lags by 20: kept
     assert await live_step_ahead(_Stage({"c": 71}), 1, 50, me="me", margin=20) == 71
 

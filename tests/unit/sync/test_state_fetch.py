@@ -306,3 +306,29 @@ def test_donors_reached_without_a_relay_are_asked_first_in_an_order_each_joiner_
     firsts = {donor_order(candidates, seed=f"joiner{i}")[0] for i in range(30)}
     assert firsts == {p for p, _ in reached}  # joiners spread over the direct donors
     assert sorted(donor_order(relayed, seed="x")) == [p for p, _ in relayed]  # only relayed: all still asked
+
+
+def test_a_donor_whose_counters_claim_past_the_limit_gives_nothing_and_its_part_comes_from_another():
+    """A hostile-peer audit's donor claimed 3,495 steps past three honest replicas: a replica that
+    copied from it took that step, then the others copied that one. Donor c (inner step 30 here)
+    streams counters past the limit: none of its parameters is kept, b sends them instead, and the
+    joiner takes b's counters (20), not c's."""
+    hub = MemoryPairingHub()
+    for name, seed in (("b", 2), ("c", 3)):
+        hub.register(name, None, Donor(seed))
+    joiner = fresh_joiner()
+    fetched = run_fetch(hub, ["c", "b"], joiner, compact=False, max_inner_step=25)
+    _, outer, inner = joiner
+    assert fetched.failed == ["c"] and fetched.parameters_from == {"b": len(outer.params)}
+    assert fetched.donor == "b" and inner.step_count == 20
+    assert run_fetch(hub, ["c", "b"], fresh_joiner(), compact=False, max_inner_step=30).donor == "c"  # at the limit
+
+
+def test_the_agreed_step_is_the_lower_median_and_the_limit_a_few_rounds_past_it():
+    from noloco_node.sync.state_fetch import agreed_step, claim_limit
+
+    assert agreed_step([]) is None and claim_limit([], 10) is None
+    assert agreed_step([5521]) == 5521  # a lone claim is all there is (a stage's only other replica)
+    assert agreed_step([2030, 5521]) == 2030 and agreed_step([2026, 2030, 5521]) == 2030
+    assert agreed_step([2026, 5521, 5521]) == 5521  # claims that are the majority carry it
+    assert claim_limit([2030, 5521], 10) == 2130 and claim_limit([2030, 5521], 100) == 2430
