@@ -129,8 +129,17 @@ def join_lines(
     empty: nothing trained)."""
     key = f" --swarm-key {shlex.quote(swarm_key_file)}" if swarm_key_file else ""
     config = f" --config {shlex.quote(config_file)}" if config_file else ""
-    config += "".join(f" --set {shlex.quote(item)}" for item in overrides or [])
+    config += "".join(f" --set {shlex.quote(item)}" for item in overrides or [] if _run_setting(item))
     return [f"  {program} join{config} --initial-peers {maddr}{key} --stage auto" for maddr in maddrs]
+
+
+MACHINE_SETTINGS = ("network.", "checkpoint.", "log.", "security.identity_file", "pipeline.stage", "pipeline.device")
+"""`--set` fields of this machine, not of the run: a joiner given the bootstrap's metrics port
+collided with it on the same host (a hostile-peer audit)."""
+
+
+def _run_setting(item: str) -> bool:
+    return not item.split("=", 1)[0].strip().startswith(MACHINE_SETTINGS)
 
 
 def typed_program(argv0: str) -> str:

@@ -53,3 +53,11 @@ def test_a_failed_join_is_said_in_the_users_words_not_hiveminds():
     assert "ensure_bootstrap_success" not in bootstrap_failure(ping, 30)
     assert bootstrap_failure(asyncio.TimeoutError(), 30) == "no answer within timeouts.startup_s (30 s)"
     assert bootstrap_failure(OSError("No such file"), 30) == "No such file"
+
+
+def test_the_join_line_carries_the_runs_settings_not_this_machines():
+    overrides = ["network.metrics_port=47003", "run.run_id=r", "checkpoint.dir=/srv/b", "pipeline.num_stages=3"]
+    line = join_lines([MADDR], None, None, overrides + ["security.identity_file=b.key", "pipeline.stage=1"])[0]
+    assert "--set run.run_id=r --set pipeline.num_stages=3 --initial-peers" in line
+    assert "metrics_port" not in line and "checkpoint" not in line and "identity" not in line
+    assert "pipeline.stage" not in line
