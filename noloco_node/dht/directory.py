@@ -1,10 +1,10 @@
 """PeerDirectory: a hivemind DHTNode in the node's own event loop that announces this node's
 stage record on a heartbeat and answers "which replicas of stage s are alive?".
 
-Records of another run, manifest or protocol version are ignored and logged once per peer. A
-record whose `peer_id` is not the one its signing key proves (the key in its subkey hashes to
-another peer id) is refused and counted: a node can only ever speak for itself.
-Lookups are cached for `cache_s` so routing does not hit the DHT per microbatch.
+Records of another run, manifest or protocol version, or filed under another stage's key, are
+ignored and logged once per peer. A record whose `peer_id` is not the one its signing key proves
+(the key in its subkey hashes to another peer id) is refused and counted: a node speaks only for
+itself. Lookups are cached for `cache_s` so routing does not hit the DHT per microbatch.
 """
 
 from __future__ import annotations
@@ -203,14 +203,14 @@ class PeerDirectory:
         return out
 
     async def all_records(self, stage: int) -> list[StageRecord]:
-        """Every well-formed record under `stage`'s key, unfiltered (for `noloco-node status`)."""
+        """Every well-formed record of `stage` under its key, of any run or config (for `status`)."""
         records = []
         for subkey, value in await self._entries(stage):
             try:
                 record = StageRecord.parse_obj(value)
             except Exception:  # noqa: BLE001 - malformed values are skipped
                 continue
-            if self._proven(record, subkey):
+            if self._proven(record, subkey) and record.stage == stage:
                 records.append(record)
         return sorted(records, key=lambda r: r.peer_id)
 

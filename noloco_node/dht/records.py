@@ -29,7 +29,7 @@ class StageRecord(pydantic.BaseModel):
     outer_round: pydantic.conint(strict=True, ge=0)
     status: pydantic.StrictStr
     tokens_per_s: pydantic.confloat(strict=True, ge=0.0)
-    version: pydantic.StrictStr
+    version: pydantic.constr(strict=True, max_length=64)
     manifest_hash: pydantic.StrictStr
     run_id: pydantic.StrictStr
     updated_at: pydantic.StrictFloat

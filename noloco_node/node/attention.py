@@ -200,5 +200,8 @@ def swarm_attention(rows: Sequence[dict], num_stages: int, *, behind_steps: int)
                 f"replica {r['peer_id'][-8:]} (stage {r['stage']}) is reached only through a relay (slower): "
                 f"forward its port and pass --announce-addr; `noloco-node doctor` says how"
             )
-        notes.extend(f"replica {r['peer_id'][-8:]} (stage {r['stage']}): {note}" for note in r.get("attention") or [])
+        # Said by the replica of itself, in its record: attributed, never the swarm's own word.
+        notes.extend(
+            f"replica {r['peer_id'][-8:]} (stage {r['stage']}) says: {note}" for note in r.get("attention") or []
+        )
     return notes

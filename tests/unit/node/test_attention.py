@@ -100,7 +100,7 @@ def test_the_swarm_view_names_empty_and_lone_stages_laggards_relays_and_node_not
     assert "stage 1 has a single replica" in text
     assert "BBBBBBBB (stage 0) is 90 inner steps behind" in text
     assert "BBBBBBBB (stage 0) is reached only through a relay" in text
-    assert "BBBBBBBB (stage 0): the last 4 outer rounds went solo" in text
+    assert "BBBBBBBB (stage 0) says: the last 4 outer rounds went solo" in text
     assert "AAAAAAAA" not in text
 
 

@@ -1,0 +1,50 @@
+"""What a record may say and still be shown: found by a hostile-peer audit, a record filed under
+stage 1's key that said stage 0 was listed and counted among stage 0's replicas, and a version of
+5,000 characters was shown on the public swarm page."""
+
+import pydantic.v1 as pydantic
+import pytest
+
+from noloco_node.dht.directory import PeerDirectory
+from noloco_node.dht.records import StageRecord
+
+
+def record(peer: str, stage: int, **fields) -> dict:
+    values = dict(
+        peer_id=peer,
+        address="127.0.0.1:4000",
+        stage=stage,
+        inner_step=1,
+        outer_round=0,
+        status="serving",
+        tokens_per_s=0.0,
+        version="0.2.0",
+        manifest_hash="m" * 16,
+        run_id="r",
+        updated_at=1.0,
+    )
+    values.update(fields)
+    return values
+
+
+class Directory(PeerDirectory):
+    def __init__(self, entries: dict[int, list]) -> None:  # no DHT: the entries a lookup would find
+        self.entries = entries
+
+    async def _entries(self, stage: int):
+        return [(f"owner-{i}", value) for i, value in enumerate(self.entries.get(stage, []))]
+
+    def _proven(self, record, subkey) -> bool:
+        return True
+
+
+async def test_a_record_under_another_stages_key_is_not_listed():
+    directory = Directory({1: [record("QmHonest", 1), record("QmFiledWrong", 0)]})
+    assert [r.peer_id for r in await directory.all_records(1)] == ["QmHonest"]
+    assert await directory.all_records(0) == []
+
+
+def test_a_version_is_at_most_64_characters():
+    StageRecord.parse_obj(record("Qm", 0, version="9" * 64))
+    with pytest.raises(pydantic.ValidationError):
+        StageRecord.parse_obj(record("Qm", 0, version="9" * 5000))
