@@ -45,6 +45,10 @@ def load_public_key(der: bytes) -> rsa.RSAPublicKey:
         raise IdentityError(f"not a DER public key: {exc}") from None
     if not isinstance(key, rsa.RSAPublicKey) or not 2048 <= key.key_size <= 4096:
         raise IdentityError("identity keys are RSA keys of 2048 to 4096 bits")
+    if key.public_numbers().e != 65537:
+        # What libp2p and hivemind generate; a 2040-bit exponent made each signature check ~4x dearer
+        # (a hostile-peer audit's flood of badly signed calls).
+        raise IdentityError("identity keys have the public exponent 65537")
     return key
 
 
