@@ -17,7 +17,9 @@ call for the target (transport/credentials.py), so the relay can neither read no
 Request (caller -> relay, one line): b"NLR1 <target peer id>\\n". Answer (relay -> caller, one
 line): b"OK\\n", or b"NO <reason>\\n" and the stream ends. Then bytes flow both ways until either
 side ends. A relay serves only targets that are connected to it (peers behind NAT that reserved a
-slot or dialled out to it), at most MAX_PER_SOURCE circuits per caller and MAX_CIRCUITS in all.
+slot or dialled out to it), at most MAX_PER_SOURCE circuits per caller and MAX_CIRCUITS in all;
+a circuit whose caller sends nothing within the connect timeout after OK, or that carries nothing
+either way for IDLE_S, is closed.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ RELAY_PROTOCOL = "/noloco/relay/1"
 RELAYED_PROTOCOL = "/noloco/relayed/1"
 MAX_PER_SOURCE = 16
 MAX_CIRCUITS = 128
+IDLE_S = 45.0
+"""A circuit that carries no byte either way for this long is closed (gRPC pings every 30 s)."""
 _REQUEST_LIMIT = 128
 _MAGIC = b"NLR1 "
 
@@ -91,10 +95,11 @@ class RelayService:
         p2p: P2P,
         *,
         connect_timeout_s: float = 10.0,
+        idle_s: float = IDLE_S,
         max_per_source: int = MAX_PER_SOURCE,
         max_circuits: int = MAX_CIRCUITS,
     ) -> None:
-        self.p2p, self.connect_timeout_s = p2p, connect_timeout_s
+        self.p2p, self.connect_timeout_s, self.idle_s = p2p, connect_timeout_s, idle_s
         self.max_per_source, self.max_circuits = max_per_source, max_circuits
         self.active: Counter[str] = Counter()  # caller peer id -> open circuits
         self.circuits = 0
@@ -158,17 +163,46 @@ class RelayService:
             self.circuits += 1
             writer.write(b"OK\n")
             await writer.drain()
-
-            def count(n: int) -> None:
-                self.bytes_relayed += n
-
-            await splice(reader, writer, down_reader, down_writer, count, count)
+            await self._carry(source, target, (reader, writer), (down_reader, down_writer))
         except (ConnectionError, OSError) as exc:
             log.debug("relay circuit %s -> %s ended: %s", source[-8:], target[-8:], exc)
         finally:
             self.active[source] -= 1
             if self.active[source] <= 0:
                 del self.active[source]
+
+    async def _carry(self, source: str, target: str, caller: tuple, down: tuple) -> None:
+        """Splice the circuit while it is used: the caller's first bytes (its TLS hello) within
+        connect_timeout_s, and then some byte either way every idle_s (gRPC's keepalive pings
+        every 30 s). A hostile-peer audit's 8 throwaway identities held all 128 circuits with
+        streams that sent nothing, for two minutes at a time, and no one else got one."""
+        moved = {"caller": 0, "last": asyncio.get_running_loop().time()}
+
+        def from_caller(n: int) -> None:
+            self.bytes_relayed += n
+            moved["caller"] += n
+            moved["last"] = asyncio.get_running_loop().time()
+
+        def to_caller(n: int) -> None:
+            self.bytes_relayed += n
+            moved["last"] = asyncio.get_running_loop().time()
+
+        carrying = asyncio.ensure_future(splice(*caller, *down, from_caller, to_caller))
+        loop, opened = asyncio.get_running_loop(), asyncio.get_running_loop().time()
+        try:
+            while not carrying.done():
+                await asyncio.wait([carrying], timeout=min(1.0, self.idle_s))
+                now = loop.time()
+                unused = not moved["caller"] and now - opened > self.connect_timeout_s
+                if not carrying.done() and (unused or now - moved["last"] > self.idle_s):
+                    self.refused["idle"] += 1
+                    why = "unused" if unused else "idle"
+                    log.debug("relay circuit %s -> %s closed: %s", source[-8:], target[-8:], why)
+                    carrying.cancel()
+        finally:
+            if not carrying.done():
+                carrying.cancel()
+            await asyncio.gather(carrying, return_exceptions=True)
 
 
 def relays_of(p2p_addrs: list[str] | tuple[str, ...]) -> list[tuple[str, str]]:

@@ -137,3 +137,70 @@ def test_relay_splices_and_bounds_circuits():
     assert opened == [target, target]  # refused circuits never open a stream to anyone
     assert stats["circuits_total"] == 2 and stats["bytes_relayed"] >= 8
     assert stats["refused"] == {"busy": 1, "not_connected": 1, "malformed": 1}, stats
+
+
+async def closed(reader: asyncio.StreamReader, within_s: float) -> bool:
+    """The relay ended the stream (it aborts both legs: an end or a reset), within `within_s`."""
+    try:
+        return await asyncio.wait_for(reader.read(), within_s) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_circuits_that_carry_nothing_are_closed_and_free_their_places():
+    """A hostile-peer audit's 8 throwaway identities held all 128 circuits for two minutes with
+    streams that sent nothing after OK. Here: the unused one is closed after the connect timeout,
+    the one that went quiet after the idle time, the one in use stays, and places come back."""
+    from noloco_node.transport.relay import RelayService
+
+    relay_id, caller, target = (NodeIdentity.generate().peer_id for _ in range(3))
+
+    async def scenario():
+        p2p = _FakeP2P(relay_id, connected=[caller, target])
+        service = RelayService(p2p, max_per_source=3, max_circuits=8, connect_timeout_s=0.3, idle_s=0.8)
+
+        async def dial():
+            async def serve(reader, writer):
+                await service._on_stream(_Info(caller), reader, writer)
+
+            reader, writer = await _pipe_to(serve)
+            writer.write(encode_request(target))
+            await writer.drain()
+            assert await read_line(reader, 2.0) == b"OK"
+            return reader, writer
+
+        unused, quiet, busy = await dial(), await dial(), await dial()
+        for reader, writer in (quiet, busy):  # their TLS hellos; then quiet sends nothing more
+            writer.write(b"hello")
+            await writer.drain()
+            assert await asyncio.wait_for(reader.readexactly(5), 2.0) == b"hello"
+        pings = 0
+
+        async def keep_busy():  # a byte each way every 0.2 s, well within the idle time
+            nonlocal pings
+            while True:
+                busy[1].write(b"p")
+                await busy[1].drain()
+                await asyncio.wait_for(busy[0].readexactly(1), 2.0)
+                pings += 1
+                await asyncio.sleep(0.2)
+
+        pinging = asyncio.ensure_future(keep_busy())
+        start = asyncio.get_running_loop().time()
+        assert await closed(unused[0], 3.0)  # nothing sent after OK
+        unused_s = asyncio.get_running_loop().time() - start
+        quiet_closed = await closed(quiet[0], 3.0)  # quiet since its hello
+        await asyncio.sleep(0.5)
+        assert not pinging.done(), pinging.exception()
+        pinging.cancel()
+        assert pings >= 5
+        busy[1].write(b"q")
+        await busy[1].drain()
+        still = await asyncio.wait_for(busy[0].readexactly(1), 2.0)
+        stats = service.stats()
+        busy[1].close()
+        return unused_s, quiet_closed, still, stats
+
+    unused_s, quiet_closed, still, stats = asyncio.run(scenario())
+    assert unused_s < 2.0 and quiet_closed and still == b"q"
+    assert stats["refused"].get("idle") == 2 and stats["circuits_open"] == 1, stats
