@@ -4,6 +4,8 @@ against the sender (rpc/guard.py)."""
 
 from __future__ import annotations
 
+import math
+
 from noloco_node.codec.names import PIPELINE_CODECS
 from noloco_node.codec.tensors import TensorSpec
 from noloco_node.errors import InvalidPayload
@@ -41,6 +43,17 @@ def check_gradient(spec: TensorSpec, expected: tuple[int, ...]) -> None:
             f"gradient {spec.dtype}{list(spec.shape)} does not match the output float32{list(expected)}"
         )
     _check_codec("gradient", spec.codec)
+
+
+def check_reported(loss: float, num_tokens: int, expected: tuple[int, ...]) -> None:
+    """What the last stage reports with a gradient, carried back to stage 0's loss: a finite loss,
+    and at most one token per position of the microbatch (a hostile-peer audit's NaN, 1e300 and
+    2^64 - 1 were answered OK). An honest last stage drops a non-finite result before it sends."""
+    if not math.isfinite(loss) or loss < 0.0:
+        raise InvalidPayload(f"loss {loss!r} is not a finite cross-entropy")
+    positions = math.prod(expected[:2]) if len(expected) >= 2 else 0
+    if not 0 <= num_tokens <= positions:
+        raise InvalidPayload(f"num_tokens {num_tokens} outside 0..{positions} (the microbatch's positions)")
 
 
 def _check_codec(what: str, codec: str) -> None:

@@ -24,7 +24,7 @@ from noloco_node.errors import (
     ProtocolMismatch,
     UnknownMicrobatch,
 )
-from noloco_node.pipeline.call_checks import check_forward, check_gradient
+from noloco_node.pipeline.call_checks import check_forward, check_gradient, check_reported
 from noloco_node.pipeline.outage import ReceiverOutage
 from noloco_node.pipeline.ports import BackwardCall, ForwardCall, Hop, MicrobatchKey
 from noloco_node.pipeline.runtime_settings import RuntimeHooks, RuntimeSettings, StageNetwork, StageShape
@@ -114,6 +114,7 @@ class StageRuntime:
         if ticket is None or expected is None:
             raise UnknownMicrobatch(f"no saved input for microbatch {key} (expired or never seen)")
         check_gradient(spec, expected)
+        check_reported(call.loss, call.num_tokens, expected)
         if caller and not ticket.gradient_may_come_from(caller):
             # FAILED_PRECONDITION, not a strike: an honest replica whose accept we never saw (our
             # call timed out, we retried elsewhere) lands here too.

@@ -45,3 +45,18 @@ def test_sparse_and_sliced_activations_are_refused(codec):
 def test_sparse_and_sliced_gradients_are_refused(codec):
     with pytest.raises(InvalidPayload, match=rf"^gradient in codec {codec}"):
         check_gradient(TensorSpec(dtype="float32", shape=(1, 2, 4), codec=codec), (1, 2, 4))
+
+
+def test_what_the_last_stage_reports_must_be_a_loss_and_a_token_count():
+    """A hostile-peer audit's Backward with loss NaN, 1e300-like infinities and num_tokens 2^64 - 1
+    was answered OK; the loss is what stage 0 logs and publishes."""
+    from noloco_node.pipeline.call_checks import check_reported
+
+    check_reported(4.2, 2, (1, 2, 4))
+    check_reported(0.0, 0, (1, 2, 4))
+    for loss in (float("nan"), float("inf"), -1e30):
+        with pytest.raises(InvalidPayload, match="is not a finite cross-entropy"):
+            check_reported(loss, 2, (1, 2, 4))
+    for tokens in (3, 2**64 - 1, -1):
+        with pytest.raises(InvalidPayload, match=r"outside 0\.\.2"):
+            check_reported(4.2, tokens, (1, 2, 4))
