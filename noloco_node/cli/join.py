@@ -155,13 +155,21 @@ def run(args: argparse.Namespace) -> int:
         },
     )
     net = config.network
+
+    def named(flag: str, field: str, given) -> str:  # what the user typed: a flag, else the config's field
+        return flag if given is not None else field
+
     check_listen(
         net.host,
-        {"network.port": net.port, "network.dht_port": net.dht_port, "network.metrics_port": net.metrics_port},
-        "network.host",
+        {
+            named("--port", "network.port", args.port): net.port,
+            "network.dht_port": net.dht_port,
+            "network.metrics_port": net.metrics_port,
+        },
+        named("--host", "network.host", args.host),
     )
     if net.dashboard is not None:
-        check_listen(*_dashboard_listen(net.dashboard), "network.dashboard")
+        check_listen(*_dashboard_listen(net.dashboard), named("--dashboard", "network.dashboard", args.dashboard))
     require_initial_peers(config)
     if args.threads:
         import torch

@@ -42,16 +42,8 @@ async def fetch_state(
     topped_up (steps the top-up moved us on, or None)}, or None (no replica, or no state could
     be had: the run's initial weights stay)."""
     replicas = [r for r in await directory.replicas(stage, fresh=True) if r.peer_id != peer_id]
-    # A record claiming steps far past what the stage's records agree on gives nothing (state_fetch.py).
-    limit = claim_limit([r.inner_step for r in replicas], round_steps)
-    passed_over = {r.peer_id for r in replicas if limit is not None and r.inner_step > limit}
-    if passed_over:
-        log.warning(
-            "not copying from %s: their records claim inner steps past the %s the stage's other records allow",
-            ", ".join(p[-8:] for p in sorted(passed_over)),
-            limit,
-        )
-    donors = donor_order([(r.peer_id, r.reach) for r in replicas if r.peer_id not in passed_over], seed=peer_id)
+    plausible, limit = _plausible(replicas, round_steps)
+    donors = donor_order([(r.peer_id, r.reach) for r in plausible], seed=peer_id)
     if not donors:
         return None
     began = time.monotonic()
@@ -88,6 +80,20 @@ async def fetch_state(
             now, topped_up = counters, counters["inner_step"] - step
         note = _behind_note(live - step, round_steps, topped_up)
     return _joined(fetched, now, topped_up, time.monotonic() - began, note)
+
+
+def _plausible(replicas: list, round_steps: int) -> tuple[list, int | None]:
+    """The replicas whose claimed inner step fits what the stage's records agree on, and the
+    furthest step a donor may claim (sync/state_fetch.py claim_limit); the others are said."""
+    limit = claim_limit([r.inner_step for r in replicas], round_steps)
+    passed_over = [r for r in replicas if limit is not None and r.inner_step > limit]
+    if passed_over:
+        log.warning(
+            "not copying from %s: their records claim inner steps past the %s the stage's other records allow",
+            ", ".join(r.peer_id[-8:] for r in passed_over),
+            limit,
+        )
+    return [r for r in replicas if r not in passed_over], limit
 
 
 def _joined(fetched: FetchedState, now: dict, topped_up: int | None, took_s: float, note: str) -> dict:

@@ -51,11 +51,11 @@ def cases(tmp_path, taken_port):
         # 198.18.0.0/15 is for tests; nothing here owns this address, so it cannot be bound.
         (
             ["join", "--host", "198.18.0.77", "--stage", "0"],
-            "config field 'network.host': cannot listen on '198.18.0.77'",
+            "flag '--host': cannot listen on '198.18.0.77'",
         ),
         (
             ["join", "--port", str(taken_port), "--stage", "0"],
-            f"config field 'network.port': port {taken_port} on 127.0.0.1 is in use",
+            f"flag '--port': port {taken_port} on 127.0.0.1 is in use",
         ),
         (["bootstrap", "--port", str(taken_port), "--identity", str(tmp_path / "b.key")], "flag '--port'"),
         (["status"], "config field 'network.initial_peers'"),
