@@ -129,7 +129,7 @@ class CallVerifier:
         skew = abs(now - int(stamp) / 1000)
         if skew > self.max_skew_s:
             raise CallAuthError(
-                f"token time is {skew:.0f} s from ours (limit {self.max_skew_s:g} s): check the clock (NTP)"
+                f"token time is {skew:.1f} s from ours (limit {self.max_skew_s:g} s): check the clock (NTP)"
             )
         message = _message(peer_id, self.audience, method, int(stamp), nonce)
         if self.swarm_key is not None:
