@@ -24,11 +24,14 @@ copy is in, so this only has to outlast the other donors' parts of the same copy
 MAX_JOINERS = 2
 """Joiners remembered at once: each costs the donor 4 bytes per parameter it sent that joiner, on
 the host (a `medium` stage: up to 1.6 GB), so only two are kept (joiners of the same minute are
-few). Past two, the one holding the fewest bytes goes (the oldest of equals), whoever it is: a
-caller that fetched one parameter cannot push out a joiner that copied a part of the state, it
-would have to receive more than that joiner did (ledger entries are written only for what a
-stream wrote whole: rpc/state_service.py). A forgotten joiner's top-up is refused and its copy
-stays as it was."""
+few). Past two, the newest stays (its top-up is the one to come: a joiner asks for it as soon as
+its copy is in), and of the others the one holding the fewest bytes goes (the oldest of equals): a
+caller that fetched one parameter cannot push out the larger of two joiners' bases, it would have
+to receive more than that joiner did (ledger entries are written only for what a stream wrote
+whole: rpc/state_service.py), and an honest joiner that copied a small part is kept though earlier
+ones copied more (a hostile-peer audit saw every joiner's top-up refused in ordinary churn, its
+part smaller than the two before it). A forgotten joiner's top-up is refused and its copy stays
+as it was."""
 
 
 class SentPhi:
@@ -46,15 +49,15 @@ class SentPhi:
 
     def commit(self, joiner: str, holds: dict[str, Tensor]) -> None:
         """`joiner` now holds these phi (parameter -> tensor nobody writes to afterwards), beside
-        what it held of other parameters; past `max_joiners`, the joiner holding the fewest bytes
-        is forgotten (the oldest of equals), which may be this one."""
+        what it held of other parameters; past `max_joiners`, of the joiners but this newest one,
+        the one holding the fewest bytes is forgotten (the oldest of equals)."""
         self._expire()
         _, held = self._held.pop(joiner, (0.0, {}))
         held.update(holds)
         self._held[joiner] = (self.clock(), held)  # re-inserted: the newest last
-        while len(self._held) > self.max_joiners:
-            order = list(self._held)
-            smallest = min(order, key=lambda j: (self.held_bytes(j), order.index(j)))
+        while len(self._held) > max(1, self.max_joiners):
+            older = list(self._held)[:-1]
+            smallest = min(older, key=lambda j: (self.held_bytes(j), older.index(j)))
             del self._held[smallest]
 
     def held(self, joiner: str, parameter: str) -> Tensor | None:

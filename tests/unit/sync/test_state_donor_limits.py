@@ -190,13 +190,25 @@ def test_callers_fetching_one_parameter_each_do_not_evict_a_joiners_top_up_base(
     assert topped_up == 6 and "joiner" in sent.joiners()
 
 
-def test_the_ledger_keeps_the_joiners_holding_the_most_bytes():
+def test_the_ledger_keeps_the_newest_and_of_the_others_the_one_holding_most():
     sent = SentPhi(keep_s=100.0, max_joiners=2, clock=lambda: 0.0)
     sent.commit("joiner", {f"p{i}": torch.zeros(100) for i in range(3)})
     sent.commit("x1", {"p0": torch.zeros(100)})
-    sent.commit("x2", {"p0": torch.zeros(100)})  # equal to x1: the older of the two goes
+    sent.commit("x2", {"p0": torch.zeros(100)})  # the newest stays; of the others x1 holds less
     assert sent.joiners() == ["joiner", "x2"] and sent.held_bytes("joiner") == 1200
-    sent.commit("big", {f"p{i}": torch.zeros(100) for i in range(5)})  # received more than anyone
+    sent.commit("big", {f"p{i}": torch.zeros(100) for i in range(5)})
     assert sent.joiners() == ["joiner", "big"]
-    sent.commit("x1", {"p0": torch.zeros(100)})  # a newcomer smaller than both is not kept
-    assert sent.joiners() == ["joiner", "big"]
+    sent.commit("x1", {"p0": torch.zeros(100)})  # a newcomer is kept; the larger base stays too
+    assert sent.joiners() == ["big", "x1"]
+
+
+def test_in_churn_each_new_joiners_base_is_kept_for_its_top_up():
+    """A hostile-peer audit's churn: two replicas copied 11 and 10 parameters from a donor, and
+    every later joiner, taking 1 to 10 of them, had its top-up refused (its base was never kept)."""
+    sent = SentPhi(keep_s=100.0, max_joiners=2, clock=lambda: 0.0)
+    sent.commit("s1a", {f"p{i}": torch.zeros(100) for i in range(11)})
+    sent.commit("s1c", {f"p{i}": torch.zeros(100) for i in range(10)})
+    for joiner, parts in (("j1", 3), ("j2", 10), ("j3", 1), ("j4", 7)):
+        sent.commit(joiner, {f"p{i}": torch.zeros(100) for i in range(parts)})
+        assert sent.held(joiner, "p0") is not None  # its top-up comes next: it finds its base
+    assert "s1a" in sent.joiners()  # the largest of the earlier ones stays beside the newest
