@@ -233,17 +233,13 @@ def load_history(path: Path, run_id: str, limit: int = HISTORY_POINTS) -> SwarmH
     fresh one when there is none, or it is another run's, or unreadable (said, not raised)."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
+        if isinstance(data, dict) and data.get("run_id") != run_id:
+            log.info("dashboard: %s holds another run's history; starting a new one", path)
+            return SwarmHistory(limit)
+        history = SwarmHistory.from_json(data, limit)
     except FileNotFoundError:
         return SwarmHistory(limit)
-    except (OSError, ValueError) as exc:
-        log.warning("dashboard: its history %s is unreadable (%s); starting a new one", path, exc)
-        return SwarmHistory(limit)
-    if not isinstance(data, dict) or data.get("run_id") != run_id:
-        log.info("dashboard: %s holds another run's history; starting a new one", path)
-        return SwarmHistory(limit)
-    try:
-        history = SwarmHistory.from_json(data, limit)
-    except (ValueError, TypeError) as exc:
+    except (OSError, ValueError, TypeError) as exc:
         log.warning("dashboard: its history %s is unreadable (%s); starting a new one", path, exc)
         return SwarmHistory(limit)
     log.info("dashboard: history of %d replicas carried over from %s", len(history.inner_step), path)

@@ -79,7 +79,7 @@ def replicas_ahead(others: Sequence, mine: int, every: int) -> list:
     ahead of three honest replicas made the odd one out copy from it), none past their claim_limit."""
     steps = [r.inner_step for r in others]
     agreed, limit = agreed_step(steps), claim_limit(steps, every)
-    if agreed is None or limit is None or agreed - mine < every:
+    if agreed is None or agreed - mine < every:
         return []
     return [r for r in others if every <= r.inner_step - mine and r.inner_step <= limit]
 

@@ -176,19 +176,20 @@ class RelayService:
         connect_timeout_s, and then some byte either way every idle_s (gRPC's keepalive pings
         every 30 s). A hostile-peer audit's 8 throwaway identities held all 128 circuits with
         streams that sent nothing, for two minutes at a time, and no one else got one."""
-        moved = {"caller": 0, "last": asyncio.get_running_loop().time()}
+        loop = asyncio.get_running_loop()
+        opened = loop.time()
+        moved = {"caller": 0, "last": opened}
 
         def from_caller(n: int) -> None:
             self.bytes_relayed += n
             moved["caller"] += n
-            moved["last"] = asyncio.get_running_loop().time()
+            moved["last"] = loop.time()
 
         def to_caller(n: int) -> None:
             self.bytes_relayed += n
-            moved["last"] = asyncio.get_running_loop().time()
+            moved["last"] = loop.time()
 
         carrying = asyncio.ensure_future(splice(*caller, *down, from_caller, to_caller))
-        loop, opened = asyncio.get_running_loop(), asyncio.get_running_loop().time()
         try:
             while not carrying.done():
                 await asyncio.wait([carrying], timeout=min(1.0, self.idle_s))

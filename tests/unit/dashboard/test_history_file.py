@@ -11,26 +11,13 @@ from noloco_node.config import load_config
 from noloco_node.dashboard.history import SwarmHistory
 from noloco_node.dashboard.swarm import SwarmView, load_history
 from noloco_node.dht.records import StageRecord
+from tests.unit.dht.record_sample import record
 
 CONFIG = load_config(overrides=["run.run_id=dash", "pipeline.num_stages=1"])
 
 
-def record(inner_step: int, updated_at: float, loss: float) -> StageRecord:
-    return StageRecord(
-        peer_id="QmA",
-        address="127.0.0.1:4000",
-        stage=0,
-        inner_step=inner_step,
-        outer_round=0,
-        status="serving",
-        tokens_per_s=100.0,
-        version="0.2.0",
-        manifest_hash="m" * 16,
-        run_id="dash",
-        updated_at=updated_at,
-        capacity=5.0,
-        loss=loss,
-    )
+def replica(inner_step: int, updated_at: float, loss: float) -> StageRecord:
+    return record("QmA", 0, inner_step=inner_step, updated_at=updated_at, loss=loss)
 
 
 def test_the_file_sits_beside_the_identity():
@@ -38,7 +25,7 @@ def test_the_file_sits_beside_the_identity():
 
 
 async def test_a_restarted_view_carries_the_charts_over_and_keeps_adding_to_them(tmp_path):
-    path, now, current = tmp_path / "bootstrap.history.json", [0.0], [record(10, 1000.0, 5.0)]
+    path, now, current = tmp_path / "bootstrap.history.json", [0.0], [replica(10, 1000.0, 5.0)]
 
     async def read(stage):
         return list(current)
@@ -46,16 +33,16 @@ async def test_a_restarted_view_carries_the_charts_over_and_keeps_adding_to_them
     first = SwarmView(read, CONFIG, poll_s=5.0, clock=lambda: now[0], history_file=path, save_every_s=60.0)
     await first.swarm()
     assert not path.exists()  # not due yet
-    now[0], current[0] = 61.0, record(20, 1060.0, 4.0)
+    now[0], current[0] = 61.0, replica(20, 1060.0, 4.0)
     await first.swarm()  # a minute on: saved
     saved = json.loads(path.read_text())
     assert saved["run_id"] == "dash" and [p[1:] for p in saved["loss"]["QmA"]] == [[10, 5.0], [20, 4.0]]
-    now[0], current[0] = 70.0, record(30, 1070.0, 3.5)
+    now[0], current[0] = 70.0, replica(30, 1070.0, 3.5)
     await first.swarm()
     await first.save()  # at exit
     second = SwarmView(read, CONFIG, poll_s=5.0, clock=lambda: now[0], history_file=path)
     assert [p[1:] for p in (await second.history_json())["loss"]["QmA"]] == [[10, 5.0], [20, 4.0], [30, 3.5]]
-    current[0] = record(40, 1080.0, 3.0)
+    current[0] = replica(40, 1080.0, 3.0)
     now[0] = 80.0
     await second.swarm()
     assert [p[1] for p in second.history.inner_step["QmA"].as_list()] == [10, 20, 30, 40]

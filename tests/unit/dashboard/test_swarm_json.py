@@ -10,28 +10,9 @@ from noloco_node.config import load_config
 from noloco_node.dashboard.history import MAX_SERIES, SwarmHistory
 from noloco_node.dashboard.swarm import SwarmView, read_rows, swarm_json
 from noloco_node.dht.records import StageRecord
+from tests.unit.dht.record_sample import record
 
 CONFIG = load_config(overrides=["run.run_id=dash", "pipeline.num_stages=3", "outer.inner_steps_per_outer=5"])
-
-
-def record(peer: str, stage: int, **fields) -> StageRecord:
-    values = dict(
-        peer_id=peer,
-        address=f"127.0.0.1:{4000 + stage}",
-        stage=stage,
-        inner_step=10,
-        outer_round=2,
-        status="serving",
-        tokens_per_s=100.0,
-        version="0.2.0",
-        manifest_hash="m" * 16,
-        run_id="dash",
-        updated_at=1000.0,
-        capacity=5.0,
-        tls_cert="AAAA",
-    )
-    values.update(fields)
-    return StageRecord(**values)
 
 
 def rows(*records: StageRecord, now: float = 1001.0) -> list[dict]:

@@ -7,24 +7,7 @@ import pytest
 
 from noloco_node.dht.directory import PeerDirectory
 from noloco_node.dht.records import StageRecord
-
-
-def record(peer: str, stage: int, **fields) -> dict:
-    values = dict(
-        peer_id=peer,
-        address="127.0.0.1:4000",
-        stage=stage,
-        inner_step=1,
-        outer_round=0,
-        status="serving",
-        tokens_per_s=0.0,
-        version="0.2.0",
-        manifest_hash="m" * 16,
-        run_id="r",
-        updated_at=1.0,
-    )
-    values.update(fields)
-    return values
+from tests.unit.dht.record_sample import record
 
 
 class Directory(PeerDirectory):
@@ -39,12 +22,12 @@ class Directory(PeerDirectory):
 
 
 async def test_a_record_under_another_stages_key_is_not_listed():
-    directory = Directory({1: [record("QmHonest", 1), record("QmFiledWrong", 0)]})
+    directory = Directory({1: [record("QmHonest", 1).dict(), record("QmFiledWrong", 0).dict()]})
     assert [r.peer_id for r in await directory.all_records(1)] == ["QmHonest"]
     assert await directory.all_records(0) == []
 
 
 def test_a_version_is_at_most_64_characters():
-    StageRecord.parse_obj(record("Qm", 0, version="9" * 64))
+    StageRecord.parse_obj(record("Qm", 0).dict() | {"version": "9" * 64})
     with pytest.raises(pydantic.ValidationError):
-        StageRecord.parse_obj(record("Qm", 0, version="9" * 5000))
+        StageRecord.parse_obj(record("Qm", 0).dict() | {"version": "9" * 5000})
