@@ -8,6 +8,7 @@ subkey; the value is schema-validated with strict types before any node stores i
 from __future__ import annotations
 
 import re
+import time
 from typing import Dict, Optional
 
 import pydantic.v1 as pydantic
@@ -17,6 +18,10 @@ from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from noloco_node.runtime.node_status import Status
 
 REACHES = ("direct", "holepunched", "relayed")
+
+CLOCK_AHEAD_S = 600.0
+"""How far past the reader's clock a record's `updated_at` may lie: honest clocks differ by seconds
+(a signed call allows 60 s), and a time further on would read as "seen just now" for ever."""
 
 
 class StageRecord(pydantic.BaseModel):
@@ -32,7 +37,8 @@ class StageRecord(pydantic.BaseModel):
     version: pydantic.constr(strict=True, max_length=64)
     manifest_hash: pydantic.StrictStr
     run_id: pydantic.StrictStr
-    updated_at: pydantic.StrictFloat
+    updated_at: pydantic.confloat(strict=True, ge=0.0)
+    """The writer's clock (Unix seconds) when it wrote the record; at most CLOCK_AHEAD_S past the reader's."""
     reach: pydantic.StrictStr = "direct"
     """How peers reach this node: `direct` (TLS gRPC at `address`), `holepunched` or `relayed`
     (gRPC over a libp2p stream to `peer_id`, dialled through `p2p_addrs`)."""
@@ -86,6 +92,12 @@ class StageRecord(pydantic.BaseModel):
     def _known_status(cls, value: str) -> str:
         if value not in tuple(Status):
             raise ValueError(f"unknown status {value!r}")
+        return value
+
+    @pydantic.validator("updated_at")
+    def _not_far_ahead(cls, value: float) -> float:
+        if not value <= time.time() + CLOCK_AHEAD_S:
+            raise ValueError(f"updated_at {value!r} is more than {CLOCK_AHEAD_S:.0f} s past this clock")
         return value
 
     @pydantic.validator("reach")

@@ -2,6 +2,8 @@
 stage 1's key that said stage 0 was listed and counted among stage 0's replicas, and a version of
 5,000 characters was shown on the public swarm page."""
 
+import time
+
 import pydantic.v1 as pydantic
 import pytest
 
@@ -31,3 +33,14 @@ def test_a_version_is_at_most_64_characters():
     StageRecord.parse_obj(record("Qm", 0).dict() | {"version": "9" * 64})
     with pytest.raises(pydantic.ValidationError):
         StageRecord.parse_obj(record("Qm", 0).dict() | {"version": "9" * 5000})
+
+
+@pytest.mark.parametrize("updated_at", [1e18, float("inf"), float("nan"), -1.0])
+def test_an_update_time_far_ahead_of_this_clock_or_not_a_time_is_refused(updated_at):
+    with pytest.raises(pydantic.ValidationError, match="updated_at"):
+        StageRecord.parse_obj(record("Qm", 0).dict() | {"updated_at": updated_at})
+
+
+def test_an_update_time_a_little_ahead_of_this_clock_is_kept():
+    # Honest clocks differ by seconds; a record a minute ahead is still a live replica.
+    StageRecord.parse_obj(record("Qm", 0).dict() | {"updated_at": time.time() + 60.0})
