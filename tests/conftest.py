@@ -11,6 +11,13 @@ os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="noloco-hf-datasets-"))
+# One torch thread per test process (read by torch when it loads, so before any test imports it).
+# Two workers already keep the 2 cores busy, beside the integration tests' node processes: with
+# torch's default of a thread per core, each parallel op waits for a thread the OS has parked. A
+# 24-step training test took 35.5 s at two threads against 1.5 s at one beside three busy loops
+# (0.4 s either way on an idle machine), and once ran past the 120 s timeout under load;
+# tests/unit/node + model, alternating, beside other work: 262, 143 s at two threads, 100, 53 s at one.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(autouse=True)
