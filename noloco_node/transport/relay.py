@@ -17,7 +17,8 @@ call for the target (transport/credentials.py), so the relay can neither read no
 Request (caller -> relay, one line): b"NLR1 <target peer id>\\n". Answer (relay -> caller, one
 line): b"OK\\n", or b"NO <reason>\\n" and the stream ends. Then bytes flow both ways until either
 side ends. A relay serves only targets that are connected to it (peers behind NAT that reserved a
-slot or dialled out to it), at most MAX_PER_SOURCE circuits per caller and MAX_CIRCUITS in all;
+slot or dialled out to it), at most MAX_PER_SOURCE circuits per caller and MAX_CIRCUITS in all,
+a stream counted from its opening (its request line must come within the connect timeout);
 a circuit whose caller sends nothing within the connect timeout after OK, or that carries nothing
 either way for IDLE_S, is closed.
 """
@@ -25,6 +26,7 @@ either way for IDLE_S, is closed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import Counter
 
@@ -38,6 +40,8 @@ RELAY_PROTOCOL = "/noloco/relay/1"
 RELAYED_PROTOCOL = "/noloco/relayed/1"
 MAX_PER_SOURCE = 16
 MAX_CIRCUITS = 128
+BUSY_READ_S = 1.0
+"""How long a stream over the caps may take to send its request line before it is told busy."""
 IDLE_S = 45.0
 """A circuit that carries no byte either way for this long is closed (gRPC pings every 30 s)."""
 _REQUEST_LIMIT = 128
@@ -133,43 +137,52 @@ class RelayService:
         writer.close()
 
     async def _on_stream(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # A stream counts against the caps from the moment it opens: counted only from its request
+        # line, half-sent lines held streams past them for the whole read timeout (an audit's finding).
         source = info.peer_id.to_base58()
-        try:
-            target = parse_request(await read_line(reader, self.connect_timeout_s))
-        except RelayRefused as exc:
-            return await self._refuse(writer, "malformed", str(exc))
         if self.active[source] >= self.max_per_source or sum(self.active.values()) >= self.max_circuits:
+            # Take the request line first (briefly): a stream closed under a caller's unread request
+            # is reset, and the caller would read a lost connection instead of the answer.
+            with contextlib.suppress(RelayRefused, ConnectionError, OSError):
+                await read_line(reader, min(BUSY_READ_S, self.connect_timeout_s))
             return await self._refuse(
                 writer,
                 "busy",
                 f"relay busy ({self.active[source]} circuits of yours, {sum(self.active.values())} in all)",
             )
+        self.active[source] += 1
+        try:
+            await self._serve(source, reader, writer)
+        except (ConnectionError, OSError) as exc:
+            log.debug("relay stream from %s ended: %s", source[-8:], exc)
+        finally:
+            self.active[source] -= 1
+            if self.active[source] <= 0:
+                del self.active[source]
+
+    async def _serve(self, source: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            target = parse_request(await read_line(reader, self.connect_timeout_s))
+        except RelayRefused as exc:
+            return await self._refuse(writer, "malformed", str(exc))
         if target == source or target == self.p2p.peer_id.to_base58():
             return await self._refuse(writer, "malformed", "a relay circuit must name another peer")
         connected = {p.peer_id.to_base58() for p in await self.p2p.list_peers()}
         if target not in connected:
             return await self._refuse(writer, "not_connected", f"peer {target[-8:]} is not connected to this relay")
-        self.active[source] += 1
         try:
-            try:
-                _, down_reader, down_writer = await asyncio.wait_for(
-                    self.p2p.call_binary_stream_handler(PeerID.from_base58(target), RELAYED_PROTOCOL),
-                    self.connect_timeout_s,
-                )
-            except Exception as exc:  # noqa: BLE001 - the caller gets the reason
-                return await self._refuse(
-                    writer, "target_failed", f"could not open a stream to {target[-8:]}: {type(exc).__name__}"
-                )
-            self.circuits += 1
-            writer.write(b"OK\n")
-            await writer.drain()
-            await self._carry(source, target, (reader, writer), (down_reader, down_writer))
-        except (ConnectionError, OSError) as exc:
-            log.debug("relay circuit %s -> %s ended: %s", source[-8:], target[-8:], exc)
-        finally:
-            self.active[source] -= 1
-            if self.active[source] <= 0:
-                del self.active[source]
+            _, down_reader, down_writer = await asyncio.wait_for(
+                self.p2p.call_binary_stream_handler(PeerID.from_base58(target), RELAYED_PROTOCOL),
+                self.connect_timeout_s,
+            )
+        except Exception as exc:  # noqa: BLE001 - the caller gets the reason
+            return await self._refuse(
+                writer, "target_failed", f"could not open a stream to {target[-8:]}: {type(exc).__name__}"
+            )
+        self.circuits += 1
+        writer.write(b"OK\n")
+        await writer.drain()
+        await self._carry(source, target, (reader, writer), (down_reader, down_writer))
 
     async def _carry(self, source: str, target: str, caller: tuple, down: tuple) -> None:
         """Splice the circuit while it is used: the caller's first bytes (its TLS hello) within

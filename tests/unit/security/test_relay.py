@@ -204,3 +204,46 @@ def test_circuits_that_carry_nothing_are_closed_and_free_their_places():
     unused_s, quiet_closed, still, stats = asyncio.run(scenario())
     assert unused_s < 2.0 and quiet_closed and still == b"q"
     assert stats["refused"].get("idle") == 2 and stats["circuits_open"] == 1, stats
+
+
+def test_a_half_sent_request_line_takes_a_place_until_the_read_timeout():
+    """A hostile-peer audit held streams with request lines lacking their newline: they were
+    counted only once the line was whole, so they stood outside both caps for the read timeout."""
+    from noloco_node.transport.relay import RelayService
+
+    relay_id, caller, target = (NodeIdentity.generate().peer_id for _ in range(3))
+
+    async def scenario():
+        p2p = _FakeP2P(relay_id, connected=[caller, target])
+        service = RelayService(p2p, max_per_source=2, max_circuits=8, connect_timeout_s=0.5)
+
+        async def open_stream():
+            async def serve(reader, writer):
+                await service._on_stream(_Info(caller), reader, writer)
+
+            return await _pipe_to(serve)
+
+        half = [await open_stream() for _ in range(2)]
+        for _, writer in half:
+            writer.write(b"NLR1 " + target.encode()[:10])  # no newline
+            await writer.drain()
+        await asyncio.sleep(0.05)
+        held = dict(service.active)
+        reader, writer = await open_stream()  # a third stream from the same caller
+        writer.write(encode_request(target))
+        await writer.drain()
+        third = await read_line(reader, 2.0)
+        answers_to_half = [await read_line(r, 2.0) for r, _ in half]  # after the read timeout
+        await asyncio.sleep(0.05)
+        reader, writer = await open_stream()  # places free again
+        writer.write(encode_request(target))
+        await writer.drain()
+        after = await read_line(reader, 2.0)
+        writer.close()
+        return held, third, answers_to_half, after
+
+    held, third, answers_to_half, after = asyncio.run(scenario())
+    assert held == {caller: 2}
+    assert third.startswith(b"NO relay busy"), third
+    assert all(a.startswith(b"NO no complete line") for a in answers_to_half), answers_to_half
+    assert after == b"OK"
