@@ -134,6 +134,23 @@ class Scenario:
         for name in ("replicas", "stages", "outer_sync_sizes"):
             if not getattr(self, name) or min(getattr(self, name)) < 1:
                 raise ConfigError(f"scenario.{name}", "must be a non-empty list of positive integers", "e.g. [2]")
+        for name in ("methods", "replicas", "stages", "seeds"):
+            values = getattr(self, name)
+            if len(set(values)) != len(values):
+                repeated = sorted({v for v in values if values.count(v) > 1})
+                raise ConfigError(
+                    f"scenario.{name}",
+                    f"{', '.join(map(str, repeated))} given more than once (two cells of one name: the second "
+                    "would overwrite the first, and a group's spread would count one run twice)",
+                    "list each value once",
+                )
+        if min(self.replicas) < 2 and set(self.methods) - {"none"}:
+            raise ConfigError(
+                "scenario.replicas",
+                "a cell with 1 replica per stage has no one to pair or average with: every outer round of "
+                f"{', '.join(m for m in self.methods if m != 'none')} would go solo",
+                "use replicas >= 2, or method none for one pipeline that only takes Adam steps",
+            )
         if min(self.outer_sync_sizes) < 2:
             raise ConfigError("scenario.outer_sync_sizes", "an outer round needs N >= 2", "e.g. [2, 4, 8]")
         for name in ("steps", "eval_every", "eval_sequences", "threads", "outer_sync_repeats"):

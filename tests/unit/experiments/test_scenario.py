@@ -47,6 +47,13 @@ def test_grid_is_the_product_of_its_axes(tmp_path):
         ('[[variants]]\n"outer.gamma" = 0.1', "scenario.variants[0]"),
         ('[[variants]]\nname = "a"\n[[variants]]\nname = "a"', "scenario.variants"),
         ('outer_sync_methods = ["dp"]', "scenario.outer_sync_methods"),
+        # A researcher's audit: seeds [0, 0] ran two cells of one name, the second overwrote the
+        # first's files and the group's error bar counted one seed twice; D = 1 ran NoLoCo all solo.
+        ("seeds = [0, 0]", "scenario.seeds"),
+        ('methods = ["dp", "dp"]', "scenario.methods"),
+        ("replicas = [2, 2]", "scenario.replicas"),
+        ("replicas = [1]", "scenario.replicas"),
+        ('replicas = [1, 2]\nmethods = ["noloco", "none"]', "scenario.replicas"),
     ],
 )
 def test_bad_scenarios_name_the_field(tmp_path, text, field):
@@ -55,6 +62,12 @@ def test_bad_scenarios_name_the_field(tmp_path, text, field):
     with pytest.raises(ConfigError) as err:
         load_scenario(path)
     assert err.value.field == field
+
+
+def test_one_replica_is_a_scenario_for_method_none_only(tmp_path):
+    path = tmp_path / "s.toml"
+    path.write_text('replicas = [1]\nmethods = ["none"]\n')
+    assert [c.replicas for c in load_scenario(path).cells()] == [1]
 
 
 def test_variants_cross_the_grid_and_group_cells_by_everything_but_the_seed(tmp_path):
