@@ -311,6 +311,7 @@ class _JoinReporter:
         from noloco_node.node.stats import ready_fields, training_snapshot
 
         node = self.node
+        self.training.observe(node.worker.tokens_total)
         if self.training.due(node.worker.inner_steps):
             self.training.step(training_snapshot(node.read_stats()))
         if self.args.ready_file:

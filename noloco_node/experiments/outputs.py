@@ -176,8 +176,8 @@ def write_outputs(
         plots.group_bars(
             groups,
             "idle",
-            "share of wall time the compute thread waited",
-            "idle time (waiting on the network)",
+            "share of wall time\nthe compute thread waited",
+            "idle time (waiting for the network or another stage)",
             out / FIGURES["idle"],
         )
         figures += [FIGURES[k] for k in ("validation_loss", "spread", "bytes", "idle")]

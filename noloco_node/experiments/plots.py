@@ -74,7 +74,7 @@ def validation_loss(groups: list[dict], cells: list[dict], path: Path) -> None:
         by_time.axvline(t, color="gray", linestyle=":", label="equal wall time")
     by_step.set(
         xlabel="inner step",
-        ylabel="validation loss of the replicas' mean weights (nats)",
+        ylabel="validation loss, mean over replica columns (nats)",
         title="validation loss vs inner step (band: ± 1 std over seeds)",
     )
     by_time.set(xlabel="wall time since training start (s)", title="validation loss vs wall time (a line per seed)")
@@ -159,5 +159,6 @@ def group_bars(groups: list[dict], key: str, ylabel: str, title: str, path: Path
         ha="right",
         fontsize=7,
     )
-    ax.set(ylabel=ylabel, title=f"{title} (mean over seeds, bar: ± 1 std)")
+    ax.set(ylabel=ylabel)
+    ax.set_title(f"{title}\n(mean over seeds, bar: ± 1 std)", fontsize=9)
     _save(fig, path)

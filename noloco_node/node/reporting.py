@@ -61,8 +61,13 @@ def _outer(snap: Snapshot) -> str:
     return f"outer {snap.last_round.get('outcome', '?')} (round {snap.last_round.get('round', '?')})"
 
 
-def _bytes(snap: Snapshot) -> str:
-    return f"sent {format_bytes(snap.bytes_sent)} recv {format_bytes(snap.bytes_received)}"
+def _bytes(snap: Snapshot, *, say_what: bool = False) -> str:
+    if not say_what:
+        return f"sent {format_bytes(snap.bytes_sent)} recv {format_bytes(snap.bytes_received)}"
+    # The outer exchange's received bytes are not counted (its sent bytes are): said so, since a
+    # researcher's audit read `recv 0 B` after eight paired rounds as nothing received.
+    outer = " + outer" if snap.outer is not None else ""
+    return f"sent {format_bytes(snap.bytes_sent)} (pipeline{outer}) recv {format_bytes(snap.bytes_received)} (pipeline)"
 
 
 def step_line(snap: Snapshot, *, total: int | None, tokens_per_s: float) -> str:
@@ -86,14 +91,28 @@ def step_line(snap: Snapshot, *, total: int | None, tokens_per_s: float) -> str:
     )
 
 
-def summary_line(snap: Snapshot, *, total: int | None, wall_s: float) -> str:
-    """E.g. `summary: stage 0 | 200/200 steps | 61.2 s | 790 tok/s mean | loss 8.301 -> 5.012 | outer 5 rounds:
-    4 paired, 1 solo, 0 rejected | sent 12.0 MB recv 11.5 MB | dropped 0 of 800 microbatches`."""
+def summary_line(
+    snap: Snapshot,
+    *,
+    total: int | None,
+    wall_s: float,
+    tokens_per_s: float | None = None,
+    waited_s: float | None = None,
+) -> str:
+    """E.g. `summary: stage 0 | 200/200 steps | 61.2 s (first step after 3.1 s) | 812 tok/s mean while
+    training | loss 8.301 -> 5.012 | outer 5 rounds: 4 paired, 1 solo, 0 rejected | sent 12.0 MB (pipeline +
+    outer) recv 11.5 MB (pipeline) | dropped 0 of 800 microbatches`. The mean rate is `tokens_per_s` (from
+    the first step on) when given, else over the whole wall time."""
+    rate = (
+        f"{tokens_per_s:.0f} tok/s mean while training"
+        if tokens_per_s is not None
+        else (f"{snap.tokens / max(wall_s, 1e-6):.0f} tok/s mean")
+    )
     parts = [
         f"summary: stage {snap.stage}",
         f"{_steps(snap, total)} steps",
-        f"{wall_s:.1f} s",
-        f"{snap.tokens / max(wall_s, 1e-6):.0f} tok/s mean",
+        f"{wall_s:.1f} s" + (f" (first step after {waited_s:.1f} s)" if waited_s is not None else ""),
+        rate,
     ]
     if snap.stage == 0:
         parts.append(f"loss {snap.first_loss:.3f} -> {snap.loss:.3f}" if snap.loss is not None else "loss -")
@@ -112,7 +131,7 @@ def summary_line(snap: Snapshot, *, total: int | None, wall_s: float) -> str:
                 f"{format_bytes(snap.round_bytes.mean)} per round "
                 f"({snap.round_bytes.fp32_fraction:.2%} of fp32 phi + Delta)"
             )
-    parts.append(_bytes(snap))
+    parts.append(_bytes(snap, say_what=True))
     parts.append(
         f"dropped {snap.dropped} of {snap.issued} microbatches"
         if snap.issued is not None
@@ -132,6 +151,7 @@ class TrainingLog:
         self.started = self._mark = clock()
         self._mark_tokens = 0
         self._next = every_steps
+        self._first: tuple[float, int] | None = None  # (when, tokens) at the first tokens seen
         self.summarized = False
 
     def due(self, step: int) -> bool:
@@ -148,10 +168,27 @@ class TrainingLog:
         log.info("%s", line)
         return line
 
+    def observe(self, tokens: int) -> None:
+        """Called as the node goes: marks when its first tokens were done, so the summary's mean rate
+        counts training, not the wait for the swarm before it (a researcher's audit read a mean 2-3x
+        low on short runs)."""
+        if self._first is None and tokens > 0:
+            self._first = (self.clock(), tokens)
+
     def summary(self, snap: Snapshot) -> str | None:
         if self.summarized:
             return None
         self.summarized = True
-        line = summary_line(snap, total=self.total, wall_s=self.clock() - self.started)
+        now = self.clock()
+        rate = None
+        if self._first is not None and now - self._first[0] > 0 and snap.tokens > self._first[1]:
+            rate = (snap.tokens - self._first[1]) / (now - self._first[0])
+        line = summary_line(
+            snap,
+            total=self.total,
+            wall_s=now - self.started,
+            tokens_per_s=rate,
+            waited_s=None if self._first is None else self._first[0] - self.started,
+        )
         log.log(logging.WARNING if snap.attention else logging.INFO, "%s", line)
         return line

@@ -17,7 +17,8 @@ STEP0 = re.compile(
     r"(\d+) tok/s \| in flight \d+ \| outer off \| sent \d+(\.\d)? [kMG]?B recv \d+(\.\d)? [kMG]?B$"
 )
 SUMMARY0 = re.compile(
-    r"noloco_node\.training: summary: stage 0 \| 12/12 steps \| \d+\.\d s \| (\d+) tok/s mean \| "
+    r"noloco_node\.training: summary: stage 0 \| 12/12 steps \| \d+\.\d s \(first step after \d+\.\d s\) \| "
+    r"(\d+) tok/s mean while training \| "
     r"loss (\d+\.\d{3}) -> (\d+\.\d{3}) \| outer off \| .* \| dropped (\d+) of (\d+) microbatches$"
 )
 STEP1 = re.compile(

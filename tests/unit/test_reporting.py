@@ -68,7 +68,8 @@ def test_step_line_before_any_loss_and_without_an_outer_method():
 def test_stage0_summary():
     assert summary_line(stage0(step=200), total=200, wall_s=80.0) == (
         "summary: stage 0 | 200/200 steps | 80.0 s | 800 tok/s mean | loss 8.301 -> 5.123 | outer 5 rounds: "
-        "4 paired, 1 solo, 0 rejected | sent 1.2 MB recv 1.1 MB | dropped 0 of 800 microbatches"
+        "4 paired, 1 solo, 0 rejected | sent 1.2 MB (pipeline + outer) recv 1.1 MB (pipeline) | dropped 0 of 800 "
+        "microbatches"
     )
 
 
@@ -76,7 +77,7 @@ def test_later_stage_summary_and_a_stopped_early_stage0():
     later = summary_line(Snapshot(stage=1, step=3, tokens=30, lr=None, served=12, dropped=2), total=None, wall_s=10.0)
     assert later == (
         "summary: stage 1 | 3 steps | 10.0 s | 3 tok/s mean | served 12 microbatches | outer off | "
-        "sent 0 B recv 0 B | dropped 2 microbatches"
+        "sent 0 B (pipeline) recv 0 B (pipeline) | dropped 2 microbatches"
     )
     early = summary_line(stage0(step=0, loss=None, first_loss=None, issued=0), total=12, wall_s=1.0)
     assert "0/12 steps" in early and "loss -" in early
@@ -104,10 +105,26 @@ def test_training_log_logs_each_multiple_once_with_the_rate_since_the_last_line(
     assert not report.due(11) and report.due(12)
     clock.now += 7.0
     summary = report.summary(stage0(step=12, tokens=1200))
-    assert summary.startswith("summary: stage 0 | 12/12 steps | 10.0 s | 120 tok/s")
+    assert summary.startswith("summary: stage 0 | 12/12 steps | 10.0 s | 120 tok/s mean |")
     assert report.summary(stage0(step=12)) is None  # once, however shutdown reaches it
     messages = [r.getMessage() for r in caplog.records if r.name == "noloco_node.training"]
     assert len(messages) == 3 and all(r.levelno == logging.INFO for r in caplog.records)
+
+
+def test_the_summary_rate_counts_from_the_first_tokens_not_the_wait_before_them():
+    # A researcher's audit: 10 steps after 9.5 s of waiting for the swarm read 320 tok/s "mean"
+    # where the node trained at ~900.
+    clock = Clock()
+    report = TrainingLog(0, total=10, clock=clock)
+    report.observe(0)
+    clock.now += 9.5
+    report.observe(512)  # the first step's tokens are in
+    clock.now += 5.0
+    report.observe(5120)
+    summary = report.summary(stage0(step=10, tokens=5120))
+    assert summary.startswith(
+        "summary: stage 0 | 10/10 steps | 14.5 s (first step after 9.5 s) | 922 tok/s mean while training |"
+    )
 
 
 def test_every_steps_zero_logs_no_step_lines_but_the_summary():
