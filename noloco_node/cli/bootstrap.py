@@ -130,7 +130,19 @@ def join_lines(
     key = f" --swarm-key {shlex.quote(swarm_key_file)}" if swarm_key_file else ""
     config = f" --config {shlex.quote(config_file)}" if config_file else ""
     config += "".join(f" --set {shlex.quote(item)}" for item in overrides or [] if _run_setting(item))
-    return [f"  {program} join{config} --initial-peers {maddr}{key} --stage auto" for maddr in maddrs]
+    # Lines for other machines first, a loopback one last and, beside them, marked (a shell comment):
+    # a volunteer who copied the first printed line, 127.0.0.1, waited a minute for an error.
+    ordered = sorted(maddrs, key=_is_loopback)
+    mixed = not all(_is_loopback(m) for m in maddrs)
+    return [
+        f"  {program} join{config} --initial-peers {maddr}{key} --stage auto"
+        + ("   # on this machine only" if mixed and _is_loopback(maddr) else "")
+        for maddr in ordered
+    ]
+
+
+def _is_loopback(maddr: str) -> bool:
+    return maddr.startswith(("/ip4/127.", "/ip6/::1/"))
 
 
 MACHINE_SETTINGS = ("network.", "checkpoint.", "log.", "security.identity_file", "pipeline.stage", "pipeline.device")
@@ -255,5 +267,11 @@ async def _serve_dashboard(config, directory, identity: str) -> _SwarmDashboard:
         api={"/api/swarm": view.swarm, "/api/history": view.history_json},
     )
     bound = await server.start(host, port)
-    print(f"dashboard at {page_url(host, bound)}", flush=True)
+    elsewhere = ""
+    if host in ("0.0.0.0", "::"):  # the page is meant to be shared: say where others open it
+        hosts = sorted(
+            {m.split("/")[2] for m in await directory.visible_maddrs() if m.startswith("/ip4/")} - {"127.0.0.1"}
+        )
+        elsewhere = "".join(f" (from other machines: {page_url(h, bound)})" for h in hosts[:1])
+    print(f"dashboard at {page_url(host, bound)}{elsewhere}", flush=True)
     return _SwarmDashboard(server, view, asyncio.create_task(view.run()))

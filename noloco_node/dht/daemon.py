@@ -58,6 +58,12 @@ async def join_dht(args: dict, validator: CompositeValidator, p2p_options: dict 
         hint = BootstrapError.hint + ("" if swarm_key is None else "; and that your swarm key is the swarm's")
         if swarm_key is None and initial_peers:
             hint += "; a swarm with a key answers only joiners that pass it with --swarm-key"
+        if initial_peers and all(m.startswith(("/ip4/127.", "/ip6/::1/")) for m in initial_peers):
+            # The bootstrap prints a loopback line too: copied to another machine, it dials that machine.
+            hint = (
+                "127.0.0.1 is this machine: run the bootstrap here, or, joining from another machine, use the "
+                "join line the bootstrap printed with its network address (not 127.0.0.1); " + hint
+            )
         raise BootstrapError(
             f"could not join the DHT through initial peers {where}: {bootstrap_failure(exc, timeout_s)}", hint=hint
         ) from None

@@ -76,6 +76,9 @@ def test_unreachable_bootstrap_fails_within_the_startup_timeout(tmp_path):
     print(f"unreachable bootstrap: exit {result.returncode} after {elapsed:.1f} s (startup_s 5)")
     assert result.returncode == 3, result.stderr[-2000:]
     assert "could not join the DHT" in result.stderr and maddr in result.stderr and "fix:" in result.stderr
+    # A loopback address names this machine: the fix says so (a NAT audit's volunteer copied the
+    # bootstrap's 127.0.0.1 line to their own machine and read only "the exact multiaddr it printed").
+    assert "127.0.0.1 is this machine" in result.stderr, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
     # startup_s plus process start-up and imports (generous: the CI machine is a shared 2-core box,
     # where imports alone took 40 s in a run loaded four processes deep); a hang would run to the timeout.

@@ -61,3 +61,11 @@ def test_the_join_line_carries_the_runs_settings_not_this_machines():
     assert "--set run.run_id=r --set pipeline.num_stages=3 --initial-peers" in line
     assert "metrics_port" not in line and "checkpoint" not in line and "identity" not in line
     assert "pipeline.stage" not in line
+
+
+def test_the_join_lines_for_other_machines_come_first_and_the_loopback_one_says_so():
+    """A NAT audit's volunteer copied the first printed line, 127.0.0.1, and waited a minute for an error."""
+    public = MADDR.replace("127.0.0.1", "198.18.0.1")
+    lines = join_lines([MADDR, public], None)
+    assert lines[0] == f"  noloco-node join --initial-peers {public} --stage auto"
+    assert lines[1] == f"  noloco-node join --initial-peers {MADDR} --stage auto   # on this machine only"
