@@ -11,6 +11,7 @@ import base64
 import hashlib
 import json
 import logging
+import re
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
@@ -230,17 +231,28 @@ class SwarmView:
 
 def load_history(path: Path, run_id: str, limit: int = HISTORY_POINTS) -> SwarmHistory:
     """The history a bootstrap's page saved before it stopped, so its charts survive a restart; a
-    fresh one when there is none, or it is another run's, or unreadable (said, not raised)."""
+    fresh one when there is none, or it is another run's, or unreadable (said, not raised). Such a
+    file is moved aside first, not overwritten by the new history's first save."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
         if isinstance(data, dict) and data.get("run_id") != run_id:
-            log.info("dashboard: %s holds another run's history; starting a new one", path)
+            other = re.sub(r"[^A-Za-z0-9_.-]", "_", str(data.get("run_id")))[:64]
+            kept = _move_aside(path, path.with_name(f"{path.stem}.{other}{path.suffix}"))
+            log.info("dashboard: %s held run %r's history (kept as %s); starting a new one", path, other, kept)
             return SwarmHistory(limit)
         history = SwarmHistory.from_json(data, limit)
     except FileNotFoundError:
         return SwarmHistory(limit)
     except (OSError, ValueError, TypeError) as exc:
-        log.warning("dashboard: its history %s is unreadable (%s); starting a new one", path, exc)
+        kept = _move_aside(path, path.with_name(path.name + ".unreadable"))
+        log.warning("dashboard: its history %s is unreadable (%s; kept as %s); starting a new one", path, exc, kept)
         return SwarmHistory(limit)
     log.info("dashboard: history of %d replicas carried over from %s", len(history.inner_step), path)
     return history
+
+
+def _move_aside(path: Path, to: Path) -> Path | str:
+    try:
+        return path.replace(to)
+    except OSError:
+        return "nowhere: it could not be moved"
