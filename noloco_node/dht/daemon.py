@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 from contextvars import ContextVar
 
@@ -13,6 +14,8 @@ from hivemind.p2p import P2P, P2PDaemonError
 
 from noloco_node.dht.stale_sockets import remove_stale_sockets
 from noloco_node.errors import BootstrapError
+
+log = logging.getLogger(__name__)
 
 
 async def join_dht(args: dict, validator: CompositeValidator, p2p_options: dict | None) -> tuple[DHTNode, P2P]:
@@ -135,3 +138,38 @@ async def _reap(p2p: P2P) -> None:
     for maddr in (getattr(p2p, "_daemon_listen_maddr", None), getattr(p2p, "_client_listen_maddr", None)):
         with contextlib.suppress(Exception):
             os.remove(maddr["unix"])
+
+
+async def ping_peers(
+    p2p: P2P, node: DHTNode, targets: dict[str, list[str]], timeout_s: float, connected: set[str]
+) -> int:
+    """DHT-ping each of `targets` (peer id -> transport addresses), dialling only those `connected`
+    lacks; how many answered. A ping puts each side in the other's routing table."""
+    from hivemind.p2p import PeerID
+
+    from noloco_node.transport.bridge import DaemonMaddr
+
+    async def one(peer_id: str, addrs: list[str]) -> bool:
+        peer = PeerID.from_base58(peer_id)
+        try:
+            if peer_id not in connected:
+                await asyncio.wait_for(p2p._client.connect(peer, [DaemonMaddr(a) for a in addrs]), timeout_s)
+            return (
+                await asyncio.wait_for(node.protocol.call_ping(peer, validate=False, strict=False), timeout_s)
+                is not None
+            )
+        except Exception as exc:  # noqa: BLE001 - tried again on the next heartbeat
+            log.debug("peer %s did not answer: %r", peer_id[-8:], exc)
+            return False
+
+    return sum(await asyncio.gather(*(one(p, a) for p, a in targets.items())))
+
+
+def peers_by_id(maddrs: list[str], own_peer_id: str) -> dict[str, list[str]]:
+    """Peer id -> its transport addresses, from full multiaddrs (`.../p2p/<peer id>`)."""
+    out: dict[str, list[str]] = {}
+    for maddr in maddrs:
+        base, _, peer_id = maddr.rpartition("/p2p/")
+        if base and peer_id and peer_id != own_peer_id:
+            out.setdefault(peer_id, []).append(base)
+    return out

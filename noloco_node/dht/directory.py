@@ -19,7 +19,7 @@ from hivemind.dht.node import DHTNode
 from hivemind.dht.validation import CompositeValidator
 from hivemind.utils.timed_storage import get_dht_time
 
-from noloco_node.dht.daemon import join_dht
+from noloco_node.dht.daemon import join_dht, peers_by_id, ping_peers
 from noloco_node.dht.other_configs import OtherConfigs
 from noloco_node.errors import BootstrapError
 from noloco_node.dht.records import StageRecord, make_validators, stage_key
@@ -275,9 +275,14 @@ class PeerDirectory:
         elif record.stage != stage:
             reason = f"stage {record.stage} under the key of stage {stage}"
         if reason is not None:
-            if record.peer_id not in self._ignored:
+            if record.peer_id not in self._ignored:  # status and doctor (no manifest of ours) judge peers themselves
                 self._ignored.add(record.peer_id)
-                log.warning("ignoring peer %s: %s", record.peer_id[-8:], reason)
+                log.log(
+                    logging.WARNING if ident.manifest_hash else logging.DEBUG,
+                    "ignoring peer %s: %s",
+                    record.peer_id[-8:],
+                    reason,
+                )
             return None
         return record
 
@@ -314,17 +319,18 @@ class PeerDirectory:
         after every bootstrap is gone. Called on every heartbeat; returns how many answered."""
         if self._restarting:
             return 0
-        # A peer we are still connected to has not restarted: only the others are dialled and pinged.
+        # Only peers we are not connected to are dialled, but every one is pinged: a connection says
+        # nothing of the DHT. Behind NAT the libp2p daemon reconnects to a restarted bootstrap (its
+        # relay) by itself; skipping the ping then left a node out of that bootstrap's routing table,
+        # and the bootstrap out of its own, for good (an audit's NAT-only swarm never trained again).
         try:
             connected = {info.peer_id.to_base58() for info in await self.p2p.list_peers()}
         except Exception as exc:  # noqa: BLE001 - the daemon is restarting or stopping: next heartbeat
             log.debug("could not list libp2p peers: %r", exc)
             return 0
-        targets = _targets(self.initial_peers, self.peer_id)
-        if targets and all(peer in connected for peer in targets):
-            return len(targets)
-        answered = await self._ping({p: a for p, a in targets.items() if p not in connected}, timeout_s)
-        answered += sum(peer in connected for peer in targets)
+        answered = await ping_peers(
+            self.p2p, self.node, peers_by_id(self.initial_peers, self.peer_id), timeout_s, connected
+        )
         if answered == 0:
             met = {
                 r.peer_id: r.p2p_addrs
@@ -337,28 +343,8 @@ class PeerDirectory:
                 for a in found
                 if "p2p-circuit" not in a
             ]
-            answered = await self._ping(_targets(addrs, self.peer_id), timeout_s)
+            answered = await ping_peers(self.p2p, self.node, peers_by_id(addrs, self.peer_id), timeout_s, connected)
         return answered
-
-    async def _ping(self, targets: dict[str, list[str]], timeout_s: float) -> int:
-        from hivemind.p2p import PeerID
-
-        from noloco_node.transport.bridge import DaemonMaddr
-
-        async def one(peer_id: str, addrs: list[str]) -> bool:
-            peer = PeerID.from_base58(peer_id)
-            try:
-                await asyncio.wait_for(self.p2p._client.connect(peer, [DaemonMaddr(a) for a in addrs]), timeout_s)
-                return (
-                    await asyncio.wait_for(self.node.protocol.call_ping(peer, validate=False, strict=False), timeout_s)
-                    is not None
-                )
-            except Exception as exc:  # noqa: BLE001 - tried again on the next heartbeat
-                log.debug("peer %s did not answer: %r", peer_id[-8:], exc)
-                return False
-
-        results = await asyncio.gather(*(one(p, a) for p, a in targets.items()))
-        return sum(results)
 
     async def shutdown(self, timeout_s: float = 5.0) -> None:
         """Stop the DHT node, then its libp2p daemon. A Ctrl-C in a terminal or systemd's stop reaches
@@ -388,13 +374,3 @@ class PeerDirectory:
             log.warning("the libp2p daemon did not exit in %.0f s; killing it", timeout_s)
             if child is not None and child.returncode is None:
                 child.kill()
-
-
-def _targets(maddrs: list[str], own_peer_id: str) -> dict[str, list[str]]:
-    """Peer id -> its transport addresses, from full multiaddrs (`.../p2p/<peer id>`)."""
-    out: dict[str, list[str]] = {}
-    for maddr in maddrs:
-        base, _, peer_id = maddr.rpartition("/p2p/")
-        if base and peer_id and peer_id != own_peer_id:
-            out.setdefault(peer_id, []).append(base)
-    return out
