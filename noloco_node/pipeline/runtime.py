@@ -20,7 +20,6 @@ from noloco_node.errors import (
     NodeError,
     PeerBusy,
     PeerUnavailable,
-    PeerUnknown,
     ProtocolMismatch,
     UnknownMicrobatch,
 )
@@ -35,8 +34,10 @@ from noloco_node.runtime.faults import FaultInjector
 
 log = logging.getLogger(__name__)
 
-# Waits before looking an unknown upstream peer up again (each lookup is a fresh DHT get).
-BACKWARD_LOOKUP_RETRIES_S = (0.5, 1.0, 2.0)
+# Waits before sending a gradient again to an upstream peer that is not in the DHT yet (each try
+# looks it up afresh) or did not answer (its path may come back: a NAT audit's relay restarted, and
+# gradients given up at once left stage 0 waiting out its whole microbatch timeout, 60 s).
+BACKWARD_RETRIES_S = (0.5, 1.0, 2.0, 4.0, 8.0)
 
 
 class StageRuntime:
@@ -322,17 +323,18 @@ class StageRuntime:
         )
 
     async def _send_backward(self, upstream: Hop, key: MicrobatchKey, grad: Tensor, loss: float, tokens: int) -> None:
-        for retry_in in (*BACKWARD_LOOKUP_RETRIES_S, None):
+        for retry_in in (*BACKWARD_RETRIES_S, None):
             try:
                 await self.transport.backward(
                     upstream.peer_id, key=key, target_stage=upstream.stage, grad=grad, loss=loss, num_tokens=tokens
                 )
                 self.stats.backwards_sent += 1
                 return
-            except PeerUnknown as exc:
+            except PeerUnavailable as exc:
                 # A peer that has just joined can be missing from a DHT lookup for a few seconds (seen:
                 # a driver's first gradients lost 7 s after it announced, then its whole first batch
-                # waited out the microbatch timeout). The gradient is worth a short wait.
+                # waited out the microbatch timeout), and a relayed path can be down for a few. The
+                # gradient is worth a short wait; anything else (a refusal) is given up at once.
                 if retry_in is None:
                     self._backward_failed(upstream, key, exc)
                     return

@@ -50,6 +50,10 @@ GRPC_OPTIONS = [
     # with GOAWAY "too_many_pings").
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
     ("grpc.http2.max_ping_strikes", 0),
+    # A client channel whose path failed tries again within 5 s at most (gRPC's default backs off
+    # to 120 s): after a relay's restart, calls over a cached channel failed at once for a minute.
+    ("grpc.initial_reconnect_backoff_ms", 1000),
+    ("grpc.max_reconnect_backoff_ms", 5000),
 ]
 
 

@@ -1,12 +1,12 @@
-"""A gradient whose upstream peer is not (yet) in the DHT is retried a few times before it is
-given up; any other send failure is given up at once (the upstream re-issues after its timeout)."""
+"""A gradient whose upstream peer is not (yet) in the DHT, or did not answer, is sent again a few
+times before it is given up; a refusal is given up at once (the upstream re-issues after its timeout)."""
 
 import asyncio
 
 import pytest
 import torch
 
-from noloco_node.errors import PeerUnavailable, PeerUnknown
+from noloco_node.errors import InvalidPayload, PeerUnavailable, PeerUnknown
 from noloco_node.pipeline import runtime as runtime_module
 from noloco_node.pipeline.ports import Hop, MicrobatchKey
 from noloco_node.pipeline.runtime import RuntimeStats, StageRuntime
@@ -34,7 +34,7 @@ def send(transport: FlakyTransport) -> RuntimeStats:
 
 @pytest.fixture(autouse=True)
 def no_waiting(monkeypatch):
-    monkeypatch.setattr(runtime_module, "BACKWARD_LOOKUP_RETRIES_S", (0.0, 0.0, 0.0))
+    monkeypatch.setattr(runtime_module, "BACKWARD_RETRIES_S", (0.0, 0.0, 0.0))
 
 
 def test_a_peer_that_appears_in_the_dht_gets_its_gradient():
@@ -49,7 +49,21 @@ def test_a_peer_that_never_appears_is_given_up_after_the_retries():
     assert (transport.attempts, stats.backwards_sent, stats.send_failures) == (4, 0, 1)
 
 
-def test_a_peer_that_does_not_answer_is_not_retried():
-    transport = FlakyTransport([PeerUnavailable("connection refused")])
+def test_a_peer_whose_path_comes_back_gets_its_gradient():
+    # A NAT audit: a relay's restart broke the path for seconds; gradients given up at once left
+    # stage 0 waiting out its 60 s microbatch timeout.
+    transport = FlakyTransport([PeerUnavailable("Handshake read failed")] * 2)
+    stats = send(transport)
+    assert (transport.attempts, stats.backwards_sent, stats.send_failures) == (3, 1, 0)
+
+
+def test_a_peer_that_never_answers_is_given_up_after_the_retries():
+    transport = FlakyTransport([PeerUnavailable("connection refused")] * 10)
+    stats = send(transport)
+    assert (transport.attempts, stats.backwards_sent, stats.send_failures) == (4, 0, 1)
+
+
+def test_a_refusal_is_not_retried():
+    transport = FlakyTransport([InvalidPayload("not a gradient of ours")])
     stats = send(transport)
     assert (transport.attempts, stats.backwards_sent, stats.send_failures) == (1, 0, 1)
