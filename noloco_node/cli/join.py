@@ -287,6 +287,7 @@ class _JoinReporter:
         self.config, self.args = config, args
         self.progress = _progress(config.log.progress)
         self.node = None
+        self.training = None  # a TrainingLog from the first attach on
         self.ticks = 0
         self.waiting_said: str | None = None
 
@@ -301,9 +302,14 @@ class _JoinReporter:
         self.maddrs = await node.directory.visible_maddrs()
         # The progress line shows the same on a terminal; without one, step lines go to the log instead.
         steps = self.args.steps or self.config.inner.total_steps
-        self.training = TrainingLog(
-            self.config.log.every_steps if self.progress is None else 0, total=steps if node.stage_index == 0 else None
-        )
+        if self.training is not None:  # a move: one summary for the whole session
+            self.training.moved()
+            self.training.total = steps if node.stage_index == 0 else None
+        else:
+            self.training = TrainingLog(
+                self.config.log.every_steps if self.progress is None else 0,
+                total=steps if node.stage_index == 0 else None,
+            )
         self.warned: set[str] = set()
         await self()
 
@@ -311,7 +317,7 @@ class _JoinReporter:
         from noloco_node.node.stats import ready_fields, training_snapshot
 
         node = self.node
-        self.training.observe(node.worker.tokens_total)
+        self.training.observe(node.worker.tokens_total, node.worker.inner_steps)
         if self.training.due(node.worker.inner_steps):
             self.training.step(training_snapshot(node.read_stats()))
         if self.args.ready_file:

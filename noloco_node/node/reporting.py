@@ -98,11 +98,15 @@ def summary_line(
     wall_s: float,
     tokens_per_s: float | None = None,
     waited_s: float | None = None,
+    session_steps: int | None = None,
+    moved_s_before_end: float | None = None,
 ) -> str:
     """E.g. `summary: stage 0 | 200/200 steps | 61.2 s (first step after 3.1 s) | 812 tok/s mean while
     training | loss 8.301 -> 5.012 | outer 5 rounds: 4 paired, 1 solo, 0 rejected | sent 12.0 MB (pipeline +
     outer) recv 11.5 MB (pipeline) | dropped 0 of 800 microbatches`. The mean rate is `tokens_per_s` (from
-    the first step on) when given, else over the whole wall time."""
+    the first step on) when given, else over the whole wall time. `session_steps`, when it differs
+    from the node's step count (it resumed a checkpoint or copied a replica's state), is added as
+    `(N this session)`; a node that moved between stages says its counters start at the move."""
     rate = (
         f"{tokens_per_s:.0f} tok/s mean while training"
         if tokens_per_s is not None
@@ -110,7 +114,8 @@ def summary_line(
     )
     parts = [
         f"summary: stage {snap.stage}",
-        f"{_steps(snap, total)} steps",
+        f"{_steps(snap, total)} steps"
+        + (f" ({session_steps} this session)" if session_steps is not None and session_steps != snap.step else ""),
         f"{wall_s:.1f} s" + (f" (first step after {waited_s:.1f} s)" if waited_s is not None else ""),
         rate,
     ]
@@ -137,6 +142,8 @@ def summary_line(
         if snap.issued is not None
         else f"dropped {snap.dropped} microbatches"
     )
+    if moved_s_before_end is not None:
+        parts.append(f"rounds, bytes and microbatches since its move {moved_s_before_end:.0f} s before the end")
     parts.extend(f"warning: {note}" for note in snap.attention)
     return " | ".join(parts)
 
@@ -152,6 +159,8 @@ class TrainingLog:
         self._mark_tokens = 0
         self._next = every_steps
         self._first: tuple[float, int] | None = None  # (when, tokens) at the first tokens seen
+        self._from_step: int | None = None  # the step count this node (since its last move) began at
+        self._last_step, self._trained_before, self._moved_at = 0, 0, None
         self.summarized = False
 
     def due(self, step: int) -> bool:
@@ -168,12 +177,26 @@ class TrainingLog:
         log.info("%s", line)
         return line
 
-    def observe(self, tokens: int) -> None:
+    def observe(self, tokens: int, step: int) -> None:
         """Called as the node goes: marks when its first tokens were done, so the summary's mean rate
         counts training, not the wait for the swarm before it (a researcher's audit read a mean 2-3x
-        low on short runs)."""
+        low on short runs), and the step it began at, so a resumed node does not count its
+        checkpoint's steps as this session's (a NAT audit read '340 steps' of a node that trained none)."""
         if self._first is None and tokens > 0:
             self._first = (self.clock(), tokens)
+        if self._from_step is None:
+            self._from_step = step
+        self._last_step = step
+
+    def moved(self) -> None:
+        """The node moved (a stage change, or a copy of its stage's state): a new node with its own
+        counters and step count. The summary still covers the whole session."""
+        if self._from_step is not None:
+            self._trained_before += self._last_step - self._from_step
+        self._from_step, self._first, self._moved_at = None, None, self.clock()
+
+    def _session_steps(self, step: int) -> int:
+        return self._trained_before + (step - self._from_step if self._from_step is not None else 0)
 
     def summary(self, snap: Snapshot) -> str | None:
         if self.summarized:
@@ -188,7 +211,11 @@ class TrainingLog:
             total=self.total,
             wall_s=now - self.started,
             tokens_per_s=rate,
-            waited_s=None if self._first is None else self._first[0] - self.started,
+            waited_s=None if self._first is None or self._moved_at is not None else self._first[0] - self.started,
+            session_steps=None
+            if self._from_step is None and self._moved_at is None
+            else self._session_steps(snap.step),
+            moved_s_before_end=None if self._moved_at is None else now - self._moved_at,
         )
         log.log(logging.WARNING if snap.attention else logging.INFO, "%s", line)
         return line

@@ -116,15 +116,36 @@ def test_the_summary_rate_counts_from_the_first_tokens_not_the_wait_before_them(
     # where the node trained at ~900.
     clock = Clock()
     report = TrainingLog(0, total=10, clock=clock)
-    report.observe(0)
+    report.observe(0, 0)
     clock.now += 9.5
-    report.observe(512)  # the first step's tokens are in
+    report.observe(512, 1)  # the first step's tokens are in
     clock.now += 5.0
-    report.observe(5120)
+    report.observe(5120, 10)
     summary = report.summary(stage0(step=10, tokens=5120))
     assert summary.startswith(
         "summary: stage 0 | 10/10 steps | 14.5 s (first step after 9.5 s) | 922 tok/s mean while training |"
     )
+
+
+def test_a_resumed_node_counts_only_this_sessions_steps_and_a_move_keeps_the_whole_session():
+    # A NAT audit: a resumed stage-1 node's summary read "340 steps" when it trained none, and one
+    # that copied its stage's state again summed up only the 35 s after that move.
+    clock = Clock()
+    report = TrainingLog(0, total=None, clock=clock)
+    report.observe(0, 340)
+    clock.now += 30.0
+    resumed = report.summary(Snapshot(stage=1, step=340, tokens=0, lr=None))
+    assert resumed.startswith("summary: stage 1 | 340 steps (0 this session) | 30.0 s |"), resumed
+    report = TrainingLog(0, total=600, clock=clock)
+    report.observe(0, 100)
+    report.observe(6400, 150)  # 50 steps trained, then the move: a copy at the stage's step 230
+    clock.now += 300.0
+    report.moved()
+    report.observe(0, 230)
+    clock.now += 35.0
+    line = report.summary(stage0(step=260, tokens=1920))
+    assert line.startswith("summary: stage 0 | 260/600 steps (80 this session) | 335.0 s |"), line
+    assert "since its move 35 s before the end" in line
 
 
 def test_every_steps_zero_logs_no_step_lines_but_the_summary():
