@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     print(header)
     for r in rows:
         print(
-            f"{r['stage']:>5}  {r['peer_id'][-8:]:<10} {r['address']:<22} {r['reach']:<12} {r['inner_step']:>6} "
+            f"{r['stage']:>5}  {r['peer_id'][-8:]:<10} {_shown_address(r):<22} {r['reach']:<12} {r['inner_step']:>6} "
             f"{r['outer_round']:>5} "
             f"{r['status']:<9} {r['tokens_per_s']:>8.0f} {r['capacity']:>9.1f} {r['busy']:>5.2f} "
             f"{r['hop_s'] * 1e3:>6.0f} "
@@ -117,3 +117,9 @@ async def _collect(config) -> tuple[list[dict], str | None]:
 def _mbit(value: float) -> str:
     """A node's measured link (its median to its peers) for the table; "-" before any measurement."""
     return "-" if value <= 0 else f"{value:.3g}"
+
+
+def _shown_address(row: dict) -> str:
+    """A relayed or hole-punched node is dialled by peer id over libp2p: its own bind address
+    (127.0.0.1 behind NAT) read like a misconfiguration in a swarm-wide table (a NAT audit)."""
+    return row["address"] if row["reach"] == "direct" else "(over libp2p)"
