@@ -88,7 +88,7 @@ def measure(src: torch.Tensor, dst: torch.Tensor, codec: str, kwargs: dict, repe
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mib", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--heavy-tails", action="store_true", help="Student-t(3) values instead of Gaussian")

@@ -238,7 +238,7 @@ def processes(config_sets: list[str], args, out: Path) -> dict:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="medium")
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--batch", type=int, default=16)

@@ -122,7 +122,7 @@ def to_device_phases(spec, parsed: list, payload_bytes: int, repeats: int) -> di
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="medium", choices=sorted(MODEL_PRESETS))
     p.add_argument("--microbatch", type=int, default=4)
     p.add_argument("--seq", type=int, default=1024)

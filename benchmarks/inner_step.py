@@ -123,7 +123,7 @@ def counted(params, grads, step) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="medium", choices=sorted(MODEL_PRESETS))
     p.add_argument("--hidden", type=int, help="narrower than the preset's (the tensor count is what matters here)")
     p.add_argument("--layers", type=int, help="layers of the stage (default: half the preset's)")

@@ -193,7 +193,7 @@ async def run(layers: int, donors: int, compact: bool, profile: LinkProfile) -> 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=1, help="decoder layers of the small preset's shape in the stage")
     parser.add_argument("--mbit", type=float, default=20.0, help="each donor's uplink, Mbit/s")
     parser.add_argument("--one-way-ms", type=float, default=20.0)

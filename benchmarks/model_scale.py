@@ -2,11 +2,12 @@
 12-layer Llama) as P=2 stages x 1 replica over gRPC (one torch thread per process), against the
 same model trained in one process with the same total threads (two), on the same data.
 
-Prints tokens/s of both and their ratio (after --warmup steps), each stage's peak RSS (VmHWM),
-the bytes one microbatch's activations take on the wire (measured: the stage-0 node's payload
-bytes sent / forwards sent), and the bytes one outer round sends per stage (computed from the
-stage's parameter count and outer.codec: with one replica per stage no round pairs, so none is
-measured here).
+Prints tokens/s of both and their ratio (after --warmup steps; the one process is timed before and
+after the swarm, and the ratio uses their mean, with a warning when they differ by more than 20%),
+each stage's peak RSS (VmHWM), the bytes one microbatch's activations take on the wire
+(measured: the stage-0 node's payload bytes sent / forwards sent), and the bytes one outer round
+sends per stage (computed from the stage's parameter count and outer.codec: with one replica per
+stage no round pairs, so none is measured here).
 
     .venv/bin/python benchmarks/model_scale.py [--preset small] [--steps 3] [--warmup 1] [--seq-len 128]
         [--batch 8] [--micro 2] [--codec bf16] [--json FILE]
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from two_stage_runs import one_process, two_stage_swarm
+from two_stage_runs import one_process, steadiness, two_stage_swarm
 
 from noloco_node.codec.tensors import encode
 from noloco_node.config import load_config
@@ -51,7 +52,7 @@ def overrides(args, cache_dir: str) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="small", choices=["tiny", "small", "medium", "large"])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
@@ -82,6 +83,9 @@ def main() -> None:
             f"P=2 x 1 over gRPC, 1 thread/process: {piped['tok_s']:9.1f} tokens/s, peak RSS stage 0 "
             f"{piped['peak_rss_mb'][0]:.0f} MB, stage 1 {piped['peak_rss_mb'][1]:.0f} MB"
         )
+        again, _ = one_process(config, corpus, tokenizer, args)
+        baseline, steady = steadiness(baseline, again)
+        print(steady)
         print(f"ratio swarm / one process:           {piped['tok_s'] / baseline:9.3f}")
         print(f"bytes per microbatch hop (measured): {piped['bytes_per_hop']:,.0f}")
         print(
@@ -91,6 +95,7 @@ def main() -> None:
         result = {
             "preset": args.preset,
             "one_process_tok_s": baseline,
+            "one_process_tok_s_runs": [baseline * 2 - again, again],
             "swarm_tok_s": piped["tok_s"],
             "ratio": piped["tok_s"] / baseline,
             "peak_rss_mb": {"one_process": rss_one, **{f"stage{k}": v for k, v in piped["peak_rss_mb"].items()}},

@@ -304,7 +304,7 @@ def report(rows: list[dict], args, variants: list[str], seeds: list[int], numel:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names (--list)")
     p.add_argument("--list", action="store_true", help="print the variants and exit")
     p.add_argument("--seeds", default="0,1,2")

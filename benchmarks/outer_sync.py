@@ -25,7 +25,7 @@ from noloco_node.experiments.process_group import raise_on_signals
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--numel", type=int, default=1_000_000, help="parameters in the stage (default 1M)")
     parser.add_argument("--codec", default="bf16", choices=["none", "bf16", "int8"])

@@ -470,7 +470,7 @@ def save(path: Path | None, result: dict) -> None:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="tiny")
     p.add_argument("--hidden", type=int, default=0)
     p.add_argument("--layers", type=int, default=0)

@@ -1057,7 +1057,7 @@ def maybe_reexec_in_netns(args) -> int | None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mib", type=int, default=None, help="bulk payload in MiB (default 64; --quick 16)")
     parser.add_argument(
         "--repeats", type=int, default=None, help="timed bulk calls per transport (default 7; --quick 3)"

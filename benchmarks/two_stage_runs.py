@@ -82,6 +82,25 @@ class OneProcessModel:
         return sum(losses) / len(losses)
 
 
+def steadiness(first: float, again: float) -> tuple[float, str]:
+    """The one-process baseline measured before and after what it is compared with: their mean,
+    and a line saying how far apart they were, with a warning past 20% (a researcher's audit read
+    ratios of 15.7 and 0.50 from two back-to-back runs on a machine other work was loading)."""
+    mean = (first + again) / 2
+    spread = abs(first - again) / mean if mean else 0.0
+    load, cores = os.getloadavg()[0], len(os.sched_getaffinity(0))
+    line = (
+        f"one process again:                   {again:9.1f} tokens/s ({spread:.0%} from the first; ratios use "
+        f"their mean, {mean:.1f}; load average {load:.1f} on {cores} cores)"
+    )
+    if spread > 0.2:
+        line += (
+            "\nWARNING: this machine's speed moved by more than 20% during the run (other work on it?): "
+            "the ratios are not reliable; run again on an idle machine"
+        )
+    return mean, line
+
+
 def one_process(
     config, corpus, tokenizer, args, on_trained: Callable[[OneProcessModel], None] | None = None
 ) -> tuple[float, float | None]:
