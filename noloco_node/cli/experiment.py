@@ -52,6 +52,8 @@ def run(args: argparse.Namespace) -> int:
         if sys.argv[1:2] == ["experiment"]
         else f"noloco-node experiment {args.scenario or ''} --out {args.out}"
     )
+    if "--overwrite" not in command.split():  # the report's Reproduce line runs where this run's folder now is
+        command += " --overwrite"
     from noloco_node.experiments.process_group import Interrupted, raise_on_signals
 
     # A stop signal unwinds through the running cell's `finally`: its swarm and relay are stopped.
