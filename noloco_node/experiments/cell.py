@@ -225,6 +225,7 @@ def summarize(
         "steps": scenario.steps,
         **_training_columns(evals, train, config.inner.warmup_steps, wall_s=wall_s, idle=idle, node_bytes=node_bytes),
         **_outer_columns(stats),
+        "nodes_short": _nodes_short(stats, by_slot, scenario.steps),
         **{f"mb_{k}": v for k, v in mb.items()},
     }
     return {"row": row, "evals": evals, "train": train}
@@ -295,6 +296,18 @@ def _training_columns(
         "final_spread": evals[-1]["spread"] if evals else math.nan,
         "spread_lr_pearson": pearson([r["spread"] for r in after_warmup], [r["lr"] for r in after_warmup]),
     }
+
+
+def _nodes_short(stats: dict, by_slot: dict, steps: int) -> str:
+    """The nodes that ended short of the cell's inner steps, as `s1r1:19` (stage, replica, steps
+    taken): a later stage steps once per batch it received, and one given fewer microbatches than
+    its peers missed the last outer round (a researcher's audit: a DiLoCo cell read `ok` with one)."""
+    short = [
+        f"s{stage}r{replica}:{stats[peer]['inner_steps']}"
+        for (stage, replica), peer in sorted(by_slot.items())
+        if peer in stats and stats[peer].get("inner_steps", steps) < steps
+    ]
+    return " ".join(short)
 
 
 def _outer_columns(stats: dict) -> dict:

@@ -85,6 +85,7 @@ ROW_FIELDS = [
     "outer_skipped",
     "outer_resynced",
     "outer_lag_steps",
+    "nodes_short",
     "pipeline_bytes_per_node",
     "outer_bytes_per_round",
     "delta_rel_error",

@@ -68,7 +68,19 @@ def _cautions(groups: list[dict], cells: list[dict]) -> list[str]:
     failed = [g["group"] for g in groups if g["seeds"] < g["cells"]]
     if failed:
         out.append(f"Caution: some seeds failed in {', '.join(failed)}; their groups average fewer seeds.")
-    return out + _solo_cautions(cells)
+    return out + _solo_cautions(cells) + _short_cautions(cells)
+
+
+def _short_cautions(cells: list[dict]) -> list[str]:
+    """A cell where a node ended short of the steps: for DiLoCo and dp it missed the last all-reduce,
+    so the replicas did not end on one set of weights and the baseline reads weaker than it is."""
+    return [
+        f"Caution: {cell['row']['cell']}: node(s) {cell['row']['nodes_short']} (stage, replica: inner steps) "
+        f"ended short of its {cell['row']['steps']} inner steps (given fewer microbatches than their peers) and "
+        "missed the outer rounds after: that cell's numbers are not the method's at full strength."
+        for cell in cells
+        if cell["row"]["status"] == "ok" and cell["row"].get("nodes_short")
+    ]
 
 
 def _solo_cautions(cells: list[dict]) -> list[str]:
