@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import statistics
 
+from noloco_node.config.optimizers import METHOD_DEFAULTS
 from noloco_node.experiments.aggregate import paired, paired_verdict, verdict
 from noloco_node.experiments.scenario import Scenario
 
@@ -51,7 +52,7 @@ def verdicts(groups: list[dict], sync_rows: list[dict], scenario: Scenario, cell
         *_cautions(groups, cells),
         *_method_verdicts(by_method, equal_time_s),
         *_variant_verdicts(by_variant),
-        *_pearson_verdicts(groups),
+        *_pearson_verdicts(groups, scenario),
         *_sync_verdicts(sync_rows),
     ]
 
@@ -146,14 +147,19 @@ def _variant_verdicts(by_variant: dict[tuple, list[dict]]) -> list[str]:
     return out
 
 
-def _pearson_verdicts(groups: list[dict]) -> list[str]:
-    """Whether each outer-sync group's spread/lr correlation agrees with the paper's range."""
+def _pearson_verdicts(groups: list[dict], scenario: Scenario) -> list[str]:
+    """Whether each outer-sync group's spread/lr correlation agrees with the paper's range, and
+    whether the spread was sampled at one point of the outer round: evaluations every E steps with
+    rounds every H sample a sawtooth when E is no multiple of H (a researcher's audit found a D = 2
+    run 'agree' through that phase alone)."""
     out = []
     for g in groups:
         p = g["pearson"]
         if g["method"] in ("noloco", "diloco") and p.n:
             lo, hi = PAPER_PEARSON
             inside = p.mean - (2 * p.std if p.n > 1 else 0) <= hi and p.mean + (2 * p.std if p.n > 1 else 0) >= lo
+            h = _rounds_every(scenario, g)
+            phases = len({step % h for step in range(scenario.eval_every, scenario.steps + 1, scenario.eval_every)})
             out.append(
                 f"Pearson(spread, lr) after warm-up, {g['group']}: {p} over {p.n} seed(s); paper {lo}-{hi} -> "
                 + (
@@ -161,9 +167,24 @@ def _pearson_verdicts(groups: list[dict]) -> list[str]:
                     if inside
                     else "disagrees (outside 2 std of the paper's range)"
                 )
+                + (
+                    f"; but the spread was sampled at {phases} different points of the outer round (eval_every "
+                    f"{scenario.eval_every}, H = {h}), so the correlation mixes that phase with the lr: an "
+                    "eval_every that is a multiple of H samples one"
+                    if phases > 1
+                    else ""
+                )
                 + "."
             )
     return out
+
+
+def _rounds_every(scenario: Scenario, group: dict) -> int:
+    """H of a group's cells: its variant's, else the scenario's overrides', else the method's default."""
+    field = "outer.inner_steps_per_outer"
+    variant = next((dict(v.overrides) for v in scenario.variants if v.name == group.get("variant")), {})
+    value = variant.get(field, scenario.overrides.get(field))
+    return int(value) if value is not None else METHOD_DEFAULTS[group["method"]][0]
 
 
 def _sync_verdicts(sync_rows: list[dict]) -> list[str]:

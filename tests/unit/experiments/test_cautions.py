@@ -23,3 +23,19 @@ def test_the_report_cautions_about_a_cell_with_a_short_node_and_only_then():
     full = {"row": {"cell": "diloco-D2-P2-s1", "status": "ok", "steps": 20, "nodes_short": ""}}
     [caution] = _short_cautions([short, full])
     assert caution.startswith("Caution: diloco-D2-P2-s0: node(s) s1r1:19") and "missed the outer rounds" in caution
+
+
+def test_the_spread_lr_verdict_says_when_the_spread_was_sampled_at_several_points_of_the_round():
+    """Evaluations every 4 steps with rounds every 5 sample a sawtooth of the spread; a researcher's
+    audit saw a D = 2 run 'agree' with the paper through that phase alone."""
+    from noloco_node.experiments.aggregate import stat
+    from noloco_node.experiments.scenario import Scenario
+    from noloco_node.experiments.verdicts import _pearson_verdicts
+
+    group = {"group": "noloco-D2-P2", "method": "noloco", "variant": "", "pearson": stat([0.93, 0.94])}
+    sawtooth = Scenario(steps=40, eval_every=4, overrides={"outer.inner_steps_per_outer": 5})
+    [line] = _pearson_verdicts([group], sawtooth)
+    assert "sampled at 5 different points of the outer round (eval_every 4, H = 5)" in line
+    one_phase = Scenario(steps=40, eval_every=10, overrides={"outer.inner_steps_per_outer": 5})
+    [line] = _pearson_verdicts([group], one_phase)
+    assert "sampled at" not in line
