@@ -272,7 +272,15 @@
           points: {size: 4},
           value: (u, v) => (v === null || v === undefined ? "–" : yFmt(v)),
         }))),
-        axes: [Object.assign({}, axis),
+        // Plain times (HH:MM, with seconds when ticks are under a minute apart), at least 70 px
+        // apart: uPlot's default drew the date over the first label (a NAT audit's screenshots).
+        axes: [Object.assign({}, axis, {
+                 space: 70,
+                 values: (u, vals, i, space, incr) => vals.map((v, k) => {
+                   const text = D.fmtTime(v).slice(0, incr < 60 ? 8 : 5);
+                   return k > 0 && text === D.fmtTime(vals[k - 1]).slice(0, incr < 60 ? 8 : 5) ? "" : text;
+                 }),
+               }),
                Object.assign({}, axis, {size: 64, values: (u, vals) => vals.map((v) => axisFmt(v))})],
       };
     }
