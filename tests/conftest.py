@@ -43,6 +43,7 @@ def _root_logger_restored():
 # Measured in clean-clone CI runs (--durations); the unit tier fills in behind them.
 LONGEST_FIRST = (
     "test_nat.py",
+    "test_nat_bootstrap_restart.py",
     "test_lifecycle.py",
     "test_experiment.py",
     "test_link_deadlines.py",
