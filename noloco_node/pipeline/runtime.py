@@ -334,8 +334,9 @@ class StageRuntime:
                 # A peer that has just joined can be missing from a DHT lookup for a few seconds (seen:
                 # a driver's first gradients lost 7 s after it announced, then its whole first batch
                 # waited out the microbatch timeout), and a relayed path can be down for a few. The
-                # gradient is worth a short wait; anything else (a refusal) is given up at once.
-                if retry_in is None:
+                # gradient is worth a short wait; anything else (a refusal) is given up at once, and
+                # so is everything once the node drains (a stop must not wait out the retries).
+                if retry_in is None or not self.accepting:
                     self._backward_failed(upstream, key, exc)
                     return
                 await asyncio.sleep(retry_in)

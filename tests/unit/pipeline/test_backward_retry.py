@@ -22,9 +22,9 @@ class FlakyTransport:
             raise self.failures.pop(0)
 
 
-def send(transport: FlakyTransport) -> RuntimeStats:
+def send(transport: FlakyTransport, accepting: bool = True) -> RuntimeStats:
     runtime = object.__new__(StageRuntime)  # only the send path: no worker, server or directory
-    runtime.transport, runtime.stats = transport, RuntimeStats()
+    runtime.transport, runtime.stats, runtime.accepting = transport, RuntimeStats(), accepting
     key = MicrobatchKey(origin="QmOrigin", sequence=0, attempt=0)
     asyncio.run(
         runtime._send_backward(Hop(peer_id="QmOrigin", address="127.0.0.1:1", stage=0), key, torch.zeros(1), 0.0, 1)
@@ -66,4 +66,10 @@ def test_a_peer_that_never_answers_is_given_up_after_the_retries():
 def test_a_refusal_is_not_retried():
     transport = FlakyTransport([InvalidPayload("not a gradient of ours")])
     stats = send(transport)
+    assert (transport.attempts, stats.backwards_sent, stats.send_failures) == (1, 0, 1)
+
+
+def test_a_draining_node_gives_a_gradient_up_at_once():
+    transport = FlakyTransport([PeerUnavailable("connection refused")] * 10)
+    stats = send(transport, accepting=False)
     assert (transport.attempts, stats.backwards_sent, stats.send_failures) == (1, 0, 1)
