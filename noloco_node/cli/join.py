@@ -303,8 +303,7 @@ class _JoinReporter:
         # The progress line shows the same on a terminal; without one, step lines go to the log instead.
         steps = self.args.steps or self.config.inner.total_steps
         if self.training is not None:  # a move: one summary for the whole session
-            self.training.moved()
-            self.training.total = steps if node.stage_index == 0 else None
+            self.training.moved(total=steps if node.stage_index == 0 else None)
         else:
             self.training = TrainingLog(
                 self.config.log.every_steps if self.progress is None else 0,

@@ -188,9 +188,11 @@ class TrainingLog:
             self._from_step = step
         self._last_step = step
 
-    def moved(self) -> None:
+    def moved(self, total: int | None) -> None:
         """The node moved (a stage change, or a copy of its stage's state): a new node with its own
-        counters and step count. The summary still covers the whole session."""
+        counters and step count, and `total` steps to train (None off stage 0). The summary still
+        covers the whole session."""
+        self.total = total
         if self._from_step is not None:
             self._trained_before += self._last_step - self._from_step
         self._from_step, self._first, self._moved_at = None, None, self.clock()

@@ -140,7 +140,7 @@ def test_a_resumed_node_counts_only_this_sessions_steps_and_a_move_keeps_the_who
     report.observe(0, 100)
     report.observe(6400, 150)  # 50 steps trained, then the move: a copy at the stage's step 230
     clock.now += 300.0
-    report.moved()
+    report.moved(total=600)
     report.observe(0, 230)
     clock.now += 35.0
     line = report.summary(stage0(step=260, tokens=1920))
