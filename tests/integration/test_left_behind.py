@@ -11,7 +11,11 @@ import pytest
 from .conftest import prepare_tokenizer, tiny_overrides
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
-H, STEPS, PAUSE_S = 4, 2000, 16.0
+# The pause must leave it further behind than its solo rounds catch up: the replica that ran on
+# waits timeouts.match_s for a partner every round, so it gains only about a step a second, and the
+# stopped one, back, runs its rounds without waiting. With 16 s a clean-clone CI run saw the two
+# level again at the fourth round after the pause, paired, and no copy was needed (or made).
+H, STEPS, PAUSE_S = 4, 2000, 30.0
 
 
 def status(node) -> dict:
@@ -34,7 +38,7 @@ def paired_since_it_came_back(node) -> int:
 
 
 def test_a_replica_stopped_for_many_rounds_copies_its_stage_again_and_pairs(tmp_path, make_swarm):
-    """Two stage-0 replicas train with H = 4; one is stopped (SIGSTOP) for 16 s, rounds past the 2
+    """Two stage-0 replicas train with H = 4; one is stopped (SIGSTOP) for 30 s, rounds past the 2
     the catch-up waits for. Continued, its rounds go solo ("replicas ahead") until it leaves its
     stage, copies the other's state (not its own, older checkpoint) and comes back level: it pairs
     again."""
