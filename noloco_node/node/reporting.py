@@ -30,7 +30,7 @@ class Snapshot:
     outer: dict | None = None  # counters (rounds, paired, solo, rejected); None = no outer method
     last_round: dict | None = None  # the latest outer round: {"round", "outcome", ...}
     bytes_sent: int = 0  # pipeline and outer payloads
-    bytes_received: int = 0  # pipeline payloads
+    bytes_received: int = 0  # pipeline and outer payloads
     dropped: int = 0  # stage 0: microbatches given up; other stages: forwards dropped here
     issued: int | None = None  # stage 0: distinct microbatches issued
     attention: tuple[str, ...] = ()  # what needs attention (node/attention.py)
@@ -64,10 +64,10 @@ def _outer(snap: Snapshot) -> str:
 def _bytes(snap: Snapshot, *, say_what: bool = False) -> str:
     if not say_what:
         return f"sent {format_bytes(snap.bytes_sent)} recv {format_bytes(snap.bytes_received)}"
-    # The outer exchange's received bytes are not counted (its sent bytes are): said so, since a
-    # researcher's audit read `recv 0 B` after eight paired rounds as nothing received.
-    outer = " + outer" if snap.outer is not None else ""
-    return f"sent {format_bytes(snap.bytes_sent)} (pipeline{outer}) recv {format_bytes(snap.bytes_received)} (pipeline)"
+    # Said in the summary: a researcher's audit read `recv 0 B` after eight paired rounds (outer bytes
+    # received were not counted then) as nothing received.
+    what = "(pipeline + outer)" if snap.outer is not None else "(pipeline)"
+    return f"sent {format_bytes(snap.bytes_sent)} {what} recv {format_bytes(snap.bytes_received)} {what}"
 
 
 def step_line(snap: Snapshot, *, total: int | None, tokens_per_s: float) -> str:
@@ -103,7 +103,7 @@ def summary_line(
 ) -> str:
     """E.g. `summary: stage 0 | 200/200 steps | 61.2 s (first step after 3.1 s) | 812 tok/s mean while
     training | loss 8.301 -> 5.012 | outer 5 rounds: 4 paired, 1 solo, 0 rejected | sent 12.0 MB (pipeline +
-    outer) recv 11.5 MB (pipeline) | dropped 0 of 800 microbatches`. The mean rate is `tokens_per_s` (from
+    outer) recv 11.5 MB (pipeline + outer) | dropped 0 of 800 microbatches`. The mean rate is `tokens_per_s` (from
     the first step on) when given, else over the whole wall time. `session_steps`, when it differs
     from the node's step count (it resumed a checkpoint or copied a replica's state), is added as
     `(N this session)`; a node that moved between stages says its counters start at the move."""

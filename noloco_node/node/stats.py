@@ -125,7 +125,7 @@ def training_snapshot(stats: NodeStats) -> Snapshot:
         outer=outer.counts.to_dict() if outer is not None else None,
         last_round=outer.last_round if outer is not None else None,
         bytes_sent=stats.bytes_sent,
-        bytes_received=work.bytes_received,
+        bytes_received=stats.bytes_received,
         dropped=driver.microbatches.dropped if driver is not None else work.dropped_here,
         issued=driver.microbatches.issued if driver is not None else None,
         attention=tuple(stats.attention),

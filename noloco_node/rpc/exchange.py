@@ -26,11 +26,13 @@ Screen = Callable[[dict[str, Tensor]], None]
 
 
 class Traffic:
-    """Bytes this node wrote on Outer exchange streams, as initiator and as responder: each message
-    serialized, with gRPC's 5-byte length prefix (what the snapshot costs on the wire, headers included)."""
+    """Bytes this node wrote and read on Outer exchange streams, as initiator and as responder: each
+    message serialized, with gRPC's 5-byte length prefix (what the snapshot costs on the wire,
+    headers included)."""
 
     def __init__(self) -> None:
         self.bytes_sent = 0
+        self.bytes_received = 0
 
 
 async def exchange_snapshots(
@@ -123,6 +125,8 @@ class _ExchangeStream:
         """The next message's `kind` part; an abort, the stream's end or another kind raise."""
         message = await self.read()
         self.progress.stamp_read()
+        if self.traffic is not None and message is not None and message is not grpc.aio.EOF:
+            self.traffic.bytes_received += message.ByteSize() + 5
         if message is None:
             raise InvalidPayload(f"undecodable message while waiting for {kind}")
         if message is grpc.aio.EOF:

@@ -219,6 +219,11 @@ class OuterClient:
         """Outer payload bytes this node wrote, as initiator and (sharing `traffic`) as responder."""
         return self.traffic.bytes_sent
 
+    @property
+    def bytes_received(self) -> int:
+        """Outer payload bytes this node read, the same way."""
+        return self.traffic.bytes_received
+
     async def _stub(self, peer_id: str) -> outer_pb2_grpc.OuterStub:
         stub, _ = await self._stubs.get(peer_id)
         return stub

@@ -203,12 +203,13 @@ class RoundBytes:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class OuterStats:
-    """The outer sync's counters, its rounds and the bytes it sent."""
+    """The outer sync's counters, its rounds and the bytes it sent and received."""
 
     counts: OuterCounts
     history: list[dict]
     """One entry per round: round, outcome, partner, seconds, payload, bytes per tensor kind, ..."""
     bytes_sent: int
+    bytes_received: int = 0
 
     @property
     def last_round(self) -> dict | None:
@@ -224,6 +225,7 @@ class OuterStats:
             "outer": self.counts.to_dict(),
             "outer_history": self.history,
             "bytes_sent_outer": self.bytes_sent,
+            "bytes_received_outer": self.bytes_received,
             "outer_bytes_per_round": self.bytes_per_round.to_dict(),
         }
 
@@ -330,6 +332,11 @@ class NodeStats:
     def bytes_sent(self) -> int:
         """Payload bytes sent: pipeline and outer sync."""
         return self.work.bytes_sent + (self.outer.bytes_sent if self.outer is not None else 0)
+
+    @property
+    def bytes_received(self) -> int:
+        """Payload bytes received: pipeline and outer sync."""
+        return self.work.bytes_received + (self.outer.bytes_received if self.outer is not None else 0)
 
     def to_dict(self) -> dict[str, Any]:
         """The stats file: the same keys, nesting and values whatever the fields here are called."""

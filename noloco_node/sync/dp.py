@@ -111,6 +111,12 @@ class DataParallelSync(OuterSync):
     def bytes_sent(self) -> int:
         return self.all_reduce.bytes_sent
 
+    @property
+    def bytes_received(self) -> int:
+        """An all-reduce member receives what it sends (each sends its part of the others' chunks
+        and gets theirs of its own)."""
+        return self.all_reduce.bytes_sent
+
     async def close(self) -> None:
         await asyncio.to_thread(self.all_reduce.shutdown)
 

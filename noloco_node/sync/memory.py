@@ -71,6 +71,7 @@ class MemoryPairing:
     def __init__(self, hub: MemoryPairingHub, me: str, faults: FaultInjector | None = None) -> None:
         self.hub, self.me, self.faults = hub, me, faults
         self.bytes_sent = 0
+        self.bytes_received = 0
 
     async def exchange(
         self,
@@ -109,7 +110,10 @@ class MemoryPairing:
         if self.faults is not None:
             await self.faults.hit("during_exchange")  # as the gRPC exchange does, once its payload is out
         self.bytes_sent += mine.payload_bytes
-        self.hub.transport(peer_id).bytes_sent += theirs.payload_bytes
+        self.bytes_received += theirs.payload_bytes
+        partner = self.hub.transport(peer_id)
+        partner.bytes_sent += theirs.payload_bytes
+        partner.bytes_received += mine.payload_bytes
         try:
             received = decode_snapshot(theirs, expected, codec)
             delivered = decode_snapshot(mine, their_expected, their_codec)

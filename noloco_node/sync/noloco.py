@@ -127,6 +127,10 @@ class NoLoCoSync(PartnerSearch, OuterSync):
         return self.transport.bytes_sent
 
     @property
+    def bytes_received(self) -> int:
+        return self.transport.bytes_received
+
+    @property
     def responder(self) -> "NoLoCoSync":
         return self
 

@@ -194,6 +194,8 @@ class StateDonor(Protocol):
 class PairingTransport(Protocol):
     bytes_sent: int
     """Outer payload bytes this node has written (as initiator and as responder)."""
+    bytes_received: int
+    """Outer payload bytes this node has read (as initiator and as responder)."""
 
     async def exchange(
         self,
@@ -328,10 +330,17 @@ class OuterSync(ABC):
     def bytes_sent(self) -> int:
         return 0
 
+    @property
+    def bytes_received(self) -> int:
+        return 0
+
     def stats_view(self) -> OuterStats:
-        """Its round counters, rounds and outer bytes sent, as the node's stats report them."""
+        """Its round counters, rounds and outer bytes sent and received, as the node's stats report them."""
         return OuterStats(
-            counts=self.counters.snapshot(), history=list(self.counters.history), bytes_sent=self.bytes_sent
+            counts=self.counters.snapshot(),
+            history=list(self.counters.history),
+            bytes_sent=self.bytes_sent,
+            bytes_received=self.bytes_received,
         )
 
     @property

@@ -68,8 +68,8 @@ def test_step_line_before_any_loss_and_without_an_outer_method():
 def test_stage0_summary():
     assert summary_line(stage0(step=200), total=200, wall_s=80.0) == (
         "summary: stage 0 | 200/200 steps | 80.0 s | 800 tok/s mean | loss 8.301 -> 5.123 | outer 5 rounds: "
-        "4 paired, 1 solo, 0 rejected | sent 1.2 MB (pipeline + outer) recv 1.1 MB (pipeline) | dropped 0 of 800 "
-        "microbatches"
+        "4 paired, 1 solo, 0 rejected | sent 1.2 MB (pipeline + outer) recv 1.1 MB (pipeline + outer) | dropped 0 "
+        "of 800 microbatches"
     )
 
 

@@ -41,7 +41,15 @@ TOP_KEYS = [
     "routing_bans",
     "faults_fired",
 ]
-OUTER_KEYS = ["outer", "outer_history", "bytes_sent_outer", "outer_bytes_per_round", "outer_round", "fetched_state"]
+OUTER_KEYS = [
+    "outer",
+    "outer_history",
+    "bytes_sent_outer",
+    "bytes_received_outer",
+    "outer_bytes_per_round",
+    "outer_round",
+    "fetched_state",
+]
 NODE_KEYS = ["resumed_from", "movable", "moves"]
 DRIVER_KEYS = ["microbatches", "losses", "lrs", "step_times", "step_losses", "reissued_sequences", "schedule"]
 

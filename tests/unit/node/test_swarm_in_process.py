@@ -59,6 +59,9 @@ def test_two_by_two_trains_with_noloco_rounds_in_process(tmp_path):
         mate = next(n.peer_id for n in swarm.stage(node.stage) if n is not node)
         assert all(r["outcome"] == "paired" and r["partner"] == mate for r in history), (node.peer_id, history)
         assert node.sync.outer_round == steps // every + 1
+        # What a node received in its rounds is what its mate sent (a researcher's audit read
+        # `recv 0 B` after eight paired rounds: received outer bytes were not counted).
+        assert node.sync.bytes_received == next(m for m in swarm.stage(node.stage) if m is not node).sync.bytes_sent > 0
     for node in swarm.stage(1):  # random routing reaches every replica from every sender
         received = node.runtime.stats.forwards_received
         assert set(received) == {"s0r0", "s0r1"} and min(received.values()) > 0, received
