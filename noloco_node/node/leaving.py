@@ -65,8 +65,13 @@ def last_replica_words(
     if others:
         return None
     if inner_step == 0:  # never trained here: its initial weights, which every node can build
-        return logging.INFO, f"stage {stage} has no other replica, and it was never trained here: nothing to keep"
-    lead = f"stage {stage} has no other replica: its weights (inner step {inner_step})"
+        return (
+            logging.INFO,
+            f"no other replica of stage {stage} is serving now, and it was never trained here: nothing to keep",
+        )
+    # "Serving now", not "has no other replica": replicas that stop at the same moment (the end of an
+    # experiment, a NAT audit's two volunteers) each see the other withdrawn.
+    lead = f"no other replica of stage {stage} is serving now: its weights (inner step {inner_step})"
     if checkpoint_dir is not None:
         from noloco_node.node.checkpoint_home import state_home
 

@@ -18,7 +18,9 @@ def test_another_live_replica_keeps_the_stage_and_nothing_is_said():
 def test_the_last_replica_without_anything_on_disk_warns_and_says_the_fix():
     level, text = words(0)
     assert level == logging.WARNING
-    assert text.startswith("stage 1 has no other replica: its weights (inner step 147) leave with this node")
+    assert text.startswith(
+        "no other replica of stage 1 is serving now: its weights (inner step 147) leave with this node"
+    )
     assert "leave checkpoint.auto on" in text and "set checkpoint.dir" in text
     assert "starts it from its initial weights" in text
 
@@ -48,7 +50,7 @@ def test_a_replica_that_never_trained_has_nothing_to_keep_and_says_so_plainly():
         )
         assert (
             level == logging.INFO
-            and text == "stage 2 has no other replica, and it was never trained here: nothing to keep"
+            and text == "no other replica of stage 2 is serving now, and it was never trained here: nothing to keep"
         )
 
 
