@@ -132,17 +132,15 @@ def join_lines(
     config += "".join(f" --set {shlex.quote(item)}" for item in overrides or [] if _run_setting(item))
     # Lines for other machines first, a loopback one last and, beside them, marked (a shell comment):
     # a volunteer who copied the first printed line, 127.0.0.1, waited a minute for an error.
-    ordered = sorted(maddrs, key=_is_loopback)
-    mixed = not all(_is_loopback(m) for m in maddrs)
+    from noloco_node.transport.addresses import maddr_is_loopback
+
+    ordered = sorted(maddrs, key=maddr_is_loopback)
+    mixed = not all(maddr_is_loopback(m) for m in maddrs)
     return [
         f"  {program} join{config} --initial-peers {maddr}{key} --stage auto"
-        + ("   # on this machine only" if mixed and _is_loopback(maddr) else "")
+        + ("   # on this machine only" if mixed and maddr_is_loopback(maddr) else "")
         for maddr in ordered
     ]
-
-
-def _is_loopback(maddr: str) -> bool:
-    return maddr.startswith(("/ip4/127.", "/ip6/::1/"))
 
 
 MACHINE_SETTINGS = ("network.", "checkpoint.", "log.", "security.identity_file", "pipeline.stage", "pipeline.device")
@@ -269,9 +267,14 @@ async def _serve_dashboard(config, directory, identity: str) -> _SwarmDashboard:
     bound = await server.start(host, port)
     elsewhere = ""
     if host in ("0.0.0.0", "::"):  # the page is meant to be shared: say where others open it
+        from noloco_node.transport.addresses import maddr_host, maddr_is_loopback
+
         hosts = sorted(
-            {m.split("/")[2] for m in await directory.visible_maddrs() if m.startswith("/ip4/")} - {"127.0.0.1"}
+            maddr_host(m)
+            for m in await directory.visible_maddrs()
+            if m.startswith("/ip4/") and not maddr_is_loopback(m)
         )
-        elsewhere = "".join(f" (from other machines: {page_url(h, bound)})" for h in hosts[:1])
+        if hosts:
+            elsewhere = f" (from other machines: {page_url(hosts[0], bound)})"
     print(f"dashboard at {page_url(host, bound)}{elsewhere}", flush=True)
     return _SwarmDashboard(server, view, asyncio.create_task(view.run()))

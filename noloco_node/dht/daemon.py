@@ -14,6 +14,7 @@ from hivemind.p2p import P2P, P2PDaemonError
 
 from noloco_node.dht.stale_sockets import remove_stale_sockets
 from noloco_node.errors import BootstrapError
+from noloco_node.transport.addresses import maddr_is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ async def join_dht(args: dict, validator: CompositeValidator, p2p_options: dict 
         hint = BootstrapError.hint + ("" if swarm_key is None else "; and that your swarm key is the swarm's")
         if swarm_key is None and initial_peers:
             hint += "; a swarm with a key answers only joiners that pass it with --swarm-key"
-        if initial_peers and all(m.startswith(("/ip4/127.", "/ip6/::1/")) for m in initial_peers):
+        if initial_peers and all(maddr_is_loopback(m) for m in initial_peers):
             # The bootstrap prints a loopback line too: copied to another machine, it dials that machine.
             hint = (
                 "127.0.0.1 is this machine: run the bootstrap here, or, joining from another machine, use the "

@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable, Iterable
 
 from noloco_node.dht.directory import PeerDirectory
 from noloco_node.errors import UnreachableAddress
+from noloco_node.transport.addresses import is_loopback, maddr_host
 
 log = logging.getLogger(__name__)
 
@@ -38,20 +39,10 @@ def announced_address(host: str, port: int, announce_addr: str | None, visible_m
     return f"{host}:{port}"
 
 
-def is_loopback(host: str) -> bool:
-    host = host.strip("[]")
-    return host.startswith("127.") or host in ("localhost", "::1")
-
-
-def _maddr_host(maddr: str) -> str | None:
-    parts = maddr.split("/")
-    return parts[2] if len(parts) > 2 and parts[1] in ("ip4", "ip6", "dns", "dns4", "dns6") else None
-
-
 def loopback_to_remote_peers(address: str, peers: Iterable[str]) -> bool:
     """Whether `address` (host:port) is a loopback address while some of `peers` (multiaddrs: the
     initial peers and relays) are on other machines, which can never dial it."""
-    hosts = [h for h in map(_maddr_host, peers) if h is not None]
+    hosts = [h for h in map(maddr_host, peers) if h is not None]
     return is_loopback(address.rpartition(":")[0]) and any(not is_loopback(h) for h in hosts)
 
 

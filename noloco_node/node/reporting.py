@@ -107,11 +107,10 @@ def summary_line(
     the first step on) when given, else over the whole wall time. `session_steps`, when it differs
     from the node's step count (it resumed a checkpoint or copied a replica's state), is added as
     `(N this session)`; a node that moved between stages says its counters start at the move."""
-    rate = (
-        f"{tokens_per_s:.0f} tok/s mean while training"
-        if tokens_per_s is not None
-        else (f"{snap.tokens / max(wall_s, 1e-6):.0f} tok/s mean")
-    )
+    if tokens_per_s is not None:
+        rate = f"{tokens_per_s:.0f} tok/s mean while training"
+    else:
+        rate = f"{snap.tokens / max(wall_s, 1e-6):.0f} tok/s mean"
     parts = [
         f"summary: stage {snap.stage}",
         f"{_steps(snap, total)} steps"

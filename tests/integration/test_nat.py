@@ -272,9 +272,15 @@ class _Procs:
         return {r["peer_id"]: r for r in json.loads(out)["replicas"]}
 
     def bootstrap(self, config: Path, tmp_path: Path) -> str:
-        boot = self.start(
+        boot = self.start_bootstrap(config, tmp_path)
+        return _wait_file(tmp_path / "maddr", boot, self.logs / "bootstrap.log", 60)["text"].split()[0]
+
+    def start_bootstrap(self, config: Path, tmp_path: Path, name: str = "bootstrap") -> subprocess.Popen:
+        """The public bootstrap on port 31330 with its identity in tmp_path (the same one again on a restart)."""
+        (tmp_path / "maddr").unlink(missing_ok=True)
+        return self.start(
             self.topo.public,
-            "bootstrap",
+            name,
             "bootstrap",
             "--config",
             str(config),
@@ -287,7 +293,6 @@ class _Procs:
             "--maddr-file",
             str(tmp_path / "maddr"),
         )
-        return _wait_file(tmp_path / "maddr", boot, self.logs / "bootstrap.log", 60)["text"].split()[0]
 
     def finish(self, proc: subprocess.Popen, name: str, timeout_s: float) -> None:
         try:

@@ -10,7 +10,6 @@ stage 1 had no replica, and nothing trained until the volunteer was restarted by
 """
 
 import signal
-import subprocess
 import time
 from pathlib import Path
 
@@ -22,25 +21,6 @@ from .test_nat import _Procs, _setup, _wait_file
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 NO_NAT = unavailable_reason()
 OUTAGE_S = 30.0
-
-
-def _start_bootstrap(procs: _Procs, topo: NatTopology, config: Path, tmp_path: Path, name: str) -> subprocess.Popen:
-    (tmp_path / "maddr").unlink(missing_ok=True)
-    return procs.start(
-        topo.public,
-        name,
-        "bootstrap",
-        "--config",
-        str(config),
-        "--host",
-        topo.public_ip,
-        "--port",
-        "31330",
-        "--identity",
-        str(tmp_path / "boot.key"),
-        "--maddr-file",
-        str(tmp_path / "maddr"),
-    )
 
 
 def _steps_by_peer(procs: _Procs, config: Path, maddr: str) -> dict[str, tuple[int, int]]:
@@ -66,7 +46,7 @@ def test_a_nat_only_swarm_trains_on_after_its_bootstrap_was_down_30_s(tmp_path):
     )
     with NatTopology() as topo:
         procs = _Procs(topo, logs)
-        boot = _start_bootstrap(procs, topo, config, tmp_path, "bootstrap")
+        boot = procs.start_bootstrap(config, tmp_path)
         maddr = _wait_file(tmp_path / "maddr", boot, logs / "bootstrap.log", 60)["text"].split()[0]
         common = ["--config", str(config), "--initial-peers", maddr]
         home1 = procs.start(
@@ -89,7 +69,7 @@ def test_a_nat_only_swarm_trains_on_after_its_bootstrap_was_down_30_s(tmp_path):
         boot.wait(timeout=30)
         time.sleep(OUTAGE_S)
         stopped_at = time.monotonic()
-        boot = _start_bootstrap(procs, topo, config, tmp_path, "bootstrap-again")
+        boot = procs.start_bootstrap(config, tmp_path, "bootstrap-again")
         assert _wait_file(tmp_path / "maddr", boot, logs / "bootstrap-again.log", 60)["text"].split()[0] == maddr
 
         # Both homes listed by the restarted bootstrap, and stage 0 past where it stood before the outage.

@@ -37,22 +37,26 @@ class Clock:
         return self.now
 
 
-def test_a_relayed_channel_is_replaced_once_a_connection_of_our_own_appears():
-    certificate = NodeCertificate.generate()
+def relayed_dialer() -> tuple[Dialer, Bridge, Clock]:
+    """A dialer whose one peer's record says `relayed`, through RELAY's circuit."""
     contact = Contact(
         PEER,
         "127.0.0.1:1",
         "relayed",
-        certificate.b64,
+        NodeCertificate.generate().b64,
         (f"/ip4/198.18.0.1/tcp/31330/p2p/{RELAY}/p2p-circuit/p2p/{PEER}",),
     )
 
     async def lookup(peer_id):
         return contact
 
+    bridge, clock = Bridge(), Clock()
+    return Dialer(None, lookup=lookup, bridge=bridge, clock=clock), bridge, clock
+
+
+def test_a_relayed_channel_is_replaced_once_a_connection_of_our_own_appears():
     async def scenario():
-        bridge, clock = Bridge(), Clock()
-        dialer = Dialer(None, lookup=lookup, bridge=bridge, clock=clock)
+        dialer, bridge, clock = relayed_dialer()
         first, path = await dialer.channel(PEER)
         assert path == "relayed" and dialer._through_relay(PEER)
         clock.now += RELAYED_RECHECK_S / 2
@@ -69,17 +73,8 @@ def test_a_relayed_channel_is_replaced_once_a_connection_of_our_own_appears():
 
 
 def test_a_relayed_channel_stays_while_no_connection_of_our_own_exists():
-    certificate = NodeCertificate.generate()
-    contact = Contact(
-        PEER, "127.0.0.1:1", "relayed", certificate.b64, (f"/ip4/198.18.0.1/tcp/1/p2p/{RELAY}/p2p-circuit/p2p/{PEER}",)
-    )
-
-    async def lookup(peer_id):
-        return contact
-
     async def scenario():
-        bridge, clock = Bridge(), Clock()
-        dialer = Dialer(None, lookup=lookup, bridge=bridge, clock=clock)
+        dialer, bridge, clock = relayed_dialer()
         first, _ = await dialer.channel(PEER)
         bridge.path = "relayed"  # connected, but only through a relay
         clock.now += 2 * RELAYED_RECHECK_S
