@@ -91,6 +91,8 @@ def _run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     summary = _run_local(config, args) if args.local else _run_swarm(config, args, out)
     summary["config"] = config.to_dict()
+    if not args.local:
+        summary.update(_keep_the_model(config, out))
     for line in report_lines(summary):
         print(line)
     if summary.get("outer") is not None:
@@ -101,6 +103,30 @@ def _run(args: argparse.Namespace) -> int:
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(f"wrote {out / 'summary.json'}")
     return 0
+
+
+def _keep_the_model(config, out: Path) -> dict:
+    """The run's config as `out/config.toml` and the trained model (phi of the replica furthest on,
+    from the nodes' saved weights) as a Hugging Face model directory `out/model`: what a newcomer
+    wants at the end, and the config `export`/`eval --config` need for it."""
+    from noloco_node.config.dump import to_toml
+    from noloco_node.node.export import ExportError, check_out_dir, write_run_model
+    from noloco_node.node.export_sources import weights_from_checkpoints
+    from noloco_node.node.manifest import load_run_inputs
+
+    config_file = out / "config.toml"
+    sections = {k: v for k, v in config.to_dict().items() if k != "network"}
+    config_file.write_text(to_toml(sections, header=f"The config of the `noloco-node demo` run in {out}."))
+    _, tokenizer, manifest_hash = load_run_inputs(config)
+    try:
+        check_out_dir(out / "model", overwrite=True)
+        logging.getLogger("noloco_node.node.export").setLevel(logging.WARNING)  # its file lines: the demo's noise
+        weights, _ = weights_from_checkpoints([out / "nodes"], config, manifest_hash)
+        model = write_run_model(config, weights, tokenizer, out / "model")
+    except ExportError as exc:
+        print(f"warning: the trained model was not written: {exc}", file=sys.stderr)
+        return {"config_file": str(config_file), "model": None}
+    return {"config_file": str(config_file), "model": str(model)}
 
 
 def _outer_warning(outer: dict, method: str, replicas: int) -> str | None:

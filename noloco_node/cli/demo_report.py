@@ -10,6 +10,8 @@ def report_lines(summary: dict) -> list[str]:
     train loss 7.903 -> 5.871
     microbatches: 160 issued, 160 completed, 0 re-issued, 0 dropped
     outer rounds: 16, 14 paired and 2 solo (1 exchange failed); replica spread 1.204e-03
+    the trained model (a Hugging Face model directory): runs/demo/model
+      try: ...
     """
     wall = f" in {summary['wall_s']:.0f} s" if summary.get("wall_s") else ""
     rate = summary.get("tokens_per_s")
@@ -32,6 +34,13 @@ def report_lines(summary: dict) -> list[str]:
             + "; replica spread "
             + (f"{spread:.3e}" if spread is not None else "n/a (fewer than 2 replicas saved their weights)")
         )
+    if summary.get("model"):
+        model, config_file = summary["model"], summary["config_file"]
+        lines += [
+            f"the trained model (a Hugging Face model directory): {model}",
+            f'  try: noloco-node generate {model} --prompt "And God said"',
+            f"       noloco-node eval --config {config_file} {model}",
+        ]
     return lines
 
 

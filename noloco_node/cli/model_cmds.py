@@ -30,7 +30,10 @@ def register(subparsers) -> None:
         metavar="DIR",
         help="checkpoint directories (checkpoint.dir of the nodes) that hold every stage between them",
     )
-    p.add_argument("--out", type=Path, required=True, help="the model directory to write")
+    p.add_argument(
+        "--out", type=Path, required=True, help="the model directory to write (new or empty; see --overwrite)"
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier export in --out")
     p.add_argument(
         "--average",
         action="store_true",
@@ -66,7 +69,11 @@ def register(subparsers) -> None:
 
 
 def _model_dir(path: Path) -> Path:
+    from transformers.utils import logging as hf_logging
+
     from noloco_node.config import ConfigError
+
+    hf_logging.disable_progress_bar()  # a bar per load of a small model: noise before the answer
 
     if not (path / "config.json").is_file():
         raise ConfigError(
@@ -76,13 +83,14 @@ def _model_dir(path: Path) -> Path:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from noloco_node.node.export import ExportError, weights_from_checkpoints, write_model_dir
+    from noloco_node.node.export import ExportError, check_out_dir, write_run_model
+    from noloco_node.node.export_sources import weights_from_checkpoints
     from noloco_node.node.manifest import load_run_inputs
-    from noloco_node.model.build import resolve_llama_config
 
     config = resolve_config(args, flags={"network": {"initial_peers": args.initial_peers}})
     _, tokenizer, manifest_hash = load_run_inputs(config)
     try:
+        check_out_dir(args.out, overwrite=args.overwrite)
         if args.initial_peers:
             import asyncio
 
@@ -103,14 +111,7 @@ def run_export(args: argparse.Namespace) -> int:
             weights, kind = weights_from_checkpoints(
                 list(args.from_checkpoint), config, manifest_hash, average=args.average
             )
-        llama = resolve_llama_config(config.model, len(tokenizer))
-        if config.model.residual_subspace:  # a plain Llama: the subspace's weights written out dense
-            from noloco_node.model.stage import residual_subspace
-            from noloco_node.model.subspace import dense_weights
-
-            subspace = residual_subspace(llama, config.run.seed, config.model.residual_subspace)
-            weights = dense_weights(weights, subspace, llama.num_hidden_layers)
-        out = write_model_dir(args.out, llama, weights, tokenizer)
+        out = write_run_model(config, weights, tokenizer, args.out)
     except ExportError as exc:
         print(f"noloco-node export: {exc}", file=sys.stderr)
         return 1

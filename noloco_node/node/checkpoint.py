@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
@@ -97,12 +98,33 @@ def saved_meta(directory: Path, stage_index: int) -> dict | None:
         return None
 
 
+class DamagedCheckpoint(ValueError):
+    """A checkpoint whose JSON or weights cannot be read (a disk that filled or failed mid-copy)."""
+
+
 def load(directory: Path, stage_index: int) -> tuple[dict[str, Tensor], dict] | None:
     meta_path = directory / f"stage{stage_index}.json"
     if not meta_path.is_file():
         return None
-    meta = json.loads(meta_path.read_text())
-    return load_file(str(directory / meta["file"])), meta
+    try:
+        meta = json.loads(meta_path.read_text())
+        return load_file(str(directory / meta["file"])), meta
+    except (OSError, ValueError, KeyError, TypeError, SafetensorError) as exc:
+        raise DamagedCheckpoint(f"{exc}") from None
+
+
+def set_aside_damaged(directory: Path, stage_index: int) -> Path:
+    """Move a damaged checkpoint of this stage (its JSON and the file it names) to `damaged-<time>/`
+    beside it: never deleted, never read again."""
+    aside = directory / f"damaged-{time.strftime('%Y%m%d-%H%M%S')}"
+    aside.mkdir(exist_ok=True)
+    meta_path = directory / f"stage{stage_index}.json"
+    meta = saved_meta(directory, stage_index) or {}
+    weights = directory / str(meta.get("file", ""))
+    for path in (weights, meta_path):
+        if path.name and path.is_file():
+            path.replace(aside / path.name)
+    return aside
 
 
 def restore(
@@ -168,7 +190,19 @@ class Checkpointer:
         microbatches} or None."""
         import asyncio
 
-        found = await asyncio.to_thread(load, self.directory, stage_index)
+        try:
+            found = await asyncio.to_thread(load, self.directory, stage_index)
+        except DamagedCheckpoint as exc:
+            aside = await asyncio.to_thread(set_aside_damaged, self.directory, stage_index)
+            logging.getLogger(__name__).warning(
+                "the checkpoint of stage %d in %s cannot be read (%s): moved to %s; this node takes the "
+                "stage's state from a live replica if one serves it, else starts from the run's initial weights",
+                stage_index,
+                self.directory,
+                exc,
+                aside,
+            )
+            return None
         if found is None:
             return None
         tensors, meta = found

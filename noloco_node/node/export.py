@@ -9,13 +9,11 @@ takes their mean; otherwise the newest is used.
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from safetensors.torch import load_file
 
 from noloco_node.config import NodeConfig
 
@@ -35,48 +33,6 @@ STEPS_APART = 100
 """Replicas of one stage further apart than this many inner steps are named when exporting."""
 
 
-def stage_weights(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], str]:
-    """A stage's parameters from a checkpoint's tensors: phi if present, else theta."""
-    for kind in ("phi", "theta"):
-        found = {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith(kind + "/")}
-        if found:
-            return found, kind
-    raise ExportError("the checkpoint holds neither phi/ nor theta/ tensors")
-
-
-def gather_checkpoints(dirs: list[Path], *, num_stages: int, manifest_hash: str) -> dict[int, list[tuple[dict, Path]]]:
-    """stage -> [(meta, weights file)] of every checkpoint of this run found in `dirs`."""
-    found: dict[int, list[tuple[dict, Path]]] = {}
-    metas_of = {directory: sorted(Path(directory).expanduser().glob("stage*.json")) for directory in dirs}
-    empty = [str(directory) for directory, metas in metas_of.items() if not metas]
-    if len(empty) == len(dirs) or any(not _default_slot(Path(d)) for d in empty):
-        raise ExportError(
-            f"{empty[0]} holds no node checkpoint (stage<N>.json); point --from-checkpoint at checkpoint.dir"
-        )
-    for directory in empty:  # a default folder of a node that never got to checkpoint (the glob finds it)
-        log.info("passing over %s: no checkpoint in it", directory)
-    for metas in metas_of.values():
-        for meta_path in metas:
-            meta = json.loads(meta_path.read_text())
-            if meta.get("manifest_hash") != manifest_hash:
-                raise ExportError(
-                    f"{meta_path} is from another run or model (manifest {meta.get('manifest_hash')}, this "
-                    f"config gives {manifest_hash}); pass the run's --config / --set"
-                )
-            found.setdefault(int(meta["stage"]), []).append((meta, meta_path.parent / meta["file"]))
-    missing = [s for s in range(num_stages) if s not in found]
-    if missing:
-        raise ExportError(f"no checkpoint of stage(s) {missing}; every stage of the pipeline is needed")
-    return found
-
-
-def _default_slot(directory: Path) -> bool:
-    """`join`'s own checkpoint folder (node/checkpoint_home.py), which a node that failed to start leaves behind."""
-    from noloco_node.node.checkpoint_home import LOCK_NAME
-
-    return (directory.expanduser() / LOCK_NAME).exists()
-
-
 def merge_stages(per_stage: dict[int, list[dict[str, torch.Tensor]]], average: bool) -> dict[str, torch.Tensor]:
     """One state dict from each stage's replicas' weights: their mean, or the first."""
     merged: dict[str, torch.Tensor] = {}
@@ -90,33 +46,42 @@ def merge_stages(per_stage: dict[int, list[dict[str, torch.Tensor]]], average: b
     return merged
 
 
-def weights_from_checkpoints(
-    dirs: list[Path], config: NodeConfig, manifest_hash: str, *, average: bool = False
-) -> tuple[dict[str, torch.Tensor], str]:
-    found = gather_checkpoints(dirs, num_stages=config.pipeline.num_stages, manifest_hash=manifest_hash)
-    per_stage, kinds = {}, set()
-    for stage, entries in found.items():
-        entries = sorted(entries, key=lambda e: -int(e[0].get("inner_step", 0)))
-        chosen = entries if average else entries[:1]
-        weights = []
-        for meta, path in chosen:
-            tensors, kind = stage_weights(load_file(str(path)))
-            weights.append(tensors)
-            kinds.add(kind)
-            log.info("stage %d: %s from %s (inner step %s)", stage, kind, path, meta.get("inner_step"))
-        per_stage[stage] = weights
-    return merge_stages(per_stage, average), "+".join(sorted(kinds))
+def check_out_dir(out: Path, *, overwrite: bool) -> None:
+    """Refuse an --out that cannot be written, or one that holds files, unless they are an earlier
+    export and `overwrite`: before anything is fetched or written (a live export downloads every
+    stage first; an audit's own config.json was replaced without a word)."""
+    import tempfile
+
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"--out {out} is a file; name a folder (it is made if missing)")
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if held:
+        earlier = (out / "config.json").is_file() and any(out.glob("model*.safetensors"))
+        listed = ", ".join(held[:4]) + (" ..." if len(held) > 4 else "")
+        if not earlier:
+            raise ExportError(f"--out {out} holds files that are not a model ({listed}); name a new folder")
+        if not overwrite:
+            raise ExportError(f"--out {out} holds an earlier export ({listed}); pass --overwrite to replace it")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as exc:
+        raise ExportError(f"cannot write to --out {out} ({exc.strerror or exc}); name a folder you can write") from None
 
 
 def write_model_dir(out: Path, llama_config, weights: dict[str, torch.Tensor], tokenizer) -> Path:
-    """`config.json`, safetensors weights and the tokenizer: what from_pretrained(out) reads."""
+    """`config.json`, safetensors weights and the tokenizer: what from_pretrained(out) reads. The
+    model's special tokens are the tokenizer's (Llama's defaults name ids this tokenizer gives
+    other tokens), its longest input the run's sequence length."""
     from transformers import LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # one line per file written: noise in a terminal and in logs
     llama_config = llama_config.__class__.from_dict(llama_config.to_dict())
-    if getattr(tokenizer, "bos_token_id", None) is not None:
-        llama_config.bos_token_id = tokenizer.bos_token_id
-    if getattr(tokenizer, "eos_token_id", None) is not None:
-        llama_config.eos_token_id = tokenizer.eos_token_id
+    for which in ("bos", "eos", "pad"):
+        setattr(llama_config, f"{which}_token_id", getattr(tokenizer, f"{which}_token_id", None))
+    tokenizer.model_max_length = llama_config.max_position_embeddings
     with torch.device("meta"):
         model = LlamaForCausalLM(llama_config)
     expected = set(model.state_dict())
@@ -126,11 +91,31 @@ def write_model_dir(out: Path, llama_config, weights: dict[str, torch.Tensor], t
             f"unexpected {sorted(set(weights) - expected)[:5]}"
         )
     model.load_state_dict({k: v.contiguous() for k, v in weights.items()}, assign=True)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
-    _readable_like_the_rest(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(out, safe_serialization=True)
+        tokenizer.save_pretrained(out)
+        _readable_like_the_rest(out)
+    except OSError as exc:
+        raise ExportError(
+            f"could not write the model to {out} ({exc.strerror or exc}); free space or name another --out"
+        ) from None
     return out
+
+
+def write_run_model(config: NodeConfig, weights: dict[str, torch.Tensor], tokenizer, out: Path) -> Path:
+    """The run's stages' weights as a plain Llama model directory (a residual-subspace model's
+    weights written out dense)."""
+    from noloco_node.model.build import resolve_llama_config
+
+    llama = resolve_llama_config(config.model, len(tokenizer))
+    if config.model.residual_subspace:
+        from noloco_node.model.stage import residual_subspace
+        from noloco_node.model.subspace import dense_weights
+
+        subspace = residual_subspace(llama, config.run.seed, config.model.residual_subspace)
+        weights = dense_weights(weights, subspace, llama.num_hidden_layers)
+    return write_model_dir(out, llama, weights, tokenizer)
 
 
 def _readable_like_the_rest(out: Path) -> None:
@@ -204,7 +189,10 @@ async def fetch_replicas(
             if fetched:
                 found[stage] = fetched
             if stage not in found:
-                raise ExportError(f"no replica of stage {stage} gave its state: {'; '.join(errors)}")
+                raise ExportError(
+                    f"no replica of stage {stage} gave its state ({'; '.join(errors)}): wait until a node serves "
+                    f"stage {stage}, or export from the nodes' checkpoints (--from-checkpoint DIR ...)"
+                )
             if every_replica and errors:
                 raise ExportError(f"--average needs every replica of stage {stage}; these failed: {'; '.join(errors)}")
     finally:

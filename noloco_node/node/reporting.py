@@ -158,6 +158,7 @@ class TrainingLog:
         self._mark_tokens = 0
         self._next = every_steps
         self._first: tuple[float, int] | None = None  # (when, tokens) at the first tokens seen
+        self._latest: tuple[float, int] | None = None  # (when, tokens) when the tokens last grew
         self._from_step: int | None = None  # the step count this node (since its last move) began at
         self._last_step, self._trained_before, self._moved_at = 0, 0, None
         self.summarized = False
@@ -183,6 +184,8 @@ class TrainingLog:
         checkpoint's steps as this session's (a NAT audit read '340 steps' of a node that trained none)."""
         if self._first is None and tokens > 0:
             self._first = (self.clock(), tokens)
+        if tokens > 0 and (self._latest is None or tokens > self._latest[1]):
+            self._latest = (self.clock(), tokens)  # the rate ends here: not the idle serving after the last step
         if self._from_step is None:
             self._from_step = step
         self._last_step = step
@@ -194,7 +197,7 @@ class TrainingLog:
         self.total = total
         if self._from_step is not None:
             self._trained_before += self._last_step - self._from_step
-        self._from_step, self._first, self._moved_at = None, None, self.clock()
+        self._from_step, self._first, self._latest, self._moved_at = None, None, None, self.clock()
 
     def _session_steps(self, step: int) -> int:
         return self._trained_before + (step - self._from_step if self._from_step is not None else 0)
@@ -205,8 +208,9 @@ class TrainingLog:
         self.summarized = True
         now = self.clock()
         rate = None
-        if self._first is not None and now - self._first[0] > 0 and snap.tokens > self._first[1]:
-            rate = (snap.tokens - self._first[1]) / (now - self._first[0])
+        end = self._latest if self._latest is not None and self._latest[1] >= snap.tokens else (now, snap.tokens)
+        if self._first is not None and end[0] - self._first[0] > 0 and end[1] > self._first[1]:
+            rate = (end[1] - self._first[1]) / (end[0] - self._first[0])
         line = summary_line(
             snap,
             total=self.total,

@@ -94,3 +94,17 @@ def test_demo_noloco_d4_p2(tmp_path):
     # ahead of the others and step solo every time: a CI run under load saw 2 of 8 do so.)
     assert all(summary["bytes_sent_outer"][name] > 0 for name, node in nodes.items() if node["outer"]["paired"] > 0)
     assert sum(b > 0 for b in summary["bytes_sent_outer"].values()) >= 4
+    # The model at the end: a Hugging Face directory of the trained weights, and the run's config to
+    # name it with (an audit's demo left nothing `export` could read).
+    model, config_file = out / "model", out / "config.toml"
+    assert summary["model"] == str(model) and (model / "config.json").is_file()
+    assert f"the trained model (a Hugging Face model directory): {model}" in said
+    held_out = subprocess.run(
+        [sys.executable, "-m", "noloco_node", "eval", "--config", str(config_file), str(model), "--sequences", "8"]
+        + ["--json", "--set", "data.holdout_fraction=0.05"],  # the tiny test config trains on all of its data
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert held_out.returncode == 0, held_out.stderr[-2000:]
+    assert json.loads(held_out.stdout)["loss"] < summary["loss_first"] - 0.5, held_out.stdout

@@ -127,6 +127,21 @@ def test_the_summary_rate_counts_from_the_first_tokens_not_the_wait_before_them(
     )
 
 
+def test_the_summary_rate_ends_at_the_last_trained_tokens_not_the_idle_serving_after_them():
+    # An audit's node trained 80 steps at ~2,700 tok/s, served idle for 5 minutes and read
+    # "230 tok/s mean while training".
+    clock = Clock()
+    report = TrainingLog(0, total=10, clock=clock)
+    report.observe(512, 1)
+    clock.now += 5.0
+    report.observe(5120, 10)
+    for _ in range(30):  # idle ticks: the tokens no longer grow
+        clock.now += 10.0
+        report.observe(5120, 10)
+    summary = report.summary(stage0(step=10, tokens=5120))
+    assert "| 922 tok/s mean while training |" in summary and "305.0 s" in summary
+
+
 def test_a_resumed_node_counts_only_this_sessions_steps_and_a_move_keeps_the_whole_session():
     # A NAT audit: a resumed stage-1 node's summary read "340 steps" when it trained none, and one
     # that copied its stage's state again summed up only the 35 s after that move.

@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import pytest
 
 from noloco_node.node.checkpoint_home import LOCK_NAME
-from noloco_node.node.export import STEPS_APART, ExportError, _live_replicas, gather_checkpoints
+from noloco_node.node.export import STEPS_APART, ExportError, _live_replicas
+from noloco_node.node.export_sources import gather_checkpoints
 
 
 class _Directory:
