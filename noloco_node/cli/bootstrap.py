@@ -35,7 +35,12 @@ def register(subparsers) -> None:
         "--identity", default="bootstrap.key", help="private key file; created once, keeps the peer id stable"
     )
     p.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR", help="other bootstrap peers to link to")
-    p.add_argument("--maddr-file", help="also write the multiaddrs here, one per line (removed at exit)")
+    p.add_argument(
+        "--maddr-file",
+        action="append",
+        default=[],
+        help="also write the multiaddrs here, one per line (removed at exit; repeatable)",
+    )
     p.add_argument(
         "--dashboard",
         metavar="[HOST:]PORT",
@@ -64,8 +69,8 @@ async def _serve(config, args: argparse.Namespace) -> int:
     from noloco_node.rpc.security import read_swarm_key
 
     key = _identity(args.identity)
-    if args.maddr_file:  # one left by a run that was killed would say "up" before we are (compose waits on it)
-        Path(args.maddr_file).unlink(missing_ok=True)
+    for path in args.maddr_file:  # one left by a run that was killed would say "up" before we are (compose waits on it)
+        Path(path).unlink(missing_ok=True)
     stop = stop_on_signals()
     swarm_key = read_swarm_key(config.security)
     directory = await PeerDirectory.start(
@@ -81,8 +86,8 @@ async def _serve(config, args: argparse.Namespace) -> int:
     )
     links, server = await _serve_probes(config, directory, swarm_key)
     maddrs = await directory.visible_maddrs()
-    if args.maddr_file:
-        atomic_write_text(args.maddr_file, "\n".join(maddrs) + "\n")
+    for path in args.maddr_file:
+        atomic_write_text(path, "\n".join(maddrs) + "\n")
     print("bootstrap peer is up; nodes join with:", flush=True)
     program = typed_program(sys.argv[0])
     for line in join_lines(maddrs, config.security.swarm_key_file, args.config, args.overrides, program):
@@ -105,8 +110,8 @@ async def _serve(config, args: argparse.Namespace) -> int:
             await dashboard.close()
         if metrics is not None:
             metrics.stop()
-        if args.maddr_file:
-            Path(args.maddr_file).unlink(missing_ok=True)
+        for path in args.maddr_file:
+            Path(path).unlink(missing_ok=True)
         await links.close()
         await server.stop(1.0)
         await directory.shutdown()

@@ -3,6 +3,8 @@ systemd units parses with the real CLI parser, and the example config names ever
 
 import dataclasses
 import json
+import shutil
+import subprocess
 import re
 import shlex
 from pathlib import Path
@@ -31,12 +33,22 @@ def test_example_config_loads_and_names_every_field():
 
 
 def entrypoint(args: list[str]) -> list[str]:
-    """What deploy/docker-entrypoint.sh runs for `docker run IMAGE ARGS`: flags alone (or none)
-    extend its default join, anything else is a command."""
-    script = (DEPLOY / "docker-entrypoint.sh").read_text()
-    default = shlex.split(re.search(r"^\s*set -- (.*) \"\$@\"$", script, re.M).group(1))
-    assert re.search(r'^exec noloco-node "\$@"$', script, re.M)
-    return default + args if not args or args[0].startswith("-") else args
+    """What deploy/docker-entrypoint.sh runs for `docker run IMAGE ARGS`: the script itself, run by
+    sh with a `noloco-node` that prints its arguments."""
+    import os
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as fake_bin:
+        fake = Path(fake_bin) / "noloco-node"
+        fake.write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
+        fake.chmod(0o755)
+        env = {**os.environ, "PATH": f"{fake_bin}:{os.environ['PATH']}"}
+        ran = subprocess.run(
+            ["sh", str(DEPLOY / "docker-entrypoint.sh"), *args], env=env, capture_output=True, text=True, timeout=10
+        )
+    assert ran.returncode == 0, ran.stderr
+    return ran.stdout.splitlines()
 
 
 def unit_argv(unit: Path) -> list[str]:
@@ -93,8 +105,10 @@ def test_dockerfile_entrypoint_ports_healthcheck_and_build_context():
     assert {join.port, config.dht_port, bootstrap_port} <= exposed
     # The healthcheck asks the default join's own gRPC health service.
     health = json.loads(re.search(r"^HEALTHCHECK .* CMD (\[.*\])$", text, re.M).group(1))
-    assert health[:2] == ["noloco-node", "health"] and health[health.index("--address") + 1] == f"127.0.0.1:{join.port}"
-    parses(health[1:])
+    assert health[0] == "docker-entrypoint.sh"
+    health = entrypoint(health[1:])  # a node's health service (without a bootstrap's maddr file)
+    assert health[0] == "health" and health[health.index("--address") + 1] == f"127.0.0.1:{join.port}"
+    parses(health)
     # The example dials a bootstrap at the port a bootstrap listens on by default.
     assert f"/tcp/{bootstrap_port}/p2p/" in text and "/tcp/31337/p2p/" not in text
     ignored = (DEPLOY.parent / ".dockerignore").read_text().split()
@@ -108,3 +122,35 @@ def test_the_bootstrap_publishes_the_swarm_page_on_the_port_it_exposes():
     assert listen.startswith("0.0.0.0:") and f"{port}:{port}" in compose["ports"]
     argv = unit_argv(DEPLOY / "systemd" / "noloco-bootstrap.service")
     assert argv[argv.index("--dashboard") + 1].startswith("0.0.0.0:")
+
+
+def test_a_named_join_or_bootstrap_gets_the_images_config_ports_and_volume_and_your_flags_win():
+    # An audit's `docker run IMAGE join ...` ran the built-in defaults (run 'local', a random port,
+    # checkpoints in the container), and the docs' bootstrap line served run 'local'.
+    join = build_parser().parse_args(entrypoint(["join", "--initial-peers", MADDR, "--port", "40000"]))
+    assert join.config == "/etc/noloco-node/node.toml" and join.stage == "auto" and join.port == 40000
+    assert "checkpoint.dir=/var/lib/noloco-node/ckpt" in join.overrides
+    boot = build_parser().parse_args(entrypoint(["bootstrap", "--maddr-file", "/shared/bootstrap.maddr"]))
+    assert boot.config == "/etc/noloco-node/node.toml" and boot.port == 31330 and boot.host == "0.0.0.0"
+    assert boot.identity == "/var/lib/noloco-node/bootstrap.key"
+    assert boot.maddr_file == ["/tmp/noloco-bootstrap.maddr", "/shared/bootstrap.maddr"]  # the healthcheck's, and yours
+    assert entrypoint(["status", "--initial-peers", MADDR]) == ["status", "--initial-peers", MADDR]
+    # The healthcheck: a node's health service on the image's port (no bootstrap's file here).
+    assert entrypoint(["health"]) == ["health", "--address", "127.0.0.1:31337"]
+    assert entrypoint(["health", "--address", "127.0.0.1:1"]) == ["health", "--address", "127.0.0.1:1"]
+
+
+def test_units_stay_failed_on_a_bad_config_and_are_hardened():
+    for unit in sorted((DEPLOY / "systemd").glob("*.service")):
+        text = unit.read_text()
+        assert re.search(r"^RestartPreventExitStatus=2 4$", text, re.M), unit.name
+        for line in ("NoNewPrivileges=yes", "ProtectSystem=strict", "PrivateTmp=yes", "CapabilityBoundingSet="):
+            assert re.search(rf"^{re.escape(line)}$", text, re.M), f"{unit.name}: {line}"
+        if shutil.which("systemd-analyze"):  # its own rating, where the tool is installed (Debian: systemd)
+            rated = subprocess.run(
+                ["systemd-analyze", "security", "--offline=true", "--threshold=40", str(unit)],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert rated.returncode == 0, rated.stdout[-2000:] + rated.stderr[-2000:]
