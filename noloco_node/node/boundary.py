@@ -83,7 +83,17 @@ class InnerStepBoundary:
                 e.strerror or e,
             )
             return
-        log.info("checkpoint at inner step %d: %s (%.1f MB)", self.worker.inner_steps, path, path.stat().st_size / 1e6)
+        # Under outer.overlap a round started at this very boundary is still under way: its update is
+        # not in the checkpoint (a resume takes it up at the next round), and the line says so.
+        under_way = self.sync.round_bound_s() > 0
+        log.info(
+            "checkpoint at inner step %d, outer round %d%s: %s (%.1f MB)",
+            self.worker.inner_steps,
+            self.checkpoints.last_saved.get("outer_round", 0),
+            " (the round under way is not in it)" if under_way else "",
+            path,
+            path.stat().st_size / 1e6,
+        )
         self.events.emit("checkpoint", inner_step=self.worker.inner_steps, file=str(path))
 
     def _emit(self, inner_step: int, driver: Stage0Driver | None) -> None:

@@ -162,6 +162,7 @@ class Checkpointer:
         """`identity`: {run_id, manifest_hash, peer_id}, written with every checkpoint."""
         self.directory, self.every_steps, self.identity = directory, every_steps, identity
         self.compute, self.stage, self.inner, self.outer = compute, stage, inner, outer
+        self.last_saved: dict = {}  # the counters of the last checkpoint written
 
     def due(self, inner_step: int) -> bool:
         return inner_step % self.every_steps == 0
@@ -174,7 +175,9 @@ class Checkpointer:
         tensors, counters = await self.compute.run(collect, self.stage, self.inner, self.outer)
         if microbatches is not None:
             counters["microbatches"] = microbatches
-        return await asyncio.to_thread(save, self.directory, stage_index, tensors, counters, self.identity)
+        path = await asyncio.to_thread(save, self.directory, stage_index, tensors, counters, self.identity)
+        self.last_saved = counters
+        return path
 
     async def saved_step(self, stage_index: int) -> int | None:
         """The inner step of this run's checkpoint of `stage_index` here, or None."""

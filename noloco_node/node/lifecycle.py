@@ -240,7 +240,11 @@ class Node:
     async def _resume(self) -> None:
         self.resumed_from = await self.checkpoints.resume(self.stage_index)
         if self.resumed_from is not None:
-            log.info("resumed from checkpoint at inner step %d", self.resumed_from["inner_step"])
+            log.info(
+                "resumed from checkpoint at inner step %d, outer round %d",
+                self.resumed_from["inner_step"],
+                self.resumed_from["outer_round"],
+            )
             self.sync.start_at(self.resumed_from["outer_round"])
 
     # ---- parts other modules read -----------------------------------------------------------
