@@ -19,15 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import random
-import tempfile
 from collections import Counter
 from pathlib import Path
 
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
+from noloco_node.transport.bridge_dirs import make_bridge_dir
 from noloco_node.transport.relay import RELAY_PROTOCOL, RELAYED_PROTOCOL, RelayRefused, ask_relay
 from noloco_node.transport.splice import splice
 
@@ -102,8 +101,7 @@ class Libp2pBridge:
         self._origins: dict[tuple[str, int], tuple[str, str]] = {}
         self._grpc_port: int | None = None
         self._tls_target: tuple[str, int] | None = None
-        self._dir = tempfile.TemporaryDirectory(prefix="noloco-bridge-")
-        os.chmod(self._dir.name, 0o700)  # only this user's processes may speak as us through it
+        self._dir = make_bridge_dir()  # private to this user, and swept once this process is gone
         self._endpoints: dict[tuple[str, str], tuple[asyncio.AbstractServer, str]] = {}
         self._addrs: dict[str, list[str]] = {}
         self._relays: dict[str, list[tuple[str, str]]] = {}
