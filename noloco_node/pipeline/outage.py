@@ -24,13 +24,26 @@ class ReceiverOutage:
         self.missed = 0  # sends that found no receiver in this outage
         self.since: float | None = None
 
-    def miss(self, key: MicrobatchKey, deadline_s: float) -> None:
-        """A microbatch no replica of the stage took within `deadline_s`."""
+    def miss(self, key: MicrobatchKey, deadline_s: float, *, started: float, failed: dict[str, str]) -> None:
+        """A microbatch no replica of the stage took within `deadline_s` of monotonic time
+        `started`; `failed`: why each replica that was tried refused it or did not answer."""
         self.missed += 1
         if self.since is not None:
             log.debug("no replica of stage %d took microbatch %s within %.0f s", self.stage, key, deadline_s)
             return
-        self.since = time.monotonic()
+        self.since = started
+        if failed:  # replicas were listed: they failed, nobody is missing (a soak's frozen replica)
+            why = "; ".join(f"{peer[-8:]}: {reason}" for peer, reason in list(failed.items())[:3])
+            log.warning(
+                "no replica of stage %d took microbatch %s within %.0f s: the %d tried failed (%s); "
+                "microbatches wait (said again when one takes them)",
+                self.stage,
+                key,
+                deadline_s,
+                len(failed),
+                why,
+            )
+            return
         log.warning(
             "no replica of stage %d took microbatch %s within %.0f s: microbatches wait for one "
             "(a node serving stage %d fixes it; said again when one takes them)",

@@ -239,14 +239,16 @@ class StageRuntime:
         microbatch) are skipped while any other is available. `token_ids` go along only when the
         model has a residual subspace. Returns the peer id that accepted it, or None."""
         token_ids = token_ids if self.shape.carries_token_ids else None
-        deadline = time.monotonic() + self.send_deadline_s
+        started = time.monotonic()
+        deadline = started + self.send_deadline_s
         tried: set[str] = set(avoid)
+        failed: dict[str, str] = {}
         delay = 0.05
         while time.monotonic() < deadline:
             candidates = await self.directory.replicas(self.shape.stage + 1)
             balanced = await self._balanced_receiver(candidates, key) if self._routes_balanced(tried) else None
             peer = balanced or (None if self.lockstep else self.router.pick(candidates, exclude=tried))
-            self.outage.looked(key, listed=bool(candidates), started=deadline - self.send_deadline_s)
+            self.outage.looked(key, listed=bool(candidates), started=started)
             if peer is None:
                 # All tried once (or banned), or (lockstep) the stages' views differ for now: look again soon.
                 tried.clear()
@@ -268,13 +270,15 @@ class StageRuntime:
                 return peer.peer_id
             except PeerBusy:
                 tried.add(peer.peer_id)
+                failed[peer.peer_id] = "busy"
                 if self.lockstep:  # the same receiver again, after a pause
                     delay = await _back_off(delay, deadline)
             except NodeError as exc:
                 tried.add(peer.peer_id)
+                failed[peer.peer_id] = str(exc)[:120]
                 if self._forward_failed(key, peer.peer_id, exc):
                     delay = await _back_off(delay, deadline)
-        self.outage.miss(key, self.send_deadline_s)
+        self.outage.miss(key, self.send_deadline_s, started=started, failed=failed)
         return None
 
     def _forwarded(self, key: MicrobatchKey, peer_id: str, *, routed_balanced: bool) -> None:

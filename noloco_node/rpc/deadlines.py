@@ -72,9 +72,14 @@ async def paced(messages: Iterable, progress: Progress) -> AsyncIterator:
     progress.sending = False
 
 
-async def while_sending(call: Awaitable[T], progress: Progress, cancel: Callable[[], object]) -> T:
+async def while_sending(
+    call: Awaitable[T], progress: Progress, cancel: Callable[[], object], reply_s: float | None = None
+) -> T:
     """Await a client-streaming call fed by `paced`: cut it (cancel, TransferTimedOut) when no
-    message goes out for the progress deadline. Once all is sent, the call's own deadline rules."""
+    message goes out for the progress deadline, or, with `reply_s`, when no reply comes within
+    `reply_s` of the last message written (what is still buffered on its way, then the peer's
+    answer: a stopped peer whose kernel took the bytes held each call for its whole total deadline,
+    30 s, in a soak). Without `reply_s`, the call's own deadline rules once all is sent."""
 
     async def result() -> T:
         return await call
@@ -83,12 +88,17 @@ async def while_sending(call: Awaitable[T], progress: Progress, cancel: Callable
     try:
         while True:
             left = None
-            if progress.sending:
-                try:
+            try:
+                if progress.sending:
                     left = progress.check(reads_only=False)
-                except TransferTimedOut:
-                    cancel()
-                    raise
+                elif reply_s is not None:
+                    waited = progress.clock() - progress.wrote
+                    if waited >= reply_s:
+                        raise TransferTimedOut(f"no reply {waited:.1f} s after the last message written")
+                    left = reply_s - waited
+            except TransferTimedOut:
+                cancel()
+                raise
             done, _ = await asyncio.wait({waiter}, timeout=left)
             if done:
                 return waiter.result()

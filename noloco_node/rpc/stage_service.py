@@ -41,6 +41,9 @@ log = logging.getLogger(__name__)
 # message is in: a message over gRPC's own limit resets the stream mid-write, and the sender then
 # sees INTERNAL or RESOURCE_EXHAUSTED depending on timing.
 MAX_HEADER_BYTES = 1 << 20
+BUFFERED_BYTES = 16 << 20
+"""What may still be on its way to a peer when gRPC has taken a call's last message: HTTP/2's
+flow-control window (grown by BDP probing) and the kernel's socket buffers."""
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", 16 << 20),
     ("grpc.max_receive_message_length", 16 << 20),
@@ -367,8 +370,11 @@ class StageClient:
         call = getattr(stub, method)(
             paced(messages, progress), timeout=self.deadlines.total_s(peer_id, payload_bytes, SENT)
         )
+        # After the last message: what flow control and the socket may still hold, then the peer's
+        # answer (it acks once the payload is in: compute runs off the call).
+        reply_s = progress.stall_s + self.deadlines.transfer_s(peer_id, min(payload_bytes, BUFFERED_BYTES), SENT)
         try:
-            await while_sending(call, progress, call.cancel)
+            await while_sending(call, progress, call.cancel, reply_s)
         except grpc.aio.AioRpcError as exc:
             raise error_from_rpc(exc, f"{peer_id[-8:]} ({path})") from None
         finally:

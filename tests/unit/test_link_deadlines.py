@@ -192,6 +192,43 @@ def test_a_slow_sender_finishes_and_a_stuck_one_is_cut_at_the_progress_deadline(
     asyncio.run(main())
 
 
+class SentThenSilent:
+    """A call whose messages all go out (a stopped peer's kernel takes them) and whose reply comes
+    after `reply_after_s` (never, by default)."""
+
+    def __init__(self, messages, reply_after_s: float = 3600.0) -> None:
+        self.messages, self.reply_after_s, self.cancelled = messages, reply_after_s, False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    def __await__(self):
+        return self._run().__await__()
+
+    async def _run(self):
+        async for _ in self.messages:
+            pass
+        await asyncio.sleep(self.reply_after_s)
+        return "ack"
+
+
+def test_a_peer_that_takes_every_message_and_never_answers_is_cut_at_the_reply_deadline():
+    # A soak's SIGSTOPped replica held each Forward for its whole total deadline (30 s) and the
+    # pipeline with it; the live replica beside it was never tried.
+    async def main():
+        progress = Progress(0.2)
+        call = SentThenSilent(paced(range(3), progress))
+        start = time.monotonic()
+        with pytest.raises(TransferTimedOut, match="no reply"):
+            await while_sending(call, progress, call.cancel, reply_s=0.5)
+        assert call.cancelled and 0.5 <= time.monotonic() - start < 2.0
+        progress = Progress(0.2)
+        call = SentThenSilent(paced(range(3), progress), reply_after_s=0.1)
+        assert await while_sending(call, progress, call.cancel, reply_s=1.0) == "ack" and not call.cancelled
+
+    asyncio.run(main())
+
+
 # ---- the outer exchange over in-memory streams ----------------------------------------------
 def _snapshot(seed: int, numel: int) -> tuple[EncodedSnapshot, list[ExpectedTensor]]:
     x = torch.randn(numel, generator=torch.Generator().manual_seed(seed))

@@ -94,3 +94,19 @@ def test_a_send_that_finds_the_stage_empty_says_so_before_its_deadline_and_its_m
     assert len(warnings) == 1 and warnings[0].startswith("stage 1 lists no replica: microbatch s0r0#"), warnings
     back = [m for level, m in messages if level == logging.INFO and "takes microbatches again" in m]
     assert len(back) == 1 and back[0].startswith("stage 1 takes microbatches again after") and "sends" not in back[0]
+
+
+def test_replicas_that_were_listed_and_failed_are_named_not_a_missing_stage(caplog):
+    # A soak: a frozen replica's timeout was worded "a node serving stage 1 fixes it", with
+    # another replica serving, then "takes microbatches again after 0 s".
+    import time
+
+    from noloco_node.pipeline.outage import ReceiverOutage
+
+    outage = ReceiverOutage(1)
+    with caplog.at_level(logging.INFO, logger="noloco_node"):
+        outage.miss("k", 30.0, started=time.monotonic() - 30.0, failed={"Qm000ekrSVEV5": "DEADLINE_EXCEEDED"})
+        outage.took()
+    warning, back = [r.getMessage() for r in caplog.records]
+    assert "the 1 tried failed (ekrSVEV5: DEADLINE_EXCEEDED)" in warning and "serving stage 1 fixes" not in warning
+    assert back.startswith("stage 1 takes microbatches again after 30 s")
