@@ -18,14 +18,25 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+MAX_ANNOUNCING = 2
+"""Stores of our record in flight at once (each renews it at the peers that answer)."""
+
 
 async def heartbeat(node: Node) -> None:
-    """Every timeouts.heartbeat_s until cancelled: measure, keep in touch with the DHT, look around,
-    announce our record, expire saved inputs, re-probe our reach, and (behind NAT) dial out."""
+    """Every timeouts.heartbeat_s until cancelled, on time: measure, keep in touch with the DHT,
+    announce our record, look around, expire saved inputs, re-probe our reach, and (behind NAT)
+    dial out. The DHT's calls run in tasks of their own, so one that waits on a hung peer holds up
+    neither the next period nor our record: in a soak, a SIGSTOPped peer made healthy replicas'
+    records 4-7 s old against an 8 s lifetime (the lookup and the store took turns with the sleep)."""
     touch, look = Every(), Every()
-    touching: asyncio.Task | None = None
+    touching = looking = None
+    announcing: set[asyncio.Task] = set()
+    period = node.config.timeouts.heartbeat_s
+    loop = asyncio.get_running_loop()
+    next_at = loop.time() + period
     while True:
-        await asyncio.sleep(node.config.timeouts.heartbeat_s)
+        await asyncio.sleep(max(0.0, next_at - loop.time()))
+        next_at = max(next_at + period, loop.time() + period / 10)
         try:
             node.meter.sample(
                 sequences=node.worker.sequences_total,
@@ -34,10 +45,14 @@ async def heartbeat(node: Node) -> None:
                 window=node.config.pipeline.max_in_flight,
             )
             if (touching is None or touching.done()) and touch.due(TOUCH_PERIOD_S):
-                # Its own task: a dead peer takes seconds.
                 touching = node.spawn(node.directory.keep_in_touch())
-            await _look_around(node, look)
-            await node.announce()
+            # A store reaches the healthy peers at once and returns when the slowest answered or
+            # timed out: a second one may start meanwhile, not more.
+            announcing = {task for task in announcing if not task.done()}
+            if len(announcing) < MAX_ANNOUNCING:
+                announcing.add(node.spawn(_logged(node, node.announce(), "announcing our record")))
+            if looking is None or looking.done():
+                looking = node.spawn(_logged(node, _look_around(node, look), "looking around"))
             await node.runtime.expire_saved()
             if node.reprobe is not None and node.reprobe.due():  # its own task: a probe takes seconds
                 node.spawn(node.reprobe.run())
@@ -47,10 +62,21 @@ async def heartbeat(node: Node) -> None:
                     await public_libp2p_addrs(node.directory, node.config.pipeline.num_stages)
                 )
         except Exception as exc:  # noqa: BLE001 - a failed heartbeat is retried next period
-            if node.stopping:  # a Ctrl-C or systemd's stop reaches our libp2p daemon too: expected
-                log.info("heartbeat while stopping: %r", exc)
-            else:
-                log.exception("heartbeat failed")
+            _failed(node, exc, "heartbeat")
+
+
+async def _logged(node: Node, work, what: str) -> None:
+    try:
+        await work
+    except Exception as exc:  # noqa: BLE001 - retried next period
+        _failed(node, exc, what)
+
+
+def _failed(node: Node, exc: Exception, what: str) -> None:
+    if node.stopping:  # a Ctrl-C or systemd's stop reaches our libp2p daemon too: expected
+        log.info("%s while stopping: %r", what, exc)
+    else:
+        log.error("%s failed", what, exc_info=exc)
 
 
 async def _look_around(node: Node, look: Every) -> None:
