@@ -1,7 +1,9 @@
 """Test-wide settings: nothing may reach a model or data hub, and caches stay per session."""
 
+import atexit
 import logging
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -10,7 +12,9 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="noloco-hf-datasets-"))
+if "HF_DATASETS_CACHE" not in os.environ:  # one per test process, removed when it ends (650 were left in /tmp)
+    os.environ["HF_DATASETS_CACHE"] = tempfile.mkdtemp(prefix="noloco-hf-datasets-")
+    atexit.register(shutil.rmtree, os.environ["HF_DATASETS_CACHE"], ignore_errors=True)
 # One torch thread per test process (read by torch when it loads, so before any test imports it).
 # Two workers already keep the 2 cores busy, beside the integration tests' node processes: with
 # torch's default of a thread per core, each parallel op waits for a thread the OS has parked. A

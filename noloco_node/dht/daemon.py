@@ -43,6 +43,7 @@ async def join_dht(args: dict, validator: CompositeValidator, p2p_options: dict 
             dht_mode="client" if args["client_mode"] else "server",
             **options,
         )
+        args["key"].close()  # the daemon has read its key: no copy of it waits in /tmp for a kill -9
         node = await asyncio.wait_for(
             DHTNode.create(
                 p2p=p2p,
@@ -57,6 +58,7 @@ async def join_dht(args: dict, validator: CompositeValidator, p2p_options: dict 
         # hivemind raises RuntimeError when no initial peer answered a ping: they are down,
         # unreachable, or (in a keyed swarm) ignoring us because our swarm key differs.
         where = ", ".join(initial_peers) or "(none)"
+        args["key"].close()
         if p2p is not None:
             await p2p.shutdown()
         hint = BootstrapError.hint + ("" if swarm_key is None else "; and that your swarm key is the swarm's")

@@ -82,6 +82,9 @@ class DriverSettings:
 
 HOP_CHECK_S = 1.0
 """How often a microbatch waiting for its gradient checks whether its next hop became unreachable."""
+PROBE_AFTER_S = 5.0
+"""A microbatch whose gradient is not back this long after it was sent asks its next hop's health
+service whether it still answers (and again every as long): one check per hop, however many wait."""
 
 
 class HopLost(Exception):
@@ -234,13 +237,19 @@ class Stage0Driver:
         replica held its microbatches for the whole timeout before (60 s a newcomer saw: the
         node trained nothing, fell behind its stage and had to copy its state again)."""
         since = time.monotonic()
-        end = since + self.timeout_s
+        end, probe_at = since + self.timeout_s, since + PROBE_AFTER_S
         while (left := end - time.monotonic()) > 0:
             try:
                 return await asyncio.wait_for(asyncio.shield(future), timeout=min(left, HOP_CHECK_S))
             except asyncio.TimeoutError:
                 if self.runtime.unreachable_at.get(sent, -math.inf) > since:
                     raise HopLost(f"its next hop {sent[-8:]} stopped answering") from None
+                # Nothing else may call a hop that stopped with our microbatches in it (a whole
+                # batch there): ask it. A soak's SIGSTOPped replica stopped stage 0 for its freeze.
+                if time.monotonic() >= probe_at:
+                    probe_at = time.monotonic() + PROBE_AFTER_S
+                    if not await self.runtime.hop_answers(sent):
+                        raise HopLost(f"its next hop {sent[-8:]} does not answer a health check") from None
         raise asyncio.TimeoutError
 
     async def _whole(self, sequence: int, inputs: Tensor, labels: Tensor) -> None:

@@ -153,6 +153,9 @@ class MemoryStageTransport:
         self.bytes_sent += size
         await handler.accept_backward(ticket, tensor)
 
+    async def answers(self, peer_id: str) -> bool:
+        return peer_id in self.network.handlers and peer_id not in self.network.down
+
 
 class MemoryDirectory:
     """pipeline.ports.ReplicaDirectory, sync.ports.MatchingDirectory and sync.ports.StageProgress

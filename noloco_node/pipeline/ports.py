@@ -71,6 +71,10 @@ class StageTransport(Protocol):
     ) -> None:
         """Deliver the gradient of the receiver's output (the upstream hop `peer_id`), with the loss."""
 
+    async def answers(self, peer_id: str) -> bool:
+        """Whether `peer_id` answers a health check within its link's progress deadline: a replica
+        that holds our microbatches and stopped (SIGSTOP, swapping) answers nothing."""
+
 
 class ReplicaDirectory(Protocol):
     async def replicas(self, stage: int) -> list[Peer]:

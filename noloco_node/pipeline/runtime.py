@@ -64,7 +64,8 @@ class StageRuntime:
         self._last_hooked_step = 0
         self._method_step_lock = asyncio.Lock()
         self.in_flight: dict[MicrobatchKey, Ticket] = {}
-        self.unreachable_at: dict[str, float] = {}  # next-stage replica -> when a call to it last failed so
+        self.unreachable_at: dict[str, float] = {}  # next-stage replica -> when it last failed as unreachable
+        self._probes: dict[str, asyncio.Task] = {}  # next-stage replica -> its health check under way
         self.stats = RuntimeStats()
         self.outage = ReceiverOutage(shape.stage + 1)
         self.accepting = True
@@ -280,6 +281,18 @@ class StageRuntime:
                     delay = await _back_off(delay, deadline)
         self.outage.miss(key, self.send_deadline_s, started=started, failed=failed)
         return None
+
+    async def hop_answers(self, peer_id: str) -> bool:
+        """Whether a next-stage replica that holds microbatches of ours answers a health check (one
+        check at a time per replica, however many wait on it); one that does not is marked
+        unreachable, which ends the wait of every microbatch it holds (driver.py)."""
+        probe = self._probes.get(peer_id)
+        if probe is None or probe.done():
+            probe = self._probes[peer_id] = asyncio.ensure_future(self.transport.answers(peer_id))
+        answered = await asyncio.shield(probe)
+        if not answered:
+            self.unreachable_at[peer_id] = time.monotonic()
+        return answered
 
     def _forwarded(self, key: MicrobatchKey, peer_id: str, *, routed_balanced: bool) -> None:
         ticket = self.in_flight.get(key)

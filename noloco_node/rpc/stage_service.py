@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 import torch
 from torch import Tensor
 
@@ -383,6 +384,17 @@ class StageClient:
         self.deadlines.estimates.observe(peer_id, payload_bytes, time.monotonic() - start, SENT)
         self.bytes_sent += payload_bytes
         self.dialer.count_sent(path, payload_bytes)
+
+    async def answers(self, peer_id: str) -> bool:
+        """Whether the peer's health service answers within the link's progress deadline."""
+        try:
+            channel, _ = await self.dialer.channel(peer_id)
+            await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=self.deadlines.stall_s(peer_id, SENT)
+            )
+            return True
+        except (NodeError, grpc.aio.AioRpcError, asyncio.TimeoutError):
+            return False
 
     async def close(self) -> None:
         self._stubs.clear()

@@ -50,3 +50,6 @@ class GrpcStageTransport:
         await self.client.backward(
             peer_id, microbatch=_microbatch(key), target_stage=target_stage, grad=grad, loss=loss, num_tokens=num_tokens
         )
+
+    async def answers(self, peer_id: str) -> bool:
+        return await self.client.answers(peer_id)

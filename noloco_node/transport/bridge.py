@@ -304,4 +304,5 @@ class Libp2pBridge:
                 await self.p2p.remove_binary_stream_handler(RELAYED_PROTOCOL)
         except Exception as exc:  # noqa: BLE001 - the daemon may already be gone
             log.debug("bridge handlers not removed: %r", exc)
-        self._dir.cleanup()
+        finally:  # also when a shutdown's deadline cancels us: a soak found a clean exit's folder left
+            self._dir.cleanup()

@@ -127,9 +127,13 @@ class Links:
         return []
 
     async def close(self) -> None:
-        await self.dialer.close()
-        if self.relay is not None:
-            await self.relay.close()
-        if self.bridge is not None:
-            await self.bridge.close()
-        self.identity.close()
+        try:
+            await self.dialer.close()
+            if self.relay is not None:
+                await self.relay.close()
+        finally:  # what holds files (the bridge's socket folder, the identity's) is closed whatever failed
+            try:
+                if self.bridge is not None:
+                    await self.bridge.close()
+            finally:
+                self.identity.close()
