@@ -10,6 +10,8 @@ HISTORY_POINTS = 720
 MAX_SERIES = 256
 """Replicas tracked per series family: records are bounded by the DHT, this bounds our memory too."""
 HISTORY_SCHEMA = "noloco-node/history/1"
+STEADY_CHANGES = 6
+"""Inner-step changes a replica's points must show before a pause of it is judged against them."""
 
 
 class Series:
@@ -67,6 +69,18 @@ class SwarmHistory:
             self.inner_step.setdefault(peer, Series(self.limit)).add(updated, row["inner_step"])
             if row.get("loss") is not None:
                 self.loss.setdefault(peer, Series(self.limit)).add(updated, row["inner_step"], row["loss"])
+
+    def stalled_s(self, peer: str) -> tuple[float, float] | None:
+        """(seconds from `peer`'s last inner-step change to its newest record, its median seconds
+        between changes before), all on the replica's own clock (its records' updated_at: another
+        machine's clock may be off); None while there are too few changes to tell."""
+        series = self.inner_step.get(peer)
+        points = series.as_list() if series is not None else []
+        changes = [b[0] for a, b in zip(points, points[1:]) if b[1] != a[1]]
+        if len(changes) < STEADY_CHANGES:
+            return None
+        gaps = sorted(b - a for a, b in zip(changes[-STEADY_CHANGES:], changes[-STEADY_CHANGES + 1 :]))
+        return points[-1][0] - changes[-1], gaps[len(gaps) // 2]
 
     def _forget_oldest(self) -> None:
         oldest = min(self._seen, key=self._seen.get)

@@ -135,6 +135,27 @@ def silent_notes(rows: list[dict], heartbeat_s: float, ttl_s: float) -> list[str
     ]
 
 
+STALL_FLOOR_S = 30.0
+"""A stage-0 replica that took no inner step for this long, and for STALL_TIMES its usual time
+between steps, is named: the one-minute mean of tokens/s hides a stall that long (a soak's page
+read 2,538 tok/s and every replica serving 30 s into a stop of the whole pipeline)."""
+STALL_TIMES = 10
+
+
+def stall_notes(rows: list[dict], history: SwarmHistory) -> list[str]:
+    notes = []
+    for row in rows:
+        if row["stage"] != 0 or row["status"] in ("leaving", "joining"):
+            continue
+        paused = history.stalled_s(row["peer_id"])
+        if paused is not None and paused[0] > max(STALL_FLOOR_S, STALL_TIMES * paused[1]):
+            notes.append(
+                f"replica {row['peer_id'][-8:]} (stage 0) has taken no inner step for {paused[0]:.0f} s (one every "
+                f"{paused[1]:.1f} s before): its pipeline is stalled; its log and `noloco-node status` say why"
+            )
+    return notes
+
+
 def limiting_reason(capacity: dict[int, list[float]], limit: int | None) -> str:
     totals = {s: sum(c) for s, c in capacity.items()}
     if limit is None:
@@ -224,6 +245,8 @@ class SwarmView:
         rows = await read_rows(self.read, self.config.pipeline.num_stages, now)
         latest = swarm_json(rows, self.config, now=now)
         self.history.observe(now, rows, latest["tokens_per_s"])
+        if not latest["finished"]:
+            latest["attention"][:0] = stall_notes(rows, self.history)
         self._latest, self._read_at = latest, self.clock()
         if self.history_file is not None and self.clock() - self._saved_at >= self.save_every_s:
             await self.save()

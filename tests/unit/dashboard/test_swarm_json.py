@@ -162,3 +162,29 @@ def test_the_models_shape_is_the_presets_with_set_fields_over_it_and_unknown_for
     (tmp_path / "config.json").write_text("{}")
     from_file = load_config(overrides=[f"model.config={tmp_path / 'config.json'}"])
     assert swarm_json([], from_file, now=0.0)["run"]["model"]["hidden_size"] is None
+
+
+def test_a_stage0_replica_whose_records_go_on_without_a_step_is_named_as_stalled():
+    # A soak's page read 2,538 tok/s and every replica serving 30 s into a stop of the pipeline.
+    from noloco_node.dashboard.swarm import STALL_FLOOR_S, stall_notes
+
+    history = SwarmHistory()
+    stalled, steady, served = [], [], []
+    for t in range(60):  # records every second; steps every second for 20 s, then none for 40 s
+        rows_now = [
+            {"peer_id": "QmStage0AAAAAAAA", "stage": 0, "status": "serving", "updated_at": float(t),
+             "inner_step": min(t, 20), "loss": None},
+            {"peer_id": "QmStage0BBBBBBBB", "stage": 0, "status": "serving", "updated_at": float(t),
+             "inner_step": t, "loss": None},
+            {"peer_id": "QmStage1CCCCCCCC", "stage": 1, "status": "serving", "updated_at": float(t),
+             "inner_step": min(t, 20), "loss": None},
+        ]  # fmt: skip
+        history.observe(1000.0 + t, rows_now, tokens_per_s=100.0)
+        notes = stall_notes(rows_now, history)
+        (stalled if any("AAAAAAAA" in n for n in notes) else steady).append(t)
+        served += [n for n in notes if "BBBBBBBB" in n or "CCCCCCCC" in n]
+    assert stalled and min(stalled) == 20 + STALL_FLOOR_S + 1 and max(steady) == 20 + STALL_FLOOR_S, (stalled, steady)
+    assert served == []  # a replica stepping on, and a later stage (it waits on stage 0), are not named
+    [note] = stall_notes(rows_now, history)
+    assert note.startswith("replica AAAAAAAA (stage 0) has taken no inner step for 39 s (one every 1.0 s before)")
+    assert stall_notes([dict(rows_now[0], status="leaving")], history) == []
