@@ -16,6 +16,10 @@ from noloco_node.runtime.link_estimates import RECEIVED, LinkDeadlines
 
 T = TypeVar("T")
 
+BUFFERED_BYTES = 16 << 20
+"""What may still be on its way to a peer when gRPC has taken a call's last message: HTTP/2's
+flow-control window (grown by BDP probing) and the kernel's socket buffers."""
+
 
 class TransferTimedOut(PeerUnavailable):
     """A transfer stalled (no message within its progress deadline) or ran past its total deadline."""

@@ -29,7 +29,7 @@ from noloco_node.optim.integrity import RunningBounds
 from noloco_node.pipeline.ports import BackwardCall, ForwardCall, Hop, MicrobatchKey, StageHandler
 from noloco_node.rpc.admission import CALLER, POISONED
 from noloco_node.rpc.checks import ServedRun, check_caller
-from noloco_node.rpc.deadlines import Progress, paced, while_sending
+from noloco_node.rpc.deadlines import BUFFERED_BYTES, Progress, paced, while_sending
 from noloco_node.rpc.status import abort_with, error_from_rpc, status_of
 from noloco_node.rpc.stubs import StubCache
 from noloco_node.rpc.tensors import PayloadReceiver, chunk_messages, encode_tensor, header_to_spec, spec_to_header
@@ -42,9 +42,6 @@ log = logging.getLogger(__name__)
 # message is in: a message over gRPC's own limit resets the stream mid-write, and the sender then
 # sees INTERNAL or RESOURCE_EXHAUSTED depending on timing.
 MAX_HEADER_BYTES = 1 << 20
-BUFFERED_BYTES = 16 << 20
-"""What may still be on its way to a peer when gRPC has taken a call's last message: HTTP/2's
-flow-control window (grown by BDP probing) and the kernel's socket buffers."""
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", 16 << 20),
     ("grpc.max_receive_message_length", 16 << 20),
