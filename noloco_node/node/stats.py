@@ -15,7 +15,7 @@ from noloco_node.node.attention import NodeView, attention, for_record
 from noloco_node.node.catching_up import copy_again_in_vain
 from noloco_node.node.reporting import Snapshot
 from noloco_node.runtime.memory import peak_memory_bytes
-from noloco_node.runtime.node_stats import IntegrityStats, NodeStats, TransportStats, WorkStats
+from noloco_node.runtime.node_stats import IntegrityStats, NodeStats, RoundBytes, TransportStats, WorkStats
 
 if TYPE_CHECKING:
     from noloco_node.node.lifecycle import Node
@@ -181,7 +181,7 @@ def stage_record(node: Node) -> StageRecord:
         move_claimed_at=node.move_claimed_at,
         memory_estimate_bytes=parts.memory_estimate_bytes,
         memory_peak_bytes=max(0, peak_memory_bytes(parts.device) - parts.memory_baseline_bytes),
-        outer_round_bytes=node.sync.stats_view().bytes_per_round.last if node.traits.syncs else 0,
+        outer_round_bytes=RoundBytes.last_of(node.sync.counters.history) if node.traits.syncs else 0,
         loss=last_loss(node),
         attention=for_record(node_attention(node)),
         **node.meter.record_fields(),

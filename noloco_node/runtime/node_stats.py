@@ -10,6 +10,7 @@ they are whatever the fields here are called (tests/unit/node/test_node_stats.py
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -199,6 +200,15 @@ class RoundBytes:
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)
+
+    @staticmethod
+    def last_of(history: Sequence[dict]) -> int:
+        """The last round's payload bytes, read from the end (what the record carries each
+        heartbeat: `of` went over the whole history, thousands of rounds in a long run)."""
+        for entry in reversed(history):
+            if isinstance(entry.get("bytes"), dict):
+                return int(sum(entry["bytes"].values()))
+        return 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

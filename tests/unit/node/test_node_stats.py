@@ -119,6 +119,8 @@ def test_typed_reads_spare_the_readers_the_keys():
     assert stats.work.served == 7 and stats.outer.last_round["outcome"] == "solo"
     assert sample_stats(driver=False, outer=False).loss is None
     assert RoundBytes.of([]) == RoundBytes(last=0, mean=0.0, fp32_fraction=0.0)
+    history = [{"bytes": {"phi": 3, "delta": 4}}, {"outcome": "solo"}, {"bytes": {"phi": 5, "delta": 1}}, {}]
+    assert RoundBytes.last_of(history) == RoundBytes.of(history).last == 6 and RoundBytes.last_of([]) == 0
 
 
 def test_a_stage_0_whose_recopy_landed_at_its_last_step_keeps_its_predecessors_microbatches():
