@@ -27,7 +27,6 @@ import sys
 from dataclasses import dataclass
 
 from noloco_node.cli.common import add_config_flags, require_initial_peers, resolve_config
-from noloco_node.cli.other_run import other_run
 from noloco_node.runtime.node_status import Status
 
 CODES = {"python": 10, "cuda": 11, "port": 12, "dht": 13, "reach": 14, "clock": 15, "compat": 16, "disk": 17}
@@ -221,6 +220,8 @@ async def _reach_and_clock(config, args, directory, records, probers: list[str],
         return [Check("reach", "skip", "the port is not free"), Check("clock", "skip", "needs a probe")]
     if not probers:
         return [Check("reach", "skip", "no directly reachable node to ask"), Check("clock", "skip", "needs a probe")]
+    from noloco_node.rpc.diagnostics import other_run
+
     address, results, errors = await _probe_from_peers(config, directory, records, probers)
     if not results and (other := other_run(errors)) is not None:
         return [_run_check(config.run.run_id, other), Check("clock", "skip", "needs a probe")]

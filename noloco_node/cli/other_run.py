@@ -4,17 +4,7 @@ newcomer ran `status` without the swarm's config and was told to join run 'local
 
 from __future__ import annotations
 
-import re
-
 OTHER_RUN_TIMEOUT_S = 5.0
-
-
-def other_run(errors: list[str]) -> str | None:
-    """The run a peer serves, when it refused a probe for serving another one (rpc/diagnostics.py)."""
-    for error in errors:
-        if (found := re.search(r"this node serves run '([^']*)'", error)) is not None:
-            return found.group(1)
-    return None
 
 
 async def run_of_initial_peers(config, directory) -> str | None:
@@ -22,7 +12,7 @@ async def run_of_initial_peers(config, directory) -> str | None:
     libp2p, as a bootstrap is reached) for a probe of no address: a peer of another run refuses
     it for the run first (FAILED_PRECONDITION names it); one of this run for the address, at once."""
     from noloco_node.node.joining import contact_lookup, peer_ids_of
-    from noloco_node.rpc.diagnostics import probe_from_peers
+    from noloco_node.rpc.diagnostics import other_run, probe_from_peers
     from noloco_node.rpc.security import read_swarm_key
     from noloco_node.transport.links import Links
 

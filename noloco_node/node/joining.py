@@ -67,7 +67,7 @@ async def probe_reachable(
     """Ask up to four peers to dial `address` (our TLS health endpoint): live direct replicas
     first, then the initial peers (public by definition; a bootstrap answers probes over libp2p).
     True if one could, False if peers answered and none could, None when nobody could be asked."""
-    from noloco_node.rpc.diagnostics import probe_from_peers
+    from noloco_node.rpc.diagnostics import other_run, probe_from_peers
 
     peers = [
         r.peer_id
@@ -92,6 +92,16 @@ async def probe_reachable(
         else:
             log.info("peers cannot reach %s: %s", address, "; ".join(f"{r.prober[-8:]}: {r.detail}" for r in results))
         return bool(reached)
+    if (theirs := other_run(errors)) is not None:
+        # A bootstrap given another config (an audit's `docker run ... bootstrap` without --config)
+        # answers probes for its own run only: our address is unchecked, not unreachable.
+        log.warning(
+            "could not have our address checked: the peers asked serve run %r, this node run %r (the bootstrap "
+            "needs the swarm's config: --config); serving over libp2p until a peer of this run can check it",
+            theirs,
+            run_id,
+        )
+        return None
     log.warning("could not ask any peer to check our address: %s", "; ".join(errors) or "no peer to ask")
     return None
 

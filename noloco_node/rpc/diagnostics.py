@@ -101,6 +101,14 @@ async def health_check(address: str, timeout_s: float, cert_pem: bytes | None = 
     )
 
 
+def other_run(errors: list[str]) -> str | None:
+    """The run a peer serves, when it refused a probe for serving another one (Probe's refusal below)."""
+    for error in errors:
+        if (found := re.search(r"this node serves run '([^']*)'", error)) is not None:
+            return found.group(1)
+    return None
+
+
 class DiagnosticsServicer(diag_pb2_grpc.DiagnosticsServicer):
     def __init__(
         self, *, run_id: str, version: str, manifest_hash: str, timeout_s: float, max_concurrent: int = 4

@@ -6,6 +6,7 @@ longer deadline, when no prober answered at all: on a loaded machine a probe tha
 everywhere must not read as "nobody to ask"."""
 
 import asyncio
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -67,6 +68,16 @@ def test_unanswered_probe_is_asked_again_with_a_longer_deadline(monkeypatch):
 def test_probe_gives_up_after_two_attempts(monkeypatch):
     result, calls = _probe(monkeypatch, [([], ["x: DEADLINE_EXCEEDED"]), ([], ["x: DEADLINE_EXCEEDED"])])
     assert result is None and [c[0] for c in calls] == [5.0, 10.0]
+
+
+def test_peers_of_another_run_leave_the_address_unchecked_and_say_the_bootstrap_needs_the_config(monkeypatch, caplog):
+    # An audit's docker bootstrap ran without --config (run 'local'): every node fell back to
+    # libp2p with "could not ask any peer to check our address: ... FAILED_PRECONDITION ...".
+    refused = "EcZKQAiz: FAILED_PRECONDITION this node serves run 'local'"
+    with caplog.at_level(logging.WARNING, logger="noloco_node.node.joining"):
+        result, _ = _probe(monkeypatch, [([], [refused]), ([], [refused])])
+    assert result is None
+    assert "the peers asked serve run 'local', this node run 'r' (the bootstrap needs the swarm's config" in caplog.text
 
 
 def test_an_answer_first_time_is_not_asked_again(monkeypatch):

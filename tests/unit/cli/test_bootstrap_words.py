@@ -34,7 +34,7 @@ def test_the_join_line_runs_the_program_as_the_host_typed_it():
 
 def test_doctor_fails_when_the_swarms_peers_serve_another_run():
     from noloco_node.cli.doctor import _run_check
-    from noloco_node.cli.other_run import other_run
+    from noloco_node.rpc.diagnostics import other_run
 
     errors = ["QmAbc: FAILED_PRECONDITION this node serves run 'newcomer'", "QmDef: timed out"]
     assert other_run(errors) == "newcomer" and other_run(["QmDef: timed out"]) is None
