@@ -114,6 +114,10 @@ class NoLoCoSync(PartnerSearch, OuterSync):
         if not self.overlap:
             await asyncio.shield(task)
 
+    def may_skip_round(self, inner_step: int) -> bool:
+        """A pair round: left out, its partner pairs with another replica or goes solo."""
+        return inner_step % self.every == 0
+
     async def _round(self, inner_step: int, round_index: int) -> None:
         await self.outer_step(inner_step, round_index)
         self.parts.emit("outer_round", **self.counters.history[-1])

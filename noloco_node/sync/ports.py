@@ -316,6 +316,12 @@ class OuterSync(ABC):
         """The node is stopping: a running round stops waiting for latecomers (it still ends
         within its own deadlines). Methods that never wait past them ignore it."""
 
+    def may_skip_round(self, inner_step: int) -> bool:
+        """Whether the round due after `inner_step` may be left out when a later round is already
+        due (a replica whose boundaries queued behind a long round). Methods whose rounds a whole
+        group takes together (an all-reduce) never leave one out."""
+        return False
+
     @abstractmethod
     async def at_boundary(self, inner_step: int) -> None:
         """After inner step `inner_step`: run an outer round if one is due (it may finish later).
