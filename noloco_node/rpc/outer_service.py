@@ -17,7 +17,6 @@ from collections.abc import Sequence
 
 import grpc
 import torch
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from torch import Tensor
 
 from noloco_node.codec.state_layout import ReceivedState
@@ -35,7 +34,7 @@ from noloco_node.rpc.deadlines import TransferTimedOut, exchange_limits, within
 from noloco_node.rpc.exchange import Screen, Traffic, exchange_snapshots
 from noloco_node.rpc.state_service import StateDonorServicer, StateFetcher
 from noloco_node.rpc.status import abort_with, unavailable_from_rpc
-from noloco_node.rpc.stubs import StubCache
+from noloco_node.rpc.stubs import StubCache, answers_health
 from noloco_node.runtime.faults import FaultInjector
 from noloco_node.runtime.link_estimates import LinkDeadlines
 from noloco_node.sync.ports import (
@@ -331,12 +330,7 @@ class OuterClient:
         """Whether `peer_id` answers a health check where its record says it serves (TLS pinned to
         its record): a record announcing a replica far ahead at a dead address (a hostile-peer
         audit) is no reason to leave the stage to copy its state."""
-        try:
-            channel, _ = await self.dialer.channel(peer_id)
-            await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
-            return True
-        except (NodeError, grpc.aio.AioRpcError, asyncio.TimeoutError):
-            return False
+        return await answers_health(self.dialer, peer_id, timeout_s)
 
     async def close(self) -> None:
         self._stubs.clear()

@@ -17,7 +17,6 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 import torch
 from torch import Tensor
 
@@ -31,7 +30,7 @@ from noloco_node.rpc.admission import CALLER, POISONED
 from noloco_node.rpc.checks import ServedRun, check_caller
 from noloco_node.rpc.deadlines import BUFFERED_BYTES, Progress, paced, while_sending
 from noloco_node.rpc.status import abort_with, error_from_rpc, status_of
-from noloco_node.rpc.stubs import StubCache
+from noloco_node.rpc.stubs import StubCache, answers_health
 from noloco_node.rpc.tensors import PayloadReceiver, chunk_messages, encode_tensor, header_to_spec, spec_to_header
 from noloco_node.runtime.link_estimates import RECEIVED, SENT, LinkDeadlines
 from noloco_node.wire.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
@@ -384,14 +383,7 @@ class StageClient:
 
     async def answers(self, peer_id: str) -> bool:
         """Whether the peer's health service answers within the link's progress deadline."""
-        try:
-            channel, _ = await self.dialer.channel(peer_id)
-            await health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(), timeout=self.deadlines.stall_s(peer_id, SENT)
-            )
-            return True
-        except (NodeError, grpc.aio.AioRpcError, asyncio.TimeoutError):
-            return False
+        return await answers_health(self.dialer, peer_id, self.deadlines.stall_s(peer_id, SENT))
 
     async def close(self) -> None:
         self._stubs.clear()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
@@ -28,3 +30,18 @@ class StubCache(Generic[Stub]):
 
     def clear(self) -> None:
         self._stubs.clear()
+
+
+async def answers_health(dialer, peer_id: str, timeout_s: float) -> bool:
+    """Whether `peer_id`'s gRPC health service answers within `timeout_s` where its record says it
+    serves (the dialer's channel: TLS pinned to the record, or the libp2p bridge)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from noloco_node.errors import NodeError
+
+    try:
+        channel, _ = await dialer.channel(peer_id)
+        await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+        return True
+    except (NodeError, grpc.aio.AioRpcError, asyncio.TimeoutError):
+        return False
