@@ -93,7 +93,9 @@ def _run(args: argparse.Namespace) -> int:
     summary["config"] = config.to_dict()
     if not args.local:
         summary.update(_keep_the_model(config, out))
-    for line in report_lines(summary):
+    from noloco_node.cli.bootstrap import typed_program
+
+    for line in report_lines(summary, typed_program(sys.argv[0])):  # lines to copy: as the user typed it
         print(line)
     if summary.get("outer") is not None:
         warning = _outer_warning(summary["outer"], summary["method"], summary["replicas"])

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 
-def report_lines(summary: dict) -> list[str]:
+def report_lines(summary: dict, program: str = "noloco-node") -> list[str]:
     """E.g.
     swarm demo, method noloco: 2 replicas x 2 stages, 40 inner steps in 48 s, 1,391 tok/s
     train loss 7.903 -> 5.871
@@ -38,8 +38,8 @@ def report_lines(summary: dict) -> list[str]:
         model, config_file = summary["model"], summary["config_file"]
         lines += [
             f"the trained model (a Hugging Face model directory): {model}",
-            f'  try: noloco-node generate {model} --prompt "And God said"',
-            f"       noloco-node eval --config {config_file} {model}",
+            f'  try: {program} generate {model} --prompt "And God said"',
+            f"       {program} eval --config {config_file} {model}",
         ]
     return lines
 

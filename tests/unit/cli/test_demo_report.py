@@ -46,3 +46,12 @@ def test_diloco_counts_rounds_not_pairs_and_a_run_without_outer_steps_says_nothi
     assert report_lines(diloco)[-1] == ("outer rounds: 8, 1 delivered part of the mean only; replica spread 1.204e-03")
     plain = {**SWARM, "method": "none", "outer": {"rounds": 0}, "microbatches": None}
     assert len(report_lines(plain)) == 2
+
+
+def test_the_model_lines_name_the_program_as_the_user_typed_it():
+    summary = {**SWARM, "model": "runs/demo/model", "config_file": "runs/demo/config.toml"}
+    lines = report_lines(summary, ".venv/bin/noloco-node")
+    assert lines[-2:] == [
+        '  try: .venv/bin/noloco-node generate runs/demo/model --prompt "And God said"',
+        "       .venv/bin/noloco-node eval --config runs/demo/config.toml runs/demo/model",
+    ]
